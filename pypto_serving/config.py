@@ -1,0 +1,94 @@
+"""Engine configuration as dataclasses; each field carries its meaning, checks run in one place.
+
+The CLI derives its flags from these fields (see cli.py), so a knob is declared once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from pypto_serving.errors import PyptoError
+
+EXECUTORS = ("reference",)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks plus decodes)."""
+    long_prefill_token_threshold: int = 512
+    """Most prompt tokens one request may take in a step (0 = no cap), so decodes keep flowing."""
+
+    def validate(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            minimum = 0 if f.name == "long_prefill_token_threshold" else 1
+            if not isinstance(value, int) or value < minimum:
+                raise PyptoError(f"{f.name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    page_size: int = 64
+    """Tokens per KV page."""
+    num_kv_pages: int | None = None
+    """KV pages to allocate; None sizes the pool from kv_cache_bytes."""
+    kv_cache_bytes: int = 2 << 30
+    """Byte budget of the KV pool when num_kv_pages is not given."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full pages whose token prefix was seen before."""
+
+    def validate(self) -> None:
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise PyptoError(f"page_size must be an integer >= 1, got {self.page_size!r}")
+        if self.num_kv_pages is not None and self.num_kv_pages < 1:
+            raise PyptoError(f"num_kv_pages must be >= 1, got {self.num_kv_pages!r}")
+        if self.kv_cache_bytes < 1:
+            raise PyptoError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes!r}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "default"
+    """A Hugging Face model directory, a .gguf file, or 'default' (SmolLM2-135M-Instruct)."""
+    dtype: str = "auto"
+    """auto, float32, bfloat16 or float16 (auto: bfloat16 where the hardware has it)."""
+    device: str = "auto"
+    """auto (CUDA if present, else CPU), cpu, cuda, cuda:N."""
+    executor: str = "reference"
+    """reference (plain PyTorch, the correctness oracle)."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output); None uses the model's own limit."""
+    num_threads: int | None = None
+    """CPU threads for PyTorch; None uses every core this process may run on."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def validate(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise PyptoError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise PyptoError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        self.scheduler.validate()
+        self.cache.validate()
+
+
+def engine_config(**knobs: object) -> EngineConfig:
+    """An EngineConfig from flat keyword knobs (engine, scheduler and cache fields alike)."""
+    config = EngineConfig()
+    targets = [config, config.scheduler, config.cache]
+    for key, value in knobs.items():
+        target = next((t for t in targets if key in {f.name for f in fields(t)}), None)
+        if target is None or key in ("scheduler", "cache"):
+            raise PyptoError(f"unknown engine option {key!r}; known: {', '.join(knob_names())}")
+        setattr(target, key, value)
+    config.validate()
+    return config
+
+
+def knob_names() -> list[str]:
+    """Every flat knob name accepted by engine_config()."""
+    sections = (EngineConfig, SchedulerConfig, CacheConfig)
+    return [f.name for s in sections for f in fields(s) if f.name not in ("scheduler", "cache")]

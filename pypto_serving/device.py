@@ -1,0 +1,56 @@
+"""Device and dtype choice, in one place: CPU here, CUDA where a GPU exists."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+
+from pypto_serving.errors import PyptoError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """'auto' picks CUDA when a GPU is present, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise PyptoError(f"invalid device {name!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PyptoError(f"device {name!r} requested but no CUDA GPU is available")
+    return device
+
+
+@cache
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU computes bf16 natively (AVX512_BF16 or AMX), so bf16 pays off."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bfloat16 on CUDA and on CPUs with native bf16, else float32."""
+    if name == "auto":
+        native = device.type == "cuda" or cpu_has_native_bf16()
+        return torch.bfloat16 if native else torch.float32
+    if name not in DTYPES:
+        raise PyptoError(f"unsupported dtype {name!r}; choose one of: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def set_num_threads(num_threads: int | None) -> None:
+    """Set the CPU thread count (default: the cores this process may use)."""
+    if num_threads is None:
+        env = os.environ.get("PYPTO_NUM_THREADS")
+        num_threads = int(env) if env else len(os.sched_getaffinity(0))
+    if num_threads < 1:
+        raise PyptoError(f"num_threads must be >= 1, got {num_threads}")
+    torch.set_num_threads(num_threads)

@@ -1,0 +1,1 @@
+"""Engine: the step loop (core), the offline LLM API, text assembly."""

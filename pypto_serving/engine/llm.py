@@ -1,0 +1,141 @@
+"""The offline API, familiar to vLLM users: `LLM(model).generate(prompts, SamplingParams())`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from pypto_serving.config import engine_config
+from pypto_serving.engine.core import EngineCore
+from pypto_serving.engine.text import TextAssembler
+from pypto_serving.errors import ModelLoadError
+from pypto_serving.models.default_model import resolve_model_path
+from pypto_serving.outputs import CompletionOutput, RequestOutput
+from pypto_serving.request import Request
+from pypto_serving.sampling import SamplingParams
+
+Prompt = str | list[int]
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+    except (OSError, ValueError, TypeError) as e:
+        raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {e}") from None
+
+
+@dataclass(slots=True)
+class _Family:
+    """A user request and its n sampled sequences (child requests)."""
+
+    request_id: str
+    prompt: str | None
+    children: list[Request]
+    texts: list[TextAssembler]
+
+    def output(self) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                i,
+                t.text,
+                list(c.output_token_ids),
+                c.finish_reason,
+                list(c.output_logprobs) if c.params.logprobs is not None else None,
+            )
+            for i, (c, t) in enumerate(zip(self.children, self.texts, strict=True))
+        ]
+        first = self.children[0]
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            first.prompt_token_ids,
+            outs,
+            first.num_cached_tokens,
+            all(c.finished for c in self.children),
+        )
+
+
+class LLM:
+    """Load a model once; generate for many prompts with continuous batching."""
+
+    def __init__(self, model: str = "default", **knobs: Any) -> None:
+        config = engine_config(model=model, **knobs)
+        self.model_dir = resolve_model_path(config.model)
+        self.engine = EngineCore(config, self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self._ids = itertools.count()
+        self._families: dict[str, tuple[_Family, int]] = {}
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation rendered with the tokenizer's own chat template."""
+        out = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(out["input_ids"] if isinstance(out, dict) else out)
+
+    def add(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> _Family:
+        """Queue one prompt (n child sequences); returns its handle."""
+        rid = str(next(self._ids))
+        ids = self.encode(prompt)
+        eos = self.engine.model.cfg.eos_token_ids
+        family = _Family(rid, prompt if isinstance(prompt, str) else None, [], [])
+        for i in range(params.n):
+            child = params if params.seed is None else replace(params, seed=params.seed + i)
+            req = Request(f"{rid}-{i}", ids, child, eos, priority, arrival=int(rid))
+            family.children.append(req)
+            family.texts.append(TextAssembler(self.tokenizer, ids, params))
+        for i, req in enumerate(family.children):
+            self.engine.add_request(req)
+            self._families[req.request_id] = (family, i)
+        return family
+
+    def step(self) -> list[_Family]:
+        """One engine step; returns the families that changed."""
+        changed: dict[str, _Family] = {}
+        for req in self.engine.step():
+            family, i = self._families[req.request_id]
+            text = family.texts[i]
+            text.add(req.output_token_ids[-1])
+            if text.stopped and not req.finished:
+                self.engine.abort([req.request_id], reason="stop")
+            if req.finished:
+                del self._families[req.request_id]
+            changed[family.request_id] = family
+        return list(changed.values())
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (continuous batching); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        families = [self.add(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        bar = tqdm(total=len(families), desc="generate", disable=not use_tqdm or len(families) < 2)
+        while self.engine.has_unfinished():
+            bar.update(sum(f.output().finished for f in self.step()))
+        bar.close()
+        return [f.output() for f in families]
+
+    def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[str]:
+        """Text of a single sequence (n=1), piece by piece as tokens are produced."""
+        family = self.add(prompt, replace(params, n=1))
+        text, req = family.texts[0], family.children[0]
+        while not req.finished:
+            self.step()
+            if piece := text.take(final=req.finished):
+                yield piece

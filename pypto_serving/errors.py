@@ -1,0 +1,13 @@
+"""User-facing errors: raised for bad input (a missing model file, a bad flag value, ...).
+
+The CLI and the server turn a `PyptoError` into a clear message and a non-zero exit code or
+a 4xx response; anything else escaping is a bug.
+"""
+
+
+class PyptoError(Exception):
+    """An error caused by the user's input, with a message fit to show them as is."""
+
+
+class ModelLoadError(PyptoError):
+    """The model directory or file cannot be used (missing, corrupt, unsupported)."""

@@ -1,0 +1,1 @@
+"""Executors: build the batch, run the model, sample. `reference` is the oracle."""

@@ -1,0 +1,1 @@
+"""KV cache bookkeeping: the page pool and its prefix cache."""

@@ -1,0 +1,1 @@
+"""Model code (the Llama family), its configuration and weight loading."""

@@ -1,0 +1,125 @@
+"""ModelConfig: the few facts of a Hugging Face config.json that our model code needs."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pypto_serving.errors import ModelLoadError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shape and behaviour of a decoder-only transformer, read from config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    """Bias on the q/k/v projections (Qwen2 always; Llama/Qwen3 when attention_bias)."""
+    o_bias: bool
+    """Bias on the output projection (Llama/Qwen3 when attention_bias)."""
+    qk_norm: bool
+    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+    rope_inv_freq: tuple[float, ...]
+    rope_scaling: float
+    """Multiplier on cos/sin (yarn's attention factor; 1.0 otherwise)."""
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _rope(hf: Any, head_dim: int) -> tuple[tuple[float, ...], float]:
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        theta = float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        return tuple(inv.tolist()), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, factor = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+    return tuple(inv.double().tolist()), float(factor)
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    """Read and check `model_dir/config.json`; raise ModelLoadError when we cannot serve it."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"missing config.json in model directory {model_dir}")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"config.json in {model_dir} is not valid JSON: {e}") from None
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"unsupported architecture {', '.join(archs) or '(none given)'}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise ModelLoadError(f"cannot parse config.json in {model_dir}: {e}") from None
+    if getattr(hf, "use_sliding_window", False):
+        raise ModelLoadError("sliding-window attention is not supported yet")
+    if getattr(hf, "mlp_bias", False):
+        raise ModelLoadError("mlp_bias=true is not supported")
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    inv_freq, rope_scaling = _rope(hf, head_dim)
+    eos = hf.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf.rms_norm_eps,
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
+        o_bias=attention_bias and arch != "Qwen2ForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
+        rope_inv_freq=inv_freq,
+        rope_scaling=rope_scaling,
+        eos_token_ids=eos_ids,
+        torch_dtype=str(dtype),
+    )

@@ -1,0 +1,243 @@
+"""Convert a llama-architecture GGUF file into a Hugging Face model directory.
+
+The output is what `transformers` writes for a `LlamaForCausalLM`: `config.json`,
+`generation_config.json`, `model.safetensors` (dequantized, bfloat16 by default) and the tokenizer
+files. llama.cpp stores the q/k projections with their rows permuted (it pairs rotary dimensions
+differently); that permutation is undone here. The directory is built next to its destination and
+moved into place in one rename, so an interrupted conversion never leaves a half-written one.
+"""
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from unittest import mock
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from pypto_serving.errors import ModelLoadError
+
+MARKER_FILE = "pypto_conversion.json"
+"""Written last into a converted directory; its presence means the conversion completed."""
+
+_SUPPORTED_ARCHITECTURES = ("llama",)
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TENSOR_NAME = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<name>\w+)\.(?P<kind>weight|bias)")
+# llama.cpp pre-tokenizers that split every digit off before the GPT-2 regex; transformers' GGUF
+# tokenizer does not know them and would fall back to the plain GPT-2 split.
+_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell"}
+_LOAD_ARGS = ("is_local", "local_files_only")  # saved into tokenizer_config.json; not settings
+
+
+def is_converted_dir(path: Path) -> bool:
+    """True when `path` holds a complete conversion written by `convert_gguf_to_hf`."""
+    return all(
+        (path / name).is_file() for name in (MARKER_FILE, "config.json", "model.safetensors")
+    )
+
+
+def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype | None = None) -> Path:
+    """Convert the llama GGUF at `gguf_path` into an HF model directory at `out_dir`.
+
+    Weights are dequantized and stored as `dtype` (default bfloat16). An existing `out_dir` is
+    replaced only if it is empty or a previous conversion. Returns `out_dir`. Raises
+    `ModelLoadError` for a missing or invalid file, an unsupported architecture or tensor type.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    dtype = dtype or torch.bfloat16
+    reader = _open_gguf(gguf_path)
+    arch = _field(reader, "general.architecture")
+    if arch not in _SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported GGUF architecture {arch!r} in {gguf_path}: only "
+            f"{', '.join(_SUPPORTED_ARCHITECTURES)} is supported"
+        )
+    _check_replaceable(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        n_head = _int_field(reader, f"{arch}.attention.head_count")
+        n_kv = _int_field(reader, f"{arch}.attention.head_count_kv", default=n_head)
+        tensors = _convert_tensors(reader, gguf_path.name, n_head, n_kv, dtype)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        with _offline():
+            _save_config(gguf_path, tmp, dtype, tensors)
+            _save_tokenizer(gguf_path, tmp, reader, arch)
+        marker = {"source": str(gguf_path.resolve()), "dtype": str(dtype).removeprefix("torch.")}
+        (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+        for path in tmp.iterdir():
+            path.chmod(0o644)
+        tmp.chmod(0o755)
+        _install(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _open_gguf(path: Path) -> gguf.GGUFReader:
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelLoadError(f"not a GGUF file (bad magic bytes): {path}")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> object:
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+def _int_field(reader: gguf.GGUFReader, key: str, default: int | None = None) -> int:
+    value = _field(reader, key)
+    if value is None and default is None:
+        raise ModelLoadError(f"GGUF file lacks required metadata {key!r}")
+    return int(value) if value is not None else int(default)  # type: ignore[arg-type]
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    if out_dir.exists() and not is_converted_dir(out_dir) and any(out_dir.iterdir()):
+        raise ModelLoadError(f"refusing to overwrite {out_dir}: not a previous GGUF conversion")
+
+
+def _hf_name(gguf_name: str) -> str:
+    m = _TENSOR_NAME.fullmatch(gguf_name)
+    if m and m["layer"] is None and m["name"] in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m['name']]}.{m['kind']}"
+    if m and m["layer"] is not None and m["name"] in _LAYER_NAMES:
+        return f"model.layers.{m['layer']}.{_LAYER_NAMES[m['name']]}.{m['kind']}"
+    raise ModelLoadError(f"unsupported tensor {gguf_name!r} in llama GGUF")
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's `permute` of q/k rows (its convert_hf_to_gguf.py, LlamaModel.permute)."""
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _convert_tensors(
+    reader: gguf.GGUFReader, label: str, n_head: int, n_kv: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"converting {label}", unit="tensor"):
+        name = _hf_name(t.name)
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ModelLoadError(
+                f"unsupported GGUF tensor type {t.tensor_type.name} for tensor {t.name!r}"
+            ) from e
+        w = np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        if ".attn_q." in t.name:
+            w = _unpermute(w, n_head)
+        elif ".attn_k." in t.name:
+            w = _unpermute(w, n_kv)
+        out[name] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype).contiguous()
+    return out
+
+
+def _offline() -> contextlib.AbstractContextManager[object]:
+    """Keep transformers/huggingface_hub from reaching for the network while reading the GGUF."""
+    return mock.patch.dict(os.environ, {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+
+
+def _rewrite_json(path: Path, edit: Callable[[dict], object]) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def _save_config(gguf_path: Path, out: Path, dtype: torch.dtype, tensors: dict) -> None:
+    from transformers import AutoConfig, GenerationConfig
+
+    cfg = AutoConfig.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+    )
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.tie_word_embeddings = "lm_head.weight" not in tensors
+    cfg.attention_bias = "model.layers.0.self_attn.q_proj.bias" in tensors
+    cfg.dtype = dtype
+    cfg.save_pretrained(out)
+
+    def edit(data: dict) -> None:
+        data.pop("_model_name_or_path", None)  # the GGUF's general.name, not a path
+        data["torch_dtype"] = data["dtype"]  # for readers that predate transformers 5
+
+    _rewrite_json(out / "config.json", edit)
+    GenerationConfig.from_model_config(cfg).save_pretrained(out)
+
+
+def _save_tokenizer(gguf_path: Path, out: Path, reader: gguf.GGUFReader, arch: str) -> None:
+    from tokenizers import pre_tokenizers
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+    )
+    backend = tok.backend_tokenizer
+    pre = _field(reader, "tokenizer.ggml.pre")
+    if pre in _DIGIT_SPLIT_PRE and isinstance(backend.pre_tokenizer, pre_tokenizers.ByteLevel):
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    context = _field(reader, f"{arch}.context_length")
+    if context:
+        tok.model_max_length = int(context)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    if eos is not None and tok.eos_token_id != int(eos):
+        raise ModelLoadError(f"tokenizer eos id {tok.eos_token_id} != GGUF eos id {eos}")
+    tok.save_pretrained(out, save_jinja_files=False)  # chat template inside tokenizer_config
+    _rewrite_json(out / "tokenizer_config.json", lambda d: [d.pop(k, None) for k in _LOAD_ARGS])
+    specials = json.dumps(tok.special_tokens_map, indent=2, ensure_ascii=False)
+    (out / "special_tokens_map.json").write_text(specials + "\n")
+
+
+def _install(tmp: Path, out_dir: Path) -> None:
+    """Move the finished `tmp` to `out_dir`, replacing an empty dir or a previous conversion."""
+    _check_replaceable(out_dir)
+    trash = None
+    if out_dir.exists():
+        trash = Path(
+            tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent)
+        )
+        os.replace(out_dir, trash / "old")
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:
+        if not is_converted_dir(out_dir):  # otherwise: a concurrent conversion got there first
+            raise
+    finally:
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)

@@ -1,0 +1,121 @@
+"""Load a Hugging Face model directory into our model code.
+
+This file is the ONE place where checkpoint tensors are rearranged: HF parameter names are
+kept, except that q/k/v and gate/up land in slices of the fused `qkv_proj` / `gate_up_proj`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from pypto_serving.errors import ModelLoadError
+from pypto_serving.models.config import ModelConfig, load_model_config
+from pypto_serving.models.llama import CausalLM
+
+# HF projection name -> (our fused parameter, index of the slice it fills)
+FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def fused_slices(cfg: ModelConfig, fused: str) -> list[int]:
+    """Row counts of the pieces stacked in a fused projection, in order."""
+    if fused == "qkv_proj":
+        return [cfg.q_size, cfg.kv_size, cfg.kv_size]
+    return [cfg.intermediate_size, cfg.intermediate_size]
+
+
+def expected_loads(cfg: ModelConfig, param_name: str) -> int:
+    """How many checkpoint tensors fill a parameter (several for the fused projections)."""
+    fused = param_name.split(".")[-2]
+    return len(fused_slices(cfg, fused)) if fused in ("qkv_proj", "gate_up_proj") else 1
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's shard files: from model.safetensors.index.json, or all *.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"invalid {index.name} in {model_dir}: {e}") from None
+        files = [model_dir / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"missing shard files in {model_dir}: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weight files in model directory {model_dir}")
+    return files
+
+
+def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ModelLoadError(f"corrupt safetensors file {path.name}: {e}") from None
+
+
+def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into the model; every parameter must be filled exactly once."""
+    cfg = model.cfg
+    params = dict(model.named_parameters())
+    pending = {name: expected_loads(cfg, name) for name in params}
+    for hf_name, tensor in weights:
+        if hf_name.endswith(IGNORED_SUFFIXES):
+            continue
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        name, shard = hf_name, None
+        for hf_proj, (fused, index) in FUSED.items():
+            if f".{hf_proj}." in hf_name:
+                name, shard = hf_name.replace(hf_proj, fused), index
+        param = params.get(name)
+        if param is None:
+            raise ModelLoadError(f"unexpected tensor {hf_name!r} in checkpoint")
+        target = param.data
+        if shard is not None:
+            sizes = fused_slices(cfg, name.split(".")[-2])
+            target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ModelLoadError(
+                f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+        pending[name] -= 1
+    missing = sorted(n for n, left in pending.items() if left > 0)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """Build our model for `model_dir` and fill it with the checkpoint's weights."""
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory not found: {model_dir}")
+    cfg = load_model_config(model_dir)
+    files = safetensors_files(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:  # to_empty() gives each module its own tensor: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    with torch.no_grad():
+        load_weights(model, iter_checkpoint(files))
+    model.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32, device=device)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,1 @@
+"""Operators: attention (owning its KV), norms, RoPE, activations, sampling."""

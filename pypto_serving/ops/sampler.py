@@ -1,0 +1,142 @@
+"""The sampler: logits of a batch of rows -> one token per row (plus optional logprobs).
+
+Processing order follows vLLM: penalties, min_tokens (EOS suppressed), then greedy argmax or
+temperature -> top-k -> top-p -> min-p -> a draw. Seeded rows draw from their own generator,
+so a seeded request samples the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pypto_serving.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one row of the batch."""
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    generator: torch.Generator | None
+    eos_token_ids: Sequence[int] = ()
+
+
+@dataclass(slots=True)
+class Sampled:
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float] | None
+    """The `params.logprobs` most likely tokens and their logprobs (raw model distribution)."""
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(
+                sorted({*row.prompt_ids, *row.output_ids}), dtype=torch.long, device=logits.device
+            )
+            if seen.numel():
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
+        if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
+            out = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
+            counts = torch.zeros_like(logits[i]).scatter_add_(
+                0, out, torch.ones_like(out, dtype=logits.dtype)
+            )
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return logits
+
+
+def suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    for i, row in enumerate(rows):
+        if len(row.output_ids) < row.params.min_tokens:
+            ids = [
+                *row.params.stop_token_ids,
+                *([] if row.params.ignore_eos else row.eos_token_ids),
+            ]
+            if ids:
+                logits[i, ids] = -float("inf")
+
+
+def filter_top_k_top_p_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Mask (to -inf) the tokens each row's top-k / top-p / min-p excludes."""
+    vocab = logits.shape[-1]
+    dev = logits.device
+    top_k = torch.tensor(
+        [r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=dev
+    )
+    top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
+    min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=dev)[None, :]
+    drop = ranks >= top_k[:, None]
+    probs = sorted_logits.masked_fill(drop, -float("inf")).softmax(dim=-1)
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]  # keep the first token always
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    return logits.masked_fill(drop.scatter(1, order, drop), -float("inf"))
+
+
+def draw(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """One token per row by the exponential race: argmax(p / E), E ~ Exp(1) per token."""
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if unseeded:
+        noise[unseeded] = torch.empty_like(probs[unseeded]).exponential_()
+    for i, row in enumerate(rows):  # seeded rows: CPU generators, identical on every device
+        if row.generator is not None:
+            cpu = torch.empty(probs.shape[-1], dtype=probs.dtype).exponential_(
+                generator=row.generator
+            )
+            noise[i] = cpu.to(probs.device)
+    return (probs / noise).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sampled]:
+    """Pick one token for each row of logits [B, vocab] (float32)."""
+    raw = logits
+    logits = apply_penalties(logits.clone(), rows)
+    suppress_stop_tokens(logits, rows)
+    greedy = logits.argmax(dim=-1)
+    tokens = greedy
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        sub = [rows[i] for i in random_rows]
+        temps = torch.tensor([r.params.temperature for r in sub], device=logits.device)
+        scaled = filter_top_k_top_p_min_p(logits[random_rows] / temps[:, None], sub)
+        tokens = greedy.clone()
+        tokens[random_rows] = draw(scaled.softmax(dim=-1), sub)
+    return _with_logprobs(raw, tokens, rows)
+
+
+def _with_logprobs(
+    raw: torch.Tensor, tokens: torch.Tensor, rows: Sequence[SamplingRow]
+) -> list[Sampled]:
+    want = (
+        max((r.params.logprobs or 0) for r in rows)
+        if any(r.params.logprobs is not None for r in rows)
+        else None
+    )
+    token_list = tokens.tolist()
+    if want is None:
+        return [Sampled(t, 0.0, None) for t in token_list]
+    logprobs = raw.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+    top_vals, top_ids = logprobs.topk(max(want, 1), dim=-1)
+    out = []
+    for i, row in enumerate(rows):
+        k = row.params.logprobs
+        top = (
+            None
+            if k is None
+            else dict(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True))
+        )
+        out.append(Sampled(token_list[i], chosen[i], top))
+    return out

@@ -1,0 +1,27 @@
+"""What the engine returns for a request (vLLM's RequestOutput / CompletionOutput shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pypto_serving.ops.sampler import Sampled
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    """'stop' (EOS, stop token or stop string), 'length', 'abort', or None while running."""
+    logprobs: list[Sampled] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    finished: bool = False

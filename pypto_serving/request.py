@@ -1,0 +1,76 @@
+"""Request: one prompt's journey through the engine, and its status."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from pypto_serving.ops.sampler import Sampled
+from pypto_serving.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A sequence to extend. Its computed tokens catch up with its tokens step by step; that one
+    rule covers chunked prefill, prefix hits, decode and resumption after preemption."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+    """Lower runs first; ties go to the earlier arrival."""
+    arrival: int = 0
+    max_model_len: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[Sampled] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache at admission."""
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append(self, sampled: Sampled) -> None:
+        """Record a sampled token and finish the request if it hits a stop condition."""
+        self.output_token_ids.append(sampled.token_id)
+        if self.params.logprobs is not None:
+            self.output_logprobs.append(sampled)
+        p, n, token = self.params, len(self.output_token_ids), sampled.token_id
+        if n >= p.min_tokens and (
+            token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        ):
+            self.finish("stop")
+        elif (p.max_tokens is not None and n >= p.max_tokens) or (
+            self.max_model_len is not None and self.num_tokens >= self.max_model_len
+        ):
+            self.finish("length")
+
+    def finish(self, reason: str) -> None:
+        self.status, self.finish_reason = RequestStatus.FINISHED, reason

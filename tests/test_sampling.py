@@ -1,0 +1,117 @@
+"""SamplingParams validation and the sampler's behaviour on hand-made logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pypto_serving.errors import PyptoError
+from pypto_serving.ops.sampler import SamplingRow, sample
+from pypto_serving.sampling import SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"temperature": -0.1}, "temp"),
+        ({"temperature": float("nan")}, "finite"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n="),
+        ({"stop": [""]}, "stop"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop_token_ids": [-1]}, "stop_"),
+    ],
+)
+def test_invalid_params_are_rejected(kwargs, message):
+    with pytest.raises(PyptoError, match=message):
+        SamplingParams(**kwargs)
+
+
+def row(params, output=(), prompt=(), seed_gen=None, eos=()):
+    return SamplingRow(params, list(prompt), list(output), seed_gen, eos)
+
+
+def test_greedy_and_top_k_1_pick_argmax():
+    logits = torch.randn(4, 50)
+    rows = [
+        row(SamplingParams(temperature=0)),
+        row(SamplingParams(top_k=1)),
+        row(SamplingParams(top_p=1e-6)),
+        row(SamplingParams(min_p=1.0)),
+    ]
+    got = [s.token_id for s in sample(logits, rows)]
+    assert got == logits.argmax(-1).tolist()
+
+
+def test_seeded_rows_reproduce_whatever_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(16, 100)
+    params = SamplingParams(temperature=1.0, seed=7)
+
+    def alone(i):
+        return sample(logits[i : i + 1], [row(params, seed_gen=torch.Generator().manual_seed(7))])
+
+    batch = sample(
+        logits, [row(params, seed_gen=torch.Generator().manual_seed(7)) for _ in range(16)]
+    )
+    assert [s.token_id for s in batch] == [alone(i)[0].token_id for i in range(16)]
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1, 1e-9]])).repeat(4000, 1)
+    tokens = [s.token_id for s in sample(logits, [row(SamplingParams())] * 4000)]
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / 4000
+    assert torch.allclose(freq[:3], torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
+    top_p = [s.token_id for s in sample(logits[:500], [row(SamplingParams(top_p=0.75))] * 500)]
+    assert set(top_p) == {0, 1}
+
+
+def test_penalties_and_min_tokens():
+    logits = torch.tensor([[5.0, 4.0, 1.0]])
+    assert (
+        sample(logits, [row(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=[0])])[
+            0
+        ].token_id
+        == 1
+    )
+    assert (
+        sample(logits, [row(SamplingParams(temperature=0, frequency_penalty=2.0), output=[0, 0])])[
+            0
+        ].token_id
+        == 1
+    )
+    assert (
+        sample(logits, [row(SamplingParams(temperature=0, min_tokens=2), output=[1], eos=[0])])[
+            0
+        ].token_id
+        == 1
+    )
+    assert (
+        sample(
+            logits,
+            [
+                row(
+                    SamplingParams(temperature=0, min_tokens=2, ignore_eos=True),
+                    output=[1],
+                    eos=[0],
+                )
+            ],
+        )[0].token_id
+        == 0
+    )
+
+
+def test_logprobs_are_raw_log_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    s = sample(logits, [row(SamplingParams(temperature=0, logprobs=2))])[0]
+    expected = logits.log_softmax(-1)[0]
+    assert s.token_id == 0 and s.logprob == pytest.approx(expected[0].item())
+    assert list(s.top_logprobs) == [0, 1]
+    assert s.top_logprobs[1] == pytest.approx(expected[1].item())
