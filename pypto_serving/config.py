@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 
 from pypto_serving.errors import PyptoError
 
-EXECUTORS = ("reference",)
+EXECUTORS = ("paged", "reference")
 
 
 @dataclass(slots=True)
@@ -57,8 +57,8 @@ class EngineConfig:
     """auto, float32, bfloat16 or float16 (auto: bfloat16 where the hardware has it)."""
     device: str = "auto"
     """auto (CUDA if present, else CPU), cpu, cuda, cuda:N."""
-    executor: str = "reference"
-    """reference (plain PyTorch, the correctness oracle)."""
+    executor: str = "paged"
+    """paged (batched, paged KV: the serving path) or reference (the plain-PyTorch oracle)."""
     max_model_len: int | None = None
     """Longest sequence (prompt + output); None uses the model's own limit."""
     num_threads: int | None = None

@@ -31,6 +31,8 @@ class Request:
     """Lower runs first; ties go to the earlier arrival."""
     arrival: int = 0
     max_model_len: int | None = None
+    cache_salt: str | None = None
+    """Isolates this request's prefix-cache entries from requests with another salt."""
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Sampled] = field(default_factory=list)
     num_computed_tokens: int = 0

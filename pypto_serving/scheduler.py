@@ -92,6 +92,8 @@ class Scheduler:
                     req.num_cached_tokens = req.num_computed_tokens
             n = self._chunk(req, budget)
             if not self.kv.allocate(req, n):
+                self.kv.free(req)  # a waiting request holds no pages, so none can deadlock
+                req.num_computed_tokens = 0
                 break
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING

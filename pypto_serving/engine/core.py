@@ -8,6 +8,7 @@ from pathlib import Path
 from pypto_serving.config import EngineConfig
 from pypto_serving.device import resolve_device, resolve_dtype, set_num_threads
 from pypto_serving.errors import PyptoError
+from pypto_serving.executor.paged import PagedExecutor
 from pypto_serving.executor.reference import ReferenceExecutor
 from pypto_serving.models.loader import load_model
 from pypto_serving.request import Request
@@ -27,10 +28,11 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(model_dir, self.dtype, self.device)
         cfg = self.model.cfg
-        self.max_model_len = min(
-            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
-        )
         self.executor = self._make_executor()
+        limits = [cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings]
+        if isinstance(self.executor, PagedExecutor):  # a request must fit the whole pool
+            limits.append(self.executor.kv.capacity_tokens)
+        self.max_model_len = min(limits)
         self.scheduler = Scheduler(config.scheduler, self.executor.kv)
         log.info(
             "engine ready: %s (%s layers, %s) on %s, %s executor",
@@ -41,8 +43,10 @@ class EngineCore:
             config.executor,
         )
 
-    def _make_executor(self) -> ReferenceExecutor:
-        return ReferenceExecutor(self.model, self.device)
+    def _make_executor(self) -> ReferenceExecutor | PagedExecutor:
+        if self.config.executor == "reference":
+            return ReferenceExecutor(self.model, self.device)
+        return PagedExecutor(self.model, self.device, self.dtype, self.config.cache)
 
     def add_request(self, request: Request) -> None:
         """Queue a request after checking it fits the model."""

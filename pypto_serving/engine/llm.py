@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ class _Family:
     prompt: str | None
     children: list[Request]
     texts: list[TextAssembler]
+    pending: list[Request] = field(default_factory=list)
+    """Samples 2..n wait until sample 1 has computed the prompt, then share its cached pages."""
 
     def output(self) -> RequestOutput:
         outs = [
@@ -94,9 +96,12 @@ class LLM:
             req = Request(f"{rid}-{i}", ids, child, eos, priority, arrival=int(rid))
             family.children.append(req)
             family.texts.append(TextAssembler(self.tokenizer, ids, params))
+        share = params.n > 1 and self.engine.config.cache.enable_prefix_caching
+        family.pending = family.children[1:] if share else []
         for i, req in enumerate(family.children):
-            self.engine.add_request(req)
             self._families[req.request_id] = (family, i)
+            if req not in family.pending:
+                self.engine.add_request(req)
         return family
 
     def step(self) -> list[_Family]:
@@ -111,6 +116,10 @@ class LLM:
             if req.finished:
                 del self._families[req.request_id]
             changed[family.request_id] = family
+            if family.pending and (req.output_token_ids or req.finished):
+                for sibling in family.pending:
+                    self.engine.add_request(sibling)
+                family.pending = []
         return list(changed.values())
 
     def generate(
@@ -118,13 +127,17 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (continuous batching); outputs in prompt order."""
+        """Generate for every prompt (continuous batching); outputs in prompt order.
+
+        `priority`: one per prompt, lower runs first (default: first come, first served)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        families = [self.add(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        prios = list(priority) if priority is not None else [0] * len(prompts)
+        families = [self.add(p, sp, pr) for p, sp, pr in zip(prompts, plist, prios, strict=True)]
         bar = tqdm(total=len(families), desc="generate", disable=not use_tqdm or len(families) < 2)
         while self.engine.has_unfinished():
             bar.update(sum(f.output().finished for f in self.step()))
