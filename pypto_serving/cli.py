@@ -1,4 +1,4 @@
-"""`pypto` command line: generate (more subcommands join as they land).
+"""`pypto` command line: generate, bench (more subcommands join as they land).
 
 Engine flags are derived from the config dataclasses (name, type, default and the field's
 docstring as help), so a knob is declared once, in config.py.
@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--output", type=Path, help="JSONL output file (with --prompts-file)")
     add_engine_flags(gen)
+    from pypto_serving.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -169,6 +172,14 @@ def read_prompts(path: Path) -> list[str]:
     return prompts
 
 
+def run_command(args: argparse.Namespace) -> int:
+    if args.command == "bench":
+        from pypto_serving.bench import run_bench
+
+        return run_bench(args)
+    return cmd_generate(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -181,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        return cmd_generate(args)
+        return run_command(args)
     except PyptoError as e:
         print(f"pypto: error: {e}", file=sys.stderr)
         return 1

@@ -59,6 +59,8 @@ class EngineConfig:
     """auto (CUDA if present, else CPU), cpu, cuda, cuda:N."""
     executor: str = "paged"
     """paged (batched, paged KV: the serving path) or reference (the plain-PyTorch oracle)."""
+    enforce_eager: bool = False
+    """Run the paged executor without torch.compile (no start-up compile; slower steps)."""
     max_model_len: int | None = None
     """Longest sequence (prompt + output); None uses the model's own limit."""
     num_threads: int | None = None

@@ -54,3 +54,10 @@ def set_num_threads(num_threads: int | None) -> None:
     if num_threads < 1:
         raise PyptoError(f"num_threads must be >= 1, got {num_threads}")
     torch.set_num_threads(num_threads)
+
+
+def use_packed_linear(device: torch.device, dtype: torch.dtype) -> bool:
+    """Repack linear weights for oneDNN: CPU, bf16, oneDNN present (PYPTO_PACK_LINEAR=0: off)."""
+    if os.environ.get("PYPTO_PACK_LINEAR", "1") == "0":
+        return False
+    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()

@@ -58,6 +58,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens of admitted requests
+        self.prefix_hits = 0  # of which the prefix cache held
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -86,15 +88,16 @@ class Scheduler:
         self.waiting.sort(key=lambda r: (r.priority, r.arrival))
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if req.num_computed_tokens == 0:
-                req.num_computed_tokens = self.kv.num_cached_tokens(req)
-                if req.num_preemptions == 0:
-                    req.num_cached_tokens = req.num_computed_tokens
+            req.num_computed_tokens = self.kv.num_cached_tokens(req)
             n = self._chunk(req, budget)
             if not self.kv.allocate(req, n):
                 self.kv.free(req)  # a waiting request holds no pages, so none can deadlock
                 req.num_computed_tokens = 0
                 break
+            if req.num_preemptions == 0:  # first admission: record the prefix-cache hit
+                req.num_cached_tokens = req.num_computed_tokens
+                self.prefix_queries += len(req.prompt_token_ids)
+                self.prefix_hits += req.num_cached_tokens
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -87,7 +87,7 @@ def test_second_wave_hits_prefix_cache_with_same_outputs(tiny_model, reference_t
     wave = llm.generate(second, GREEDY, use_tqdm=False)
     assert all(o.num_cached_tokens == 96 for o in wave)  # 6 full pages of the shared 100
     assert tokens(wave) == reference_tokens(name, second)
-    assert llm.engine.executor.kv.prefix_hits > 0
+    assert llm.engine.scheduler.prefix_hits > 0
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -97,6 +97,15 @@ def test_tiny_pool_preempts_with_same_outputs(tiny_model, reference_tokens, name
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference_tokens(name, prompts)
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.executor.kv.pool.num_free == 12  # nothing leaked
+
+
+def test_abort_n3_while_samples_wait(tiny_model):
+    llm = LLM(str(tiny_model("llama-gqa4-tied")), dtype="float32", max_num_batched_tokens=16)
+    family = llm.add(list(range(3, 60)), SamplingParams(n=3, max_tokens=4))
+    llm.step()
+    llm.abort(family)
+    assert [c.finish_reason for c in family.children] == ["abort"] * 3
+    assert not llm.engine.has_unfinished() and not llm._families
 
 
 def test_n3_seeded_sampling_is_reproducible_and_shares_the_prompt(tiny_model):
@@ -113,7 +122,7 @@ def test_n3_seeded_sampling_is_reproducible_and_shares_the_prompt(tiny_model):
     assert runs[0] == runs[1]
     assert len({tuple(t) for t in runs[0]}) == 3  # three different samples
     # samples 2 and 3 found 4 of the prompt's 5 full pages (the last token is recomputed)
-    assert llm.engine.executor.kv.prefix_hits == 2 * 64
+    assert llm.engine.scheduler.prefix_hits == 2 * 64
 
 
 def test_seeded_request_same_alone_or_in_batch_of_16(tiny_model):
@@ -134,8 +143,9 @@ def test_abort_frees_everything_at_any_stage(tiny_model):
     families = [llm.add(p, GREEDY) for p in mixed_prompts(6, seed=2, lo=40, hi=100)]
     llm.step()  # some requests are mid-prefill, some still waiting
     core = llm.engine
-    core.abort([f.children[0].request_id for f in families])
-    assert not core.has_unfinished() and not core.scheduler.requests
+    for f in families:
+        llm.abort(f)
+    assert not core.has_unfinished() and not core.scheduler.requests and not llm._families
     kv = core.executor.kv
     assert kv.pool.num_free == kv.num_pages and not kv.tables
     assert all(f.children[0].finish_reason == "abort" for f in families)
@@ -187,3 +197,21 @@ def test_logprobs_match_the_reference(tiny_model):
         assert a.token_id == b.token_id and list(a.top_logprobs) == list(b.top_logprobs)
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
         assert max(a.top_logprobs.values()) == pytest.approx(a.logprob, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_bf16_paged_close_to_fp32_reference(tiny_model, name):
+    """bf16 greedy tokens equal fp32's, or at the first divergence each side's token is in the
+    other's top-5 logprobs."""
+    path = str(tiny_model(name))
+    prompts = mixed_prompts(8, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=5)
+    ref = LLM(path, executor="reference", dtype="float32").generate(prompts, params)
+    got = LLM(path, dtype="bfloat16", page_size=16).generate(prompts, params)
+    for a, b in zip(got, ref, strict=True):
+        a_out, b_out = a.outputs[0], b.outputs[0]
+        for i, (x, y) in enumerate(zip(a_out.token_ids, b_out.token_ids, strict=True)):
+            if x != y:
+                assert x in b_out.logprobs[i].top_logprobs
+                assert y in a_out.logprobs[i].top_logprobs
+                break

@@ -28,8 +28,8 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(model_dir, self.dtype, self.device)
         cfg = self.model.cfg
-        self.executor = self._make_executor()
         limits = [cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings]
+        self.executor = self._make_executor(min(limits))
         if isinstance(self.executor, PagedExecutor):  # a request must fit the whole pool
             limits.append(self.executor.kv.capacity_tokens)
         self.max_model_len = min(limits)
@@ -43,10 +43,16 @@ class EngineCore:
             config.executor,
         )
 
-    def _make_executor(self) -> ReferenceExecutor | PagedExecutor:
+    def _make_executor(self, max_len: int) -> ReferenceExecutor | PagedExecutor:
         if self.config.executor == "reference":
             return ReferenceExecutor(self.model, self.device)
-        return PagedExecutor(self.model, self.device, self.dtype, self.config.cache)
+        c = self.config
+        max_tokens = c.scheduler.max_num_seqs * max_len
+        executor = PagedExecutor(
+            self.model, self.device, self.dtype, c.cache, max_tokens, c.enforce_eager
+        )
+        executor.warmup()
+        return executor
 
     def add_request(self, request: Request) -> None:
         """Queue a request after checking it fits the model."""

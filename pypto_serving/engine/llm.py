@@ -14,6 +14,7 @@ from pypto_serving.config import engine_config
 from pypto_serving.engine.core import EngineCore
 from pypto_serving.engine.text import TextAssembler
 from pypto_serving.errors import ModelLoadError
+from pypto_serving.models.config import load_model_config
 from pypto_serving.models.default_model import resolve_model_path
 from pypto_serving.outputs import CompletionOutput, RequestOutput
 from pypto_serving.request import Request
@@ -70,8 +71,9 @@ class LLM:
     def __init__(self, model: str = "default", **knobs: Any) -> None:
         config = engine_config(model=model, **knobs)
         self.model_dir = resolve_model_path(config.model)
-        self.engine = EngineCore(config, self.model_dir)
+        load_model_config(self.model_dir)  # config errors first, before the tokenizer's
         self.tokenizer = load_tokenizer(self.model_dir)
+        self.engine = EngineCore(config, self.model_dir)
         self._ids = itertools.count()
         self._families: dict[str, tuple[_Family, int]] = {}
 
@@ -103,6 +105,16 @@ class LLM:
             if req not in family.pending:
                 self.engine.add_request(req)
         return family
+
+    def abort(self, family: _Family) -> None:
+        """Stop every sample of a request at whatever stage it is; all it held is freed."""
+        ids = [c.request_id for c in family.children]
+        self.engine.abort(ids)
+        for child in family.pending:
+            child.finish("abort")
+        family.pending = []
+        for rid in ids:
+            self._families.pop(rid, None)
 
     def step(self) -> list[_Family]:
         """One engine step; returns the families that changed."""

@@ -2,39 +2,56 @@
 
 Prefill chunks and decodes of all requests go through the model together as one flat token
 batch; attention reads and writes the paged KV store through block tables and a slot
-mapping computed here with vectorised arithmetic (no per-token Python).
+mapping computed here with vectorised arithmetic (no per-token Python). The forward is
+compiled once at start-up (warm-up covers every graph shape) unless `enforce_eager`.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
+from tqdm import tqdm
 
 from pypto_serving.config import CacheConfig
-from pypto_serving.kv.paged_attention import PagedAttention
+from pypto_serving.executor.compiled import COUNTER, compiled_forward_logits, forward_logits
+from pypto_serving.kv.paged_attention import PagedKV, StepAttention, active_step
 from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.ops.sampler import Sampled, SamplingRow, sample
-from pypto_serving.scheduler import SchedulerOutput
+from pypto_serving.request import Request
+from pypto_serving.sampling import SamplingParams
+from pypto_serving.scheduler import ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
 
-def num_pages_for(cache: CacheConfig, page_bytes: int) -> int:
-    return cache.num_kv_pages or max(cache.kv_cache_bytes // page_bytes, 1)
+def num_pages_for(cache: CacheConfig, page_bytes: int, max_pages_in_use: int) -> int:
+    """Pages to allocate: num_kv_pages if given, else the byte budget, but never more than
+    all running sequences at their longest could hold at once."""
+    if cache.num_kv_pages:
+        return cache.num_kv_pages
+    return max(min(cache.kv_cache_bytes // page_bytes, max_pages_in_use), 1)
 
 
 class PagedExecutor:
     def __init__(
-        self, model: CausalLM, device: torch.device, dtype: torch.dtype, cache: CacheConfig
+        self,
+        model: CausalLM,
+        device: torch.device,
+        dtype: torch.dtype,
+        cache: CacheConfig,
+        max_tokens_in_use: int,
+        enforce_eager: bool = False,
     ) -> None:
+        """max_tokens_in_use: the most tokens all running sequences can hold at once."""
         self.model, self.device = model, device
         cfg = model.cfg
         page_bytes = (
             2 * cfg.num_layers * cache.page_size * cfg.kv_size * torch.finfo(dtype).bits // 8
         )
-        num_pages = num_pages_for(cache, page_bytes)
+        num_pages = num_pages_for(cache, page_bytes, -(-max_tokens_in_use // cache.page_size))
         self.kv = PagedKVStore(
             cfg.num_layers,
             cfg.num_kv_heads,
@@ -51,6 +68,12 @@ class PagedExecutor:
             cache.page_size,
             num_pages * page_bytes / 2**20,
         )
+        self.paged_kv = PagedKV()
+        self.forward = forward_logits if enforce_eager else compiled_forward_logits
+
+    @property
+    def num_recompilations(self) -> int:
+        return COUNTER.num_recompilations
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, Sampled]:
@@ -63,24 +86,35 @@ class PagedExecutor:
         dev = self.device
         q_lens = torch.tensor(counts, device=dev)
         ctx_lens = torch.tensor(starts, device=dev) + q_lens
+        q_ends = torch.cumsum(q_lens, 0)
         seq = torch.repeat_interleave(torch.arange(len(reqs), device=dev), q_lens)
-        positions = (
-            ctx_lens[seq]
-            - q_lens[seq]
-            + (torch.arange(len(token_ids), device=dev) - (torch.cumsum(q_lens, 0) - q_lens)[seq])
-        )
+        positions = ctx_lens[seq] - q_ends[seq] + torch.arange(len(token_ids), device=dev)
         block_table = self.kv.block_table([r.request_id for r in reqs])
         page = self.kv.page_size
         slot_mapping = block_table[seq, positions // page] * page + positions % page
-        attn = PagedAttention(self.kv, block_table, slot_mapping, q_lens, ctx_lens)
-        hidden = self.model(torch.tensor(token_ids, device=dev), positions, attn)
+        step = StepAttention(
+            self.kv,
+            block_table,
+            slot_mapping,
+            q_lens,
+            ctx_lens,
+            max(counts),
+            max(s + n for s, n in zip(starts, counts, strict=True)),
+        )
+        done = [b for b, r in enumerate(reqs) if starts[b] + counts[b] == r.num_tokens]
+        logits_index = (q_ends - 1)[done or [0]]  # never empty: one fixed graph shape
+        with active_step(step):
+            logits = self.forward(
+                self.model,
+                self.paged_kv,
+                torch.tensor(token_ids, device=dev),
+                positions,
+                logits_index,
+            )
         for r, start, n in zip(reqs, starts, counts, strict=True):
             self.kv.cache_full_pages(r, start + n)
-        done = [b for b, r in enumerate(reqs) if starts[b] + counts[b] == r.num_tokens]
         if not done:
             return {}
-        last = (torch.cumsum(q_lens, 0) - 1)[done]
-        logits = self.model.logits(hidden[last])
         rows = [
             SamplingRow(
                 reqs[b].params,
@@ -92,3 +126,34 @@ class PagedExecutor:
             for b in done
         ]
         return dict(zip([reqs[b].request_id for b in done], sample(logits, rows), strict=True))
+
+    def warmup(self) -> None:
+        """Compile every graph shape serving can meet: decode of one, of many, prefill, mixed."""
+        if self.forward is forward_logits:
+            return
+        start, compiles = time.perf_counter(), COUNTER.num_compiles
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        reqs = [Request(f"warmup-{i}", [1 + i] * (5 + 3 * i), params) for i in range(2)]
+        plans = [
+            [(reqs[0], 5)],
+            [(reqs[0], 1)],
+            [(reqs[1], 8), (reqs[0], 1)],
+            [(reqs[0], 1), (reqs[1], 1)],
+        ]
+        for plan in tqdm(plans, desc="compiling (once; cached on disk)"):
+            out = SchedulerOutput([ScheduledRequest(r, n) for r, n in plan])
+            for r, n in plan:
+                if not self.kv.allocate(r, n):
+                    raise RuntimeError("KV cache too small for warm-up")
+            for r, token in self.execute(out).items():
+                next(q for q in reqs if q.request_id == r).output_token_ids.append(token.token_id)
+            for r, n in plan:
+                r.num_computed_tokens += n
+        for r in reqs:
+            self.kv.free(r)
+        COUNTER.mark_warm()
+        log.info(
+            "warm-up compiled %d graphs in %.1fs",
+            COUNTER.num_compiles - compiles,
+            time.perf_counter() - start,
+        )

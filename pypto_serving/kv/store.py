@@ -49,8 +49,6 @@ class PagedKVStore:
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.tables: dict[str, PageTable] = {}
-        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_hits = 0  # of which found cached
 
     @property
     def num_pages(self) -> int:
@@ -73,20 +71,18 @@ class PagedKVStore:
         pages, hashes = self.pool.lookup(tokens[: len(tokens) - 1], request.cache_salt)
         self.pool.acquire(pages)
         self.tables[request.request_id] = PageTable(pages, hashes)
-        self.prefix_queries += len(request.prompt_token_ids)
-        cached = len(pages) * self.page_size
-        self.prefix_hits += min(cached, len(request.prompt_token_ids))
-        return cached
+        return len(pages) * self.page_size
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Give the request pages for `num_new_tokens` more tokens; False if there are too few."""
-        table = self.tables.setdefault(request.request_id, PageTable([], []))
+        table = self.tables.get(request.request_id) or PageTable([], [])
         total = request.num_computed_tokens + num_new_tokens
         needed = -(-total // self.page_size) - len(table.pages)
         if needed > self.pool.num_free:
             return False
         if needed > 0:
             table.pages += self.pool.allocate(needed)
+        self.tables[request.request_id] = table
         return True
 
     def free(self, request: Request) -> None:

@@ -3,7 +3,9 @@
 Parameter names follow Hugging Face's, except that q/k/v and gate/up are fused into
 `qkv_proj` and `gate_up_proj`; `loader.py` is the one place that maps HF tensors onto them.
 The model works on a flat batch of tokens [T] (sequences concatenated) and leaves all
-KV-cache handling to the `KVAttention` object it is given.
+KV-cache handling to the `KVAttention` object it is given. Matmuls run in the weights' dtype
+(bf16 or fp32); the residual stream is kept in float32, as llama.cpp keeps its activations,
+so bf16 weights cost little accuracy.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch import nn
 from pypto_serving.models.config import ModelConfig
 from pypto_serving.ops.activation import silu_and_mul
 from pypto_serving.ops.attention import KVAttention
+from pypto_serving.ops.linear import Linear
 from pypto_serving.ops.norm import RMSNorm
 from pypto_serving.ops.rope import apply_rope, rope_cos_sin
 
@@ -22,8 +25,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -46,8 +49,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -83,7 +86,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Decoder(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", torch.tensor(cfg.rope_inv_freq), persistent=False)
@@ -92,8 +95,9 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAttention
     ) -> torch.Tensor:
         """input_ids, positions: [T] (a flat batch); returns hidden states [T, hidden]."""
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.cfg.rope_scaling, x.dtype)
+        embeds = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.cfg.rope_scaling, embeds.dtype)
+        x = embeds.float()  # the residual stream stays in float32 whatever the weights' dtype
         for layer in self.model.layers:
             x = layer(x, cos, sin, kv)
         return self.model.norm(x)

@@ -13,9 +13,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pypto_serving.device import use_packed_linear
 from pypto_serving.errors import ModelLoadError
 from pypto_serving.models.config import ModelConfig, load_model_config
 from pypto_serving.models.llama import CausalLM
+from pypto_serving.ops.linear import pack_linears
 
 # HF projection name -> (our fused parameter, index of the slice it fills)
 FUSED = {
@@ -118,4 +120,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Cau
     with torch.no_grad():
         load_weights(model, iter_checkpoint(files))
     model.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32, device=device)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if use_packed_linear(device, dtype):
+        pack_linears(model)
+    return model

@@ -1,4 +1,8 @@
-"""RMSNorm as in Llama/Qwen: computed in float32, scaled by a learned weight."""
+"""RMSNorm as in Llama/Qwen: computed in float32, scaled by a learned weight.
+
+The input may be the float32 residual stream; the output is in the weight's dtype (the
+dtype the next matmul runs in), rounded once.
+"""
 
 import torch
 from torch import nn
@@ -11,7 +15,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return (x * self.weight.float()).to(self.weight.dtype)

@@ -1,0 +1,82 @@
+"""`pypto bench`: offline throughput (`offline`) and single-stream latency (`latency`).
+
+Both load the engine once (its construction is reported as start-up time), warm it up with an
+untimed run, then time the workload; the result is printed as a table and, with `--json FILE`,
+written as JSON with the same numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pypto_serving.engine.llm import LLM
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `pypto bench offline|latency` on the top-level subcommands."""
+    from pypto_serving.bench import latency, offline
+
+    bench = sub.add_parser("bench", help="benchmark the engine (throughput, latency)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    offline.add_parser(kinds)
+    latency.add_parser(kinds)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from pypto_serving.bench import latency, offline
+
+    commands = {"offline": offline.run, "latency": latency.run}
+    return commands[args.bench_command](args)
+
+
+def add_report_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
+
+
+def start_engine(knobs: dict[str, Any]) -> tuple[LLM, float]:
+    """The engine and its start-up time in seconds (model load, KV allocation, warm-up)."""
+    from pypto_serving.engine.llm import LLM
+
+    start = time.perf_counter()
+    llm = LLM(**knobs)
+    return llm, time.perf_counter() - start
+
+
+def engine_info(llm: LLM) -> dict[str, Any]:
+    import torch
+
+    engine = llm.engine
+    return {
+        "model_dir": str(llm.model_dir),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": str(engine.device),
+        "executor": engine.config.executor,
+        "enforce_eager": engine.config.enforce_eager,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far, in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def report(
+    title: str, rows: list[tuple[str, str]], result: dict[str, Any], out: Path | None
+) -> None:
+    """Print `rows` as a two-column table under `title`; write `result` as JSON to `out`."""
+    width = max(len(label) for label, _ in rows)
+    lines = [title, "-" * max(len(title), width + 14)]
+    lines += [f"{label:<{width}}  {value:>12}" for label, value in rows]
+    sys.stdout.write("\n".join(lines) + "\n")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")

@@ -1,0 +1,136 @@
+"""`pypto bench latency`: one request at a time, timed through the engine's step loop.
+
+TTFT is the time from queuing the request to its first output token; decode speed is the
+tokens after the first over the time after the first. Each iteration uses fresh random token
+ids (so the prefix cache cannot shorten a prefill); medians over `--iters` are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pypto_serving.bench import add_report_flags, engine_info, peak_rss_mib, report, start_engine
+from pypto_serving.bench.datasets import random_prompts, sampling_vocab
+from pypto_serving.cli import add_engine_flags, engine_knobs, positive_int
+from pypto_serving.errors import PyptoError
+
+if TYPE_CHECKING:
+    from pypto_serving.engine.llm import LLM
+
+WARMUP_TOKENS = 4
+WARMUP_SEED_OFFSET = 1_000_003
+
+
+@dataclass(slots=True)
+class Timing:
+    ttft_s: float
+    decode_s: float
+    output_tokens: int
+
+    @property
+    def decode_tok_per_s(self) -> float:
+        return (self.output_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass(slots=True)
+class LatencyResult:
+    benchmark: str
+    input_len: int
+    output_len: int
+    iters: int
+    ttft_ms: float
+    decode_tok_per_s: float
+    tpot_ms: float
+    e2e_s: float
+    startup_s: float
+    peak_rss_mib: float
+    ttft_ms_all: list[float] = field(default_factory=list)
+    decode_tok_per_s_all: list[float] = field(default_factory=list)
+    engine: dict[str, Any] = field(default_factory=dict)
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser("latency", help="single stream: time to first token, decode tok/s")
+    p.add_argument("--input-len", type=positive_int, default=32, help="prompt tokens (random)")
+    p.add_argument("--output-len", type=positive_int, default=256, help="tokens to generate")
+    p.add_argument("--iters", type=positive_int, default=3, help="timed requests (medians)")
+    add_report_flags(p)
+    add_engine_flags(p)
+
+
+def time_request(llm: LLM, prompt: list[int], output_len: int) -> Timing:
+    """Queue one greedy request and step the engine alone until it finishes."""
+    from pypto_serving.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    gc.collect()
+    start = time.perf_counter()
+    request = llm.add(prompt, params).children[0]
+    while not request.output_token_ids and not request.finished:
+        llm.step()
+    first = time.perf_counter()
+    while not request.finished:
+        llm.step()
+    end = time.perf_counter()
+    return Timing(first - start, end - first, len(request.output_token_ids))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.output_len < 2:
+        raise PyptoError("--output-len must be >= 2 (decode speed needs tokens after the first)")
+    llm, startup = start_engine(engine_knobs(args))
+    vocab = sampling_vocab(llm.tokenizer, llm.engine.model.cfg.vocab_size)
+    warm = random_prompts(vocab, 1, args.input_len, args.seed + WARMUP_SEED_OFFSET)[0]
+    time_request(llm, warm, min(args.output_len, WARMUP_TOKENS))
+    timings = [
+        time_request(
+            llm, random_prompts(vocab, 1, args.input_len, args.seed + i)[0], args.output_len
+        )
+        for i in range(args.iters)
+    ]
+    result = summarize(args, timings, startup)
+    result.engine = engine_info(llm)
+    report("pypto bench latency", table_rows(result), asdict(result), args.json)
+    return 0
+
+
+def summarize(args: argparse.Namespace, timings: list[Timing], startup: float) -> LatencyResult:
+    ttft = [t.ttft_s * 1000 for t in timings]
+    decode = [t.decode_tok_per_s for t in timings]
+    tpot = [1000 * t.decode_s / max(1, t.output_tokens - 1) for t in timings]
+    return LatencyResult(
+        benchmark="latency",
+        input_len=args.input_len,
+        output_len=args.output_len,
+        iters=len(timings),
+        ttft_ms=statistics.median(ttft),
+        decode_tok_per_s=statistics.median(decode),
+        tpot_ms=statistics.median(tpot),
+        e2e_s=statistics.median(t.ttft_s + t.decode_s for t in timings),
+        startup_s=startup,
+        peak_rss_mib=peak_rss_mib(),
+        ttft_ms_all=ttft,
+        decode_tok_per_s_all=decode,
+    )
+
+
+def table_rows(r: LatencyResult) -> list[tuple[str, str]]:
+    e = r.engine
+    return [
+        ("prompt tokens", str(r.input_len)),
+        ("output tokens", str(r.output_len)),
+        ("iterations", str(r.iters)),
+        ("engine", f"{e['executor']} {e['dtype']}"),
+        ("threads", str(e["threads"])),
+        ("TTFT median (ms)", f"{r.ttft_ms:.1f}"),
+        ("decode tok/s median", f"{r.decode_tok_per_s:.1f}"),
+        ("TPOT median (ms)", f"{r.tpot_ms:.1f}"),
+        ("end-to-end median (s)", f"{r.e2e_s:.2f}"),
+        ("start-up (s)", f"{r.startup_s:.2f}"),
+        ("peak RSS (MiB)", f"{r.peak_rss_mib:.0f}"),
+    ]

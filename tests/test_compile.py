@@ -1,0 +1,47 @@
+"""Compile once, execute many: no recompilation after warm-up, whatever the batch."""
+
+from __future__ import annotations
+
+import random
+
+from pypto_serving import LLM, SamplingParams
+from pypto_serving.executor.compiled import COUNTER
+
+
+def test_no_recompilation_after_warmup_across_batch_compositions(tiny_model):
+    llm = LLM(
+        str(tiny_model("qwen3-hd32-gqa4")),
+        dtype="float32",
+        page_size=16,
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=48,
+        num_kv_pages=40,
+    )
+    executor = llm.engine.executor
+    assert executor.num_recompilations == 0
+    compiles = COUNTER.num_compiles
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 300) for _ in range(40)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    workloads = [
+        [[5, 6, 7]],  # one short request: prefill then decode of one
+        [[rng.randrange(3, 300) for _ in range(rng.randrange(1, 120))] for _ in range(16)],
+        [[*shared, i] for i in range(3, 9)],  # prefix hits
+        [[*shared, i, i] for i in range(3, 9)],
+        [[9] * 150, [8] * 2],  # chunked prefill beside a decode
+    ]
+    for prompts in workloads:
+        llm.generate(prompts, greedy, use_tqdm=False)
+    llm.generate([[4] * 30], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=5))
+    assert llm.engine.scheduler.num_preemptions > 0  # the small pool forced some
+    assert executor.num_recompilations == 0
+    assert COUNTER.num_compiles == compiles
+
+
+def test_eager_and_compiled_paths_agree(tiny_model):
+    path = str(tiny_model("llama-gqa4-tied"))
+    prompts = [[3 + i] * (5 + 7 * i) for i in range(6)]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    eager = LLM(path, dtype="float32", enforce_eager=True).generate(prompts, greedy)
+    compiled = LLM(path, dtype="float32").generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in eager] == [o.outputs[0].token_ids for o in compiled]
