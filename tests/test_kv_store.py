@@ -73,7 +73,7 @@ def test_fresh_pool_hands_out_pages_in_order() -> None:
     assert [store.pool.ref_count(p) for p in range(8)] == [1, 1, 1, 1, 1, 0, 0, 0]
     assert store.usage() == pytest.approx(5 / 8)
     assert store.capacity_tokens == 32
-    assert store.k_cache.shape == store.v_cache.shape == (1, 32, 1, 2)
+    assert store.k_cache.shape == store.v_cache.shape == (1, 1, 32, 2)  # [layer, head, slot, dim]
 
 
 def test_chunked_prefill_allocates_only_what_the_chunk_needs() -> None:

@@ -92,15 +92,7 @@ class PagedExecutor:
         block_table = self.kv.block_table([r.request_id for r in reqs])
         page = self.kv.page_size
         slot_mapping = block_table[seq, positions // page] * page + positions % page
-        step = StepAttention(
-            self.kv,
-            block_table,
-            slot_mapping,
-            q_lens,
-            ctx_lens,
-            max(counts),
-            max(s + n for s, n in zip(starts, counts, strict=True)),
-        )
+        step = StepAttention(self.kv, block_table, slot_mapping, q_lens, ctx_lens, max(counts))
         done = [b for b, r in enumerate(reqs) if starts[b] + counts[b] == r.num_tokens]
         logits_index = (q_ends - 1)[done or [0]]  # never empty: one fixed graph shape
         with active_step(step):

@@ -35,44 +35,64 @@ class StepAttention:
         q_lens: torch.Tensor,
         ctx_lens: torch.Tensor,
         max_q: int,
-        max_ctx: int,
     ) -> None:
         """block_table [B, W]; slot_mapping [T]; q_lens, ctx_lens [B] (ctx includes new)."""
         self.store, self.slot_mapping = store, slot_mapping
-        dev, page, batch = block_table.device, store.page_size, len(q_lens)
-        j = torch.arange(max_ctx, device=dev)
-        pages = block_table.gather(1, (j // page).expand(batch, -1))
-        self.key_slots = pages * page + j % page  # [B, max_ctx]
-        inside = j[None, :] < ctx_lens[:, None]  # [B, max_ctx]: keys that exist
+        batch, width = block_table.shape
+        self.pages = block_table.flatten()  # keys are gathered whole pages at a time
+        self.shape = (batch, width * store.page_size)  # [B, padded context]
+        j = torch.arange(self.shape[1], device=block_table.device)
+        inside = j[None, :] < ctx_lens[:, None]  # [B, ctx]: keys that exist
         self.decode = max_q == 1
         if self.decode:  # one query per sequence: only padding keys need masking
-            self.mask = None if batch == 1 else inside[:, None, None, :]
+            heads = store.k_cache.shape[1]
+            bias = torch.zeros(self.shape, device=inside.device).masked_fill(~inside, -torch.inf)
+            self.bias = bias[None].expand(heads, -1, -1).reshape(-1, 1, self.shape[1])
             return
-        i = torch.arange(max_q, device=dev)
+        i = torch.arange(max_q, device=block_table.device)
         q_starts = torch.cumsum(q_lens, 0) - q_lens
         self.q_index = (q_starts[:, None] + i[None, :]).clamp(max=len(slot_mapping) - 1)
         causal = j[None, None, :] <= (ctx_lens - q_lens)[:, None, None] + i[None, :, None]
-        self.mask = (causal & inside[:, None, :])[:, None]  # [B, 1, max_q, max_ctx]
+        self.mask = (causal & inside[:, None, :])[:, None]  # [B, 1, max_q, ctx]
         valid = (i[None, :] < q_lens[:, None]).flatten()  # padded query rows to drop
         self.out_index = valid.nonzero().squeeze(1)
 
+    def _gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """[Hkv, slots, D] -> the batch's keys or values [Hkv, B, ctx, D], page by page."""
+        heads, _, dim = cache.shape
+        pages = cache.view(heads, -1, self.store.page_size, dim).index_select(1, self.pages)
+        return pages.view(heads, *self.shape, dim)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.store.k_cache[layer], self.store.v_cache[layer]
-        k_cache.index_copy_(0, self.slot_mapping, k)
-        v_cache.index_copy_(0, self.slot_mapping, v)
-        keys = k_cache[self.key_slots].transpose(1, 2)  # [B, Hkv, max_ctx, D]
-        values = v_cache[self.key_slots].transpose(1, 2)
-        if self.decode:  # GQA as [B, Hkv, group, D] queries: no K/V expansion
-            batch, heads, dim = q.shape
-            queries = q.view(batch, keys.shape[1], heads // keys.shape[1], dim)
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask)
-            return out.reshape(batch, heads, dim)
+        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
+        keys, values = self._gather(k_cache), self._gather(v_cache)
+        if self.decode:
+            return self._decode(q, keys, values)
         queries = q[self.q_index].transpose(1, 2)  # [B, H, max_q, D]
         out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=self.mask, enable_gqa=True
+            queries,
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=self.mask,
+            enable_gqa=True,
         )
         out = out.transpose(1, 2)  # [B, max_q, H, D]
         return out.reshape(-1, *out.shape[2:])[self.out_index]  # [T, H, D]
+
+    def _decode(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """One query per sequence as two batched matmuls over (kv head, sequence): the
+        queries sharing a KV head are rows of one matrix (GQA without expanding K/V).
+        About 3x faster than the CPU flash kernel at these shapes; softmax in float32."""
+        batch, heads, dim = q.shape
+        kv_heads, ctx = keys.shape[0], keys.shape[2]
+        group = heads // kv_heads
+        queries = q.view(batch, kv_heads, group, dim).transpose(0, 1).reshape(-1, group, dim)
+        keys, values = keys.reshape(-1, ctx, dim), values.reshape(-1, ctx, dim)
+        scores = torch.bmm(queries, keys.transpose(1, 2)).float() * dim**-0.5 + self.bias
+        out = torch.bmm(scores.softmax(-1).to(values.dtype), values)  # [Hkv * B, G, D]
+        return out.view(kv_heads, batch, group, dim).transpose(0, 1).reshape(batch, heads, dim)
 
 
 @contextmanager

@@ -45,7 +45,9 @@ class PagedKVStore:
     ) -> None:
         self.pool = PagePool(num_pages, page_size, enable_prefix_caching)
         self.page_size = page_size
-        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        # head-major: a page of one head is a contiguous [page_size, head_dim] block, so a
+        # sequence's keys gather page by page straight into the layout attention reads
+        shape = (num_layers, num_kv_heads, num_pages * page_size, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.tables: dict[str, PageTable] = {}
