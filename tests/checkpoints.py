@@ -95,3 +95,27 @@ def build_tokenizer(out: Path, vocab_size: int = 320) -> None:
     )
     tok.chat_template = CHATML
     tok.save_pretrained(out)
+
+
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF transformers' greedy continuation of `prompt` (EOS not special): the ground truth."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def hash_chain(token_ids: list[int], page_size: int, salt: str | None = None) -> list[bytes]:
+    """The prefix-cache hash chain over the full pages of `token_ids`."""
+    from pypto_serving.kv.page_pool import hash_page
+
+    hashes: list[bytes] = []
+    parent = None
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        parent = hash_page(parent, token_ids[start : start + page_size], salt)
+        hashes.append(parent)
+    return hashes

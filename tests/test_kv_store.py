@@ -4,10 +4,12 @@ Page size 4 throughout. A fresh pool hands out page ids in order; freed pages jo
 tail (a request's pages in reverse, so its tail pages are reused first).
 """
 
+from collections.abc import Sequence
+
 import pytest
 import torch
+from checkpoints import hash_chain
 
-from pypto_serving.kv.page_pool import hash_page
 from pypto_serving.kv.store import PagedKVStore, PageTable
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.request import Request
@@ -34,14 +36,8 @@ def make_request(request_id: str, prompt: list[int], salt: str | None = None) ->
     return Request(request_id, prompt, params, arrival=0, cache_salt=salt)
 
 
-def chain(token_ids: list[int], salt: str | None = None) -> list[bytes]:
-    """Hash chain over the full pages of `token_ids`."""
-    hashes: list[bytes] = []
-    parent = None
-    for start in range(0, len(token_ids) - PS + 1, PS):
-        parent = hash_page(parent, token_ids[start : start + PS], salt)
-        hashes.append(parent)
-    return hashes
+def chain(token_ids: Sequence[int], salt: str | None = None) -> list[bytes]:
+    return hash_chain(list(token_ids), PS, salt)
 
 
 def admit(store: PagedKVStore, req: Request) -> list[int]:

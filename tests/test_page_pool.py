@@ -4,22 +4,13 @@ from collections import Counter
 
 import hypothesis.strategies as st
 import pytest
+from checkpoints import hash_chain as chain
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pypto_serving.kv.page_pool import PagePool, hash_page
 
 PS = 4  # page size used by the example-based tests
-
-
-def chain(token_ids: list[int], page_size: int, salt: str | None = None) -> list[bytes]:
-    """Hash chain over the full pages of `token_ids`."""
-    hashes: list[bytes] = []
-    parent = None
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
-        parent = hash_page(parent, token_ids[start : start + page_size], salt)
-        hashes.append(parent)
-    return hashes
 
 
 def cached_request(pool: PagePool, tokens: list[int], salt: str | None = None) -> list[int]:

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from checkpoints import hf_greedy
 
 from pypto_serving import LLM, SamplingParams
 
@@ -44,13 +45,7 @@ def test_one_request_matches_hf(tiny_model, name):
     path = tiny_model(name)
     prompt = mixed_prompts(1, seed=3, lo=70, hi=71)[0]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    expected = hf.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=20,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )[0, len(prompt) :].tolist()
+    expected = hf_greedy(hf, prompt, 20)
     llm = LLM(str(path), dtype="float32", page_size=16)
     assert tokens(llm.generate([prompt], GREEDY)) == [expected]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from checkpoints import hf_greedy
 
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.models.loader import load_model
@@ -44,13 +45,7 @@ def test_greedy_tokens_match_hf_generate(tiny_model, tiny_name):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outputs, strict=True):
-        expected = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=32,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
+        expected = hf_greedy(hf, prompt, 32)
         assert out.outputs[0].token_ids == expected
         assert out.outputs[0].finish_reason == "length"
 

@@ -14,11 +14,11 @@ from typing import Self
 
 import hypothesis.strategies as st
 import torch
+from checkpoints import hash_chain
 from hypothesis import Phase, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from pypto_serving.config import SchedulerConfig
-from pypto_serving.kv.page_pool import hash_page
 from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.request import Request, RequestStatus
@@ -49,13 +49,7 @@ def expected_output(prompt: Sequence[int], n: int) -> list[int]:
 
 
 def chain(token_ids: Sequence[int], salt: str | None) -> list[bytes]:
-    """Hash chain over the full pages of `token_ids`."""
-    hashes: list[bytes] = []
-    parent = None
-    for start in range(0, len(token_ids) - PS + 1, PS):
-        parent = hash_page(parent, token_ids[start : start + PS], salt)
-        hashes.append(parent)
-    return hashes
+    return hash_chain(list(token_ids), PS, salt)
 
 
 def make_store(num_pages: int, enable_prefix_caching: bool = True) -> PagedKVStore:

@@ -77,9 +77,12 @@ class PagedExecutor:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, Sampled]:
-        reqs = [s.request for s in out.scheduled]
+        # decodes first, then prefill chunks: each kind gets its own attention
+        scheduled = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1)
+        reqs = [s.request for s in scheduled]
         starts = [r.num_computed_tokens for r in reqs]
-        counts = [s.num_new_tokens for s in out.scheduled]
+        counts = [s.num_new_tokens for s in scheduled]
+        num_decodes = sum(n == 1 for n in counts)
         token_ids: list[int] = []
         for r, start, n in zip(reqs, starts, counts, strict=True):
             token_ids += r.token_ids[start : start + n]
@@ -92,7 +95,9 @@ class PagedExecutor:
         block_table = self.kv.block_table([r.request_id for r in reqs])
         page = self.kv.page_size
         slot_mapping = block_table[seq, positions // page] * page + positions % page
-        step = StepAttention(self.kv, block_table, slot_mapping, q_lens, ctx_lens, max(counts))
+        step = StepAttention(
+            self.kv, block_table, slot_mapping, q_lens, ctx_lens, num_decodes, max(counts)
+        )
         done = [b for b, r in enumerate(reqs) if starts[b] + counts[b] == r.num_tokens]
         logits_index = (q_ends - 1)[done or [0]]  # never empty: one fixed graph shape
         with active_step(step):

@@ -1,9 +1,10 @@
 """The paged attention operator: writes a step's new K/V into their slots, reads pages.
 
-Tokens of a step arrive flat ([T], sequences concatenated). For each layer the operator
-scatters the new k/v into the store's slots (slot = page * page_size + offset), gathers every
-sequence's keys and values through its block table into a padded [B, max_ctx] batch and runs
-one masked, causal, GQA-aware scaled-dot-product attention for all sequences.
+Tokens of a step arrive flat ([T], sequences concatenated, decodes first). For each layer the
+operator scatters the new k/v into the store's slots (slot = page * page_size + offset), then
+gathers each sequence's keys and values page by page through its block table into a padded
+[kv_head, B, ctx] batch. Decodes attend with two batched matmuls; prefill chunks with one
+masked, causal, GQA-aware scaled-dot-product attention.
 
 To the compiler the operator is one opaque custom op, `pypto::paged_attention(q, k, v,
 layer)`: the step's metadata and the KV tensors are reached through the active `StepAttention`
@@ -24,50 +25,46 @@ from pypto_serving.kv.store import PagedKVStore
 _active: list[StepAttention] = []
 
 
-class StepAttention:
-    """Attention metadata of one step over a PagedKVStore (built once, used by every layer)."""
+class _Group:
+    """Sequences of one kind in a step (all decodes, or all prefill chunks): their pages and
+    masks. Its tokens are `tokens` of the step's flat batch."""
 
     def __init__(
         self,
-        store: PagedKVStore,
+        page_size: int,
+        kv_heads: int,
         block_table: torch.Tensor,
-        slot_mapping: torch.Tensor,
         q_lens: torch.Tensor,
         ctx_lens: torch.Tensor,
+        tokens: slice,
         max_q: int,
     ) -> None:
-        """block_table [B, W]; slot_mapping [T]; q_lens, ctx_lens [B] (ctx includes new)."""
-        self.store, self.slot_mapping = store, slot_mapping
         batch, width = block_table.shape
+        self.page_size, self.tokens, self.decode = page_size, tokens, max_q == 1
         self.pages = block_table.flatten()  # keys are gathered whole pages at a time
-        self.shape = (batch, width * store.page_size)  # [B, padded context]
+        self.shape = (batch, width * page_size)  # [B, padded context]
         j = torch.arange(self.shape[1], device=block_table.device)
         inside = j[None, :] < ctx_lens[:, None]  # [B, ctx]: keys that exist
-        self.decode = max_q == 1
         if self.decode:  # one query per sequence: only padding keys need masking
-            heads = store.k_cache.shape[1]
             bias = torch.zeros(self.shape, device=inside.device).masked_fill(~inside, -torch.inf)
-            self.bias = bias[None].expand(heads, -1, -1).reshape(-1, 1, self.shape[1])
+            self.bias = bias[None].expand(kv_heads, -1, -1).reshape(-1, 1, self.shape[1])
             return
         i = torch.arange(max_q, device=block_table.device)
         q_starts = torch.cumsum(q_lens, 0) - q_lens
-        self.q_index = (q_starts[:, None] + i[None, :]).clamp(max=len(slot_mapping) - 1)
+        self.q_index = (q_starts[:, None] + i[None, :]).clamp(max=int(q_lens.sum()) - 1)
         causal = j[None, None, :] <= (ctx_lens - q_lens)[:, None, None] + i[None, :, None]
         self.mask = (causal & inside[:, None, :])[:, None]  # [B, 1, max_q, ctx]
         valid = (i[None, :] < q_lens[:, None]).flatten()  # padded query rows to drop
         self.out_index = valid.nonzero().squeeze(1)
 
-    def _gather(self, cache: torch.Tensor) -> torch.Tensor:
-        """[Hkv, slots, D] -> the batch's keys or values [Hkv, B, ctx, D], page by page."""
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """[Hkv, slots, D] -> the group's keys or values [Hkv, B, ctx, D], page by page."""
         heads, _, dim = cache.shape
-        pages = cache.view(heads, -1, self.store.page_size, dim).index_select(1, self.pages)
+        pages = cache.view(heads, -1, self.page_size, dim).index_select(1, self.pages)
         return pages.view(heads, *self.shape, dim)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_cache, v_cache = self.store.k_cache[layer], self.store.v_cache[layer]
-        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
-        keys, values = self._gather(k_cache), self._gather(v_cache)
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        keys, values = self.gather(k_cache), self.gather(v_cache)
         if self.decode:
             return self._decode(q, keys, values)
         queries = q[self.q_index].transpose(1, 2)  # [B, H, max_q, D]
@@ -93,6 +90,53 @@ class StepAttention:
         scores = torch.bmm(queries, keys.transpose(1, 2)).float() * dim**-0.5 + self.bias
         out = torch.bmm(scores.softmax(-1).to(values.dtype), values)  # [Hkv * B, G, D]
         return out.view(kv_heads, batch, group, dim).transpose(0, 1).reshape(batch, heads, dim)
+
+
+class StepAttention:
+    """Attention metadata of one step over a PagedKVStore (built once, used by every layer).
+
+    The step's sequences come decodes first (`num_decodes` of them, one token each), then
+    prefill chunks; each kind runs its own attention, so a decode never pays for the padding
+    of a long prefill chunk."""
+
+    def __init__(
+        self,
+        store: PagedKVStore,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        q_lens: torch.Tensor,
+        ctx_lens: torch.Tensor,
+        num_decodes: int,
+        max_q: int,
+    ) -> None:
+        """block_table [B, W]; slot_mapping [T]; q_lens, ctx_lens [B] (ctx includes new)."""
+        self.store, self.slot_mapping = store, slot_mapping
+        heads, page, nd = store.k_cache.shape[1], store.page_size, num_decodes
+        self.groups = []
+        if nd > 0:
+            self.groups.append(
+                _Group(page, heads, block_table[:nd], q_lens[:nd], ctx_lens[:nd], slice(0, nd), 1)
+            )
+        if nd < len(q_lens):
+            width = int((ctx_lens[nd:].max() + page - 1) // page)  # drop decodes' extra width
+            self.groups.append(
+                _Group(
+                    page,
+                    heads,
+                    block_table[nd:, :width],
+                    q_lens[nd:],
+                    ctx_lens[nd:],
+                    slice(nd, len(slot_mapping)),
+                    max_q,
+                )
+            )
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.store.k_cache[layer], self.store.v_cache[layer]
+        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
+        outs = [g.attend(q[g.tokens], k_cache, v_cache) for g in self.groups]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 @contextmanager
