@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from pypto_serving import LLM, SamplingParams
-from pypto_serving.executor.compiled import COUNTER
+from pypto_serving.executor.compiled import COUNTER, compiled_forward_logits
 
 
 def test_no_recompilation_after_warmup_across_batch_compositions(tiny_model):
@@ -18,6 +18,7 @@ def test_no_recompilation_after_warmup_across_batch_compositions(tiny_model):
         num_kv_pages=40,
     )
     executor = llm.engine.executor
+    assert executor.forward is compiled_forward_logits  # compiled, no eager fallback
     assert executor.num_recompilations == 0
     compiles = COUNTER.num_compiles
     rng = random.Random(0)
@@ -45,3 +46,22 @@ def test_eager_and_compiled_paths_agree(tiny_model):
     eager = LLM(path, dtype="float32", enforce_eager=True).generate(prompts, greedy)
     compiled = LLM(path, dtype="float32").generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in eager] == [o.outputs[0].token_ids for o in compiled]
+
+
+def test_compile_failure_falls_back_to_eager(tiny_model, monkeypatch, caplog):
+    """Where torch.compile cannot work (no C++ compiler, say) the engine still serves."""
+    from torch._inductor.exc import InductorError
+
+    from pypto_serving.executor import compiled, paged
+
+    def broken(*args, **kwargs):
+        raise InductorError(RuntimeError("no C++ compiler"), "")
+
+    monkeypatch.setattr(paged, "compiled_forward_logits", broken)
+    monkeypatch.setattr(compiled, "compiled_forward_logits", broken)
+    llm = LLM(str(tiny_model("llama-gqa4-tied")), dtype="float32")
+    assert llm.engine.executor.forward is paged.forward_logits
+    assert "serving eagerly" in caplog.text
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert llm.engine.executor.kv.pool.num_free == llm.engine.executor.kv.num_pages

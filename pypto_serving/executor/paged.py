@@ -12,9 +12,12 @@ import logging
 import time
 
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
+from torch._inductor.exc import InductorError
 from tqdm import tqdm
 
 from pypto_serving.config import CacheConfig
+from pypto_serving.errors import PyptoError
 from pypto_serving.executor.compiled import COUNTER, compiled_forward_logits, forward_logits
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, active_step
 from pypto_serving.kv.store import PagedKVStore
@@ -124,6 +127,16 @@ class PagedExecutor:
         ]
         return dict(zip([reqs[b].request_id for b in done], sample(logits, rows), strict=True))
 
+    def _warmup_step(self, plan: list[tuple[Request, int]], reqs: list[Request]) -> None:
+        out = SchedulerOutput([ScheduledRequest(r, n) for r, n in plan])
+        for r, n in plan:
+            if not self.kv.allocate(r, n):
+                raise PyptoError(f"the KV cache ({self.kv.num_pages} pages) is too small to run")
+        for r, token in self.execute(out).items():
+            next(q for q in reqs if q.request_id == r).output_token_ids.append(token.token_id)
+        for r, n in plan:
+            r.num_computed_tokens += n
+
     def warmup(self) -> None:
         """Compile every graph shape serving can meet: decode of one, of many, prefill, mixed."""
         if self.forward is forward_logits:
@@ -137,17 +150,18 @@ class PagedExecutor:
             [(reqs[1], 8), (reqs[0], 1)],
             [(reqs[0], 1), (reqs[1], 1)],
         ]
-        for plan in tqdm(plans, desc="compiling (once; cached on disk)"):
-            out = SchedulerOutput([ScheduledRequest(r, n) for r, n in plan])
-            for r, n in plan:
-                if not self.kv.allocate(r, n):
-                    raise RuntimeError("KV cache too small for warm-up")
-            for r, token in self.execute(out).items():
-                next(q for q in reqs if q.request_id == r).output_token_ids.append(token.token_id)
-            for r, n in plan:
-                r.num_computed_tokens += n
-        for r in reqs:
-            self.kv.free(r)
+        try:
+            for plan in tqdm(plans, desc="compiling (once; cached on disk)"):
+                self._warmup_step(plan, reqs)
+        except (BackendCompilerFailed, InductorError) as e:  # e.g. no C++ compiler here
+            log.warning(
+                "torch.compile failed, serving eagerly (as --enforce-eager): %s",
+                str(e).splitlines()[0][:300],
+            )
+            self.forward = forward_logits
+        finally:
+            for r in reqs:
+                self.kv.free(r)
         COUNTER.mark_warm()
         log.info(
             "warm-up compiled %d graphs in %.1fs",
