@@ -11,12 +11,10 @@ recompilation, logged and exposed as a metric.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
 import torch
 
-from pypto_serving.models.default_model import cache_dir
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.ops.attention import KVAttention
 
@@ -76,7 +74,6 @@ def compiled_forward_logits(
     """`forward_logits` under torch.compile, with the token dimensions dynamic."""
     global _compiled
     if _compiled is None:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
         torch._dynamo.config.cache_size_limit = 64  # several architectures in one process
         _compiled = torch.compile(forward_logits, backend=COUNTER.backend)
     for t in (input_ids, positions, logits_index):

