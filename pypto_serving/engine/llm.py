@@ -43,6 +43,10 @@ class _Family:
     pending: list[Request] = field(default_factory=list)
     """Samples 2..n wait until sample 1 has computed the prompt, then share its cached pages."""
 
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
+
     def output(self) -> RequestOutput:
         outs = [
             CompletionOutput(
@@ -61,7 +65,7 @@ class _Family:
             first.prompt_token_ids,
             outs,
             first.num_cached_tokens,
-            all(c.finished for c in self.children),
+            self.finished,
         )
 
 
@@ -152,7 +156,7 @@ class LLM:
         families = [self.add(p, sp, pr) for p, sp, pr in zip(prompts, plist, prios, strict=True)]
         bar = tqdm(total=len(families), desc="generate", disable=not use_tqdm or len(families) < 2)
         while self.engine.has_unfinished():
-            bar.update(sum(f.output().finished for f in self.step()))
+            bar.update(sum(f.finished for f in self.step()))
         bar.close()
         return [f.output() for f in families]
 

@@ -88,7 +88,7 @@ class PagedExecutor:
         num_decodes = sum(n == 1 for n in counts)
         token_ids: list[int] = []
         for r, start, n in zip(reqs, starts, counts, strict=True):
-            token_ids += r.token_ids[start : start + n]
+            token_ids += r.tokens(start, start + n)
         dev = self.device
         q_lens = torch.tensor(counts, device=dev)
         ctx_lens = torch.tensor(starts, device=dev) + q_lens

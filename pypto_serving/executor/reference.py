@@ -45,7 +45,7 @@ class ReferenceExecutor:
         for s in out.scheduled:
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_new_tokens
-            tokens = torch.tensor(req.token_ids[start:end], device=self.device)
+            tokens = torch.tensor(req.tokens(start, end), device=self.device)
             positions = torch.arange(start, end, device=self.device)
             h = self.model(tokens, positions, self.kv.caches[req.request_id])
             if end == req.num_tokens:
