@@ -1,4 +1,4 @@
-"""`pypto` command line: generate, bench (more subcommands join as they land).
+"""`pypto` command line: generate, serve, chat, bench.
 
 Engine flags are derived from the config dataclasses (name, type, default and the field's
 docstring as help), so a knob is declared once, in config.py.
@@ -19,7 +19,14 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
-from pypto_serving.config import CacheConfig, EngineConfig, SchedulerConfig
+from pypto_serving.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    ServerConfig,
+    read_config_file,
+    split_knobs,
+)
 from pypto_serving.errors import PyptoError
 
 SECTIONS = (EngineConfig, SchedulerConfig, CacheConfig)
@@ -54,8 +61,15 @@ def positive_int(text: str) -> int:
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    for section in SECTIONS:
+    add_config_flags(parser, "engine", SECTIONS)
+
+
+def add_config_flags(
+    parser: argparse.ArgumentParser, title: str, sections: tuple[type, ...]
+) -> None:
+    """One flag per field of the config dataclasses (default None: 'not given')."""
+    group = parser.add_argument_group(title)
+    for section in sections:
         docs = field_docs(section)
         hints = typing.get_type_hints(section)
         for f in fields(section):
@@ -73,8 +87,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(flag, type=kind, default=None, help=help_text)
 
 
-def engine_knobs(args: argparse.Namespace) -> dict[str, Any]:
-    names = {f.name for s in SECTIONS for f in fields(s)} - {"scheduler", "cache"}
+def engine_knobs(args: argparse.Namespace, sections: tuple[type, ...] = SECTIONS) -> dict[str, Any]:
+    """The config fields given on the command line (flags left out are not in the dict)."""
+    names = {f.name for s in sections for f in fields(s)} - {"scheduler", "cache"}
     return {n: v for n, v in vars(args).items() if n in names and v is not None}
 
 
@@ -102,7 +117,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--output", type=Path, help="JSONL output file (with --prompts-file)")
     add_engine_flags(gen)
+    serve = sub.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API (see docs/serving.md)"
+    )
+    serve.add_argument(
+        "--config",
+        type=Path,
+        help='JSON file of options (flat, or in "scheduler", "cache", "server" sections); '
+        "flags given on the command line win",
+    )
+    add_config_flags(serve, "server", (ServerConfig,))
+    add_engine_flags(serve)
     from pypto_serving.bench import add_bench_parser
+    from pypto_serving.chat import add_chat_parser
+
+    add_chat_parser(sub)
 
     add_bench_parser(sub)
     return parser
@@ -172,7 +201,22 @@ def read_prompts(path: Path) -> list[str]:
     return prompts
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pypto_serving.server.launch import run_server
+
+    knobs = read_config_file(args.config) if args.config else {}
+    knobs |= engine_knobs(args, (*SECTIONS, ServerConfig))
+    engine, server = split_knobs(knobs)
+    return run_server(engine, server)
+
+
 def run_command(args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        return cmd_serve(args)
+    if args.command == "chat":
+        from pypto_serving.chat import run_chat
+
+        return run_chat(args)
     if args.command == "bench":
         from pypto_serving.bench import run_bench
 

@@ -5,7 +5,10 @@ The CLI derives its flags from these fields (see cli.py), so a knob is declared 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
 
 from pypto_serving.errors import PyptoError
 
@@ -75,6 +78,67 @@ class EngineConfig:
             raise PyptoError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         self.scheduler.validate()
         self.cache.validate()
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    """Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface)."""
+    port: int = 8000
+    served_model_name: str | None = None
+    """The model name clients use; None uses the model directory's (or GGUF file's) name."""
+    api_key: str | None = None
+    """Require `Authorization: Bearer KEY` on /v1/* and the tokenizer routes."""
+    max_request_bytes: int = 4 << 20
+    """Largest request body accepted; larger ones get 413."""
+    log_interval_s: float = 5.0
+    """Seconds between throughput log lines while busy."""
+
+    def validate(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise PyptoError(f"port must be in [0, 65535], got {self.port!r}")
+        if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
+            raise PyptoError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes!r}")
+        if not self.log_interval_s > 0:
+            raise PyptoError(f"log_interval_s must be > 0, got {self.log_interval_s!r}")
+        if self.api_key is not None and not self.api_key:
+            raise PyptoError("api_key must not be empty")
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Flat knobs from a JSON config file: top-level fields, or grouped in "scheduler",
+    "cache" and "server" sections. Unknown names are an error (see `split_knobs`)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PyptoError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PyptoError(f"cannot read config file {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise PyptoError(f"config file {path}: expected a JSON object")
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in ("scheduler", "cache", "server"):
+            if not isinstance(value, dict):
+                raise PyptoError(f"config file {path}: {key!r} must be an object")
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
+def split_knobs(knobs: dict[str, Any]) -> tuple[dict[str, Any], ServerConfig]:
+    """(engine knobs, ServerConfig) from flat knobs; unknown names are an error."""
+    server_names = {f.name for f in fields(ServerConfig)}
+    known = set(knob_names()) | server_names
+    unknown = sorted(set(knobs) - known)
+    if unknown:
+        raise PyptoError(
+            f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    server = ServerConfig(**{k: v for k, v in knobs.items() if k in server_names})
+    server.validate()
+    return {k: v for k, v in knobs.items() if k not in server_names}, server
 
 
 def engine_config(**knobs: object) -> EngineConfig:

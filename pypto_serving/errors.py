@@ -6,7 +6,13 @@ a 4xx response; anything else escaping is a bug.
 
 
 class PyptoError(Exception):
-    """An error caused by the user's input, with a message fit to show them as is."""
+    """An error caused by the user's input, with a message fit to show them as is.
+
+    `param` names the offending input (a request field or a flag) when there is one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(PyptoError):

@@ -25,3 +25,14 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = False
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """What one sequence produced since its previous delta (the unit of streaming)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[Sampled] | None
+    finish_reason: str | None

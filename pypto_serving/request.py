@@ -30,6 +30,11 @@ class Request:
     priority: int = 0
     """Lower runs first; ties go to the earlier arrival."""
     arrival: int = 0
+    """Arrival order (breaks priority ties)."""
+    arrival_time: float = 0.0
+    """time.monotonic() when the request arrived (for queue-time and latency metrics)."""
+    scheduled_time: float | None = None
+    """time.monotonic() when the scheduler first admitted it."""
     max_model_len: int | None = None
     cache_salt: str | None = None
     """Isolates this request's prefix-cache entries from requests with another salt."""

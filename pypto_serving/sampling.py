@@ -47,7 +47,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> PyptoError:
-            return PyptoError(f"invalid {name}={getattr(self, name)!r}: {why}")
+            return PyptoError(f"invalid {name}={getattr(self, name)!r}: {why}", param=name)
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")

@@ -10,6 +10,7 @@ keeping its sampled tokens so its output is the same as an unpreempted run.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -95,6 +96,7 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break
             if req.num_preemptions == 0:  # first admission: record the prefix-cache hit
+                req.scheduled_time = time.monotonic()
                 req.num_cached_tokens = req.num_computed_tokens
                 self.prefix_queries += len(req.prompt_token_ids)
                 self.prefix_hits += req.num_cached_tokens

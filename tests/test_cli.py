@@ -154,3 +154,47 @@ def test_prompt_too_long_for_context(tiny_model, capsys):
         capsys,
     )
     assert code == 1 and "context is 16" in err
+
+
+def test_serve_rejects_bad_options_clearly(tmp_path, capsys):
+    cases = [
+        (["serve", "--config", str(tmp_path / "missing.json")], "config file not found"),
+        (["serve", "--port", "70000"], "port must be in [0, 65535]"),
+        (["serve", "--max-request-bytes", "10"], "max_request_bytes must be >= 1024"),
+    ]
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{not json")
+    cases.append((["serve", "--config", str(bad_json)], "cannot read config file"))
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps({"server": {"prot": 1}}))
+    cases.append((["serve", "--config", str(unknown)], "unknown option(s) prot"))
+    wrong_section = tmp_path / "section.json"
+    wrong_section.write_text(json.dumps({"cache": 3}))
+    cases.append((["serve", "--config", str(wrong_section)], "'cache' must be an object"))
+    bad_engine = tmp_path / "engine.json"
+    bad_engine.write_text(json.dumps({"cache": {"page_size": 0}, "model": "/nonexistent"}))
+    cases.append((["serve", "--config", str(bad_engine)], "page_size must be an integer >= 1"))
+    for argv, message in cases:
+        code, out, err = run(argv, capsys)
+        assert code == 1 and message in err and out == "", (argv, err)
+
+
+def test_serve_config_file_and_flags(tmp_path, monkeypatch):
+    """The config file gives engine and server options; command-line flags win."""
+    from pypto_serving.server import launch
+
+    seen = {}
+    monkeypatch.setattr(launch, "run_server", lambda knobs, server: seen.update(k=knobs, s=server))
+    config = tmp_path / "c.json"
+    config.write_text(
+        json.dumps(
+            {
+                "dtype": "float32",
+                "scheduler": {"max_num_seqs": 4},
+                "server": {"port": 9001, "api_key": "k"},
+            }
+        )
+    )
+    assert main(["serve", "--config", str(config), "--port", "9002", "--page-size", "16"]) is None
+    assert seen["k"] == {"dtype": "float32", "max_num_seqs": 4, "page_size": 16}
+    assert (seen["s"].port, seen["s"].api_key, seen["s"].host) == (9002, "k", "127.0.0.1")

@@ -1,8 +1,9 @@
-"""`pypto bench`: offline throughput (`offline`) and single-stream latency (`latency`).
+"""`pypto bench`: offline throughput (`offline`), single-stream latency (`latency`), and a
+client that loads a running OpenAI-compatible server (`serve`, see serve.py).
 
-Both load the engine once (its construction is reported as start-up time), warm it up with an
-untimed run, then time the workload; the result is printed as a table and, with `--json FILE`,
-written as JSON with the same numbers.
+`offline` and `latency` load the engine once (its construction is reported as start-up time),
+warm it up with an untimed run, then time the workload; the result is printed as a table and,
+with `--json FILE`, written as JSON with the same numbers.
 """
 
 from __future__ import annotations
@@ -20,19 +21,20 @@ if TYPE_CHECKING:
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    """Register `pypto bench offline|latency` on the top-level subcommands."""
-    from pypto_serving.bench import latency, offline
+    """Register `pypto bench offline|latency|serve` on the top-level subcommands."""
+    from pypto_serving.bench import latency, offline, serve
 
-    bench = sub.add_parser("bench", help="benchmark the engine (throughput, latency)")
+    bench = sub.add_parser("bench", help="benchmark the engine (throughput, latency, serving)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     offline.add_parser(kinds)
     latency.add_parser(kinds)
+    serve.add_parser(kinds)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from pypto_serving.bench import latency, offline
+    from pypto_serving.bench import latency, offline, serve
 
-    commands = {"offline": offline.run, "latency": latency.run}
+    commands = {"offline": offline.run, "latency": latency.run, "serve": serve.run}
     return commands[args.bench_command](args)
 
 

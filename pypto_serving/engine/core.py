@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from pypto_serving.config import EngineConfig
@@ -12,9 +13,29 @@ from pypto_serving.executor.paged import PagedExecutor
 from pypto_serving.executor.reference import ReferenceExecutor
 from pypto_serving.models.loader import load_model
 from pypto_serving.request import Request
+from pypto_serving.sampling import SamplingParams
 from pypto_serving.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    """A snapshot of the engine's gauges and running totals (read by metrics and logs)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    """Fraction of KV pages held by requests."""
+    prefix_queries: int
+    """Prompt tokens of admitted requests."""
+    prefix_hits: int
+    """Of those, tokens found in the prefix cache."""
+    num_preemptions: int
+    num_recompilations: int
+    prompt_tokens: int
+    """Prompt tokens computed (prefix-cache hits excluded, recomputation included)."""
+    generation_tokens: int
 
 
 class EngineCore:
@@ -34,6 +55,8 @@ class EngineCore:
             limits.append(self.executor.kv.capacity_tokens)
         self.max_model_len = min(limits)
         self.scheduler = Scheduler(config.scheduler, self.executor.kv)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
         log.info(
             "engine ready: %s (%s layers, %s) on %s, %s executor",
             cfg.architecture,
@@ -54,25 +77,31 @@ class EngineCore:
         executor.warmup()
         return executor
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request after checking it fits the model."""
-        n = len(request.prompt_token_ids)
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise PyptoError (naming the parameter) unless the request fits the model."""
+        n = len(prompt_token_ids)
         if n == 0:
-            raise PyptoError("the prompt is empty")
+            raise PyptoError("the prompt is empty", param="prompt")
         vocab = self.model.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
-            raise PyptoError(f"prompt token ids must be in [0, {vocab})")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise PyptoError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         if n >= self.max_model_len:
             raise PyptoError(
                 f"the prompt has {n} tokens; this model's context is "
-                f"{self.max_model_len} (prompt plus at least one new token)"
+                f"{self.max_model_len} (prompt plus at least one new token)",
+                param="prompt",
             )
-        max_tokens = request.params.max_tokens
+        max_tokens = params.max_tokens
         if max_tokens is not None and n + max_tokens > self.max_model_len:
             raise PyptoError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the "
-                f"context length {self.max_model_len}"
+                f"context length {self.max_model_len}",
+                param="max_tokens",
             )
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request after checking it fits the model."""
+        self.check(request.prompt_token_ids, request.params)
         request.max_model_len = self.max_model_len
         self.scheduler.add(request)
 
@@ -82,11 +111,30 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            len(s.running),
+            len(s.waiting),
+            self.executor.kv.usage(),
+            s.prefix_queries,
+            s.prefix_hits,
+            s.num_preemptions,
+            self.executor.num_recompilations,
+            self.prompt_tokens,
+            self.generation_tokens,
+        )
+
     def step(self) -> list[Request]:
         """One engine step; returns the requests that got a new token or finished."""
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        for s in out.scheduled:
+            r = s.request
+            prompt_end = min(r.num_computed_tokens + s.num_new_tokens, len(r.prompt_token_ids))
+            self.prompt_tokens += max(prompt_end - r.num_computed_tokens, 0)
         sampled = self.executor.execute(out)
+        self.generation_tokens += len(sampled)
         self.scheduler.update(out, sampled)
         return [s.request for s in out.scheduled if s.request.request_id in sampled]

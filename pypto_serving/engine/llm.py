@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -16,7 +17,7 @@ from pypto_serving.engine.text import TextAssembler
 from pypto_serving.errors import ModelLoadError
 from pypto_serving.models.config import load_model_config
 from pypto_serving.models.default_model import resolve_model_path
-from pypto_serving.outputs import CompletionOutput, RequestOutput
+from pypto_serving.outputs import CompletionDelta, CompletionOutput, RequestOutput
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 
@@ -42,10 +43,29 @@ class _Family:
     texts: list[TextAssembler]
     pending: list[Request] = field(default_factory=list)
     """Samples 2..n wait until sample 1 has computed the prompt, then share its cached pages."""
+    sent: list[int] = field(default_factory=list)
+    """Per sample: output tokens already handed out by take_deltas(); -1 once finished."""
 
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.children)
+
+    def take_deltas(self) -> list[CompletionDelta]:
+        """What each sample produced since the previous call (samples with news only)."""
+        deltas = []
+        for i, (c, t) in enumerate(zip(self.children, self.texts, strict=True)):
+            sent = self.sent[i]
+            if sent < 0:
+                continue
+            text = t.take(final=c.finished)
+            if not (text or c.finished or len(c.output_token_ids) > sent):
+                continue
+            logprobs = c.output_logprobs[sent:] if c.params.logprobs is not None else None
+            deltas.append(
+                CompletionDelta(i, text, c.output_token_ids[sent:], logprobs, c.finish_reason)
+            )
+            self.sent[i] = -1 if c.finished else len(c.output_token_ids)
+        return deltas
 
     def output(self) -> RequestOutput:
         outs = [
@@ -91,17 +111,28 @@ class LLM:
         )
         return list(out["input_ids"] if isinstance(out, dict) else out)
 
-    def add(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> _Family:
+    def add(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        priority: int = 0,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> _Family:
         """Queue one prompt (n child sequences); returns its handle."""
-        rid = str(next(self._ids))
+        seq = next(self._ids)
+        rid = request_id if request_id is not None else str(seq)
         ids = self.encode(prompt)
+        self.engine.check(ids, params)
         eos = self.engine.model.cfg.eos_token_ids
         family = _Family(rid, prompt if isinstance(prompt, str) else None, [], [])
+        arrived = time.monotonic() if arrival_time is None else arrival_time
         for i in range(params.n):
             child = params if params.seed is None else replace(params, seed=params.seed + i)
-            req = Request(f"{rid}-{i}", ids, child, eos, priority, arrival=int(rid))
+            req = Request(f"{rid}-{i}", ids, child, eos, priority, seq, arrived)
             family.children.append(req)
             family.texts.append(TextAssembler(self.tokenizer, ids, params))
+            family.sent.append(0)
         share = params.n > 1 and self.engine.config.cache.enable_prefix_caching
         family.pending = family.children[1:] if share else []
         for i, req in enumerate(family.children):

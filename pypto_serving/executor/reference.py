@@ -32,8 +32,15 @@ class DenseKVStore:
     def free(self, request: Request) -> None:
         self.caches.pop(request.request_id, None)
 
+    def usage(self) -> float:
+        """Always 0: the dense store grows with its requests and has no fixed capacity."""
+        return 0.0
+
 
 class ReferenceExecutor:
+    num_recompilations = 0
+    """It never compiles."""
+
     def __init__(self, model: CausalLM, device: torch.device) -> None:
         self.model, self.device = model, device
         self.kv = DenseKVStore(model.cfg.num_layers)

@@ -1,0 +1,232 @@
+"""`pypto chat`: an interactive multi-turn chat in the terminal.
+
+The model runs in this process (`--model`, engine flags as for `pypto generate`), or a running
+OpenAI-compatible server answers (`--url`). Answers stream as they are produced. `/reset`
+starts a new conversation, `/exit` (or Ctrl-D) quits. A failed answer (a server error, a
+conversation grown past the context) is reported and leaves the conversation as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import httpx
+
+from pypto_serving.errors import PyptoError
+
+PROMPT = ">>> "
+HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits"
+Messages = list[dict[str, str]]
+
+
+class ChatError(Exception):
+    """An answer failed; the session goes on."""
+
+
+class ChatBackend(Protocol):
+    name: str
+
+    def reply(self, messages: Messages) -> Iterator[str]:
+        """The assistant's answer to `messages`, piece by piece; raises ChatError."""
+        ...
+
+
+def add_chat_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `pypto chat` on the top-level subcommands."""
+    from pypto_serving.cli import add_engine_flags, positive_int
+
+    p = sub.add_parser("chat", help="chat in the terminal (in-process, or with a server via --url)")
+    p.add_argument("--system", help="a system prompt opening every conversation")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--max-tokens", type=positive_int, default=512, help="longest answer")
+    p.add_argument("--seed", type=int, default=None)
+    remote = p.add_argument_group("server (instead of loading the model here)")
+    remote.add_argument("--url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    remote.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="sent as a Bearer token (default: $OPENAI_API_KEY)",
+    )
+    remote.add_argument(
+        "--model-name", help="the served model's name (default: the first of GET /v1/models)"
+    )
+    add_engine_flags(p)
+
+
+class InProcessChat:
+    """The model loaded in this process; the conversation rendered by its chat template."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from pypto_serving.cli import engine_knobs
+        from pypto_serving.engine.llm import LLM
+        from pypto_serving.sampling import SamplingParams
+
+        self.llm = LLM(**engine_knobs(args))
+        self.name = self.llm.model_dir.name
+        self.params = SamplingParams(
+            temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+        )
+
+    def reply(self, messages: Messages) -> Iterator[str]:
+        try:
+            prompt = self.llm.chat_prompt(messages)
+            yield from self.llm.stream(prompt, self.params)
+        except PyptoError as e:
+            raise ChatError(f"{e} (/reset starts a new conversation)") from None
+
+
+def server_error(body: bytes) -> str:
+    """The message of an OpenAI-style error body, or its text."""
+    text = body.decode(errors="replace").strip()
+    try:
+        err = json.loads(text).get("error", text)
+    except (json.JSONDecodeError, AttributeError):
+        err = text
+    return str(err.get("message", err)) if isinstance(err, dict) else str(err) or "(no message)"
+
+
+class ServerChat:
+    """A running server's /v1/chat/completions, streamed."""
+
+    def __init__(
+        self, args: argparse.Namespace, transport: httpx.BaseTransport | None = None
+    ) -> None:
+        self.base_url = args.url.strip().rstrip("/").removesuffix("/v1")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise PyptoError(f"--url must start with http:// or https://, got {args.url!r}")
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        self.client = httpx.Client(
+            transport=transport, headers=headers, timeout=httpx.Timeout(600.0, connect=10.0)
+        )
+        self.name = args.model_name or self.first_model()
+        self.fields: dict[str, Any] = {
+            "model": self.name,
+            "temperature": args.temperature,
+            "max_tokens": args.max_tokens,
+            "stream": True,
+        }
+        if args.seed is not None:
+            self.fields["seed"] = args.seed
+
+    def first_model(self) -> str:
+        try:
+            response = self.client.get(self.base_url + "/v1/models")
+        except httpx.HTTPError as e:
+            raise PyptoError(f"cannot reach the server at {self.base_url}: {e}") from None
+        try:
+            return str(response.json()["data"][0]["id"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise PyptoError(
+                f"GET {self.base_url}/v1/models answered HTTP {response.status_code} with no "
+                "model; pass --model-name"
+            ) from None
+
+    def reply(self, messages: Messages) -> Iterator[str]:
+        url = self.base_url + "/v1/chat/completions"
+        try:
+            with self.client.stream("POST", url, json={**self.fields, "messages": messages}) as r:
+                if not 200 <= r.status_code < 300:
+                    raise ChatError(f"HTTP {r.status_code}: {server_error(r.read())}")
+                done = False
+                for line in r.iter_lines():
+                    piece, done = self.parse(line)
+                    if done:
+                        break
+                    if piece:
+                        yield piece
+        except httpx.HTTPError as e:
+            raise ChatError(f"lost the server at {self.base_url}: {e}") from None
+        if not done:
+            raise ChatError("the answer was cut off (the stream ended before [DONE])")
+
+    @staticmethod
+    def parse(line: str) -> tuple[str, bool]:
+        """(text, stream over) of one SSE line; an error event raises ChatError."""
+        line = line.strip()
+        if not line.startswith("data:"):
+            return "", False
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return "", True
+        try:
+            chunk = json.loads(data)
+        except json.JSONDecodeError:
+            raise ChatError(f"the server sent invalid JSON: {data[:80]!r}") from None
+        if not isinstance(chunk, dict):
+            raise ChatError(f"the server sent an invalid chunk: {data[:80]!r}")
+        if chunk.get("error"):
+            raise ChatError(server_error(data.encode()))
+        pieces = []
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            if isinstance(delta, dict) and isinstance(delta.get("content"), str):
+                pieces.append(delta["content"])
+        return "".join(pieces), False
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def answer(backend: ChatBackend, messages: Messages) -> str | None:
+    """Stream the reply to stdout; the whole reply, or None (and a message) if it failed."""
+    pieces: list[str] = []
+    try:
+        for piece in backend.reply(messages):
+            pieces.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except ChatError as e:
+        sys.stdout.write(("\n" if pieces else "") + f"[error: {e}]\n")
+        return None
+    sys.stdout.write("\n")
+    return "".join(pieces)
+
+
+def chat_loop(backend: ChatBackend, system: str | None) -> int:
+    """Read user lines until /exit or end of input; every answer sees the conversation so far."""
+    opening: Messages = [{"role": "system", "content": system}] if system else []
+    messages = list(opening)
+    sys.stdout.write(f"chatting with {backend.name} ({HELP})\n")
+    while True:
+        try:
+            line = input(PROMPT)
+        except EOFError:
+            sys.stdout.write("\n")
+            return 0
+        text = line.strip()
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            messages = list(opening)
+            sys.stdout.write("[new conversation]\n")
+            continue
+        if text.startswith("/"):
+            sys.stdout.write(f"[unknown command {text.split()[0]}: {HELP}]\n")
+            continue
+        if not text:
+            continue
+        user = {"role": "user", "content": text}
+        reply = answer(backend, [*messages, user])
+        if reply is not None:
+            messages += [user, {"role": "assistant", "content": reply}]
+
+
+def run_chat(args: argparse.Namespace, transport: httpx.BaseTransport | None = None) -> int:
+    """`pypto chat`; `transport` replaces the network in URL mode (tests pass a fake server)."""
+    if sys.stdin.isatty():
+        import readline  # noqa: F401  (line editing and history for input())
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per answer
+
+    if args.url is None:
+        return chat_loop(InProcessChat(args), args.system)
+    backend = ServerChat(args, transport)
+    try:
+        return chat_loop(backend, args.system)
+    finally:
+        backend.close()

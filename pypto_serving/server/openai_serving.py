@@ -1,0 +1,376 @@
+"""/v1/completions and /v1/chat/completions: request → prompts + SamplingParams → engine →
+one JSON response, or SSE chunks in OpenAI's format ending with `data: [DONE]`.
+
+Everything a client can get wrong is checked before the first byte is sent, so a bad request
+is always a JSON 4xx, never a broken stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pypto_serving.engine.async_llm import AsyncLLM, EngineDeadError, GenerationUpdate
+from pypto_serving.errors import PyptoError
+from pypto_serving.ops.sampler import Sampled
+from pypto_serving.sampling import SamplingParams
+from pypto_serving.server.errors import APIError, error_body
+from pypto_serving.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass(slots=True)
+class _Choice:
+    """A choice being assembled for a non-streaming response."""
+
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[Sampled] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class _Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+Update = tuple[int, GenerationUpdate]
+
+
+async def merge(gens: list[AsyncIterator[GenerationUpdate]]) -> AsyncIterator[Update]:
+    """Updates of several requests as they come, tagged with the request's index.
+
+    Closing this iterator closes (and so aborts) every request still running."""
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0]) as only:
+            async for update in only:
+                yield 0, update
+        return
+    queue: asyncio.Queue[Update | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[GenerationUpdate]) -> None:
+        try:
+            async with contextlib.aclosing(gen):  # type: ignore[type-var]
+                async for update in gen:
+                    queue.put_nowait((i, update))
+            queue.put_nowait(None)
+        except Exception as e:
+            queue.put_nowait(e)
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnected(request: Request) -> None:
+    """Return when the client closes the connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[JSONResponse]) -> JSONResponse:
+    """Run `work`, cancelling it (which aborts its requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return JSONResponse(error_body("client disconnected", "client_closed"), status_code=499)
+    return task.result()
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+        self.tokenizer = engine.llm.tokenizer
+
+    # --- shared -------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _start(
+        self, prompts: list[list[int]], params: SamplingParams, request_id: str
+    ) -> list[AsyncIterator[GenerationUpdate]]:
+        if not self.engine.alive:
+            raise EngineDeadError("the engine is not running")
+        for ids in prompts:  # before anything is queued: a bad prompt queues nothing
+            self.engine.check(ids, params)
+        return [
+            self.engine.generate(f"{request_id}-{i}", ids, params) for i, ids in enumerate(prompts)
+        ]
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # --- /v1/completions -----------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, raw: Request) -> Any:
+        self.check_model(body.model)
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:
+            raise PyptoError("echo with logprobs is not supported (no prompt logprobs)", "echo")
+        texts = body.prompts()
+        prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in texts]
+        echoes = [
+            (p if isinstance(p, str) else self.tokenizer.decode(ids)) if body.echo else ""
+            for p, ids in zip(texts, prompts, strict=True)
+        ]
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        updates = merge(self._start(prompts, params, rid))
+        usage = _Usage(prompt_tokens=sum(map(len, prompts)))
+        n = params.n
+
+        def choice(
+            index: int, text: str, logprobs: list[Sampled] | None, reason: str | None, offset: int
+        ) -> dict[str, Any]:
+            return {
+                "index": index,
+                "text": text,
+                "logprobs": self._completion_logprobs(logprobs, offset),
+                "finish_reason": reason,
+            }
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+                "usage": usage,
+            }
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def stream() -> AsyncIterator[str]:
+                offsets = [0] * (len(prompts) * n)  # text_offset of the next logprobs token
+                if body.echo:
+                    for i in range(len(offsets)):
+                        yield sse(chunk([choice(i, echoes[i // n], None, None, 0)], None))
+                async for p, update in updates:
+                    for d in update.deltas:
+                        i = p * n + d.index
+                        c = choice(i, d.text, d.logprobs, d.finish_reason, offsets[i])
+                        if c["logprobs"] is not None:
+                            offsets[i] += sum(map(len, c["logprobs"]["tokens"]))
+                        yield sse(chunk([c], None))
+                        usage.completion_tokens += len(d.token_ids)
+                    if update.finished:
+                        usage.cached_tokens += update.num_cached_tokens
+                if include_usage:
+                    yield sse(chunk([], usage.as_dict()))
+
+            return self._streaming(stream())
+
+        async def collect() -> JSONResponse:
+            choices = [_Choice(echoes[i // n]) for i in range(len(prompts) * n)]
+            async for p, update in updates:
+                for d in update.deltas:
+                    c = choices[p * n + d.index]
+                    c.text += d.text
+                    c.num_tokens += len(d.token_ids)
+                    c.logprobs += d.logprobs or []
+                    c.finish_reason = d.finish_reason
+                if update.finished:
+                    usage.cached_tokens += update.num_cached_tokens
+            usage.completion_tokens = sum(c.num_tokens for c in choices)
+            want = body.logprobs is not None
+            out = [
+                choice(i, c.text, c.logprobs if want else None, c.finish_reason, 0)
+                for i, c in enumerate(choices)
+            ]
+            return JSONResponse(chunk(out, usage.as_dict()))
+
+        return await unless_disconnected(raw, collect())
+
+    def _completion_logprobs(self, logprobs: list[Sampled] | None, offset: int) -> Any:
+        if logprobs is None:
+            return None
+        tokens = [self.token_text(s.token_id) for s in logprobs]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [s.logprob for s in logprobs],
+            "top_logprobs": [
+                {self.token_text(t): lp for t, lp in (s.top_logprobs or {}).items()}
+                for s in logprobs
+            ],
+            "text_offset": offsets,
+        }
+
+    # --- /v1/chat/completions -------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
+        self.check_model(body.model)
+        params = body.sampling_params(body.max_new_tokens(), body.num_logprobs())
+        prompt = self.render_chat(body.conversation(), add_generation_prompt=True)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        updates = merge(self._start([prompt], params, rid))
+        usage = _Usage(prompt_tokens=len(prompt))
+
+        def chunk(choices: list[dict[str, Any]], obj: str, **extra: Any) -> dict[str, Any]:
+            return {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+                **extra,
+            }
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            tail = {"usage": None} if include_usage else {}
+
+            async def stream() -> AsyncIterator[str]:
+                first = [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for i in range(params.n)
+                ]
+                yield sse(chunk(first, "chat.completion.chunk", **tail))
+                async for _, update in updates:
+                    for d in update.deltas:
+                        usage.completion_tokens += len(d.token_ids)
+                        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                        one = {
+                            "index": d.index,
+                            "delta": delta,
+                            "logprobs": self._chat_logprobs(d.logprobs),
+                            "finish_reason": d.finish_reason,
+                        }
+                        yield sse(chunk([one], "chat.completion.chunk", **tail))
+                    if update.finished:
+                        usage.cached_tokens += update.num_cached_tokens
+                if include_usage:
+                    yield sse(chunk([], "chat.completion.chunk", usage=usage.as_dict()))
+
+            return self._streaming(stream())
+
+        async def collect() -> JSONResponse:
+            choices = [_Choice() for _ in range(params.n)]
+            async for _, update in updates:
+                for d in update.deltas:
+                    c = choices[d.index]
+                    c.text += d.text
+                    c.num_tokens += len(d.token_ids)
+                    c.logprobs += d.logprobs or []
+                    c.finish_reason = d.finish_reason
+                if update.finished:
+                    usage.cached_tokens += update.num_cached_tokens
+            usage.completion_tokens = sum(c.num_tokens for c in choices)
+            out = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._chat_logprobs(
+                        c.logprobs if params.logprobs is not None else None
+                    ),
+                    "finish_reason": c.finish_reason,
+                }
+                for i, c in enumerate(choices)
+            ]
+            return JSONResponse(chunk(out, "chat.completion", usage=usage.as_dict()))
+
+        return await unless_disconnected(raw, collect())
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        """Token ids of a conversation in the tokenizer's own chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise PyptoError("this model has no chat template; use /v1/completions", "messages")
+        try:
+            out = self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+            )
+        except Exception as e:  # the template itself may reject a conversation
+            raise PyptoError(f"the chat template rejected the messages: {e}", "messages") from None
+        return list(out["input_ids"] if isinstance(out, dict) else out)
+
+    def _chat_logprobs(self, logprobs: list[Sampled] | None) -> Any:
+        if logprobs is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {
+            "content": [
+                {
+                    **entry(s.token_id, s.logprob),
+                    "top_logprobs": [entry(t, lp) for t, lp in (s.top_logprobs or {}).items()],
+                }
+                for s in logprobs
+            ]
+        }
+
+    # --- SSE ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _streaming(chunks: AsyncIterator[str]) -> StreamingResponse:
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for c in chunks:
+                    yield c
+            except (EngineDeadError, PyptoError) as e:
+                status = "service_unavailable" if isinstance(e, EngineDeadError) else "invalid"
+                yield sse(error_body(str(e), status))
+            yield sse("[DONE]")
+
+        return StreamingResponse(body(), media_type="text/event-stream")

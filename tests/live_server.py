@@ -1,0 +1,68 @@
+"""A real server (uvicorn on a free loopback port, in a thread) around an LLM, for tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from pypto_serving.config import ServerConfig
+from pypto_serving.engine.async_llm import AsyncLLM
+from pypto_serving.engine.llm import LLM
+from pypto_serving.server.app import build_app
+
+# tiny models, no torch.compile, a small KV pool: the server starts in about a second
+FAST_KNOBS: dict[str, Any] = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "num_kv_pages": 64,
+    "page_size": 16,
+}
+
+
+@dataclass
+class Live:
+    url: str
+    llm: LLM
+    engine: AsyncLLM
+    model: str
+
+
+def tiny_llm(model_dir: Path, **knobs: Any) -> LLM:
+    return LLM(str(model_dir), **(FAST_KNOBS | knobs))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serving(llm: LLM, name: str = "tiny", **server: Any) -> Iterator[Live]:
+    """Serve `llm` until the block ends."""
+    config = ServerConfig(port=free_port(), **server)
+    engine = AsyncLLM(llm, name, config.log_interval_s)
+    app = build_app(engine, config, name)
+    uv = uvicorn.Server(
+        uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")
+    )
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield Live(f"http://{config.host}:{config.port}", llm, engine, name)
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=30)
