@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pypto_serving.config import (
+    SERVE_ENGINE_DEFAULTS,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
@@ -60,14 +61,20 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    add_config_flags(parser, "engine", SECTIONS)
+def add_engine_flags(
+    parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None
+) -> None:
+    add_config_flags(parser, "engine", SECTIONS, defaults)
 
 
 def add_config_flags(
-    parser: argparse.ArgumentParser, title: str, sections: tuple[type, ...]
+    parser: argparse.ArgumentParser,
+    title: str,
+    sections: tuple[type, ...],
+    defaults: dict[str, Any] | None = None,
 ) -> None:
-    """One flag per field of the config dataclasses (default None: 'not given')."""
+    """One flag per field of the config dataclasses (default None: 'not given'); `defaults`
+    names the fields whose default differs for this command."""
     group = parser.add_argument_group(title)
     for section in sections:
         docs = field_docs(section)
@@ -78,6 +85,7 @@ def add_config_flags(
             flag = "--" + f.name.replace("_", "-")
             kind = _flag_type(hints[f.name])
             default = f.default if f.default is not MISSING else None
+            default = (defaults or {}).get(f.name, default)
             help_text = f"{docs.get(f.name, '')} (default: {default})"
             if kind is bool:
                 group.add_argument(
@@ -127,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         "flags given on the command line win",
     )
     add_config_flags(serve, "server", (ServerConfig,))
-    add_engine_flags(serve)
+    add_engine_flags(serve, SERVE_ENGINE_DEFAULTS)
     from pypto_serving.bench import add_bench_parser
     from pypto_serving.chat import add_chat_parser
 
@@ -204,7 +212,7 @@ def read_prompts(path: Path) -> list[str]:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pypto_serving.server.launch import run_server
 
-    knobs = read_config_file(args.config) if args.config else {}
+    knobs = SERVE_ENGINE_DEFAULTS | (read_config_file(args.config) if args.config else {})
     knobs |= engine_knobs(args, (*SECTIONS, ServerConfig))
     engine, server = split_knobs(knobs)
     return run_server(engine, server)

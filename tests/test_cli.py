@@ -196,5 +196,10 @@ def test_serve_config_file_and_flags(tmp_path, monkeypatch):
         )
     )
     assert main(["serve", "--config", str(config), "--port", "9002", "--page-size", "16"]) is None
-    assert seen["k"] == {"dtype": "float32", "max_num_seqs": 4, "page_size": 16}
+    assert seen["k"] == {
+        "dtype": "float32",
+        "max_num_seqs": 4,
+        "page_size": 16,
+        "max_num_batched_tokens": 1024,  # serve's own default
+    }
     assert (seen["s"].port, seen["s"].api_key, seen["s"].host) == (9002, "k", "127.0.0.1")

@@ -394,3 +394,19 @@ def test_bench_serve_against_our_server(tiny_model, tmp_path, capsys):
         assert r["output_tokens"] == 2 * 40
         assert all(q["ttft_s"] is None for q in r["requests"] if not q["success"])
     assert "failed requests" in capsys.readouterr().out
+
+
+def test_busy_server_logs_throughput(tiny_model, caplog):
+    llm = tiny_llm(tiny_model(MODEL))
+    with (
+        caplog.at_level("INFO", logger="pypto_serving.engine.async_llm"),
+        serving(llm, log_interval_s=0.2) as live,
+    ):
+        body = {"prompt": "x", "max_tokens": 30, "ignore_eos": True}
+        httpx.post(live.url + "/v1/completions", json=body, timeout=30)
+        deadline = time.monotonic() + 5
+        while "generation" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    line = next(r.getMessage() for r in caplog.records if "generation" in r.getMessage())
+    for part in ("prompt", "tok/s", "running", "waiting", "KV usage", "prefix cache hit rate"):
+        assert part in line
