@@ -215,6 +215,8 @@ BAD = [
     (b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens", "invalid_value"),
     (b'{"prompt": "x", "max_tokens": 100000}', 400, "max_tokens", "invalid_value"),
     (b'{"prompt": "x", "n": 0}', 400, "n", "invalid_value"),
+    (b'{"prompt": "x", "n": 129}', 400, "n", "invalid_value"),
+    (b'{"prompt": ["a", "b", "c"], "n": 50}', 400, "n", "invalid_value"),
     (b'{"prompt": "x", "stop": [""]}', 400, "stop", "invalid_value"),
     (b'{"prompt": [1, 99999]}', 400, "prompt", "invalid_value"),
     (b'{"prompt": []}', 400, "prompt", "invalid_value"),

@@ -117,6 +117,10 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
+MAX_SEQUENCES_PER_REQUEST = 128
+"""Prompts x n of one request: more is refused (one request must not flood the queue)."""
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_name: str) -> None:
         self.engine, self.model_name = engine, model_name
@@ -138,6 +142,12 @@ class OpenAIServing:
     ) -> list[AsyncIterator[GenerationUpdate]]:
         if not self.engine.alive:
             raise EngineDeadError("the engine is not running")
+        if len(prompts) * params.n > MAX_SEQUENCES_PER_REQUEST:
+            raise PyptoError(
+                f"{len(prompts)} prompt(s) x n={params.n} sequences is over the limit of "
+                f"{MAX_SEQUENCES_PER_REQUEST} per request",
+                "n",
+            )
         for ids in prompts:  # before anything is queued: a bad prompt queues nothing
             self.engine.check(ids, params)
         return [
