@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from side_by_side import PEERS, VLLM_ENV, machine, ratio
+from side_by_side import PEERS, VLLM_ENV, machine, markdown_report, ratio
 
 PORT = 8765
 NAME = "SmolLM2-135M-Instruct"
@@ -159,28 +159,15 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {"input_len": args.input_len, "output_len": args.output_len},
         "results": results,
     }
-    lines = [
-        f"### Serving side by side ({report['date']})",
-        "",
-        f"Machine: {report['machine']['cpu']}, {report['machine']['cores']} cores. "
+    about = (
         f"Random {args.input_len}-token prompts → {args.output_len} tokens, EOS ignored, "
-        "greedy, streamed; the same `pypto bench serve` client for every server.",
-        "",
-        *table(results, args.cases),
-        "",
-        "Commands:",
-        "",
-        "```",
-        report["command"],
-        *(r["command"] for r in results.values() if "command" in r),
-        "```",
-    ]
-    notes = [
-        f"- {e}: {r.get('skipped') or r['error']}"
-        for e, r in results.items()
-        if "skipped" in r or "error" in r
-    ]
-    text = "\n".join(lines + (["", "Not measured:", *notes] if notes else [])) + "\n"
+        "greedy, streamed; the same `pypto bench serve` client for every server."
+    )
+    commands = [r["command"] for r in results.values() if "command" in r]
+    missing = {e: r for e, r in results.items() if "skipped" in r or "error" in r}
+    text = markdown_report(
+        "Serving side by side", report, about, table(results, args.cases), commands, missing
+    )
     print(text)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

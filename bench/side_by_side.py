@@ -403,28 +403,44 @@ def machine() -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    m, w = report["machine"], report["workload"]
+    w = report["workload"]
+    about = (
+        f"Model: SmolLM2-135M-Instruct. W1: {w['num_prompts']} prompts × {w['output_len']} "
+        "output tokens, greedy, EOS ignored. Single stream: "
+        f"{w['single_input_len']} random prompt tokens → {w['single_len']} tokens."
+    )
+    commands = [c for r in report["results"].values() for c in r.get("commands", [])]
+    missing = {k: v for k, v in report["results"].items() if "w1" not in v}
+    return markdown_report(
+        "Side by side", report, about, tables(report["results"]), commands, missing
+    )
+
+
+def markdown_report(
+    title: str,
+    report: dict[str, Any],
+    about: str,
+    table_lines: list[str],
+    commands: list[str],
+    missing: dict[str, dict[str, Any]],
+) -> str:
+    """Heading with date, machine and workload, the tables, the commands, what was skipped."""
+    m = report["machine"]
     lines = [
-        f"### Side by side ({report['date']})",
+        f"### {title} ({report['date']})",
         "",
-        f"Machine: {m['cpu']}, {m['cores']} cores. Model: SmolLM2-135M-Instruct. "
-        f"W1: {w['num_prompts']} prompts × {w['output_len']} output tokens, greedy, EOS ignored. "
-        f"Single stream: {w['single_input_len']} random prompt tokens → {w['single_len']} tokens.",
+        f"Machine: {m['cpu']}, {m['cores']} cores. {about}",
         "",
-        *tables(report["results"]),
+        *table_lines,
         "",
         "Commands:",
         "",
         "```",
         report["command"],
-        *(c for r in report["results"].values() for c in r.get("commands", [])),
+        *commands,
         "```",
     ]
-    notes = [
-        f"- {k}: {v.get('skipped') or v.get('error')}"
-        for k, v in report["results"].items()
-        if "w1" not in v
-    ]
+    notes = [f"- {k}: {v.get('skipped') or v.get('error')}" for k, v in missing.items()]
     return "\n".join(lines + (["", "Not measured:", *notes] if notes else [])) + "\n"
 
 

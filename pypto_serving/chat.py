@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from pypto_serving.bench.serve_client import error_message
 from pypto_serving.errors import PyptoError
 
 PROMPT = ">>> "
@@ -81,16 +82,6 @@ class InProcessChat:
             raise ChatError(f"{e} (/reset starts a new conversation)") from None
 
 
-def server_error(body: bytes) -> str:
-    """The message of an OpenAI-style error body, or its text."""
-    text = body.decode(errors="replace").strip()
-    try:
-        err = json.loads(text).get("error", text)
-    except (json.JSONDecodeError, AttributeError):
-        err = text
-    return str(err.get("message", err)) if isinstance(err, dict) else str(err) or "(no message)"
-
-
 class ServerChat:
     """A running server's /v1/chat/completions, streamed."""
 
@@ -132,7 +123,7 @@ class ServerChat:
         try:
             with self.client.stream("POST", url, json={**self.fields, "messages": messages}) as r:
                 if not 200 <= r.status_code < 300:
-                    raise ChatError(f"HTTP {r.status_code}: {server_error(r.read())}")
+                    raise ChatError(f"HTTP {r.status_code}: {error_message(r.read())}")
                 done = False
                 for line in r.iter_lines():
                     piece, done = self.parse(line)
@@ -161,7 +152,7 @@ class ServerChat:
         if not isinstance(chunk, dict):
             raise ChatError(f"the server sent an invalid chunk: {data[:80]!r}")
         if chunk.get("error"):
-            raise ChatError(server_error(data.encode()))
+            raise ChatError(error_message(data.encode()))
         pieces = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") if isinstance(choice, dict) else None

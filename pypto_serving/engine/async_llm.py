@@ -161,10 +161,6 @@ class AsyncLLM:
 
     # --- requests -------------------------------------------------------------------------
 
-    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise PyptoError (naming the parameter) if the request cannot be served."""
-        self.engine.check(prompt_token_ids, params)
-
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[GenerationUpdate]:
@@ -176,7 +172,7 @@ class AsyncLLM:
             raise EngineDeadError("the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
-        self.check(prompt_token_ids, params)
+        self.engine.check(prompt_token_ids, params)
         stream = _Stream(asyncio.Queue(), time.monotonic())
         self._streams[request_id] = stream
         self._adds.append(_Add(request_id, prompt_token_ids, params, stream))

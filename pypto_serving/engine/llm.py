@@ -123,7 +123,6 @@ class LLM:
         seq = next(self._ids)
         rid = request_id if request_id is not None else str(seq)
         ids = self.encode(prompt)
-        self.engine.check(ids, params)
         eos = self.engine.model.cfg.eos_token_ids
         family = _Family(rid, prompt if isinstance(prompt, str) else None, [], [])
         arrived = time.monotonic() if arrival_time is None else arrival_time
@@ -135,10 +134,10 @@ class LLM:
             family.sent.append(0)
         share = params.n > 1 and self.engine.config.cache.enable_prefix_caching
         family.pending = family.children[1:] if share else []
-        for i, req in enumerate(family.children):
-            self._families[req.request_id] = (family, i)
+        for i, req in enumerate(family.children):  # add_request checks; raises before any is kept
             if req not in family.pending:
                 self.engine.add_request(req)
+            self._families[req.request_id] = (family, i)
         return family
 
     def abort(self, family: _Family) -> None:

@@ -29,6 +29,7 @@ from pypto_serving.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    conversation,
 )
 
 
@@ -123,8 +124,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
         if (body.prompt is None) == (body.messages is None):
             raise PyptoError("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            tokens = serving.render_chat(messages, body.add_generation_prompt)
+            tokens = serving.render_chat(conversation(body.messages), body.add_generation_prompt)
         else:
             tokens = serving.tokenizer.encode(
                 body.prompt, add_special_tokens=body.add_special_tokens

@@ -92,6 +92,22 @@ async def merge(gens: list[AsyncIterator[GenerationUpdate]]) -> AsyncIterator[Up
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def gather(
+    updates: AsyncIterator[Update], choices: list[_Choice], n: int, usage: _Usage
+) -> None:
+    """Assemble whole choices (prompt p's sample i is choice p * n + i) and the usage."""
+    async for p, update in updates:
+        for d in update.deltas:
+            c = choices[p * n + d.index]
+            c.text += d.text
+            c.num_tokens += len(d.token_ids)
+            c.logprobs += d.logprobs or []
+            c.finish_reason = d.finish_reason
+        if update.finished:
+            usage.cached_tokens += update.num_cached_tokens
+    usage.completion_tokens = sum(c.num_tokens for c in choices)
+
+
 async def until_disconnected(request: Request) -> None:
     """Return when the client closes the connection (the body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -149,7 +165,7 @@ class OpenAIServing:
                 "n",
             )
         for ids in prompts:  # before anything is queued: a bad prompt queues nothing
-            self.engine.check(ids, params)
+            self.engine.engine.check(ids, params)
         return [
             self.engine.generate(f"{request_id}-{i}", ids, params) for i, ids in enumerate(prompts)
         ]
@@ -220,16 +236,7 @@ class OpenAIServing:
 
         async def collect() -> JSONResponse:
             choices = [_Choice(echoes[i // n]) for i in range(len(prompts) * n)]
-            async for p, update in updates:
-                for d in update.deltas:
-                    c = choices[p * n + d.index]
-                    c.text += d.text
-                    c.num_tokens += len(d.token_ids)
-                    c.logprobs += d.logprobs or []
-                    c.finish_reason = d.finish_reason
-                if update.finished:
-                    usage.cached_tokens += update.num_cached_tokens
-            usage.completion_tokens = sum(c.num_tokens for c in choices)
+            await gather(updates, choices, n, usage)
             want = body.logprobs is not None
             out = [
                 choice(i, c.text, c.logprobs if want else None, c.finish_reason, 0)
@@ -312,16 +319,7 @@ class OpenAIServing:
 
         async def collect() -> JSONResponse:
             choices = [_Choice() for _ in range(params.n)]
-            async for _, update in updates:
-                for d in update.deltas:
-                    c = choices[d.index]
-                    c.text += d.text
-                    c.num_tokens += len(d.token_ids)
-                    c.logprobs += d.logprobs or []
-                    c.finish_reason = d.finish_reason
-                if update.finished:
-                    usage.cached_tokens += update.num_cached_tokens
-            usage.completion_tokens = sum(c.num_tokens for c in choices)
+            await gather(updates, choices, params.n, usage)
             out = [
                 {
                     "index": i,
