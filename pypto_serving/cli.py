@@ -25,6 +25,7 @@ from pypto_serving.config import (
     EngineConfig,
     SchedulerConfig,
     ServerConfig,
+    parse_bytes,
     read_config_file,
     split_knobs,
 )
@@ -83,7 +84,7 @@ def add_config_flags(
             if f.name in ("scheduler", "cache"):
                 continue
             flag = "--" + f.name.replace("_", "-")
-            kind = _flag_type(hints[f.name])
+            kind = byte_count if f.name.endswith("_bytes") else _flag_type(hints[f.name])
             default = f.default if f.default is not MISSING else None
             default = (defaults or {}).get(f.name, default)
             help_text = f"{docs.get(f.name, '')} (default: {default})"
@@ -99,6 +100,13 @@ def engine_knobs(args: argparse.Namespace, sections: tuple[type, ...] = SECTIONS
     """The config fields given on the command line (flags left out are not in the dict)."""
     names = {f.name for s in sections for f in fields(s)} - {"scheduler", "cache"}
     return {n: v for n, v in vars(args).items() if n in names and v is not None}
+
+
+def byte_count(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except PyptoError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,6 +188,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     "token_ids": o.token_ids,
                     "finish_reason": o.finish_reason,
                     "num_cached_tokens": out.num_cached_tokens,
+                    "cached_tokens_by_tier": out.cached_tokens_by_tier,
                 }
             )
             + "\n"

@@ -6,6 +6,7 @@ The CLI derives its flags from these fields (see cli.py), so a knob is declared 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -37,19 +38,50 @@ class CacheConfig:
     page_size: int = 64
     """Tokens per KV page."""
     num_kv_pages: int | None = None
-    """KV pages to allocate; None sizes the pool from kv_cache_bytes."""
-    kv_cache_bytes: int = 2 << 30
-    """Byte budget of the KV pool when num_kv_pages is not given."""
+    """Device KV pages to allocate; None sizes the pool from kv_device_bytes."""
+    kv_device_bytes: int = 2 << 30
+    """Byte budget of the device KV pool when num_kv_pages is not given (e.g. 2GiB)."""
     enable_prefix_caching: bool = True
     """Reuse the KV of full pages whose token prefix was seen before."""
+    kv_cpu_bytes: int = 4 << 30
+    """Byte budget of the CPU tier: cached pages pushed out of the device, and the KV of
+    requests preempted by swap (0: no CPU tier)."""
+    kv_ssd_dir: str | None = None
+    """Directory of the SSD tier (None: no SSD tier); pages there survive restarts."""
+    kv_ssd_bytes: int = 16 << 30
+    """Byte budget of the SSD tier when kv_ssd_dir is set."""
 
     def validate(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise PyptoError(f"page_size must be an integer >= 1, got {self.page_size!r}")
-        if self.num_kv_pages is not None and self.num_kv_pages < 1:
-            raise PyptoError(f"num_kv_pages must be >= 1, got {self.num_kv_pages!r}")
-        if self.kv_cache_bytes < 1:
-            raise PyptoError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes!r}")
+        if self.num_kv_pages is not None and (
+            not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 1
+        ):
+            raise PyptoError(f"num_kv_pages must be an integer >= 1, got {self.num_kv_pages!r}")
+        for name in ("kv_device_bytes", "kv_cpu_bytes", "kv_ssd_bytes"):
+            value = parse_bytes(getattr(self, name), name)
+            minimum = 1 if name == "kv_device_bytes" else 0
+            if value < minimum:
+                raise PyptoError(f"{name} must be >= {minimum}, got {value!r}")
+            setattr(self, name, value)
+        if self.kv_ssd_dir is not None and not str(self.kv_ssd_dir).strip():
+            raise PyptoError("kv_ssd_dir must not be empty")
+
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_UNITS |= {u + "i": 1 << (10 * i) for i, u in enumerate("kmgt", start=1)}
+
+
+def parse_bytes(value: object, name: str = "size") -> int:
+    """A byte count from an int or a string such as '512MiB', '4G' or '1.5GiB'."""
+    if isinstance(value, bool):
+        raise PyptoError(f"{name} must be a byte count, got {value!r}")
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", str(value), re.IGNORECASE)
+    if not isinstance(value, str) or match is None:
+        raise PyptoError(f"{name} must be a byte count such as 4294967296 or 4GiB, got {value!r}")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
 
 
 @dataclass(slots=True)

@@ -61,3 +61,15 @@ def use_packed_linear(device: torch.device, dtype: torch.dtype) -> bool:
     if os.environ.get("PYPTO_PACK_LINEAR", "1") == "0":
         return False
     return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+
+
+def pin_host_memory(device: torch.device) -> bool:
+    """Whether host buffers that feed `device` should be pinned (page-locked): on CUDA only,
+    where it makes host <-> device copies fast."""
+    return device.type == "cuda"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (for timing); a no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

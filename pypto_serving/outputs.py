@@ -25,6 +25,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = False
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    """Of the cached prompt tokens, how many each KV tier held (device, cpu, ssd)."""
 
 
 @dataclass(slots=True)

@@ -43,6 +43,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache at admission."""
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    """Of those, how many each KV tier held (device, cpu, ssd)."""
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

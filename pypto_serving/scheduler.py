@@ -4,8 +4,9 @@ Each step it hands out a token budget: running requests first (decodes and unfin
 prefill chunks), then waiting requests in priority order. A request's computed tokens catch
 up with its tokens, so chunked prefill, prefix hits and decode are one rule. When the KV
 store cannot take a request's new tokens, the most recently arrived running request (lowest
-priority first) is preempted by recompute: its pages are freed and it starts over later,
-keeping its sampled tokens so its output is the same as an unpreempted run.
+priority first) is preempted: the store either swaps its KV out to a lower tier (restored when
+it resumes) or drops it (recompute: it starts over later). Either way it keeps its sampled
+tokens, so its output is the same as an unpreempted run.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from pypto_serving.request import Request, RequestStatus
 class KVCapacity(Protocol):
     """The questions the scheduler asks the KV store (it never sees page ids)."""
 
-    def num_cached_tokens(self, request: Request) -> int:
-        """Claim the request's prefix-cache hit; return how many prompt tokens it covers."""
+    def num_cached_tokens(self, request: Request) -> int | None:
+        """Claim the request's cached prefix (or swapped-out KV); return how many tokens it
+        covers, or None if it cannot be brought in yet (try again later)."""
         ...
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
@@ -32,7 +34,12 @@ class KVCapacity(Protocol):
         ...
 
     def free(self, request: Request) -> None:
-        """The request no longer needs its KV (finished, aborted or preempted)."""
+        """The request no longer needs its KV now (finished, aborted, or not admitted)."""
+        ...
+
+    def preempt(self, request: Request) -> bool:
+        """Release a preempted request's pages; True if its KV was kept (swapped out) to be
+        handed back by `num_cached_tokens` when it resumes, False if it must recompute."""
         ...
 
 
@@ -59,6 +66,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swapped = 0  # of which the KV store kept the victim's KV (swap)
         self.prefix_queries = 0  # prompt tokens of admitted requests
         self.prefix_hits = 0  # of which the prefix cache held
 
@@ -89,7 +97,10 @@ class Scheduler:
         self.waiting.sort(key=lambda r: (r.priority, r.arrival))
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            req.num_computed_tokens = self.kv.num_cached_tokens(req)
+            cached = self.kv.num_cached_tokens(req)
+            if cached is None:  # its swapped-out KV does not fit yet
+                break
+            req.num_computed_tokens = cached
             n = self._chunk(req, budget)
             if not self.kv.allocate(req, n):
                 self.kv.free(req)  # a waiting request holds no pages, so none can deadlock
@@ -123,7 +134,7 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req)
+        self.num_swapped += self.kv.preempt(req)
         self.running.remove(req)
         req.status, req.num_computed_tokens = RequestStatus.PREEMPTED, 0
         req.num_preemptions += 1

@@ -7,9 +7,12 @@ it would attend to holds exactly the request's tokens, indexes the pages that be
 share a prefix share cached pages, and a request's expected output is known in advance.
 """
 
+import shutil
+import tempfile
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Self
 
 import hypothesis.strategies as st
@@ -52,7 +55,13 @@ def chain(token_ids: Sequence[int], salt: str | None) -> list[bytes]:
     return hash_chain(list(token_ids), PS, salt)
 
 
-def make_store(num_pages: int, enable_prefix_caching: bool = True) -> PagedKVStore:
+def make_store(
+    num_pages: int,
+    enable_prefix_caching: bool = True,
+    cpu_pages: int = 0,
+    ssd_pages: int = 0,
+    ssd_dir: Path | None = None,
+) -> PagedKVStore:
     return PagedKVStore(
         num_layers=1,
         num_kv_heads=1,
@@ -62,6 +71,10 @@ def make_store(num_pages: int, enable_prefix_caching: bool = True) -> PagedKVSto
         dtype=torch.float32,
         device=torch.device("cpu"),
         enable_prefix_caching=enable_prefix_caching,
+        cpu_pages=cpu_pages,
+        ssd_dir=ssd_dir,
+        ssd_pages=ssd_pages,
+        digest="fake-model",
     )
 
 
@@ -119,9 +132,18 @@ class Harness:
     executor: FakeExecutor
 
     @classmethod
-    def build(cls, config: SchedulerConfig, num_pages: int, prefix_caching: bool = True) -> Self:
+    def build(
+        cls,
+        config: SchedulerConfig,
+        num_pages: int,
+        prefix_caching: bool = True,
+        cpu_pages: int = 0,
+        ssd_pages: int = 0,
+        ssd_dir: Path | None = None,
+    ) -> Self:
+        """A harness over a store with `num_pages` device pages and optional lower tiers."""
         config.validate()
-        store = make_store(num_pages, prefix_caching)
+        store = make_store(num_pages, prefix_caching, cpu_pages, ssd_pages, ssd_dir)
         return cls(Scheduler(config, store), store, FakeExecutor(store))
 
     def step(self) -> SchedulerOutput:
@@ -198,6 +220,7 @@ def check_invariants(h: Harness) -> None:
     for req in scheduler.waiting:
         assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert req.num_computed_tokens == 0
+    check_tier_invariants(h)
     for req in scheduler.running:
         assert req.status is RequestStatus.RUNNING
         assert 0 < req.num_computed_tokens <= req.num_tokens
@@ -211,6 +234,36 @@ def check_invariants(h: Harness) -> None:
         assert pool.num_free == pool.num_pages
         assert store.tables == {}
         assert scheduler.requests == {}
+        assert store.swapped == {}
+        assert store.cpu is None or store.cpu.num_held == 0
+
+
+def check_tier_invariants(h: Harness) -> None:
+    """Every tier's used + free = its capacity; every hash lives in exactly one place; the CPU
+    tier holds exactly the swapped (waiting) requests' pages."""
+    store, pool = h.store, h.store.pool
+    places = [set(pool.cached_hashes())] + [set(t.hashes()) for t in store.lower]
+    assert sum(len(p) for p in places) == len(set().union(*places)), "a hash in two tiers"
+    for tier in store.lower:
+        assert len(tier.hashes()) == len(set(tier.hashes()))
+        assert len(tier) <= tier.capacity
+        for page_hash in tier.hashes():
+            assert tier.tokens(page_hash) is not None
+    if store.cpu is not None:
+        cpu = store.cpu
+        assert len(cpu) + cpu.num_free == cpu.capacity
+        assert len(cpu) == len(cpu.hashes()) + cpu.num_held
+        assert sorted(cpu.held_keys()) == sorted(store.swapped)
+        for request_id, entry in store.swapped.items():
+            req = h.scheduler.requests[request_id]
+            assert req in h.scheduler.waiting and req.status is RequestStatus.PREEMPTED
+            assert req.num_computed_tokens == 0 and entry.num_tokens <= req.num_tokens
+    else:
+        assert store.swapped == {}
+    if store.ssd is not None:
+        assert len(store.ssd) == len(store.ssd.hashes())
+    used = {s.name: s.used for s in store.tier_stats()}
+    assert used["device"] == pool.num_pages - pool.num_free
 
 
 @dataclass
@@ -241,6 +294,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         super().__init__()
         self.h = Harness.build(SchedulerConfig(), num_pages=1)
         self.arrival = 0
+        self.ssd_dir: Path | None = None
 
     @initialize(
         num_pages=st.integers(6, 12),
@@ -248,6 +302,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_batched_tokens=st.integers(1, 24),
         long_prefill_token_threshold=st.integers(0, 8),
         prefix_caching=st.sampled_from([True, True, True, False]),
+        cpu_pages=st.sampled_from([0, 0, 2, 4, 8]),
+        ssd_pages=st.sampled_from([0, 0, 3, 6]),
     )
     def setup(
         self,
@@ -256,9 +312,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_batched_tokens: int,
         long_prefill_token_threshold: int,
         prefix_caching: bool,
+        cpu_pages: int,
+        ssd_pages: int,
     ) -> None:
+        """A scheduler over device pages and, drawn too, a CPU tier and an SSD tier."""
         config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold)
-        self.h = Harness.build(config, num_pages, prefix_caching)
+        self.ssd_dir = Path(tempfile.mkdtemp(prefix="pypto-ssd-")) if ssd_pages else None
+        self.h = Harness.build(
+            config, num_pages, prefix_caching, cpu_pages, ssd_pages, self.ssd_dir
+        )
 
     def _step(self, count: int) -> None:
         for _ in range(count):
@@ -309,7 +371,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.h.run()
         check_invariants(self.h)
         event(f"preemptions: {min(self.h.scheduler.num_preemptions, 3)}")
+        event(f"swaps: {min(self.h.scheduler.num_swapped, 3)}")
         event(f"prefix hit: {self.h.scheduler.prefix_hits > 0}")
+        for s in self.h.store.tier_stats():
+            event(f"{s.name} hits: {min(s.hits, 3)}")
+        self.h.store.close()
+        if self.ssd_dir is not None:
+            shutil.rmtree(self.ssd_dir, ignore_errors=True)
 
 
 SchedulerMachine.TestCase.settings = settings(

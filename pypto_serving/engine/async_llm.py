@@ -77,6 +77,7 @@ class GenerationUpdate:
     deltas: list[CompletionDelta]
     num_cached_tokens: int
     finished: bool
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -153,6 +154,7 @@ class AsyncLLM:
                 await self._task
             self._task = None
         self._fail_all(EngineDeadError("the server is shutting down"))
+        self._thread.submit(self.engine.close).result()
         self._thread.shutdown(wait=True)
 
     @property
@@ -241,13 +243,17 @@ class AsyncLLM:
 
     def _step(self) -> list[tuple[str, GenerationUpdate]]:
         """On the engine thread: one step, then each changed request's deltas."""
-        return [
-            (
-                f.request_id,
-                GenerationUpdate(f.take_deltas(), f.children[0].num_cached_tokens, f.finished),
+        updates = []
+        for f in self.llm.step():
+            first = f.children[0]
+            update = GenerationUpdate(
+                f.take_deltas(),
+                first.num_cached_tokens,
+                f.finished,
+                dict(first.cached_tokens_by_tier) if f.finished else {},
             )
-            for f in self.llm.step()
-        ]
+            updates.append((f.request_id, update))
+        return updates
 
     def _dispatch(self, updates: list[tuple[str, GenerationUpdate]]) -> None:
         now = time.monotonic()

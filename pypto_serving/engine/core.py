@@ -11,7 +11,9 @@ from pypto_serving.device import resolve_device, resolve_dtype, set_num_threads
 from pypto_serving.errors import PyptoError
 from pypto_serving.executor.paged import PagedExecutor
 from pypto_serving.executor.reference import ReferenceExecutor
-from pypto_serving.models.loader import load_model
+from pypto_serving.kv.store import PagedKVStore
+from pypto_serving.kv.tier import TierStats
+from pypto_serving.models.loader import checkpoint_digest, load_model
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.scheduler import Scheduler
@@ -32,10 +34,14 @@ class EngineStats:
     prefix_hits: int
     """Of those, tokens found in the prefix cache."""
     num_preemptions: int
+    num_swapped: int
+    """Of those, preemptions whose KV was swapped out instead of dropped."""
     num_recompilations: int
     prompt_tokens: int
     """Prompt tokens computed (prefix-cache hits excluded, recomputation included)."""
     generation_tokens: int
+    tiers: tuple[TierStats, ...] = ()
+    """Per KV tier (device, cpu, ssd): occupancy, hits, misses, pages moved, load latency."""
 
 
 class EngineCore:
@@ -48,6 +54,7 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(model_dir, self.dtype, self.device)
+        self.model_dir = model_dir
         cfg = self.model.cfg
         limits = [cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings]
         self.executor = self._make_executor(min(limits))
@@ -71,8 +78,9 @@ class EngineCore:
             return ReferenceExecutor(self.model, self.device)
         c = self.config
         max_tokens = c.scheduler.max_num_seqs * max_len
+        digest = checkpoint_digest(self.model_dir)
         executor = PagedExecutor(
-            self.model, self.device, self.dtype, c.cache, max_tokens, c.enforce_eager
+            self.model, self.device, self.dtype, c.cache, max_tokens, c.enforce_eager, digest
         )
         executor.warmup()
         return executor
@@ -120,10 +128,17 @@ class EngineCore:
             s.prefix_queries,
             s.prefix_hits,
             s.num_preemptions,
+            s.num_swapped,
             self.executor.num_recompilations,
             self.prompt_tokens,
             self.generation_tokens,
+            tuple(kv.tier_stats()) if isinstance(kv := self.executor.kv, PagedKVStore) else (),
         )
+
+    def close(self) -> None:
+        """Finish background work (the SSD tier's queued writes). Idempotent."""
+        if isinstance(self.executor.kv, PagedKVStore):
+            self.executor.kv.close()
 
     def step(self) -> list[Request]:
         """One engine step; returns the requests that got a new token or finished."""

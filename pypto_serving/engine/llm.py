@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from tqdm import tqdm
 
@@ -86,6 +86,7 @@ class _Family:
             outs,
             first.num_cached_tokens,
             self.finished,
+            dict(first.cached_tokens_by_tier),
         )
 
 
@@ -100,6 +101,16 @@ class LLM:
         self.engine = EngineCore(config, self.model_dir)
         self._ids = itertools.count()
         self._families: dict[str, tuple[_Family, int]] = {}
+
+    def close(self) -> None:
+        """Finish background work (the SSD tier's queued writes); also done at exit."""
+        self.engine.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -7,13 +7,15 @@ from the engine at scrape time, so they cannot drift from the engine's own count
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from pypto_serving.engine.core import EngineStats
+from pypto_serving.kv.tier import LOAD_BUCKETS, TierStats
 
 PREFIX = "pypto_"
 
@@ -45,6 +47,10 @@ class _EngineCollector(Collector):
             ),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache", s.prefix_hits),
             "num_preemptions": ("Requests preempted", s.num_preemptions),
+            "num_preemptions_swapped": (
+                "Preemptions whose KV was swapped to the CPU tier (the rest recompute)",
+                s.num_swapped,
+            ),
             "recompilations": ("torch.compile recompilations after warm-up", s.num_recompilations),
             "prompt_tokens": ("Prompt tokens computed (cache hits excluded)", s.prompt_tokens),
             "generation_tokens": ("Tokens generated", s.generation_tokens),
@@ -53,6 +59,62 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)
             yield c
+        if s.tiers:
+            yield from self._tiers(s.tiers)
+
+    def _tiers(
+        self, tiers: tuple[TierStats, ...]
+    ) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+        """Per KV tier (label tier = device, cpu, ssd): occupancy, lookups, pages moved."""
+        labels = ["model_name", "tier"]
+        gauges = {
+            "kv_tier_capacity_pages": ("Pages the tier's budget holds", lambda t: t.capacity),
+            "kv_tier_used_pages": (
+                "Pages held now (device: by requests; cpu: cached or swapped; ssd: cached)",
+                lambda t: t.used,
+            ),
+            "kv_tier_usage_perc": (
+                "Fraction of the tier's pages in use (0-1)",
+                lambda t: t.used / max(t.capacity, 1),
+            ),
+        }
+        for name, (doc, get) in gauges.items():
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            for t in tiers:
+                g.add_metric([self.model_name, t.name], get(t))
+            yield g
+        counters = {
+            "kv_tier_hits": ("Prompt pages found in the tier at admission", "hits", 1),
+            "kv_tier_misses": ("Prompt pages looked up in the tier, not found", "misses", 1),
+            "kv_tier_stored_pages": ("Pages written into the tier", "stored", 1),
+            "kv_tier_loaded_pages": ("Pages loaded from the tier into the device", "loaded", 1),
+            "kv_tier_evicted_pages": ("Cached pages pushed out for room", "evicted", 1),
+            "kv_tier_stored_bytes": ("Bytes written into the tier", "stored", 0),
+            "kv_tier_loaded_bytes": ("Bytes loaded from the tier into the device", "loaded", 0),
+            "kv_tier_evicted_bytes": ("Bytes of cached pages pushed out for room", "evicted", 0),
+        }
+        for name, (doc, attr, pages) in counters.items():
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            for t in tiers:
+                value = getattr(t, attr) * (1 if pages else t.page_bytes)
+                c.add_metric([self.model_name, t.name], value)
+            yield c
+        h = HistogramMetricFamily(
+            PREFIX + "kv_tier_load_seconds",
+            "Time to load one request's pages from the tier into the device",
+            labels=labels,
+        )
+        bounds = [str(b) for b in LOAD_BUCKETS] + ["+Inf"]
+        for t in tiers:
+            if t.name == "device":
+                continue
+            cumulative = list(itertools.accumulate(t.load_buckets))
+            h.add_metric(
+                [self.model_name, t.name],
+                list(zip(bounds, cumulative, strict=True)),
+                t.load_seconds_sum,
+            )
+        yield h
 
 
 class EngineMetrics:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 from torch._dynamo.exc import BackendCompilerFailed
@@ -17,8 +18,10 @@ from torch._inductor.exc import InductorError
 from tqdm import tqdm
 
 from pypto_serving.config import CacheConfig
+from pypto_serving.device import synchronize
 from pypto_serving.errors import PyptoError
 from pypto_serving.executor.compiled import COUNTER, compiled_forward_logits, forward_logits
+from pypto_serving.kv.disk_tier import HEADER_BYTES
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, active_step
 from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.models.llama import CausalLM
@@ -31,11 +34,45 @@ log = logging.getLogger(__name__)
 
 
 def num_pages_for(cache: CacheConfig, page_bytes: int, max_pages_in_use: int) -> int:
-    """Pages to allocate: num_kv_pages if given, else the byte budget, but never more than
-    all running sequences at their longest could hold at once."""
+    """Device pages to allocate: num_kv_pages if given, else the byte budget, but never more
+    than all running sequences at their longest could hold at once."""
     if cache.num_kv_pages:
         return cache.num_kv_pages
-    return max(min(cache.kv_cache_bytes // page_bytes, max_pages_in_use), 1)
+    return max(min(cache.kv_device_bytes // page_bytes, max_pages_in_use), 1)
+
+
+def build_kv_store(
+    model: CausalLM,
+    device: torch.device,
+    dtype: torch.dtype,
+    cache: CacheConfig,
+    max_tokens_in_use: int,
+    digest: str,
+) -> PagedKVStore:
+    """The KV store with its tiers sized from the cache config's byte budgets."""
+    cfg = model.cfg
+    page_bytes = 2 * cfg.num_layers * cache.page_size * cfg.kv_size * dtype.itemsize
+    num_pages = num_pages_for(cache, page_bytes, -(-max_tokens_in_use // cache.page_size))
+    ssd_dir = Path(cache.kv_ssd_dir).expanduser() if cache.kv_ssd_dir else None
+    try:
+        store = PagedKVStore(
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            num_pages,
+            cache.page_size,
+            dtype,
+            device,
+            cache.enable_prefix_caching,
+            cpu_pages=cache.kv_cpu_bytes // page_bytes,
+            ssd_dir=ssd_dir,
+            ssd_pages=cache.kv_ssd_bytes // (page_bytes + HEADER_BYTES),
+            digest=digest,
+        )
+    except OSError as e:
+        raise PyptoError(f"cannot use kv_ssd_dir {ssd_dir}: {e}") from None
+    log.info(store.describe())
+    return store
 
 
 class PagedExecutor:
@@ -47,30 +84,12 @@ class PagedExecutor:
         cache: CacheConfig,
         max_tokens_in_use: int,
         enforce_eager: bool = False,
+        digest: str = "",
     ) -> None:
-        """max_tokens_in_use: the most tokens all running sequences can hold at once."""
+        """max_tokens_in_use: the most tokens all running sequences can hold at once; digest:
+        identifies the checkpoint (keys the SSD tier's pages)."""
         self.model, self.device = model, device
-        cfg = model.cfg
-        page_bytes = (
-            2 * cfg.num_layers * cache.page_size * cfg.kv_size * torch.finfo(dtype).bits // 8
-        )
-        num_pages = num_pages_for(cache, page_bytes, -(-max_tokens_in_use // cache.page_size))
-        self.kv = PagedKVStore(
-            cfg.num_layers,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            num_pages,
-            cache.page_size,
-            dtype,
-            device,
-            cache.enable_prefix_caching,
-        )
-        log.info(
-            "KV cache: %d pages x %d tokens (%.1f MiB)",
-            num_pages,
-            cache.page_size,
-            num_pages * page_bytes / 2**20,
-        )
+        self.kv = build_kv_store(model, device, dtype, cache, max_tokens_in_use, digest)
         self.paged_kv = PagedKV()
         self.forward = forward_logits if enforce_eager else compiled_forward_logits
 
@@ -101,6 +120,7 @@ class PagedExecutor:
         step = StepAttention(
             self.kv, block_table, slot_mapping, q_lens, ctx_lens, num_decodes, max(counts)
         )
+        started = time.perf_counter()
         done = [b for b, r in enumerate(reqs) if starts[b] + counts[b] == r.num_tokens]
         logits_index = (q_ends - 1)[done or [0]]  # never empty: one fixed graph shape
         with active_step(step):
@@ -113,6 +133,9 @@ class PagedExecutor:
             )
         for r, start, n in zip(reqs, starts, counts, strict=True):
             self.kv.cache_full_pages(r, start + n)
+        if len(token_ids) >= self.kv.page_size:  # prefill-heavy: the rate recompute would cost
+            synchronize(dev)
+            self.kv.costs.observe_compute(len(token_ids), time.perf_counter() - started)
         if not done:
             return {}
         rows = [

@@ -32,6 +32,11 @@ class DenseKVStore:
     def free(self, request: Request) -> None:
         self.caches.pop(request.request_id, None)
 
+    def preempt(self, request: Request) -> bool:
+        """Drops the request's KV: it recomputes when it resumes."""
+        self.free(request)
+        return False
+
     def usage(self) -> float:
         """Always 0: the dense store grows with its requests and has no fixed capacity."""
         return 0.0

@@ -6,13 +6,18 @@ and an optional salt, so equal hashes mean equal prefixes. A hit is also checked
 so a hash collision can never serve the wrong KV.
 
 Free pages (ref_count 0) sit in an LRU queue, least recently freed at the head. A freed cached
-page keeps its hash and stays findable until `allocate` reuses it (lazy eviction).
+page keeps its hash and stays findable until `allocate` reuses it (lazy eviction); just before
+its hash is dropped, `on_evict` is told, so the KV store can demote the page's KV to a lower
+tier (its K/V are still intact: the caller overwrites them only after `allocate` returns).
 """
 
 import hashlib
 import struct
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+
+EvictHook = Callable[[int, bytes, tuple[int, ...]], None]
+"""Called as on_evict(page_id, page_hash, token_ids) before a cached page is reused."""
 
 
 def _field(data: bytes | None) -> bytes:
@@ -104,12 +109,19 @@ class PagePool:
     under a hash is canonical; a later duplicate stays uncached).
     """
 
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        enable_prefix_caching: bool = True,
+        on_evict: EvictHook | None = None,
+    ) -> None:
         if num_pages < 0 or page_size < 1:
             raise ValueError(f"bad pool shape: num_pages={num_pages}, page_size={page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.on_evict = on_evict
         self.num_evictions = 0  # cached pages whose hash was dropped when they were reused
         self._pages = [_Page(i) for i in range(num_pages)]
         self._free = _FreeQueue()
@@ -131,6 +143,9 @@ class PagePool:
         """Drop `page`'s prefix-cache entry, if it has one."""
         if page.hash is None:
             return
+        if self.on_evict is not None:
+            assert page.token_ids is not None
+            self.on_evict(page.page_id, page.hash, page.token_ids)
         del self._index[page.hash]
         page.hash = None
         page.token_ids = None
@@ -183,12 +198,17 @@ class PagePool:
         for start in range(0, len(token_ids) - self.page_size + 1, self.page_size):
             chunk = tuple(token_ids[start : start + self.page_size])
             parent = hash_page(parent, chunk, salt)
-            page = self._index.get(parent)
-            if page is None or page.token_ids != chunk:
+            page_id = self.get(parent, chunk)
+            if page_id is None:
                 break
-            page_ids.append(page.page_id)
+            page_ids.append(page_id)
             hashes.append(parent)
         return page_ids, hashes
+
+    def get(self, page_hash: bytes, token_ids: tuple[int, ...]) -> int | None:
+        """The page cached under `page_hash` if it holds exactly `token_ids`; changes nothing."""
+        page = self._index.get(page_hash)
+        return page.page_id if page is not None and page.token_ids == token_ids else None
 
     def acquire(self, page_ids: Sequence[int]) -> None:
         """Add one reference to each page (from `lookup`); a page at ref 0 leaves the free LRU."""
@@ -198,15 +218,16 @@ class PagePool:
                 self._free.remove(page)
             page.ref_count += 1
 
-    def cache_page(self, page_id: int, page_hash: bytes, token_ids: Sequence[int]) -> None:
-        """Register a just-filled, referenced full page under `page_hash`.
+    def cache_page(self, page_id: int, page_hash: bytes, token_ids: Sequence[int]) -> bool:
+        """Register a just-filled, referenced full page under `page_hash`; True if it is now
+        indexed there for the first time.
 
         If `page_hash` is already indexed for another page, that page stays canonical and this
         one stays uncached. Re-caching a page under its own hash is a no-op. No-op when prefix
         caching is disabled.
         """
         if not self.enable_prefix_caching:
-            return
+            return False
         page = self._page(page_id)
         if len(token_ids) != self.page_size:
             raise ValueError(f"cache_page needs a full page of {self.page_size} tokens")
@@ -215,12 +236,13 @@ class PagePool:
         if page.hash is not None:
             if page.hash != page_hash:
                 raise ValueError(f"page {page_id} is already cached under another hash")
-            return
+            return False
         if page_hash in self._index:
-            return
+            return False
         page.hash = page_hash
         page.token_ids = tuple(token_ids)
         self._index[page_hash] = page
+        return True
 
     def page_hash(self, page_id: int) -> bytes | None:
         """The hash a page is cached under, or None if it is not in the prefix cache."""

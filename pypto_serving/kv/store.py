@@ -1,26 +1,57 @@
-"""The paged KV store: KV tensors, per-request page tables, prefix reuse, capacity answers.
+"""The paged KV store: KV tensors, per-request page tables, prefix reuse across tiers, swaps.
 
 It owns everything about where KV lives. The scheduler asks it capacity questions
-(`num_cached_tokens`, `allocate`, `free`); the executor asks it for the attention operator
-of a step (`attention`), which writes the step's new K/V into their slots and reads pages.
+(`num_cached_tokens`, `allocate`, `free`, `preempt`); the executor asks it for the attention
+operator of a step (`attention`), which writes the step's new K/V into their slots and reads
+pages.
 
-Page lifecycle (prefix caching on):
+Tiers (the Mooncake way): the device pool, then optionally CPU memory, then optionally SSD.
+One index across them maps a page hash to exactly one place (placement is exclusive):
+
+    device ──a cached page's slot is reused──▶ cpu ──cpu full: its LRU page──▶ ssd ──▶ dropped
+       ▲                                          │                            │
+       └────── prefix hit at admission: loaded back (and removed below) ──────┘
+
+At admission the request's hash chain is looked up tier by tier, page by page. A device hit
+is shared; a CPU or SSD hit is copied into fresh device pages before the request computes,
+unless loading would take longer than recomputing (measured rates). A request preempted by
+swap keeps its computed KV in held CPU slots and gets it back when it resumes.
+
+Device page lifecycle (prefix caching on):
 
     free (LRU) ──allocate──▶ owned by a request ──filled──▶ full page: hashed, indexed
         ▲                                                         │ other requests with the
-        │  evicted lazily: its hash is dropped only when          │ same prefix acquire it
-        │  allocate reuses the page                               ▼ (ref count > 1)
+        │  evicted lazily: when allocate reuses the page,         │ same prefix acquire it
+        │  its KV is demoted to the next tier                     ▼ (ref count > 1)
         └───────────────── ref count reaches 0: back to the LRU tail, still indexed
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import itertools
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
+from pypto_serving.device import pin_host_memory
+from pypto_serving.kv.disk_tier import HEADER_BYTES, DiskTier
+from pypto_serving.kv.host_tier import HostTier
 from pypto_serving.kv.page_pool import PagePool, hash_page
+from pypto_serving.kv.tier import PageKV, PageTier, TierStats
 from pypto_serving.request import Request
+
+log = logging.getLogger(__name__)
+
+PRESSURE_LOG_INTERVAL_S = 10.0
+EMA = 0.2
+"""Weight of the newest measurement in the running cost estimates."""
+FORMAT_VERSION = "1"
+"""Bumped when the KV layout of a page changes (old SSD pages then become foreign)."""
 
 
 @dataclass(slots=True)
@@ -29,6 +60,41 @@ class PageTable:
 
     pages: list[int]
     hashes: list[bytes]
+
+
+@dataclass(slots=True)
+class _Hit:
+    """One page of a prefix found at admission: on the device (page_id) or in a lower tier."""
+
+    page_hash: bytes
+    token_ids: tuple[int, ...]
+    tier: PageTier | None
+    page_id: int = -1
+
+
+@dataclass(slots=True)
+class _Swapped:
+    """A request preempted by swap: its computed tokens and full pages' hashes."""
+
+    num_tokens: int
+    hashes: list[bytes]
+
+
+@dataclass(slots=True)
+class Costs:
+    """Running estimates the store decides with: recompute time per token (measured by the
+    executor on prefill-heavy steps) and load time per page from each lower tier."""
+
+    recompute_s_per_token: float = 1e-3
+    load_s_per_page: dict[str, float] = field(default_factory=dict)
+
+    def observe_compute(self, num_tokens: int, seconds: float) -> None:
+        rate = seconds / max(num_tokens, 1)
+        self.recompute_s_per_token += EMA * (rate - self.recompute_s_per_token)
+
+    def observe_load(self, tier: str, num_pages: int, seconds: float) -> None:
+        rate, old = seconds / max(num_pages, 1), self.load_s_per_page[tier]
+        self.load_s_per_page[tier] = old + EMA * (rate - old)
 
 
 class PagedKVStore:
@@ -42,8 +108,14 @@ class PagedKVStore:
         dtype: torch.dtype,
         device: torch.device,
         enable_prefix_caching: bool = True,
+        cpu_pages: int = 0,
+        ssd_dir: Path | None = None,
+        ssd_pages: int = 0,
+        digest: str = "",
     ) -> None:
-        self.pool = PagePool(num_pages, page_size, enable_prefix_caching)
+        """cpu_pages / ssd_pages: capacities of the lower tiers (0: none); digest identifies
+        the model and configuration whose KV this is (SSD pages of another digest are ignored)."""
+        self.pool = PagePool(num_pages, page_size, enable_prefix_caching, self._demote)
         self.page_size = page_size
         # head-major: a page of one head is a contiguous [page_size, head_dim] block, so a
         # sequence's keys gather page by page straight into the layout attention reads
@@ -51,6 +123,32 @@ class PagedKVStore:
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.tables: dict[str, PageTable] = {}
+        page_shape = (num_layers, num_kv_heads, page_size, head_dim)
+        self.page_bytes = 2 * torch.Size(page_shape).numel() * dtype.itemsize
+        pin = pin_host_memory(device)
+        self.cpu = HostTier(cpu_pages, page_shape, dtype, pin) if cpu_pages > 0 else None
+        self.ssd = None
+        if ssd_dir is not None and ssd_pages > 0:
+            layout = f"{FORMAT_VERSION}|{digest}|{dtype}|{page_shape}".encode()
+            full_digest = hashlib.blake2b(layout, digest_size=16).hexdigest()
+            self.ssd = DiskTier(ssd_dir, ssd_pages, page_shape, dtype, full_digest)
+        self.lower: list[PageTier] = [t for t in (self.cpu, self.ssd) if t is not None]
+        """The tiers below the device, fastest first."""
+        self.stats = {"device": TierStats("device", num_pages, self.page_bytes)}
+        ssd_page_bytes = self.page_bytes + HEADER_BYTES
+        for tier in self.lower:
+            size = ssd_page_bytes if tier is self.ssd else self.page_bytes
+            self.stats[tier.name] = TierStats(tier.name, tier.capacity, size)
+        # first guesses until measured: ~4 GB/s host copies, ~1 GB/s SSD reads
+        self.costs = Costs(
+            load_s_per_page={"cpu": self.page_bytes / 4e9, "ssd": self.page_bytes / 1e9}
+        )
+        self.swapped: dict[str, _Swapped] = {}
+        self._lookups: dict[str, Counter[tuple[str, str]]] = {}
+        """Hits and misses of a claim, counted once its request is admitted (allocate)."""
+        self.num_swap_ins = 0
+        self._pressure = {"device": 0, "cpu": 0, "ssd": 0}  # pages pushed out since last log
+        self._pressure_logged = time.monotonic()
 
     @property
     def num_pages(self) -> int:
@@ -61,19 +159,206 @@ class PagedKVStore:
         return self.pool.num_pages * self.page_size
 
     def usage(self) -> float:
-        """Fraction of pages held by requests (cached-free pages count as free)."""
+        """Fraction of device pages held by requests (cached-free pages count as free)."""
         return 1.0 - self.pool.num_free / max(self.pool.num_pages, 1)
+
+    def describe(self) -> str:
+        """The tiers and their budgets, for the start-up log."""
+        parts = [f"device {self.num_pages} pages x {self.page_size} tokens"]
+        parts += [f"{t.name} {t.capacity} pages" for t in self.lower]
+        if self.ssd is not None:
+            parts[-1] += f" in {self.ssd.dir} ({self.ssd.num_found} from earlier runs)"
+        return f"KV tiers: {'; '.join(parts)}; {self.page_bytes / 2**20:.2f} MiB per page"
+
+    def tier_stats(self) -> list[TierStats]:
+        """A snapshot of every tier's counters, with its current occupancy."""
+        used = {"device": self.pool.num_pages - self.pool.num_free}
+        used |= {t.name: len(t) for t in self.lower}
+        out = []
+        for name, s in self.stats.items():
+            out.append(replace(s, used=used[name], load_buckets=list(s.load_buckets)))
+        return out
+
+    def close(self) -> None:
+        """Let the SSD tier finish its queued writes."""
+        for tier in self.lower:
+            tier.close()
+
+    # --- page data ------------------------------------------------------------------------
+
+    def _page_kv(self, page_id: int) -> PageKV:
+        """Views of one device page's keys and values, each [layers, kv_heads, page, dim]."""
+        slots = slice(page_id * self.page_size, (page_id + 1) * self.page_size)
+        return self.k_cache[:, :, slots], self.v_cache[:, :, slots]
+
+    def _write_page(self, page_id: int, kv: PageKV) -> None:
+        k, v = self._page_kv(page_id)
+        k.copy_(kv[0])
+        v.copy_(kv[1])
+
+    # --- demotion: device -> cpu -> ssd -> dropped ------------------------------------------
+
+    def _demote(self, page_id: int, page_hash: bytes, token_ids: tuple[int, ...]) -> None:
+        """The pool is reusing a cached page: keep its KV in the first lower tier."""
+        self.stats["device"].evicted += 1
+        self._pressure["device"] += 1
+        if self.lower:
+            self._push(0, page_hash, token_ids, self._page_kv(page_id))
+
+    def _push(self, level: int, page_hash: bytes, token_ids: tuple[int, ...], kv: PageKV) -> None:
+        """Store a cached page in lower tier `level`, pushing that tier's LRU pages one tier
+        further down (or dropping them from the last) to make room."""
+        tier = self.lower[level]
+        if not self._make_room(level, 1):
+            return  # every place is held by swapped requests: the page is dropped
+        tier.store(page_hash, token_ids, kv)
+        self.stats[tier.name].stored += 1
+
+    def _make_room(self, level: int, num_pages: int) -> bool:
+        tier = self.lower[level]
+        while tier.capacity - len(tier) < num_pages:
+            victim = tier.lru_hash()
+            if victim is None:
+                return False
+            self.stats[tier.name].evicted += 1
+            self._pressure[tier.name] += 1
+            token_ids = tier.tokens(victim)
+            if level + 1 == len(self.lower) or token_ids is None:
+                tier.discard(victim)
+                continue
+            kv = tier.load(victim)
+            if kv is not None:
+                self._push(level + 1, victim, token_ids, kv)
+        return True
+
+    def _cache_on_device(self, page_id: int, page_hash: bytes, token_ids: tuple[int, ...]) -> None:
+        if self.pool.cache_page(page_id, page_hash, token_ids):
+            for tier in self.lower:  # the device copy is canonical now: one place per hash
+                tier.discard(page_hash)
+
+    def _log_pressure(self) -> None:
+        now = time.monotonic()
+        if now - self._pressure_logged < PRESSURE_LOG_INTERVAL_S or not any(
+            self._pressure.values()
+        ):
+            return
+        moved = self._pressure
+        names = ["device", *(t.name for t in self.lower)]
+        steps = [f"{a}->{b} {moved[a]}" for a, b in itertools.pairwise(names)]
+        steps.append(f"dropped from {names[-1]} {moved[names[-1]]}")
+        occupancy = ", ".join(
+            f"{s.name} {s.used / max(s.capacity, 1):.0%}" for s in self.tier_stats()
+        )
+        log.info(
+            "KV tier pressure (last %.0fs), pages: %s; occupancy: %s",
+            now - self._pressure_logged,
+            ", ".join(steps),
+            occupancy,
+        )
+        self._pressure = dict.fromkeys(moved, 0)
+        self._pressure_logged = now
 
     # --- capacity questions from the scheduler -------------------------------------------
 
-    def num_cached_tokens(self, request: Request) -> int:
-        """Claim the longest cached prefix of the request's tokens, leaving at least the last
-        token to compute (its logits are needed). Returns the number of tokens covered."""
-        tokens = request.token_ids
-        pages, hashes = self.pool.lookup(tokens[: len(tokens) - 1], request.cache_salt)
-        self.pool.acquire(pages)
-        self.tables[request.request_id] = PageTable(pages, hashes)
-        return len(pages) * self.page_size
+    def num_cached_tokens(self, request: Request) -> int | None:
+        """Claim the longest prefix of the request's tokens whose KV any tier holds (loading
+        lower-tier pages into the device), leaving at least the last token to compute (its
+        logits are needed); a request preempted by swap gets its KV back. Returns the tokens
+        covered, or None when a swapped request's KV does not fit the device yet."""
+        if request.request_id in self.swapped:
+            return self._swap_in(request)
+        hits = self._lookup(request)
+        hits = self._affordable(hits)
+        self.pool.acquire([h.page_id for h in hits if h.tier is None])
+        lower = [i for i, h in enumerate(hits) if h.tier is not None]
+        if len(lower) > self.pool.num_free:  # no room to load them all: keep what fits
+            hits = self._cut(hits, lower[self.pool.num_free])
+        hits = self._load(hits)
+        self.tables[request.request_id] = PageTable(
+            [h.page_id for h in hits], [h.page_hash for h in hits]
+        )
+        if request.num_preemptions == 0:  # the first admission's breakdown is what users see
+            by_tier: dict[str, int] = {}
+            for h in hits:
+                name = "device" if h.tier is None else h.tier.name
+                by_tier[name] = by_tier.get(name, 0) + self.page_size
+            request.cached_tokens_by_tier = by_tier
+        self._log_pressure()
+        return len(hits) * self.page_size
+
+    def _lookup(self, request: Request) -> list[_Hit]:
+        """The cached pages of the request's prefix, tier by tier, and the hits and misses
+        (counted into the tiers' stats if the request is admitted)."""
+        hits: list[_Hit] = []
+        counts: Counter[tuple[str, str]] = Counter()
+        self._lookups[request.request_id] = counts
+        if not self.pool.enable_prefix_caching:
+            return hits
+        tokens, ps, parent = request.token_ids, self.page_size, None
+        for start in range(0, len(tokens) - ps, ps):  # `- ps`: the last token stays out
+            chunk = tuple(tokens[start : start + ps])
+            parent = hash_page(parent, chunk, request.cache_salt)
+            page_id = self.pool.get(parent, chunk)
+            if page_id is not None:
+                hits.append(_Hit(parent, chunk, None, page_id))
+                counts["device", "hits"] += 1
+                continue
+            counts["device", "misses"] += 1
+            for tier in self.lower:
+                if tier.tokens(parent) == chunk:
+                    hits.append(_Hit(parent, chunk, tier))
+                    counts[tier.name, "hits"] += 1
+                    break
+                counts[tier.name, "misses"] += 1
+            else:
+                break
+        return hits
+
+    def _affordable(self, hits: list[_Hit]) -> list[_Hit]:
+        """The hits, cut before the first lower-tier page if loading them all would take
+        longer than recomputing them."""
+        lower = [h for h in hits if h.tier is not None]
+        load_s = sum(self.costs.load_s_per_page[h.tier.name] for h in lower)  # type: ignore[union-attr]
+        if load_s <= len(lower) * self.page_size * self.costs.recompute_s_per_token:
+            return hits
+        first = next(i for i, h in enumerate(hits) if h.tier is not None)
+        return hits[:first]
+
+    def _cut(self, hits: list[_Hit], end: int) -> list[_Hit]:
+        """Keep hits[:end]; release the device pages acquired beyond it."""
+        self.pool.free([h.page_id for h in reversed(hits[end:]) if h.tier is None])
+        return hits[:end]
+
+    def _load(self, hits: list[_Hit]) -> list[_Hit]:
+        """Copy the lower-tier hits into fresh device pages (stopping at an unreadable page)."""
+        loaded: list[tuple[_Hit, PageKV]] = []
+        seconds: Counter[str] = Counter()
+        for i, h in enumerate(hits):
+            if h.tier is None:
+                continue
+            start = time.perf_counter()
+            kv = h.tier.load(h.page_hash)
+            seconds[h.tier.name] += time.perf_counter() - start
+            if kv is None:  # e.g. a corrupted SSD file: a miss from here on
+                hits = self._cut(hits, i)
+                break
+            loaded.append((h, kv))
+        if not loaded:
+            return hits
+        start = time.perf_counter()
+        for (h, kv), page_id in zip(loaded, self.pool.allocate(len(loaded)), strict=True):
+            self._write_page(page_id, kv)
+            h.page_id = page_id
+            self._cache_on_device(page_id, h.page_hash, h.token_ids)
+        copy_s_per_page = (time.perf_counter() - start) / len(loaded)
+        pages = Counter(h.tier.name for h, _ in loaded if h.tier is not None)
+        for name, n in pages.items():
+            total = seconds[name] + n * copy_s_per_page
+            self.stats[name].loaded += n
+            self.stats[name].observe_load(total)
+            self.costs.observe_load(name, n, total)
+        self.stats["device"].stored += len(loaded)
+        return hits
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Give the request pages for `num_new_tokens` more tokens; False if there are too few."""
@@ -84,13 +369,75 @@ class PagedKVStore:
             return False
         if needed > 0:
             table.pages += self.pool.allocate(needed)
+            self._log_pressure()
         self.tables[request.request_id] = table
+        for (name, kind), n in self._lookups.pop(request.request_id, Counter()).items():
+            stats = self.stats[name]
+            setattr(stats, kind, getattr(stats, kind) + n)
         return True
 
     def free(self, request: Request) -> None:
+        """Release the request's device pages; a finished request's swapped KV goes too."""
+        self._lookups.pop(request.request_id, None)
         table = self.tables.pop(request.request_id, None)
         if table is not None:  # tail pages first into the LRU, so they are evicted first
             self.pool.free(table.pages[::-1])
+        if request.finished and self.swapped.pop(request.request_id, None) is not None:
+            assert self.cpu is not None
+            self.cpu.release(request.request_id)
+
+    # --- preemption by swap -----------------------------------------------------------------
+
+    def preempt(self, request: Request) -> bool:
+        """Release a preempted request's device pages. Its computed KV moves to the CPU tier
+        (swap) when that tier has room and moving it out and back costs less than recomputing
+        it; returns True if it did."""
+        table = self.tables.get(request.request_id)
+        num_tokens = request.num_computed_tokens
+        num_pages = -(-num_tokens // self.page_size)
+        swap = (
+            self.cpu is not None
+            and table is not None
+            and num_tokens > 0
+            and self.cpu.capacity - self.cpu.num_held >= num_pages
+            and 2 * num_pages * self.costs.load_s_per_page["cpu"]
+            < num_tokens * self.costs.recompute_s_per_token
+        )
+        if swap:
+            assert self.cpu is not None and table is not None
+            self._make_room(0, num_pages)
+            self.cpu.hold(request.request_id, [self._page_kv(p) for p in table.pages[:num_pages]])
+            full = num_tokens // self.page_size
+            self.swapped[request.request_id] = _Swapped(num_tokens, table.hashes[:full])
+            self.stats["cpu"].stored += num_pages
+        self.free(request)
+        return swap
+
+    def _swap_in(self, request: Request) -> int | None:
+        entry = self.swapped[request.request_id]
+        num_pages = -(-entry.num_tokens // self.page_size)
+        if -(-(entry.num_tokens + 1) // self.page_size) > self.pool.num_free:
+            return None  # wait until it and its next token fit
+        assert self.cpu is not None
+        start = time.perf_counter()
+        del self.swapped[request.request_id]
+        held = self.cpu.release(request.request_id)
+        page_ids = self.pool.allocate(num_pages)
+        for page_id, kv in zip(page_ids, held, strict=True):
+            self._write_page(page_id, kv)
+        tokens = request.token_ids
+        for i, page_hash in enumerate(entry.hashes):
+            chunk = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
+            self._cache_on_device(page_ids[i], page_hash, chunk)
+        self.tables[request.request_id] = PageTable(page_ids, list(entry.hashes))
+        seconds = time.perf_counter() - start
+        self.stats["cpu"].loaded += num_pages
+        self.stats["cpu"].observe_load(seconds)
+        self.stats["device"].stored += num_pages
+        self.costs.observe_load("cpu", num_pages, seconds)
+        self.num_swap_ins += 1
+        self._log_pressure()
+        return entry.num_tokens
 
     # --- the executor's side ---------------------------------------------------------------
 
@@ -103,9 +450,9 @@ class PagedKVStore:
         tokens = request.token_ids
         parent = table.hashes[-1] if table.hashes else None
         for i in range(len(table.hashes), num_full):
-            chunk = tokens[i * self.page_size : (i + 1) * self.page_size]
+            chunk = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
             parent = hash_page(parent, chunk, request.cache_salt)
-            self.pool.cache_page(table.pages[i], parent, chunk)
+            self._cache_on_device(table.pages[i], parent, chunk)
             table.hashes.append(parent)
 
     def block_table(self, request_ids: list[str]) -> torch.Tensor:

@@ -6,6 +6,7 @@ kept, except that q/k/v and gate/up land in slices of the fused `qkv_proj` / `ga
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,18 @@ FUSED = {
     "up_proj": ("gate_up_proj", 1),
 }
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_digest(model_dir: Path) -> str:
+    """Identifies a checkpoint without reading its weights: config.json's bytes and each weight
+    file's name, size and modification time. Persistent KV (the SSD tier) is keyed by it."""
+    h = hashlib.blake2b(digest_size=16)
+    config = model_dir / "config.json"
+    h.update(config.read_bytes() if config.is_file() else b"")
+    for path in safetensors_files(model_dir):
+        stat = path.stat()
+        h.update(f"{path.name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    return h.hexdigest()
 
 
 def fused_slices(cfg: ModelConfig, fused: str) -> list[int]:

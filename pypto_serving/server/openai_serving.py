@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pypto_serving.engine.async_llm import AsyncLLM, EngineDeadError, GenerationUpdate
 from pypto_serving.errors import PyptoError
+from pypto_serving.kv.tier import TIER_NAMES
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.server.errors import APIError, error_body
@@ -42,13 +43,24 @@ class _Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
+
+    def add_cached(self, update: GenerationUpdate) -> None:
+        """Count a finished prompt's cached tokens, in all and per KV tier."""
+        self.cached_tokens += update.num_cached_tokens
+        for tier, n in update.cached_tokens_by_tier.items():
+            self.cached_by_tier[tier] = self.cached_by_tier.get(tier, 0) + n
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": {
+                "cached_tokens": self.cached_tokens,
+                # an extension: where the cached tokens came from (device, cpu, ssd)
+                "cached_tokens_per_tier": self.cached_by_tier,
+            },
         }
 
 
@@ -104,7 +116,7 @@ async def gather(
             c.logprobs += d.logprobs or []
             c.finish_reason = d.finish_reason
         if update.finished:
-            usage.cached_tokens += update.num_cached_tokens
+            usage.add_cached(update)
     usage.completion_tokens = sum(c.num_tokens for c in choices)
 
 
@@ -228,7 +240,7 @@ class OpenAIServing:
                         yield sse(chunk([c], None))
                         usage.completion_tokens += len(d.token_ids)
                     if update.finished:
-                        usage.cached_tokens += update.num_cached_tokens
+                        usage.add_cached(update)
                 if include_usage:
                     yield sse(chunk([], usage.as_dict()))
 
@@ -311,7 +323,7 @@ class OpenAIServing:
                         }
                         yield sse(chunk([one], "chat.completion.chunk", **tail))
                     if update.finished:
-                        usage.cached_tokens += update.num_cached_tokens
+                        usage.add_cached(update)
                 if include_usage:
                     yield sse(chunk([], "chat.completion.chunk", usage=usage.as_dict()))
 

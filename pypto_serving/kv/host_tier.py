@@ -1,0 +1,98 @@
+"""The CPU tier: pages of KV in host memory, in fixed slots allocated once.
+
+It holds two kinds of pages: cached pages (found by hash, least recently stored first out) and
+the pages of requests preempted by swap (held under the request id until it resumes; never
+evicted). On a machine with a GPU the slots are pinned memory, so copies to and from the
+device run at full speed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from pypto_serving.kv.tier import PageKV, PageTier
+
+
+class HostTier(PageTier):
+    name = "cpu"
+
+    def __init__(
+        self,
+        capacity: int,
+        page_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        pin_memory: bool = False,
+    ) -> None:
+        """capacity pages of page_shape = (layers, kv_heads, page_size, head_dim)."""
+        self.capacity = capacity
+        self.k = torch.empty((capacity, *page_shape), dtype=dtype, pin_memory=pin_memory)
+        self.v = torch.empty((capacity, *page_shape), dtype=dtype, pin_memory=pin_memory)
+        self._free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
+        self._cached: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()
+        self._held: dict[str, list[int]] = {}
+
+    def __len__(self) -> int:
+        return self.capacity - len(self._free)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_held(self) -> int:
+        """Pages held for swapped requests (not evictable)."""
+        return sum(len(slots) for slots in self._held.values())
+
+    def _put(self, kv: PageKV) -> int:
+        slot = self._free.pop()
+        self.k[slot].copy_(kv[0])
+        self.v[slot].copy_(kv[1])
+        return slot
+
+    def _take(self, slot: int) -> PageKV:
+        self._free.append(slot)
+        return self.k[slot].clone(), self.v[slot].clone()
+
+    def tokens(self, page_hash: bytes) -> tuple[int, ...] | None:
+        entry = self._cached.get(page_hash)
+        return None if entry is None else entry[1]
+
+    def store(self, page_hash: bytes, token_ids: tuple[int, ...], kv: PageKV) -> None:
+        if page_hash in self._cached:
+            raise ValueError("page already stored in the cpu tier")
+        self._cached[page_hash] = (self._put(kv), token_ids)
+
+    def load(self, page_hash: bytes) -> PageKV | None:
+        slot, _ = self._cached.pop(page_hash)
+        return self._take(slot)
+
+    def lru_hash(self) -> bytes | None:
+        return next(iter(self._cached), None)
+
+    def discard(self, page_hash: bytes) -> bool:
+        entry = self._cached.pop(page_hash, None)
+        if entry is not None:
+            self._free.append(entry[0])
+        return entry is not None
+
+    def hashes(self) -> list[bytes]:
+        return list(self._cached)
+
+    # --- swapped requests -----------------------------------------------------------------
+
+    def hold(self, key: str, pages: list[PageKV]) -> None:
+        """Keep copies of a swapped request's pages under `key` (needs len(pages) free)."""
+        if key in self._held:
+            raise ValueError(f"{key!r} already has pages held in the cpu tier")
+        if len(pages) > len(self._free):
+            raise ValueError(f"cannot hold {len(pages)} pages: {len(self._free)} free")
+        self._held[key] = [self._put(kv) for kv in pages]
+
+    def release(self, key: str) -> list[PageKV]:
+        """Hand back (and stop holding) the pages held under `key`; [] if none."""
+        return [self._take(slot) for slot in self._held.pop(key, [])]
+
+    def held_keys(self) -> list[str]:
+        return list(self._held)

@@ -1,0 +1,93 @@
+"""The interface shared by the KV tiers below the device (CPU memory, SSD), and their counters.
+
+A tier holds whole pages of KV, each under its page hash (the same hash chain the device's
+prefix cache uses) together with the page's token ids, so a hit can be checked token by token.
+The KV store moves pages between tiers; a tier only stores, finds, hands back and drops them,
+and keeps them in least-recently-stored order (its LRU).
+"""
+
+from __future__ import annotations
+
+import bisect
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+TIER_NAMES = ("device", "cpu", "ssd")
+"""Fastest first."""
+
+PageKV = tuple[torch.Tensor, torch.Tensor]
+"""One page's keys and values, each [layers, kv_heads, page_size, head_dim]."""
+
+LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+"""Upper bounds (seconds) of the load-latency histogram."""
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Running totals of one tier (device, cpu or ssd), all in pages unless named bytes."""
+
+    name: str
+    capacity: int
+    """Pages the tier's byte budget holds."""
+    page_bytes: int
+    used: int = 0
+    """Pages held now (cached pages, and on the CPU tier swapped requests' pages)."""
+    hits: int = 0
+    """Pages of an arriving prompt found in this tier."""
+    misses: int = 0
+    """Pages of an arriving prompt looked up in this tier and not found."""
+    stored: int = 0
+    """Pages written into this tier (loaded into the device, demoted, swapped out)."""
+    loaded: int = 0
+    """Pages read from this tier back into the device."""
+    evicted: int = 0
+    """Cached pages pushed out of this tier to make room (to the next tier, or dropped)."""
+    load_seconds_sum: float = 0.0
+    load_buckets: list[int] = field(default_factory=lambda: [0] * (len(LOAD_BUCKETS) + 1))
+    """Loads per latency bucket (the last one is +Inf); not cumulative."""
+
+    def observe_load(self, seconds: float) -> None:
+        self.load_buckets[bisect.bisect_left(LOAD_BUCKETS, seconds)] += 1
+        self.load_seconds_sum += seconds
+
+
+class PageTier(ABC):
+    """A store of cached pages below the device, with a byte budget and an LRU."""
+
+    name: str
+    capacity: int
+    """Pages it can hold."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Pages held now."""
+
+    @abstractmethod
+    def tokens(self, page_hash: bytes) -> tuple[int, ...] | None:
+        """The token ids of the page stored under `page_hash`, or None; changes nothing."""
+
+    @abstractmethod
+    def store(self, page_hash: bytes, token_ids: tuple[int, ...], kv: PageKV) -> None:
+        """Keep a copy of a page as most recently used. Needs a free place (len < capacity)."""
+
+    @abstractmethod
+    def load(self, page_hash: bytes) -> PageKV | None:
+        """Remove a stored page and return its KV (owned by the caller); None if the page
+        could not be read back (it is dropped and counted as unreadable)."""
+
+    @abstractmethod
+    def lru_hash(self) -> bytes | None:
+        """The least recently stored cached page, or None if there is none."""
+
+    @abstractmethod
+    def discard(self, page_hash: bytes) -> bool:
+        """Drop a stored page if present; True if it was."""
+
+    @abstractmethod
+    def hashes(self) -> list[bytes]:
+        """Every stored page hash, least recently stored first."""
+
+    def close(self) -> None:  # noqa: B027 (optional: only the SSD tier has pending work)
+        """Finish pending work (the SSD tier's writes)."""
