@@ -41,7 +41,9 @@ def sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
 
 
-def reply_chunks(body: dict[str, Any], words: list[str], usage: bool) -> list[bytes]:
+def reply_chunks(
+    body: dict[str, Any], words: list[str], usage: bool, details: dict[str, Any] | None = None
+) -> list[bytes]:
     """A well-formed stream: role chunk (chat), one chunk per word, usage, [DONE]."""
     chat = "messages" in body
     chunks = [sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})] if chat else []
@@ -51,6 +53,8 @@ def reply_chunks(body: dict[str, Any], words: list[str], usage: bool) -> list[by
     if usage:
         prompt = body.get("prompt") or body.get("messages")
         u = {"prompt_tokens": len(prompt), "completion_tokens": len(words)}
+        if details is not None:
+            u["prompt_tokens_details"] = details
         chunks.append(sse({"choices": [], "usage": u}))
     return [*chunks, sse("[DONE]")]
 
@@ -66,8 +70,10 @@ class FakeServer:
         behaviour: Callable[[int, dict[str, Any]], str] = lambda i, body: "ok",
         usage: bool = True,
         delay_s: float = 0.0,
+        details: dict[str, Any] | None = None,
     ) -> None:
         self.behaviour, self.usage, self.delay_s = behaviour, usage, delay_s
+        self.details = details
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[httpx.Headers] = []
         self.replies: list[str] = []
@@ -109,7 +115,7 @@ class FakeServer:
             return httpx.Response(400, json={"error": error})
         words = self.words(i, body)
         self.replies.append("".join(words))
-        chunks = reply_chunks(body, words, self.usage)
+        chunks = reply_chunks(body, words, self.usage, self.details)
         fail = None if kind == "ok" else kind
         return httpx.Response(
             200,
@@ -155,6 +161,32 @@ def test_sse_stream_is_timed_and_counted_from_usage():
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["ignore_eos"] is True and body["temperature"] == 0 and body["model"] == "fake-model"
     assert server.headers[0]["authorization"] == "Bearer sk-test"
+
+
+def test_cached_tokens_per_tier_are_read_from_usage_and_summarized():
+    tiers = {"device": 1, "cpu": 2, "ssd": 0}
+    server = FakeServer(details={"cached_tokens": 3, "cached_tokens_per_tier": tiers})
+    r = send(server, [5, 6, 7, 8, 9, 10], 2)
+    assert r.cached_tokens == 3 and r.cached_tokens_per_tier == tiers
+    plain = send(FakeServer(), [5, 6], 2)  # a server without details (e.g. no usage extension)
+    assert plain.cached_tokens is None and plain.cached_tokens_per_tier == {}
+    info = dict(
+        base_url=URL,
+        endpoint="completions",
+        model="m",
+        dataset="multi-turn",
+        request_rate=None,
+        max_concurrency=None,
+    )
+    result = serve.summarize([r, plain], 1.0, {}, info)
+    assert result.cached_prompt_fraction == pytest.approx(0.5)  # of the requests that reported
+    assert result.cached_fraction_per_tier == pytest.approx(
+        {"device": 1 / 6, "cpu": 2 / 6, "ssd": 0}
+    )
+    rows = dict(serve.table_rows(result))
+    assert rows["prompt tokens cached (%)"] == "50.0"
+    assert rows["  of which from cpu (%)"] == "33.3"
+    assert serve.summarize([plain], 1.0, {}, info).cached_prompt_fraction is None
 
 
 def test_chat_stream_without_usage_counts_text_chunks():
@@ -322,6 +354,20 @@ def test_multi_turn_prompt_grows_with_the_replies(tokenizer_dir, capsys):
     assert "TTFT median, first turns (ms)" in stdout and "later turns" in stdout
 
 
+def test_multi_turn_think_time_delays_each_later_turn(tokenizer_dir, tmp_path):
+    out = tmp_path / "r.json"
+    args = bench_args(
+        tokenizer_dir,
+        *("--dataset", "multi-turn", "--num-conversations", "2", "--turns", "2"),
+        *("--think-time", "0.3", "--result-json", str(out)),
+    )
+    assert serve.run(args, FakeServer().transport) == 0
+    records = json.loads(out.read_text())["requests"]
+    for conv in (0, 1):
+        first, second = (r for r in records if r["conversation"] == conv)
+        assert second["start_s"] - (first["start_s"] + first["e2e_s"]) >= 0.3
+
+
 def test_multi_turn_later_turns_are_skipped_after_a_failure(tokenizer_dir, tmp_path):
     server = FakeServer(lambda i, body: "http400" if len(body["messages"]) == 3 else "ok")
     out = tmp_path / "r.json"
@@ -384,6 +430,7 @@ def test_plot_without_matplotlib_is_a_clear_error(tokenizer_dir, tmp_path, monke
         (["--base-url", "127.0.0.1:8000"], "--base-url must start with http://"),
         (["--dataset", "sharegpt"], "unknown dataset 'sharegpt'"),
         (["--dataset", "multi-turn", "--endpoint", "completions"], "needs --endpoint chat"),
+        (["--think-time", "-1"], "--think-time must be a number of seconds >= 0"),
         (["--slo", "ttft=5"], "bad --slo 'ttft=5'"),
         (["--request-rate", "0"], "--request-rate must be > 0"),
     ],

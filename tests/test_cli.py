@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pypto_serving.cli import main
+from pypto_serving.cli import build_parser, main
 
 
 def run(argv, capsys):
@@ -131,6 +131,8 @@ def test_bad_model_gives_clear_error(tiny_model, tmp_path, capsys, breakage, mes
         (["--executor", "fast"], "executor must be one of"),
         (["--page-size", "0"], "page_size must be an integer >= 1"),
         (["--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),
+        (["--kv-ssd-dir", "/dev/null/x"], "cannot use kv_ssd_dir /dev/null/x"),
+        (["--kv-ssd-dir", "/tmp", "--kv-ssd-bytes", "1KiB"], "kv_ssd_bytes (1024) is less"),
     ],
 )
 def test_bad_flag_values_give_clear_error(tiny_model, capsys, flags, message):
@@ -139,7 +141,10 @@ def test_bad_flag_values_give_clear_error(tiny_model, capsys, flags, message):
     assert code == 1 and message in err and out == ""
 
 
-@pytest.mark.parametrize("flags", [["--max-tokens", "0"], ["--max-tokens", "x"], ["--bogus"]])
+@pytest.mark.parametrize(
+    "flags",
+    [["--max-tokens", "0"], ["--max-tokens", "x"], ["--bogus"], ["--kv-cpu-bytes", "4 lots"]],
+)
 def test_malformed_flags_exit_2(capsys, flags):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--prompt", "hi", *flags])
@@ -203,3 +208,16 @@ def test_serve_config_file_and_flags(tmp_path, monkeypatch):
         "max_num_batched_tokens": 1024,  # serve's own default
     }
     assert (seen["s"].port, seen["s"].api_key, seen["s"].host) == (9002, "k", "127.0.0.1")
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("4096", 4096), ("4GiB", 4 << 30), ("1.5 GiB", 3 << 29), ("512MB", 512 * 10**6), ("2k", 2000)],
+)
+def test_byte_budgets_take_units(text, value):
+    from pypto_serving.config import engine_config, parse_bytes
+
+    assert parse_bytes(text) == value
+    assert engine_config(kv_cpu_bytes=text).cache.kv_cpu_bytes == value  # JSON configs too
+    args = build_parser().parse_args(["serve", "--kv-ssd-bytes", text])
+    assert args.kv_ssd_bytes == value

@@ -147,3 +147,36 @@ def test_restart_with_the_same_ssd_dir_reuses_pages(tiny_model, tmp_path: Path, 
         assert out.outputs[0].token_ids == expected[0]
         assert out.cached_tokens_by_tier == {"ssd": 32}
         assert tier_stats(second)["ssd"].hits == 2
+
+
+def test_server_reports_cached_tokens_per_tier_and_tier_metrics(tiny_model, tmp_path) -> None:
+    import httpx
+    from live_server import serving
+    from prometheus_client.parser import text_string_to_metric_families
+
+    knobs = {"num_kv_pages": 6, "kv_cpu_bytes": PAGE_BYTES, "kv_ssd_dir": str(tmp_path)}
+    with serving(tiny_llm(tiny_model(MODEL), **knobs)) as live:
+        body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        for i in (0, 1, 2, 0):
+            r = httpx.post(live.url + "/v1/completions", json=body | {"prompt": PROMPTS[i]})
+            assert r.status_code == 200, r.text
+        details = r.json()["usage"]["prompt_tokens_details"]
+        assert details == {
+            "cached_tokens": 32,
+            "cached_tokens_per_tier": {"device": 0, "cpu": 16, "ssd": 16},
+        }
+        metrics = {
+            (s.name, s.labels.get("tier"), s.labels.get("le")): s.value
+            for family in text_string_to_metric_families(httpx.get(live.url + "/metrics").text)
+            for s in family.samples
+        }
+        assert metrics["pypto_kv_tier_hits_total", "cpu", None] == 1
+        assert metrics["pypto_kv_tier_hits_total", "ssd", None] == 1
+        assert metrics["pypto_kv_tier_loaded_bytes_total", "ssd", None] == PAGE_BYTES
+        assert metrics["pypto_kv_tier_capacity_pages", "device", None] == 6
+        assert metrics["pypto_kv_tier_capacity_pages", "cpu", None] == 1
+        assert metrics["pypto_kv_tier_used_pages", "cpu", None] == 1
+        assert metrics["pypto_kv_tier_evicted_pages_total", "device", None] >= 2
+        assert metrics["pypto_kv_tier_load_seconds_count", "ssd", None] == 1
+        assert metrics["pypto_kv_tier_load_seconds_bucket", "ssd", "+Inf"] == 1
+        assert metrics["pypto_num_preemptions_swapped_total", None, None] == 0

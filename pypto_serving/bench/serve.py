@@ -89,6 +89,10 @@ class ServeResult:
     failure_reasons: dict[str, int] = field(default_factory=dict)
     ttft_first_turn_median_ms: float | None = None
     ttft_later_turns_median_ms: float | None = None
+    cached_prompt_fraction: float | None = None
+    """Prompt tokens the server reported cached / prompt tokens (null if it reports none)."""
+    cached_fraction_per_tier: dict[str, float] = field(default_factory=dict)
+    """The same per KV tier, when the server reports tiers (pypto's usage extension)."""
     requests: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -164,6 +168,13 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     )
     data.add_argument(
         "--turns", type=positive_int, default=4, help="multi-turn: user turns (default: 4)"
+    )
+    data.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="multi-turn: seconds between a reply and the next user turn (default: 0)",
     )
     load = p.add_argument_group("load and sampling")
     load.add_argument(
@@ -251,6 +262,11 @@ def summarize(
     first = [r.ttft_s for r in ok if r.ttft_s is not None and r.turn == 0]
     later = [r.ttft_s for r in ok if r.ttft_s is not None and r.turn > 0]
     multi_turn = info["dataset"] == "multi-turn"
+    reported = [r for r in ok if r.cached_tokens is not None]
+    reported_prompt = sum(r.prompt_tokens for r in reported)
+    per_tier: Counter[str] = Counter()
+    for r in reported:
+        per_tier.update(r.cached_tokens_per_tier)
     return ServeResult(
         benchmark="serve",
         **info,
@@ -272,6 +288,14 @@ def summarize(
         failure_reasons=dict(Counter(r.error for r in records if not r.success).most_common()),
         ttft_first_turn_median_ms=median_ms(first) if multi_turn else None,
         ttft_later_turns_median_ms=median_ms(later) if multi_turn else None,
+        cached_prompt_fraction=(
+            sum(r.cached_tokens or 0 for r in reported) / reported_prompt
+            if reported_prompt
+            else None
+        ),
+        cached_fraction_per_tier={
+            tier: n / reported_prompt for tier, n in per_tier.items() if reported_prompt
+        },
         requests=[asdict(r) for r in records],
     )
 
@@ -305,6 +329,10 @@ def table_rows(r: ServeResult) -> list[tuple[str, str]]:
             ("TTFT median, later turns (ms)", r.ttft_later_turns_median_ms),
         ):
             rows.append((label, "-" if value is None else f"{value:.1f}"))
+    if r.cached_prompt_fraction is not None:
+        rows.append(("prompt tokens cached (%)", f"{100 * r.cached_prompt_fraction:.1f}"))
+        for tier, fraction in r.cached_fraction_per_tier.items():
+            rows.append((f"  of which from {tier} (%)", f"{100 * fraction:.1f}"))
     if r.goodput_requests_per_s is not None:
         slo = " ".join(f"{k}:{v:g}" for k, v in r.slo_ms.items())
         rows += [("SLO (ms)", slo), ("goodput (req/s)", f"{r.goodput_requests_per_s:.2f}")]
@@ -448,6 +476,7 @@ async def play(
                 args.max_concurrency,
                 args.seed,
                 on_request_done=lambda: bar.update(1),
+                think_time_s=args.think_time,
             )
 
 
@@ -456,6 +485,8 @@ def run(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None = N
     endpoint = args.endpoint or default_endpoint(args.dataset)
     check_dataset(args.dataset, endpoint)
     slo = parse_slo(args.slo)
+    if not (args.think_time >= 0 and math.isfinite(args.think_time)):
+        raise PyptoError(f"--think-time must be a number of seconds >= 0, got {args.think_time}")
     if not args.request_rate > 0:
         raise PyptoError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
     if not args.timeout > 0:

@@ -65,6 +65,10 @@ class RequestRecord:
     tpot_s: float | None = None
     """(e2e - ttft) / (completion_tokens - 1), for answers of two tokens or more."""
     e2e_s: float | None = None
+    cached_tokens: int | None = None
+    """Prompt tokens the server found cached (usage.prompt_tokens_details), if it said."""
+    cached_tokens_per_tier: dict[str, int] = field(default_factory=dict)
+    """pypto's extension: of those, per KV tier (device, cpu, ssd)."""
     itl_s: list[float] = field(default_factory=list)
     """Gaps between successive text-carrying chunks."""
     text: str = ""
@@ -212,6 +216,14 @@ class StreamTimer:
         end = self.clock()
         usage = self.usage or {}
         record.prompt_tokens = int(usage.get("prompt_tokens") or prompt_len)
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            record.cached_tokens = details["cached_tokens"]
+            tiers = details.get("cached_tokens_per_tier")
+            if isinstance(tiers, dict):
+                record.cached_tokens_per_tier = {
+                    str(k): v for k, v in tiers.items() if isinstance(v, int)
+                }
         completion = usage.get("completion_tokens")
         record.completion_tokens = int(completion if completion is not None else self.chunks)
         record.e2e_s = end - self.start
@@ -281,8 +293,10 @@ async def run_session(
     session: Session,
     run_start: float,
     on_request_done: Callable[[], None] | None = None,
+    think_time_s: float = 0.0,
 ) -> list[RequestRecord]:
-    """The turns of one session in order; each chat turn carries the replies so far.
+    """The turns of one session in order; each chat turn carries the replies so far and is
+    sent `think_time_s` after the previous reply ended (the user reading and typing).
 
     Once a turn fails, its later turns (which would need its reply) are recorded as failed
     without being sent."""
@@ -297,6 +311,8 @@ async def run_session(
         if failed:
             record.error = "not sent: an earlier turn of its conversation failed"
         else:
+            if turn and think_time_s:
+                await asyncio.sleep(think_time_s)
             if target.endpoint == "chat":
                 messages.append({"role": "user", "content": user})
                 prompt: Any = list(messages)
@@ -320,6 +336,7 @@ async def run_load(
     max_concurrency: int | None = None,
     seed: int = 0,
     on_request_done: Callable[[], None] | None = None,
+    think_time_s: float = 0.0,
 ) -> tuple[list[RequestRecord], float]:
     """Play every session; the records in (session, turn) order and the run's duration (s).
 
@@ -332,7 +349,9 @@ async def run_load(
     async def play(session: Session, offset: float) -> list[RequestRecord]:
         await asyncio.sleep(max(0.0, run_start + offset - time.perf_counter()))
         async with limit if limit is not None else contextlib.nullcontext():
-            return await run_session(client, target, session, run_start, on_request_done)
+            return await run_session(
+                client, target, session, run_start, on_request_done, think_time_s
+            )
 
     results = await asyncio.gather(*(play(s, o) for s, o in zip(sessions, offsets, strict=True)))
     duration = time.perf_counter() - run_start

@@ -54,6 +54,12 @@ def build_kv_store(
     page_bytes = 2 * cfg.num_layers * cache.page_size * cfg.kv_size * dtype.itemsize
     num_pages = num_pages_for(cache, page_bytes, -(-max_tokens_in_use // cache.page_size))
     ssd_dir = Path(cache.kv_ssd_dir).expanduser() if cache.kv_ssd_dir else None
+    ssd_pages = cache.kv_ssd_bytes // (page_bytes + HEADER_BYTES)
+    if ssd_dir is not None and ssd_pages == 0:
+        raise PyptoError(
+            f"kv_ssd_bytes ({cache.kv_ssd_bytes}) is less than one page file "
+            f"({page_bytes + HEADER_BYTES} bytes)"
+        )
     try:
         store = PagedKVStore(
             cfg.num_layers,
@@ -66,7 +72,7 @@ def build_kv_store(
             cache.enable_prefix_caching,
             cpu_pages=cache.kv_cpu_bytes // page_bytes,
             ssd_dir=ssd_dir,
-            ssd_pages=cache.kv_ssd_bytes // (page_bytes + HEADER_BYTES),
+            ssd_pages=ssd_pages,
             digest=digest,
         )
     except OSError as e:

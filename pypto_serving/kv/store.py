@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from pypto_serving.device import pin_host_memory
-from pypto_serving.kv.disk_tier import HEADER_BYTES, DiskTier
+from pypto_serving.kv.disk_tier import DiskTier
 from pypto_serving.kv.host_tier import HostTier
 from pypto_serving.kv.page_pool import PagePool, hash_page
 from pypto_serving.kv.tier import PageKV, PageTier, TierStats
@@ -135,10 +135,8 @@ class PagedKVStore:
         self.lower: list[PageTier] = [t for t in (self.cpu, self.ssd) if t is not None]
         """The tiers below the device, fastest first."""
         self.stats = {"device": TierStats("device", num_pages, self.page_bytes)}
-        ssd_page_bytes = self.page_bytes + HEADER_BYTES
         for tier in self.lower:
-            size = ssd_page_bytes if tier is self.ssd else self.page_bytes
-            self.stats[tier.name] = TierStats(tier.name, tier.capacity, size)
+            self.stats[tier.name] = TierStats(tier.name, tier.capacity, self.page_bytes)
         # first guesses until measured: ~4 GB/s host copies, ~1 GB/s SSD reads
         self.costs = Costs(
             load_s_per_page={"cpu": self.page_bytes / 4e9, "ssd": self.page_bytes / 1e9}

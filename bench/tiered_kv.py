@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""Tiered KV on vs off: multi-turn chats whose working set is several times the device budget.
+
+Starts `pypto serve` on the default model twice, one after the other, with the same small
+device KV budget (`--num-kv-pages`): once with the CPU and SSD tiers (pages pushed out of the
+device are loaded back when their conversation returns) and once without (they are dropped,
+so a returning conversation recomputes its history). Both runs play the same
+`pypto bench serve --dataset multi-turn` load and report TTFT of first and returning turns,
+throughput, and where the cached prompt tokens came from (usage's per-tier extension).
+
+    python bench/tiered_kv.py --markdown tiers.md
+    python bench/tiered_kv.py --conversations 16 --request-rate 0 --think-time 5   # saturated
+    python bench/tiered_kv.py --conversations 4 --turns 2 --think-time 1   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_side_by_side import PORT, lookup, model_dir, server_command, wait_healthy
+from side_by_side import machine, markdown_report, ratio
+
+METRICS = (  # (path in the `pypto bench serve` result JSON, title, format)
+    ("ttft_later_turns_median_ms", "TTFT median, returning turns (ms)", "{:.0f}"),
+    ("ttft_first_turn_median_ms", "TTFT median, first turns (ms)", "{:.0f}"),
+    ("ttft.median_ms", "TTFT median, all (ms)", "{:.0f}"),
+    ("ttft.p99_ms", "TTFT p99, all (ms)", "{:.0f}"),
+    ("output_tok_per_s", "output tok/s", "{:.1f}"),
+    ("duration_s", "duration (s)", "{:.1f}"),
+    ("cached_prompt_fraction", "prompt tokens cached (%)", "{:.1%}"),
+    ("cached_fraction_per_tier.device", "… from device (%)", "{:.1%}"),
+    ("cached_fraction_per_tier.cpu", "… from cpu (%)", "{:.1%}"),
+    ("cached_fraction_per_tier.ssd", "… from ssd (%)", "{:.1%}"),
+    ("failed", "failed requests", "{:.0f}"),
+)
+
+
+def page_tokens_of_working_set(args: argparse.Namespace) -> int:
+    """Prompt tokens of every conversation's last turn (template tokens not counted)."""
+    last = (args.turns - 1) * (args.input_len + args.output_len) + args.input_len
+    return args.conversations * last
+
+
+def bench(args: argparse.Namespace, out: Path | None, conversations: int, turns: int) -> Any:
+    cmd = [sys.executable, "-m", "pypto_serving.cli", "bench", "serve"]
+    cmd += ["--base-url", f"http://127.0.0.1:{PORT}", "--dataset", "multi-turn"]
+    cmd += ["--num-conversations", str(conversations), "--turns", str(turns)]
+    cmd += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    cmd += ["--think-time", str(args.think_time), "--ignore-eos", "--seed", str(args.seed)]
+    if args.max_concurrency:
+        cmd += ["--max-concurrency", str(args.max_concurrency)]
+    if args.request_rate:
+        cmd += ["--request-rate", str(args.request_rate)]
+    cmd += ["--result-json", str(out)] if out else []
+    print(f"$ {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    subprocess.run(cmd, stdout=sys.stderr, check=True, timeout=3600)
+    return json.loads(out.read_text()) if out else None
+
+
+def run(name: str, flags: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    cmd, _ = server_command("ours", model_dir(), flags)
+    print(f"$ {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, stdout=sys.stderr)
+    result: dict[str, Any] = {"command": shlex.join(cmd)}
+    try:
+        result["startup_s"] = wait_healthy(proc, args.startup_timeout)
+        args.seed += 1000  # warm-up with other conversations, untimed
+        bench(args, None, 2, 1)
+        args.seed -= 1000
+        result["run"] = bench(args, tmp / f"{name}.json", args.conversations, args.turns)
+    except (RuntimeError, subprocess.SubprocessError) as e:
+        result["error"] = str(e)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return result
+
+
+def table(results: dict[str, dict[str, Any]]) -> list[str]:
+    lines = ["| metric | tiers on | tiers off | off / on |", "|---|---|---|---|"]
+    for key, title, fmt in METRICS:
+        on, off = (lookup(results[k].get("run"), key) for k in ("on", "off"))
+        cells = [fmt.format(v) if v is not None else "—" for v in (on, off)]
+        r = ratio(off, on) if "ms" in title else None
+        lines.append(f"| {title} | {' | '.join(cells)} | {f'{r:.2f}×' if r else ''} |")
+    return lines
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--conversations", type=int, default=10)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--input-len", type=int, default=128, help="tokens per user turn")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--think-time", type=float, default=20.0, help="s before each later turn")
+    p.add_argument("--max-concurrency", type=int, default=0, help="conversations at once")
+    p.add_argument(
+        "--request-rate", type=float, default=0.25, help="conversations per s (0: all at once)"
+    )
+    p.add_argument("--device-pages", type=int, default=32, help="device KV pages (64 tokens)")
+    p.add_argument("--cpu-pages", type=int, default=32, help="CPU tier pages (tiers on)")
+    p.add_argument("--ssd-bytes", default="4GiB", help="SSD tier budget (tiers on)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=900)
+    p.add_argument("--json", type=Path, help="write every figure to this file")
+    p.add_argument("--markdown", type=Path, help="write the table and commands to this file")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    page_bytes = 2 * 30 * 64 * 3 * 64 * 2  # SmolLM2-135M in bf16: K and V, 30 layers, 3 x 64
+    device = f"--num-kv-pages {args.device_pages}"
+    with tempfile.TemporaryDirectory() as tmp:
+        ssd = Path(tmp) / "ssd"
+        tiers_on = (
+            f"{device} --kv-cpu-bytes {args.cpu_pages * page_bytes} "
+            f"--kv-ssd-dir {ssd} --kv-ssd-bytes {args.ssd_bytes}"
+        )
+        results = {
+            "on": run("on", tiers_on, args, Path(tmp)),
+            "off": run("off", f"{device} --kv-cpu-bytes 0", args, Path(tmp)),
+        }
+    working_set = page_tokens_of_working_set(args)
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "workload": {
+            "conversations": args.conversations,
+            "turns": args.turns,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "working_set_tokens": working_set,
+            "device_tokens": args.device_pages * 64,
+        },
+        "results": results,
+    }
+    about = (
+        f"{args.conversations} chats of {args.turns} turns ({args.input_len}-token user "
+        f"turns, {args.output_len}-token replies, EOS ignored, {args.think_time:g} s think "
+        "time before each later turn), "
+        + (
+            f"starting at {args.request_rate:g}/s (Poisson); "
+            if args.request_rate
+            else "all starting at once; "
+        )
+        + (f"at most {args.max_concurrency} at once; " if args.max_concurrency else "")
+        + f"working set ≈ {working_set} tokens = "
+        f"{working_set / (args.device_pages * 64):.1f}× the device budget of "
+        f"{args.device_pages} pages. Tiers on: + {args.cpu_pages} CPU pages + SSD "
+        f"{args.ssd_bytes}; off: device only (prefix caching on in both)."
+    )
+    commands = [r["command"] for r in results.values() if "command" in r]
+    failed = {k: r for k, r in results.items() if "error" in r}
+    text = markdown_report("Tiered KV on vs off", report, about, table(results), commands, failed)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.markdown:
+        args.markdown.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
