@@ -172,10 +172,10 @@ class PagedKVStore:
         """A snapshot of every tier's counters, with its current occupancy."""
         used = {"device": self.pool.num_pages - self.pool.num_free}
         used |= {t.name: len(t) for t in self.lower}
-        out = []
-        for name, s in self.stats.items():
-            out.append(replace(s, used=used[name], load_buckets=list(s.load_buckets)))
-        return out
+        return [
+            replace(s, used=used[name], load_buckets=list(s.load_buckets))
+            for name, s in self.stats.items()
+        ]
 
     def close(self) -> None:
         """Let the SSD tier finish its queued writes."""
