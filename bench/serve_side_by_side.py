@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -91,19 +93,18 @@ def bench(args: argparse.Namespace, concurrency: int, prompts: int, out: Path | 
     return json.loads(out.read_text()) if out else None
 
 
-def run_engine(engine: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    if engine == "vllm" and not (PEERS / "vllm" / "bin" / "vllm").exists():
-        return {"skipped": "not installed (../shared/peers/install_vllm_cpu.sh)"}
-    cmd, env = server_command(engine, model_dir(), args.ours_args if engine == "ours" else "")
+@contextmanager
+def serving(
+    cmd: list[str], env: dict[str, str], timeout: float, result: dict[str, Any]
+) -> Iterator[None]:
+    """Run a server until the block ends (SIGINT, then kill): `result` gets its command, its
+    start-up time, or the error that stopped the block."""
     print(f"$ {shlex.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=sys.stderr)
-    result: dict[str, Any] = {"command": shlex.join(cmd)}
+    result["command"] = shlex.join(cmd)
     try:
-        result["startup_s"] = wait_healthy(proc, args.startup_timeout)
-        bench(args, 4, 4, None)  # warm-up, untimed
-        for concurrency, prompts in args.cases:
-            out = tmp / f"{engine}_c{concurrency}.json"
-            result[f"c{concurrency}"] = bench(args, concurrency, prompts, out)
+        result["startup_s"] = wait_healthy(proc, timeout)
+        yield
     except (RuntimeError, subprocess.SubprocessError) as e:
         result["error"] = str(e)
     finally:
@@ -112,6 +113,27 @@ def run_engine(engine: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def emit(text: str, report: dict[str, Any], args: argparse.Namespace) -> None:
+    """Print the Markdown report; keep it and the figures where --markdown / --json say."""
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.markdown:
+        args.markdown.write_text(text)
+
+
+def run_engine(engine: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    if engine == "vllm" and not (PEERS / "vllm" / "bin" / "vllm").exists():
+        return {"skipped": "not installed (../shared/peers/install_vllm_cpu.sh)"}
+    cmd, env = server_command(engine, model_dir(), args.ours_args if engine == "ours" else "")
+    result: dict[str, Any] = {}
+    with serving(cmd, env, args.startup_timeout, result):
+        bench(args, 4, 4, None)  # warm-up, untimed
+        for concurrency, prompts in args.cases:
+            out = tmp / f"{engine}_c{concurrency}.json"
+            result[f"c{concurrency}"] = bench(args, concurrency, prompts, out)
     return result
 
 
@@ -168,11 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown_report(
         "Serving side by side", report, about, table(results, args.cases), commands, missing
     )
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    if args.markdown:
-        args.markdown.write_text(text)
+    emit(text, report, args)
     return 0
 
 

@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_side_by_side import PORT, lookup, model_dir, server_command, wait_healthy
+from serve_side_by_side import PORT, emit, lookup, model_dir, server_command, serving
 from side_by_side import machine, markdown_report, ratio
 
 METRICS = (  # (path in the `pypto bench serve` result JSON, title, format)
@@ -68,24 +67,12 @@ def bench(args: argparse.Namespace, out: Path | None, conversations: int, turns:
 
 
 def run(name: str, flags: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    cmd, _ = server_command("ours", model_dir(), flags)
-    print(f"$ {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, stdout=sys.stderr)
-    result: dict[str, Any] = {"command": shlex.join(cmd)}
-    try:
-        result["startup_s"] = wait_healthy(proc, args.startup_timeout)
-        args.seed += 1000  # warm-up with other conversations, untimed
-        bench(args, None, 2, 1)
-        args.seed -= 1000
+    cmd, env = server_command("ours", model_dir(), flags)
+    result: dict[str, Any] = {}
+    with serving(cmd, env, args.startup_timeout, result):
+        warmup = argparse.Namespace(**{**vars(args), "seed": args.seed + 1000})
+        bench(warmup, None, 2, 1)  # other conversations, untimed
         result["run"] = bench(args, tmp / f"{name}.json", args.conversations, args.turns)
-    except (RuntimeError, subprocess.SubprocessError) as e:
-        result["error"] = str(e)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     return result
 
 
@@ -167,11 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = [r["command"] for r in results.values() if "command" in r]
     failed = {k: r for k, r in results.items() if "error" in r}
     text = markdown_report("Tiered KV on vs off", report, about, table(results), commands, failed)
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    if args.markdown:
-        args.markdown.write_text(text)
+    emit(text, report, args)
     return 0
 
 

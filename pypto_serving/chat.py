@@ -9,7 +9,6 @@ conversation grown past the context) is reported and leaves the conversation as 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -18,7 +17,12 @@ from typing import Any, Protocol
 
 import httpx
 
-from pypto_serving.bench.serve_client import error_message
+from pypto_serving.bench.serve_client import (
+    StreamError,
+    describe_error,
+    error_message,
+    sse_chunk,
+)
 from pypto_serving.errors import PyptoError
 
 PROMPT = ">>> "
@@ -139,20 +143,14 @@ class ServerChat:
     @staticmethod
     def parse(line: str) -> tuple[str, bool]:
         """(text, stream over) of one SSE line; an error event raises ChatError."""
-        line = line.strip()
-        if not line.startswith("data:"):
-            return "", False
-        data = line[len("data:") :].strip()
-        if data == "[DONE]":
-            return "", True
         try:
-            chunk = json.loads(data)
-        except json.JSONDecodeError:
-            raise ChatError(f"the server sent invalid JSON: {data[:80]!r}") from None
-        if not isinstance(chunk, dict):
-            raise ChatError(f"the server sent an invalid chunk: {data[:80]!r}")
+            chunk = sse_chunk(line)
+        except StreamError as e:
+            raise ChatError(f"the server sent {e}") from None
+        if chunk is None or chunk == "done":
+            return "", chunk == "done"
         if chunk.get("error"):
-            raise ChatError(error_message(data.encode()))
+            raise ChatError(describe_error(chunk["error"]))
         pieces = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") if isinstance(choice, dict) else None

@@ -109,6 +109,15 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def fake_kv_store(num_pages: int, page_size: int, **options: Any) -> Any:
+    """A PagedKVStore for tests without a model: one layer, one KV head of dim 2 (room for a
+    token's fake KV, (token id, position)), fp32 on the CPU. `options`: prefix caching, tiers."""
+    from pypto_serving.kv.store import PagedKVStore
+
+    cpu = torch.device("cpu")
+    return PagedKVStore(1, 1, 2, num_pages, page_size, torch.float32, cpu, **options)
+
+
 def hash_chain(token_ids: list[int], page_size: int, salt: str | None = None) -> list[bytes]:
     """The prefix-cache hash chain over the full pages of `token_ids`."""
     from pypto_serving.kv.page_pool import hash_page

@@ -128,6 +128,18 @@ class FakeServer:
         return httpx.MockTransport(self.handle)
 
 
+def run_info(dataset: str) -> dict[str, Any]:
+    """What `serve.summarize` is told about a run besides its records."""
+    return dict(
+        base_url=URL,
+        endpoint="completions",
+        model="m",
+        dataset=dataset,
+        request_rate=None,
+        max_concurrency=None,
+    )
+
+
 def ticking_clock() -> Callable[[], float]:
     """A clock that advances one second per reading."""
     ticks = iter(range(1000))
@@ -170,14 +182,7 @@ def test_cached_tokens_per_tier_are_read_from_usage_and_summarized():
     assert r.cached_tokens == 3 and r.cached_tokens_per_tier == tiers
     plain = send(FakeServer(), [5, 6], 2)  # a server without details (e.g. no usage extension)
     assert plain.cached_tokens is None and plain.cached_tokens_per_tier == {}
-    info = dict(
-        base_url=URL,
-        endpoint="completions",
-        model="m",
-        dataset="multi-turn",
-        request_rate=None,
-        max_concurrency=None,
-    )
+    info = run_info("multi-turn")
     result = serve.summarize([r, plain], 1.0, {}, info)
     assert result.cached_prompt_fraction == pytest.approx(0.5)  # of the requests that reported
     assert result.cached_fraction_per_tier == pytest.approx(
@@ -229,14 +234,7 @@ def record(i: int, ms: float, success: bool = True, tokens: int = 3) -> RequestR
 def test_summary_statistics_and_goodput():
     records = [record(i, ms) for i, ms in enumerate(range(1, 101))]
     records += [record(100, 0, success=False), record(101, 0, success=False)]
-    info = dict(
-        base_url=URL,
-        endpoint="completions",
-        model="m",
-        dataset="random",
-        request_rate=None,
-        max_concurrency=None,
-    )
+    info = run_info("random")
     r = serve.summarize(records, 10.0, {"ttft": 50, "e2e": 90}, info)
     assert (r.num_requests, r.successful, r.failed) == (102, 100, 2)
     assert (r.prompt_tokens, r.output_tokens) == (1000, 300)  # failures excluded

@@ -7,8 +7,7 @@ tail (a request's pages in reverse, so its tail pages are reused first).
 from collections.abc import Sequence
 
 import pytest
-import torch
-from checkpoints import hash_chain
+from checkpoints import fake_kv_store, hash_chain
 
 from pypto_serving.kv.store import PagedKVStore, PageTable
 from pypto_serving.ops.sampler import Sampled
@@ -19,16 +18,7 @@ PS = 4
 
 
 def make_store(num_pages: int = 8, enable_prefix_caching: bool = True) -> PagedKVStore:
-    return PagedKVStore(
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=2,
-        num_pages=num_pages,
-        page_size=PS,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        enable_prefix_caching=enable_prefix_caching,
-    )
+    return fake_kv_store(num_pages, PS, enable_prefix_caching=enable_prefix_caching)
 
 
 def make_request(request_id: str, prompt: list[int], salt: str | None = None) -> Request:

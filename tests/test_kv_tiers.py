@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import hash_chain
+from checkpoints import fake_kv_store, hash_chain
 
 from pypto_serving.kv.disk_tier import MAGIC, SUFFIX, DiskTier
 from pypto_serving.kv.store import PagedKVStore
@@ -31,18 +31,8 @@ def make_store(
     ssd_dir: Path | None = None,
     digest: str = "model-a",
 ) -> PagedKVStore:
-    return PagedKVStore(
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=2,
-        num_pages=num_pages,
-        page_size=PS,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        cpu_pages=cpu_pages,
-        ssd_dir=ssd_dir,
-        ssd_pages=ssd_pages,
-        digest=digest,
+    return fake_kv_store(
+        num_pages, PS, cpu_pages=cpu_pages, ssd_dir=ssd_dir, ssd_pages=ssd_pages, digest=digest
     )
 
 

@@ -17,7 +17,7 @@ from typing import Self
 
 import hypothesis.strategies as st
 import torch
-from checkpoints import hash_chain
+from checkpoints import fake_kv_store, hash_chain
 from hypothesis import Phase, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -62,14 +62,9 @@ def make_store(
     ssd_pages: int = 0,
     ssd_dir: Path | None = None,
 ) -> PagedKVStore:
-    return PagedKVStore(
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=2,  # slot = (token id, position)
-        num_pages=num_pages,
-        page_size=PS,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
+    return fake_kv_store(
+        num_pages,
+        PS,
         enable_prefix_caching=enable_prefix_caching,
         cpu_pages=cpu_pages,
         ssd_dir=ssd_dir,

@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -102,6 +102,11 @@ def error_message(body: bytes) -> str:
         err = json.loads(text).get("error", text)
     except (json.JSONDecodeError, AttributeError):
         err = text
+    return describe_error(err)
+
+
+def describe_error(err: object) -> str:
+    """One short line from an error value: OpenAI's {"message": ...} object, or anything."""
     message = str(err.get("message", err)) if isinstance(err, dict) else str(err)
     message = " ".join(message.split()) or "(empty body)"
     return message if len(message) <= MAX_ERROR_CHARS else message[: MAX_ERROR_CHARS - 3] + "..."
@@ -169,6 +174,24 @@ class StreamError(Exception):
     """The response stream says or shows that the request failed."""
 
 
+def sse_chunk(line: str) -> dict[str, Any] | Literal["done"] | None:
+    """One line of an OpenAI SSE stream: its JSON chunk, "done" for `data: [DONE]`, None for
+    any other line. StreamError when the data is not a JSON object."""
+    line = line.strip()
+    if not line.startswith("data:"):
+        return None
+    data = line[len("data:") :].strip()
+    if data == "[DONE]":
+        return "done"
+    try:
+        chunk = json.loads(data)
+    except json.JSONDecodeError:
+        raise StreamError(f"invalid JSON in the stream: {data[:80]!r}") from None
+    if not isinstance(chunk, dict):
+        raise StreamError(f"invalid chunk in the stream: {data[:80]!r}")
+    return chunk
+
+
 class StreamTimer:
     """Consumes SSE lines of one response, timing the chunks that carry text."""
 
@@ -184,21 +207,16 @@ class StreamTimer:
 
     def feed(self, line: str) -> None:
         """One line of the stream: `data: {...}`, `data: [DONE]`; others are ignored."""
-        line = line.strip()
-        if not line.startswith("data:") or self.done:
+        if self.done:
             return
-        data = line[len("data:") :].strip()
-        if data == "[DONE]":
+        chunk = sse_chunk(line)
+        if chunk is None:
+            return
+        if chunk == "done":
             self.done = True
             return
-        try:
-            chunk = json.loads(data)
-        except json.JSONDecodeError:
-            raise StreamError(f"invalid JSON in the stream: {data[:80]!r}") from None
-        if not isinstance(chunk, dict):
-            raise StreamError(f"invalid chunk in the stream: {data[:80]!r}")
         if chunk.get("error"):
-            raise StreamError(f"error event: {error_message(data.encode())}")
+            raise StreamError(f"error event: {describe_error(chunk['error'])}")
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
         if text := chunk_text(chunk):

@@ -29,6 +29,7 @@ import struct
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -97,16 +98,16 @@ class DiskTier(PageTier):
         head = json.dumps(header, separators=(",", ":")).encode()
         return MAGIC + struct.pack("<I", len(head)) + head + payload
 
-    def _read_header(self, f: object, page_hash: bytes) -> tuple[dict[str, object], int]:
+    def _read_header(self, f: BinaryIO, page_hash: bytes) -> tuple[dict[str, object], int]:
         """(header, payload offset) of an open file; ValueError if it is not ours."""
-        prefix = f.read(len(MAGIC) + 4)  # type: ignore[attr-defined]
+        prefix = f.read(len(MAGIC) + 4)
         if len(prefix) != len(MAGIC) + 4 or prefix[: len(MAGIC)] != MAGIC:
             raise ValueError("bad magic")
         (size,) = struct.unpack("<I", prefix[len(MAGIC) :])
         if size > HEADER_BYTES + 64 * self.page_shape[2]:
             raise ValueError("header too long")
         try:
-            header = json.loads(f.read(size))  # type: ignore[attr-defined]
+            header = json.loads(f.read(size))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"bad header: {e}") from None
         if not isinstance(header, dict):

@@ -349,7 +349,7 @@ class PagedKVStore:
             h.page_id = page_id
             self._cache_on_device(page_id, h.page_hash, h.token_ids)
         copy_s_per_page = (time.perf_counter() - start) / len(loaded)
-        pages = Counter(h.tier.name for h, _ in loaded if h.tier is not None)
+        pages = Counter(h.tier.name for h, _ in loaded)  # type: ignore[union-attr]
         for name, n in pages.items():
             total = seconds[name] + n * copy_s_per_page
             self.stats[name].loaded += n
