@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from pypto_serving.config import (
+    SECTION_NAMES,
     SERVE_ENGINE_DEFAULTS,
     CacheConfig,
     EngineConfig,
+    ParallelConfig,
     SchedulerConfig,
     ServerConfig,
     parse_bytes,
@@ -31,7 +33,9 @@ from pypto_serving.config import (
 )
 from pypto_serving.errors import PyptoError
 
-SECTIONS = (EngineConfig, SchedulerConfig, CacheConfig)
+SECTIONS = (EngineConfig, SchedulerConfig, CacheConfig, ParallelConfig)
+ALIASES = {"data_parallel_size": ("--dp",)}
+"""Short flags beside the long ones derived from field names (vLLM's spellings)."""
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -81,24 +85,27 @@ def add_config_flags(
         docs = field_docs(section)
         hints = typing.get_type_hints(section)
         for f in fields(section):
-            if f.name in ("scheduler", "cache"):
+            if f.name in SECTION_NAMES:
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flags = [
+                "--" + f.name.replace("_", "-"),
+                *ALIASES.get(f.name, ()),
+            ]
             kind = byte_count if f.name.endswith("_bytes") else _flag_type(hints[f.name])
             default = f.default if f.default is not MISSING else None
             default = (defaults or {}).get(f.name, default)
             help_text = f"{docs.get(f.name, '')} (default: {default})"
             if kind is bool:
                 group.add_argument(
-                    flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+                    *flags, action=argparse.BooleanOptionalAction, default=None, help=help_text
                 )
             else:
-                group.add_argument(flag, type=kind, default=None, help=help_text)
+                group.add_argument(*flags, type=kind, default=None, help=help_text)
 
 
 def engine_knobs(args: argparse.Namespace, sections: tuple[type, ...] = SECTIONS) -> dict[str, Any]:
     """The config fields given on the command line (flags left out are not in the dict)."""
-    names = {f.name for s in sections for f in fields(s)} - {"scheduler", "cache"}
+    names = {f.name for s in sections for f in fields(s)} - set(SECTION_NAMES)
     return {n: v for n, v in vars(args).items() if n in names and v is not None}
 
 
@@ -139,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--config",
         type=Path,
-        help='JSON file of options (flat, or in "scheduler", "cache", "server" sections); '
-        "flags given on the command line win",
+        help='JSON file of options (flat, or in "scheduler", "cache", "parallel", "server" '
+        "sections); flags given on the command line win",
     )
     add_config_flags(serve, "server", (ServerConfig,))
     add_engine_flags(serve, SERVE_ENGINE_DEFAULTS)

@@ -14,6 +14,9 @@ from typing import Any
 from pypto_serving.errors import PyptoError
 
 EXECUTORS = ("paged", "reference")
+LOAD_BALANCE = ("least_pending_tokens", "round_robin")
+SECTION_NAMES = ("scheduler", "cache", "parallel")
+"""EngineConfig's sub-configs (and the JSON config file's sections of the same names)."""
 
 
 @dataclass(slots=True)
@@ -85,6 +88,49 @@ def parse_bytes(value: object, name: str = "size") -> int:
 
 
 @dataclass(slots=True)
+class ParallelConfig:
+    data_parallel_size: int = 1
+    """Engine replicas (DP), each a process with its own scheduler, KV store and executor."""
+    data_parallel_load_balance: str = "least_pending_tokens"
+    """How requests are spread over DP replicas: least_pending_tokens (queued plus running
+    remaining tokens, less the prompt tokens a replica likely holds in its prefix cache) or
+    round_robin."""
+    devices: str | None = None
+    """Comma-separated devices, one per replica (e.g. cuda:0,cuda:1); None: automatic (one
+    GPU each where there are enough GPUs, else the CPU with its cores split between them)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size
+
+    def device_list(self) -> list[str] | None:
+        """The devices given, one per replica (None when automatic)."""
+        if self.devices is None:
+            return None
+        names = self.devices if isinstance(self.devices, list) else str(self.devices).split(",")
+        return [str(n).strip() for n in names]
+
+    def validate(self) -> None:
+        n = self.data_parallel_size
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise PyptoError(f"data_parallel_size must be an integer >= 1, got {n!r}")
+        if self.data_parallel_load_balance not in LOAD_BALANCE:
+            raise PyptoError(
+                f"data_parallel_load_balance must be one of {', '.join(LOAD_BALANCE)}, "
+                f"got {self.data_parallel_load_balance!r}"
+            )
+        devices = self.device_list()
+        if devices is not None:
+            if any(not d for d in devices):
+                raise PyptoError(f"devices must name one device per replica, got {self.devices!r}")
+            if len(devices) != self.world_size:
+                raise PyptoError(
+                    f"devices names {len(devices)} device(s) for a world of {self.world_size} "
+                    f"process(es) (data_parallel_size {n}); give one per process"
+                )
+
+
+@dataclass(slots=True)
 class EngineConfig:
     model: str = "default"
     """A Hugging Face model directory, a .gguf file, or 'default' (SmolLM2-135M-Instruct)."""
@@ -102,6 +148,7 @@ class EngineConfig:
     """CPU threads for PyTorch; None uses every core this process may run on."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> None:
         if self.executor not in EXECUTORS:
@@ -110,6 +157,9 @@ class EngineConfig:
             raise PyptoError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         self.scheduler.validate()
         self.cache.validate()
+        self.parallel.validate()
+        if self.parallel.data_parallel_size > 1 and self.executor == "reference":
+            raise PyptoError("data_parallel_size > 1 needs the paged executor")
 
 
 @dataclass(slots=True)
@@ -146,7 +196,7 @@ runs keep 2048 (W1 ~7% faster)."""
 
 def read_config_file(path: Path) -> dict[str, Any]:
     """Flat knobs from a JSON config file: top-level fields, or grouped in "scheduler",
-    "cache" and "server" sections. Unknown names are an error (see `split_knobs`)."""
+    "cache", "parallel" and "server" sections. Unknown names are an error (see `split_knobs`)."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -157,7 +207,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise PyptoError(f"config file {path}: expected a JSON object")
     flat: dict[str, Any] = {}
     for key, value in data.items():
-        if key in ("scheduler", "cache", "server"):
+        if key in (*SECTION_NAMES, "server"):
             if not isinstance(value, dict):
                 raise PyptoError(f"config file {path}: {key!r} must be an object")
             flat.update(value)
@@ -183,10 +233,10 @@ def split_knobs(knobs: dict[str, Any]) -> tuple[dict[str, Any], ServerConfig]:
 def engine_config(**knobs: object) -> EngineConfig:
     """An EngineConfig from flat keyword knobs (engine, scheduler and cache fields alike)."""
     config = EngineConfig()
-    targets = [config, config.scheduler, config.cache]
+    targets = [config, config.scheduler, config.cache, config.parallel]
     for key, value in knobs.items():
         target = next((t for t in targets if key in {f.name for f in fields(t)}), None)
-        if target is None or key in ("scheduler", "cache"):
+        if target is None or key in SECTION_NAMES:
             raise PyptoError(f"unknown engine option {key!r}; known: {', '.join(knob_names())}")
         setattr(target, key, value)
     config.validate()
@@ -195,5 +245,5 @@ def engine_config(**knobs: object) -> EngineConfig:
 
 def knob_names() -> list[str]:
     """Every flat knob name accepted by engine_config()."""
-    sections = (EngineConfig, SchedulerConfig, CacheConfig)
-    return [f.name for s in sections for f in fields(s) if f.name not in ("scheduler", "cache")]
+    sections = (EngineConfig, SchedulerConfig, CacheConfig, ParallelConfig)
+    return [f.name for s in sections for f in fields(s) if f.name not in SECTION_NAMES]

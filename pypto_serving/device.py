@@ -73,3 +73,34 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (for timing); a no-op on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def plan_devices(
+    num_procs: int, devices: list[str] | None, device: str = "auto"
+) -> list[tuple[str, list[int] | None]]:
+    """A device for each of `num_procs` processes, and the cores to pin it to (CPU only).
+
+    Given `devices` are used as they are. Otherwise, with `device` auto on a machine with at
+    least `num_procs` GPUs, process i gets cuda:i; on the CPU the cores this process may use
+    are split into `num_procs` contiguous shares, so the processes' thread teams never
+    compete for a core (with fewer cores than processes, none is pinned)."""
+    if devices is None:
+        if device == "auto" and torch.cuda.is_available():
+            found = torch.cuda.device_count()
+            if found < num_procs:
+                raise PyptoError(
+                    f"{num_procs} processes need {num_procs} GPUs, found {found}; "
+                    "name the devices to share (devices) or use device cpu"
+                )
+            devices = [f"cuda:{i}" for i in range(num_procs)]
+        else:
+            devices = [device] * num_procs
+    for name in set(devices):
+        resolve_device(name)  # a clear error for a bad or absent device, before any start
+    cpu = [i for i, d in enumerate(devices) if resolve_device(d).type == "cpu"]
+    cores = sorted(os.sched_getaffinity(0))
+    shares: dict[int, list[int] | None] = {}
+    if cpu and len(cores) >= len(cpu):
+        per = len(cores) // len(cpu)
+        shares = {p: cores[k * per : (k + 1) * per] for k, p in enumerate(cpu)}
+    return [(d, shares.get(i)) for i, d in enumerate(devices)]

@@ -62,13 +62,17 @@ def engine_info(llm: LLM) -> dict[str, Any]:
         "device": str(engine.device),
         "executor": engine.config.executor,
         "enforce_eager": engine.config.enforce_eager,
-        "threads": torch.get_num_threads(),
+        "threads": getattr(engine, "num_threads", None) or torch.get_num_threads(),
+        "data_parallel_size": engine.config.parallel.data_parallel_size,
     }
 
 
-def peak_rss_mib() -> float:
-    """Peak resident memory of this process so far, in MiB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def peak_rss_mib(llm: LLM | None = None) -> float:
+    """Peak resident memory so far, in MiB (Linux reports KiB): this process's, plus each
+    data-parallel replica's when `llm` has replicas."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    replicas = getattr(llm.engine, "replicas", []) if llm is not None else []
+    return own + sum(r.peak_rss_mib() for r in replicas)
 
 
 def report(

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output_len < 2:
         raise PyptoError("--output-len must be >= 2 (decode speed needs tokens after the first)")
     llm, startup = start_engine(engine_knobs(args))
-    vocab = sampling_vocab(llm.tokenizer, llm.engine.model.cfg.vocab_size)
+    vocab = sampling_vocab(llm.tokenizer, llm.engine.model_config.vocab_size)
     warm = random_prompts(vocab, 1, args.input_len, args.seed + WARMUP_SEED_OFFSET)[0]
     time_request(llm, warm, min(args.output_len, WARMUP_TOKENS))
     timings = [
@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     result = summarize(args, timings, startup)
     result.engine = engine_info(llm)
+    result.peak_rss_mib = peak_rss_mib(llm)
     report("pypto bench latency", table_rows(result), asdict(result), args.json)
     return 0
 

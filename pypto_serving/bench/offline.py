@@ -116,7 +116,7 @@ def measure(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float,
 def run(args: argparse.Namespace) -> int:
     texts = read_dataset(args)
     llm, startup = start_engine(engine_knobs(args))
-    vocab = sampling_vocab(llm.tokenizer, llm.engine.model.cfg.vocab_size)
+    vocab = sampling_vocab(llm.tokenizer, llm.engine.model_config.vocab_size)
     prompts = tokenize(args, texts, llm, vocab)
     warm_up(llm, vocab, prompts, args.seed)
     elapsed, out_tokens = measure(llm, prompts, args.output_len)
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         output_tok_per_s=out_tokens / elapsed,
         total_tok_per_s=(prompt_tokens + out_tokens) / elapsed,
         startup_s=startup,
-        peak_rss_mib=peak_rss_mib(),
+        peak_rss_mib=peak_rss_mib(llm),
         engine=engine_info(llm),
     )
     report("pypto bench offline", table_rows(result), asdict(result), args.json)

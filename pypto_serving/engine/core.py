@@ -12,7 +12,7 @@ from pypto_serving.errors import PyptoError
 from pypto_serving.executor.paged import PagedExecutor
 from pypto_serving.executor.reference import ReferenceExecutor
 from pypto_serving.kv.store import PagedKVStore
-from pypto_serving.kv.tier import TierStats
+from pypto_serving.kv.tier import TierStats, merge_tier_stats
 from pypto_serving.models.loader import checkpoint_digest, load_model
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
@@ -44,6 +44,51 @@ class EngineStats:
     """Per KV tier (device, cpu, ssd): occupancy, hits, misses, pages moved, load latency."""
 
 
+def combine_stats(parts: list[EngineStats]) -> EngineStats:
+    """One snapshot of several engines (DP replicas): counts and totals add up, KV usage is
+    the mean, tiers of the same name are merged."""
+    tiers: dict[str, TierStats] = {}
+    for t in (t for p in parts for t in p.tiers):
+        tiers[t.name] = merge_tier_stats(tiers[t.name], t) if t.name in tiers else t
+    return EngineStats(
+        sum(p.num_running for p in parts),
+        sum(p.num_waiting for p in parts),
+        sum(p.kv_usage for p in parts) / max(len(parts), 1),
+        sum(p.prefix_queries for p in parts),
+        sum(p.prefix_hits for p in parts),
+        sum(p.num_preemptions for p in parts),
+        sum(p.num_swapped for p in parts),
+        max((p.num_recompilations for p in parts), default=0),
+        sum(p.prompt_tokens for p in parts),
+        sum(p.generation_tokens for p in parts),
+        tuple(tiers.values()),
+    )
+
+
+def check_request(
+    prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int
+) -> None:
+    """Raise PyptoError (naming the parameter) unless the request fits the model."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise PyptoError("the prompt is empty", param="prompt")
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
+        raise PyptoError(f"prompt token ids must be integers in [0, {vocab_size})", "prompt")
+    if n >= max_model_len:
+        raise PyptoError(
+            f"the prompt has {n} tokens; this model's context is "
+            f"{max_model_len} (prompt plus at least one new token)",
+            param="prompt",
+        )
+    max_tokens = params.max_tokens
+    if max_tokens is not None and n + max_tokens > max_model_len:
+        raise PyptoError(
+            f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the "
+            f"context length {max_model_len}",
+            param="max_tokens",
+        )
+
+
 class EngineCore:
     """Owns the scheduler and the executor for one model on one device."""
 
@@ -55,7 +100,7 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(model_dir, self.dtype, self.device)
         self.model_dir = model_dir
-        cfg = self.model.cfg
+        self.model_config = cfg = self.model.cfg
         limits = [cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings]
         self.executor = self._make_executor(min(limits))
         if isinstance(self.executor, PagedExecutor):  # a request must fit the whole pool
@@ -87,25 +132,7 @@ class EngineCore:
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise PyptoError (naming the parameter) unless the request fits the model."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise PyptoError("the prompt is empty", param="prompt")
-        vocab = self.model.cfg.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise PyptoError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
-        if n >= self.max_model_len:
-            raise PyptoError(
-                f"the prompt has {n} tokens; this model's context is "
-                f"{self.max_model_len} (prompt plus at least one new token)",
-                param="prompt",
-            )
-        max_tokens = params.max_tokens
-        if max_tokens is not None and n + max_tokens > self.max_model_len:
-            raise PyptoError(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the "
-                f"context length {self.max_model_len}",
-                param="max_tokens",
-            )
+        check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(self, request: Request) -> None:
         """Queue a request after checking it fits the model."""

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from pypto_serving.config import engine_config
 from pypto_serving.engine.core import EngineCore
+from pypto_serving.engine.dp import DPEngine
 from pypto_serving.engine.text import TextAssembler
 from pypto_serving.errors import ModelLoadError
 from pypto_serving.models.config import load_model_config
@@ -98,7 +99,11 @@ class LLM:
         self.model_dir = resolve_model_path(config.model)
         load_model_config(self.model_dir)  # config errors first, before the tokenizer's
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.engine = EngineCore(config, self.model_dir)
+        self.engine: EngineCore | DPEngine
+        if config.parallel.data_parallel_size > 1:
+            self.engine = DPEngine(config, self.model_dir)
+        else:
+            self.engine = EngineCore(config, self.model_dir)
         self._ids = itertools.count()
         self._families: dict[str, tuple[_Family, int]] = {}
 
@@ -134,7 +139,7 @@ class LLM:
         seq = next(self._ids)
         rid = request_id if request_id is not None else str(seq)
         ids = self.encode(prompt)
-        eos = self.engine.model.cfg.eos_token_ids
+        eos = self.engine.model_config.eos_token_ids
         family = _Family(rid, prompt if isinstance(prompt, str) else None, [], [])
         arrived = time.monotonic() if arrival_time is None else arrival_time
         for i in range(params.n):

@@ -53,6 +53,23 @@ class TierStats:
         self.load_seconds_sum += seconds
 
 
+def merge_tier_stats(a: TierStats, b: TierStats) -> TierStats:
+    """The totals of two tiers of the same kind (e.g. the CPU tiers of two DP replicas)."""
+    return TierStats(
+        a.name,
+        a.capacity + b.capacity,
+        a.page_bytes,
+        a.used + b.used,
+        a.hits + b.hits,
+        a.misses + b.misses,
+        a.stored + b.stored,
+        a.loaded + b.loaded,
+        a.evicted + b.evicted,
+        a.load_seconds_sum + b.load_seconds_sum,
+        [x + y for x, y in zip(a.load_buckets, b.load_buckets, strict=True)],
+    )
+
+
 class PageTier(ABC):
     """A store of cached pages below the device, with a byte budget and an LRU."""
 

@@ -138,7 +138,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         serving.check_model(body.model)
-        vocab = engine.engine.model.cfg.vocab_size
+        vocab = engine.engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise PyptoError(f"token ids must be in [0, {vocab})", "tokens")
         return {"prompt": serving.tokenizer.decode(body.tokens)}

@@ -1,0 +1,305 @@
+"""A data-parallel replica: one process running its own `EngineCore`, fed over a local pipe.
+
+The server (or offline `LLM`) process holds a `Replica` handle per process. Messages:
+
+    parent ──NewRequest / Abort / None (stop)──▶ replica
+    parent ◀──Ready | StartFailed, then one StepResult per engine step, or StepFailed──
+
+Channels are multiprocessing pipes (a socketpair between parent and child, created before the
+child starts), never a listening network socket, so the pickled messages only ever come from
+a process this one started. A replica whose parent goes away (its pipe closes) exits on its
+own: at its next message read or result write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+from pypto_serving.config import EngineConfig
+from pypto_serving.engine.core import EngineCore, EngineStats
+from pypto_serving.errors import PyptoError
+from pypto_serving.ops.sampler import Sampled
+from pypto_serving.request import Request
+from pypto_serving.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+FAIL_START_ENV = "PYPTO_FAIL_REPLICA_START"
+"""Fault injection for tests: the replica whose index this names raises during start-up."""
+STOP_TIMEOUT_S = 10.0
+
+
+@dataclass(slots=True)
+class ReplicaSpec:
+    """What one replica process needs to start."""
+
+    index: int
+    config: EngineConfig
+    """The replica's own engine config (its device, threads and SSD directory)."""
+    model_dir: Path
+    cpus: list[int] | None = None
+    """Cores to pin the process to (CPU replicas), None: no pinning."""
+    log_level: int = logging.INFO
+
+
+@dataclass(slots=True)
+class NewRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    priority: int
+    arrival: int
+    arrival_time: float
+    """time.monotonic() in the parent; the monotonic clock is shared by the machine's processes."""
+    cache_salt: str | None
+
+
+@dataclass(slots=True)
+class Abort:
+    request_ids: list[str]
+    reason: str
+
+
+@dataclass(slots=True)
+class Ready:
+    pid: int
+    max_model_len: int
+    capacity_pages: int
+    """Pages the replica's KV tiers hold together (what its prefix cache can remember)."""
+    page_size: int
+    device: str
+    dtype: str
+    num_threads: int
+    stats: EngineStats
+
+
+@dataclass(slots=True)
+class StartFailed:
+    pid: int
+    message: str
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """A request's new token (with its logprobs when asked for) after one replica step."""
+
+    request_id: str
+    token: Sampled
+    finish_reason: str | None
+    num_cached_tokens: int
+    scheduled_time: float | None
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StepResult:
+    deltas: list[TokenDelta]
+    stats: EngineStats
+
+
+@dataclass(slots=True)
+class StepFailed:
+    message: str
+
+
+def describe(e: BaseException) -> str:
+    return str(e) if isinstance(e, PyptoError) else f"{type(e).__name__}: {e}"
+
+
+def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
+    """The replica process: start the engine, report, then step while there is work."""
+    logging.basicConfig(
+        level=spec.log_level,
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s dp{spec.index} %(name)s: %(message)s",
+    )
+    try:
+        if spec.cpus:
+            os.sched_setaffinity(0, spec.cpus)
+        if os.environ.get(FAIL_START_ENV) == str(spec.index):
+            raise RuntimeError(f"injected start-up failure ({FAIL_START_ENV}={spec.index})")
+        engine = EngineCore(spec.config, spec.model_dir)
+    except BaseException as e:  # reported to the parent, which stops every replica
+        conn.send(StartFailed(os.getpid(), describe(e)))
+        sys.exit(1)
+    try:
+        import torch
+
+        tiers = engine.stats().tiers
+        conn.send(
+            Ready(
+                os.getpid(),
+                engine.max_model_len,
+                sum(t.capacity for t in tiers),
+                spec.config.cache.page_size,
+                str(engine.device),
+                str(engine.dtype),
+                torch.get_num_threads(),
+                engine.stats(),
+            )
+        )
+        serve(engine, conn)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the parent went away: nothing to report to
+    finally:
+        engine.close()
+
+
+def serve(engine: EngineCore, conn: Connection) -> None:
+    """Apply the parent's messages between steps; block on the pipe only while idle."""
+    while True:
+        while not engine.has_unfinished() or conn.poll():
+            message = conn.recv()
+            if message is None:
+                return
+            if isinstance(message, NewRequest):
+                engine.add_request(
+                    Request(
+                        message.request_id,
+                        message.prompt_token_ids,
+                        message.params,
+                        message.eos_token_ids,
+                        message.priority,
+                        message.arrival,
+                        message.arrival_time,
+                        cache_salt=message.cache_salt,
+                    )
+                )
+            else:
+                engine.abort(message.request_ids, message.reason)
+        try:
+            changed = engine.step()
+        except Exception as e:
+            log.exception("engine step failed")
+            conn.send(StepFailed(describe(e)))
+            return
+        deltas = [
+            TokenDelta(
+                r.request_id,
+                r.output_logprobs[-1]
+                if r.params.logprobs is not None
+                else Sampled(r.output_token_ids[-1], 0.0, None),
+                r.finish_reason if r.finished else None,
+                r.num_cached_tokens,
+                r.scheduled_time,
+                dict(r.cached_tokens_by_tier) if r.finished else {},
+            )
+            for r in changed
+        ]
+        conn.send(StepResult(deltas, engine.stats()))
+
+
+class Replica:
+    """The parent's handle on one replica process.
+
+    The process is a fresh interpreter (`subprocess`, not multiprocessing's spawn, which
+    would re-run the caller's main module) that inherits one end of a socketpair; the spec
+    is the first message. When the process dies its end closes, so the parent sees EOF."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        self.index = spec.index
+        self.conn, child = multiprocessing.Pipe()
+        fd = child.fileno()
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", f"import {__name__} as m; m.child_main({fd})"],
+            pass_fds=(fd,),
+        )
+        child.close()
+        self.conn.send(spec)
+        self.info: Ready | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def send(self, message: NewRequest | Abort) -> None:
+        self.conn.send(message)
+
+    def request_stop(self) -> None:
+        """Ask the process to finish (its SSD writes included) and exit."""
+        if self.process.poll() is None:
+            with contextlib.suppress(OSError):
+                self.conn.send(None)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Ask the process to finish, wait for it, then make sure it is gone."""
+        self.request_stop()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout)
+        self.kill()
+
+    def kill(self) -> None:
+        """Terminate the process (SIGTERM, then SIGKILL after a grace period) and reap it."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(2.0)
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.conn.close()
+
+    def peak_rss_mib(self) -> float:
+        """The process's peak resident memory so far (Linux: VmHWM), 0 once it is gone."""
+        try:
+            status = Path(f"/proc/{self.pid}/status").read_text()
+        except OSError:
+            return 0.0
+        kib = next(
+            (int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0
+        )
+        return kib / 1024
+
+    def exit_code(self, timeout: float = 5.0) -> int | None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return self.process.wait(timeout)
+        return None
+
+
+def child_main(fd: int) -> None:
+    """Entry point of a replica process: the spec arrives on the inherited pipe."""
+    conn = Connection(fd)
+    try:
+        spec = conn.recv()
+    except (EOFError, OSError):
+        sys.exit(1)
+    replica_main(spec, conn)
+
+
+def wait_ready(replicas: list[Replica]) -> None:
+    """Wait until every replica is ready. If one fails (or dies) first, stop them all and
+    raise PyptoError naming the one that failed."""
+    pending = {r.conn: r for r in replicas}
+    while pending:
+        for conn in wait(list(pending)):
+            r = pending[conn]  # type: ignore[index]
+            try:
+                message: Ready | StartFailed | None = r.conn.recv()
+            except (EOFError, OSError):
+                message = None
+            if isinstance(message, Ready):
+                r.info = message
+                del pending[conn]  # type: ignore[arg-type]
+                log.info("replica %d ready (pid %d)", r.index, message.pid)
+                continue
+            if isinstance(message, StartFailed):
+                why = message.message
+            else:
+                why = f"the process exited with code {r.exit_code()}"
+            others = [o for o in replicas if o is not r]
+            for o in [r, *others]:
+                o.kill()
+            stopped = ", ".join(f"{o.index} (pid {o.pid})" for o in others) or "none"
+            raise PyptoError(
+                f"data-parallel replica {r.index} (pid {r.pid}) failed to start: {why}; "
+                f"stopped the other replicas: {stopped}"
+            )

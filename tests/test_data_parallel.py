@@ -1,0 +1,210 @@
+"""Data parallelism: replica processes behind one engine, for `LLM` and the server.
+
+Ground truth is the single-process engine: every request's tokens (greedy, and seeded
+sampling with logprobs) must be the same whichever replica computed them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from live_server import FAST_KNOBS, serving, tiny_llm
+
+from pypto_serving.engine.dp import DPEngine, ReplicaDiedError
+from pypto_serving.engine.replica import FAIL_START_ENV
+from pypto_serving.errors import PyptoError
+from pypto_serving.sampling import SamplingParams
+
+MODEL = "qwen3-hd32-gqa4"
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.9, top_k=20, max_tokens=8, seed=7, n=2, logprobs=2)
+
+
+def prompts() -> list[list[int]]:
+    system = [(5 * j) % 250 + 3 for j in range(40)]  # shared by every other prompt
+    return [
+        (
+            [*system, *range(3, 3 + i)]
+            if i % 2
+            else [(7 * i + j) % 300 + 3 for j in range(5 + 9 * i)]
+        )
+        for i in range(10)
+    ]
+
+
+def outputs(llm, params: SamplingParams) -> list[list[tuple[list[int], str]]]:
+    result = llm.generate(prompts(), params, use_tqdm=False)
+    return [[(o.token_ids, o.text) for o in r.outputs] for r in result]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"  # exited, not yet reaped
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model):
+    with tiny_llm(tiny_model(MODEL)) as llm:
+        yield {"greedy": outputs(llm, GREEDY), "sampled": outputs(llm, SAMPLED)}
+
+
+def test_dp2_gives_each_request_the_single_engine_tokens(tiny_model, single):
+    with tiny_llm(tiny_model(MODEL), data_parallel_size=2) as llm:
+        engine = llm.engine
+        assert isinstance(engine, DPEngine)
+        pids = [r.pid for r in engine.replicas]
+        assert len(set(pids)) == 2 and os.getpid() not in pids
+        assert outputs(llm, GREEDY) == single["greedy"]
+        assert outputs(llm, SAMPLED) == single["sampled"]
+        assert engine.router.pending == [0, 0]  # accounting back to zero
+        per_replica = [s.generation_tokens for s in engine._stats]
+        assert all(n > 0 for n in per_replica), per_replica  # both replicas did work
+        assert engine.stats().generation_tokens == sum(per_replica)
+        # one at a time (equal loads), a prompt goes where its system prompt is cached
+        shared = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts()[1::2]]
+        assert all(r.num_cached_tokens >= 32 for r in shared)
+    assert all(gone(pid) for pid in pids)
+
+
+def test_dp2_server_streams_the_single_engine_tokens(tiny_model, single):
+    llm = tiny_llm(tiny_model(MODEL), data_parallel_size=2)
+    pids = [r.pid for r in llm.engine.replicas]
+    with serving(llm) as live:
+
+        def complete(prompt: list[int]) -> str:
+            body = {"model": live.model, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+            r = httpx.post(
+                f"{live.url}/v1/completions", json=body | {"ignore_eos": True}, timeout=60
+            )
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(complete, prompts()))
+        assert got == [r[0][1] for r in single["greedy"]]
+        assert httpx.get(f"{live.url}/health").status_code == 200
+        metrics = httpx.get(f"{live.url}/metrics").text
+        assert re.search(r'pypto_generation_tokens_total\{model_name="tiny"\} 120\.0', metrics)
+    assert all(gone(pid) for pid in pids)  # the server's shutdown stopped the replicas
+
+
+def test_a_replica_that_fails_to_start_stops_them_all(tiny_model, monkeypatch):
+    monkeypatch.setenv(FAIL_START_ENV, "1")
+    with pytest.raises(PyptoError) as e:
+        tiny_llm(tiny_model(MODEL), data_parallel_size=3)
+    message = str(e.value)
+    assert "replica 1" in message and "injected start-up failure" in message
+    pids = [int(p) for p in re.findall(r"pid (\d+)", message)]
+    assert len(pids) == 3 and all(gone(pid) for pid in pids)
+    assert children_of(os.getpid()) == []
+
+
+def test_a_replica_killed_while_serving_is_reported(tiny_model):
+    llm = tiny_llm(tiny_model(MODEL), data_parallel_size=2)
+    try:
+        victim = llm.engine.replicas[1]
+        llm.add(prompts()[0], GREEDY)
+        llm.add(prompts()[2], GREEDY)  # one request on each replica
+        os.kill(victim.pid, signal.SIGKILL)
+        with pytest.raises(ReplicaDiedError, match="replica 1 stopped: it exited"):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                llm.step()
+    finally:
+        llm.close()
+    assert all(gone(r.pid) for r in llm.engine.replicas)
+
+
+def test_replicas_exit_when_their_parent_is_killed(tiny_model):
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from pypto_serving import LLM
+        llm = LLM({str(tiny_model(MODEL))!r}, data_parallel_size=2, **{FAST_KNOBS!r})
+        print(*[r.pid for r in llm.engine.replicas], flush=True)
+        time.sleep(600)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 20
+        while not all(gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(gone(p) for p in pids)
+    finally:
+        parent.kill()
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        ({"data_parallel_size": 0}, "data_parallel_size must be an integer >= 1"),
+        ({"data_parallel_size": "2"}, "data_parallel_size must be an integer >= 1"),
+        ({"data_parallel_load_balance": "random"}, "data_parallel_load_balance must be one of"),
+        ({"data_parallel_size": 2, "devices": "cpu"}, "names 1 device(s) for a world of 2"),
+        ({"data_parallel_size": 2, "devices": "cpu,"}, "one device per replica"),
+        ({"data_parallel_size": 2, "executor": "reference"}, "needs the paged executor"),
+    ],
+)
+def test_parallel_config_errors(knobs, message):
+    from pypto_serving.config import engine_config
+
+    with pytest.raises(PyptoError) as e:
+        engine_config(**knobs)
+    assert message in str(e.value)
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks the message of a machine with no GPU"
+)
+def test_a_device_that_is_not_there_is_refused_before_any_replica_starts(tiny_model):
+    with pytest.raises(PyptoError, match="no CUDA GPU is available"):
+        tiny_llm(tiny_model(MODEL), data_parallel_size=2, devices="cpu,cuda:1")
+    assert children_of(os.getpid()) == []
+
+
+def test_parallel_section_and_dp_flag(tmp_path, monkeypatch):
+    import json
+
+    from pypto_serving.cli import build_parser, engine_knobs, main
+    from pypto_serving.server import launch
+
+    assert engine_knobs(build_parser().parse_args(["generate", "--prompt", "x", "--dp", "2"])) == {
+        "data_parallel_size": 2
+    }
+    seen = {}
+    monkeypatch.setattr(launch, "run_server", lambda knobs, server: seen.update(knobs))
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"parallel": {"data_parallel_size": 2, "devices": "cpu,cpu"}}))
+    main(["serve", "--config", str(config), "--data-parallel-load-balance", "round_robin"])
+    assert seen["data_parallel_size"] == 2 and seen["devices"] == "cpu,cpu"
+    assert seen["data_parallel_load_balance"] == "round_robin"
