@@ -70,8 +70,10 @@ class DPEngine:
         self.config, self.model_dir = config, model_dir
         self.model_config = load_model_config(model_dir)
         specs = replica_specs(config, model_dir)
-        self.replicas = [Replica(spec) for spec in specs]  # all start loading at once
+        self.replicas: list[Replica] = []
         try:
+            for spec in specs:  # all start loading at once
+                self.replicas.append(Replica(spec))
             wait_ready(self.replicas)
         except BaseException:
             self.close()

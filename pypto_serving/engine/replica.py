@@ -17,6 +17,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -122,6 +123,10 @@ def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
         stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s dp{spec.index} %(name)s: %(message)s",
     )
+    # Ctrl-C reaches the whole process group: the parent alone decides when replicas stop
+    # (it asks them to finish, so the SSD tier's writes complete); a parent that dies closes
+    # the pipe instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if spec.cpus:
             os.sched_setaffinity(0, spec.cpus)
