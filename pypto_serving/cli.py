@@ -34,7 +34,7 @@ from pypto_serving.config import (
 from pypto_serving.errors import PyptoError
 
 SECTIONS = (EngineConfig, SchedulerConfig, CacheConfig, ParallelConfig)
-ALIASES = {"data_parallel_size": ("--dp",)}
+ALIASES = {"data_parallel_size": ("--dp",), "tensor_parallel_size": ("--tp",)}
 """Short flags beside the long ones derived from field names (vLLM's spellings)."""
 
 

@@ -15,6 +15,7 @@ from pypto_serving.errors import PyptoError
 
 EXECUTORS = ("paged", "reference")
 LOAD_BALANCE = ("least_pending_tokens", "round_robin")
+BACKENDS = ("gloo", "nccl")
 SECTION_NAMES = ("scheduler", "cache", "parallel")
 """EngineConfig's sub-configs (and the JSON config file's sections of the same names)."""
 
@@ -95,13 +96,20 @@ class ParallelConfig:
     """How requests are spread over DP replicas: least_pending_tokens (queued plus running
     remaining tokens, less the prompt tokens a replica likely holds in its prefix cache) or
     round_robin."""
+    tensor_parallel_size: int = 1
+    """Processes (ranks) one engine's model is split across: attention heads, KV heads, MLP
+    columns and the vocabulary; rank 0 schedules and broadcasts each step."""
+    distributed_backend: str | None = None
+    """torch.distributed backend of the tensor-parallel ranks: gloo or nccl (None: nccl on
+    CUDA, gloo on the CPU)."""
     devices: str | None = None
-    """Comma-separated devices, one per replica (e.g. cuda:0,cuda:1); None: automatic (one
-    GPU each where there are enough GPUs, else the CPU with its cores split between them)."""
+    """Comma-separated devices, one per process (DP replicas x TP ranks, e.g.
+    cuda:0,cuda:1); None: automatic (a GPU each where there are enough, else the CPU with its
+    cores split between the processes)."""
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel_size
+        return self.data_parallel_size * self.tensor_parallel_size
 
     def device_list(self) -> list[str] | None:
         """The devices given, one per replica (None when automatic)."""
@@ -111,9 +119,15 @@ class ParallelConfig:
         return [str(n).strip() for n in names]
 
     def validate(self) -> None:
-        n = self.data_parallel_size
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise PyptoError(f"data_parallel_size must be an integer >= 1, got {n!r}")
+        for name in ("data_parallel_size", "tensor_parallel_size"):
+            n = getattr(self, name)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise PyptoError(f"{name} must be an integer >= 1, got {n!r}")
+        if self.distributed_backend not in (None, *BACKENDS):
+            raise PyptoError(
+                f"distributed_backend must be one of {', '.join(BACKENDS)}, "
+                f"got {self.distributed_backend!r}"
+            )
         if self.data_parallel_load_balance not in LOAD_BALANCE:
             raise PyptoError(
                 f"data_parallel_load_balance must be one of {', '.join(LOAD_BALANCE)}, "
@@ -126,7 +140,8 @@ class ParallelConfig:
             if len(devices) != self.world_size:
                 raise PyptoError(
                     f"devices names {len(devices)} device(s) for a world of {self.world_size} "
-                    f"process(es) (data_parallel_size {n}); give one per process"
+                    f"process(es) (data_parallel_size {self.data_parallel_size} x "
+                    f"tensor_parallel_size {self.tensor_parallel_size}); give one per process"
                 )
 
 
@@ -158,8 +173,11 @@ class EngineConfig:
         self.scheduler.validate()
         self.cache.validate()
         self.parallel.validate()
-        if self.parallel.data_parallel_size > 1 and self.executor == "reference":
-            raise PyptoError("data_parallel_size > 1 needs the paged executor")
+        p = self.parallel
+        if p.world_size > 1 and self.executor == "reference":
+            raise PyptoError("data and tensor parallelism need the paged executor")
+        if p.tensor_parallel_size > 1 and self.cache.kv_ssd_dir is not None:
+            raise PyptoError("the SSD KV tier is not available with tensor_parallel_size > 1 yet")
 
 
 @dataclass(slots=True)

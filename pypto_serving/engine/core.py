@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from pypto_serving.config import EngineConfig
 from pypto_serving.device import resolve_device, resolve_dtype, set_num_threads
+from pypto_serving.distributed import init_distributed, shutdown_distributed
+from pypto_serving.engine.process import ChildProcess
+from pypto_serving.engine.tp_worker import backend_for, plan_ranks, start_workers
 from pypto_serving.errors import PyptoError
-from pypto_serving.executor.paged import PagedExecutor
+from pypto_serving.executor.paged import PagedExecutor, build_paged_executor
 from pypto_serving.executor.reference import ReferenceExecutor
 from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.kv.tier import TierStats, merge_tier_stats
-from pypto_serving.models.loader import checkpoint_digest, load_model
+from pypto_serving.models.config import load_model_config
+from pypto_serving.models.loader import load_model
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.scheduler import Scheduler
@@ -94,15 +101,36 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         config.validate()
-        self.config = config
-        set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
+        self.config, self.model_dir = config, model_dir
+        tp = config.parallel.tensor_parallel_size
+        self.workers: list[ChildProcess] = []
+        self._threads = (os.sched_getaffinity(0), torch.get_num_threads())  # restored by close
+        own = config
+        if tp > 1:  # this process is rank 0; the other ranks are child processes
+            load_model_config(model_dir).tensor_parallel_shard(tp)  # before any process starts
+            own, cpus = plan_ranks(config)[0]
+            if cpus:
+                os.sched_setaffinity(0, cpus)  # this (engine) thread and its OpenMP team
+            self.workers = start_workers(config, model_dir)
+        try:
+            self._load(own, tp)
+        except BaseException as e:
+            self._stop_workers()
+            os.sched_setaffinity(0, self._threads[0])
+            if self.workers and isinstance(e, RuntimeError):  # a rank failed: say which
+                raise PyptoError(f"tensor-parallel start-up failed: {e}; {self._ranks()}") from e
+            raise
+
+    def _load(self, own: EngineConfig, tp: int) -> None:
+        config = self.config
+        set_num_threads(own.num_threads)
+        self.device = resolve_device(own.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = load_model(model_dir, self.dtype, self.device)
-        self.model_dir = model_dir
+        self.tp = init_distributed(0, tp, backend_for(config, own.device))
+        self.model = load_model(self.model_dir, self.dtype, self.device, self.tp)
         self.model_config = cfg = self.model.cfg
         limits = [cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings]
-        self.executor = self._make_executor(min(limits))
+        self.executor = self._make_executor()
         if isinstance(self.executor, PagedExecutor):  # a request must fit the whole pool
             limits.append(self.executor.kv.capacity_tokens)
         self.max_model_len = min(limits)
@@ -110,25 +138,34 @@ class EngineCore:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         log.info(
-            "engine ready: %s (%s layers, %s) on %s, %s executor",
+            "engine ready: %s (%s layers, %s) on %s, %s executor%s",
             cfg.architecture,
             cfg.num_layers,
             str(self.dtype).removeprefix("torch."),
             self.device,
             config.executor,
+            f", tensor parallel over {tp} ranks" if tp > 1 else "",
         )
 
-    def _make_executor(self, max_len: int) -> ReferenceExecutor | PagedExecutor:
+    def _make_executor(self) -> ReferenceExecutor | PagedExecutor:
         if self.config.executor == "reference":
             return ReferenceExecutor(self.model, self.device)
-        c = self.config
-        max_tokens = c.scheduler.max_num_seqs * max_len
-        digest = checkpoint_digest(self.model_dir)
-        executor = PagedExecutor(
-            self.model, self.device, self.dtype, c.cache, max_tokens, c.enforce_eager, digest
+        executor = build_paged_executor(
+            self.config, self.model, self.device, self.dtype, self.model_dir
         )
         executor.warmup()
         return executor
+
+    def _ranks(self) -> str:
+        return ", ".join(
+            f"rank {i} (pid {w.pid}) exit code {w.exit_code(0)}"
+            for i, w in enumerate(self.workers, start=1)
+        )
+
+    def _stop_workers(self) -> None:
+        for w in self.workers:
+            w.stop(timeout=5.0)
+        shutdown_distributed()
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise PyptoError (naming the parameter) unless the request fits the model."""
@@ -163,9 +200,17 @@ class EngineCore:
         )
 
     def close(self) -> None:
-        """Finish background work (the SSD tier's queued writes). Idempotent."""
-        if isinstance(self.executor.kv, PagedKVStore):
-            self.executor.kv.close()
+        """Finish background work (the SSD tier's queued writes), stop the tensor-parallel
+        ranks. Idempotent."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        if isinstance(self.executor, PagedExecutor):
+            self.executor.close()
+        if self.workers:
+            self._stop_workers()
+            os.sched_setaffinity(0, self._threads[0])
+            torch.set_num_threads(self._threads[1])
 
     def step(self) -> list[Request]:
         """One engine step; returns the requests that got a new token or finished."""

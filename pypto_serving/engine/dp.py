@@ -16,7 +16,7 @@ from dataclasses import replace
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from pypto_serving.config import EngineConfig, ParallelConfig
+from pypto_serving.config import EngineConfig
 from pypto_serving.device import plan_devices
 from pypto_serving.engine.core import EngineStats, check_request, combine_stats
 from pypto_serving.engine.replica import (
@@ -45,18 +45,24 @@ class ReplicaDiedError(RuntimeError):
 
 
 def replica_specs(config: EngineConfig, model_dir: Path) -> list[ReplicaSpec]:
-    """Each replica's own engine config: its device, its share of the cores, its SSD dir."""
-    n = config.parallel.data_parallel_size
-    plan = plan_devices(n, config.parallel.device_list(), config.device)
+    """Each replica's own engine config: its device(s), its share of the cores, its SSD dir.
+    With tensor parallelism a replica gets the devices and cores of its TP ranks."""
+    p = config.parallel
+    n, tp = p.data_parallel_size, p.tensor_parallel_size
+    plan = plan_devices(n * tp, p.device_list(), config.device)
     level = logging.getLogger().getEffectiveLevel()
     specs = []
-    for i, (device, cpus) in enumerate(plan):
+    for i in range(n):
+        ranks = plan[i * tp : (i + 1) * tp]
+        cpus = sorted(c for _, share in ranks for c in share or []) or None
         cache = config.cache
         if cache.kv_ssd_dir is not None:  # a directory per replica: each owns its files
             cache = replace(cache, kv_ssd_dir=str(Path(cache.kv_ssd_dir) / f"dp{i}"))
-        threads = config.num_threads or (len(cpus) if cpus else None)
+        threads = config.num_threads or (len(cpus) if cpus and tp == 1 else None)
+        devices = ",".join(d for d, _ in ranks) if tp > 1 else None
+        parallel = replace(p, data_parallel_size=1, devices=devices)
         own = replace(
-            config, device=device, num_threads=threads, cache=cache, parallel=ParallelConfig()
+            config, device=ranks[0][0], num_threads=threads, cache=cache, parallel=parallel
         )
         specs.append(ReplicaSpec(i, own, model_dir, cpus, level))
     return specs

@@ -5,20 +5,16 @@ The server (or offline `LLM`) process holds a `Replica` handle per process. Mess
     parent ──NewRequest / Abort / None (stop)──▶ replica
     parent ◀──Ready | StartFailed, then one StepResult per engine step, or StepFailed──
 
-Channels are multiprocessing pipes (a socketpair between parent and child, created before the
-child starts), never a listening network socket, so the pickled messages only ever come from
-a process this one started. A replica whose parent goes away (its pipe closes) exits on its
-own: at its next message read or result write.
+The channel and the process handling are engine/process.py's: a socketpair inherited by a
+fresh interpreter, never a listening socket. A replica whose parent goes away (its pipe
+closes) exits on its own: at its next message read or result write.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -26,6 +22,7 @@ from pathlib import Path
 
 from pypto_serving.config import EngineConfig
 from pypto_serving.engine.core import EngineCore, EngineStats
+from pypto_serving.engine.process import ChildProcess
 from pypto_serving.errors import PyptoError
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.request import Request
@@ -35,7 +32,6 @@ log = logging.getLogger(__name__)
 
 FAIL_START_ENV = "PYPTO_FAIL_REPLICA_START"
 """Fault injection for tests: the replica whose index this names raises during start-up."""
-STOP_TIMEOUT_S = 10.0
 
 
 @dataclass(slots=True)
@@ -203,81 +199,16 @@ def serve(engine: EngineCore, conn: Connection) -> None:
         conn.send(StepResult(deltas, engine.stats()))
 
 
-class Replica:
-    """The parent's handle on one replica process.
-
-    The process is a fresh interpreter (`subprocess`, not multiprocessing's spawn, which
-    would re-run the caller's main module) that inherits one end of a socketpair; the spec
-    is the first message. When the process dies its end closes, so the parent sees EOF."""
+class Replica(ChildProcess):
+    """The parent's handle on one replica process."""
 
     def __init__(self, spec: ReplicaSpec) -> None:
+        super().__init__(replica_main, spec)
         self.index = spec.index
-        self.conn, child = multiprocessing.Pipe()
-        fd = child.fileno()
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", f"import {__name__} as m; m.child_main({fd})"],
-            pass_fds=(fd,),
-        )
-        child.close()
-        self.conn.send(spec)
         self.info: Ready | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
 
     def send(self, message: NewRequest | Abort) -> None:
         self.conn.send(message)
-
-    def request_stop(self) -> None:
-        """Ask the process to finish (its SSD writes included) and exit."""
-        if self.process.poll() is None:
-            with contextlib.suppress(OSError):
-                self.conn.send(None)
-
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        """Ask the process to finish, wait for it, then make sure it is gone."""
-        self.request_stop()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout)
-        self.kill()
-
-    def kill(self) -> None:
-        """Terminate the process (SIGTERM, then SIGKILL after a grace period) and reap it."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(2.0)
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        self.conn.close()
-
-    def peak_rss_mib(self) -> float:
-        """The process's peak resident memory so far (Linux: VmHWM), 0 once it is gone."""
-        try:
-            status = Path(f"/proc/{self.pid}/status").read_text()
-        except OSError:
-            return 0.0
-        kib = next(
-            (int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0
-        )
-        return kib / 1024
-
-    def exit_code(self, timeout: float = 5.0) -> int | None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            return self.process.wait(timeout)
-        return None
-
-
-def child_main(fd: int) -> None:
-    """Entry point of a replica process: the spec arrives on the inherited pipe."""
-    conn = Connection(fd)
-    try:
-        spec = conn.recv()
-    except (EOFError, OSError):
-        sys.exit(1)
-    replica_main(spec, conn)
 
 
 def wait_ready(replicas: list[Replica]) -> None:

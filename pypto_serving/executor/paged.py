@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -17,14 +18,16 @@ from torch._dynamo.exc import BackendCompilerFailed
 from torch._inductor.exc import InductorError
 from tqdm import tqdm
 
-from pypto_serving.config import CacheConfig
+from pypto_serving.config import CacheConfig, EngineConfig
 from pypto_serving.device import synchronize
+from pypto_serving.distributed import StepInputs, broadcast_step, receive_step
 from pypto_serving.errors import PyptoError
 from pypto_serving.executor.compiled import COUNTER, compiled_forward_logits, forward_logits
 from pypto_serving.kv.disk_tier import HEADER_BYTES
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, active_step
 from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.models.llama import CausalLM
+from pypto_serving.models.loader import checkpoint_digest
 from pypto_serving.ops.sampler import Sampled, SamplingRow, sample
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
@@ -49,8 +52,14 @@ def build_kv_store(
     max_tokens_in_use: int,
     digest: str,
 ) -> PagedKVStore:
-    """The KV store with its tiers sized from the cache config's byte budgets."""
+    """The KV store with its tiers sized from the cache config's byte budgets. Under tensor
+    parallelism it holds this rank's KV heads, with the same page ids on every rank, and no
+    tiers below the device yet (moving pages would need every rank to move its share)."""
     cfg = model.cfg
+    if model.tp.size > 1:
+        if cache.kv_cpu_bytes:
+            log.info("KV tiers below the device are off under tensor parallelism (for now)")
+        cache = replace(cache, kv_cpu_bytes=0, kv_ssd_dir=None)
     page_bytes = 2 * cfg.num_layers * cache.page_size * cfg.kv_size * dtype.itemsize
     num_pages = num_pages_for(cache, page_bytes, -(-max_tokens_in_use // cache.page_size))
     ssd_dir = Path(cache.kv_ssd_dir).expanduser() if cache.kv_ssd_dir else None
@@ -81,7 +90,29 @@ def build_kv_store(
     return store
 
 
+def build_paged_executor(
+    config: EngineConfig, model: CausalLM, device: torch.device, dtype: torch.dtype, model_dir: Path
+) -> PagedExecutor:
+    """The paged executor of an engine (or of one tensor-parallel rank: every rank builds the
+    same one, so page counts agree), its pool sized for the longest sequences."""
+    cfg = model.cfg
+    max_len = min(cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings)
+    return PagedExecutor(
+        model,
+        device,
+        dtype,
+        config.cache,
+        config.scheduler.max_num_seqs * max_len,
+        config.enforce_eager,
+        checkpoint_digest(model_dir),
+    )
+
+
 class PagedExecutor:
+    """Runs steps on its model. Under tensor parallelism rank 0's executor builds each step
+    and broadcasts its inputs; the other ranks' executors `follow()`, running the same
+    forward on their shares (the collectives inside the model join them), and never sample."""
+
     def __init__(
         self,
         model: CausalLM,
@@ -94,7 +125,7 @@ class PagedExecutor:
     ) -> None:
         """max_tokens_in_use: the most tokens all running sequences can hold at once; digest:
         identifies the checkpoint (keys the SSD tier's pages)."""
-        self.model, self.device = model, device
+        self.model, self.device, self.tp = model, device, model.tp
         self.kv = build_kv_store(model, device, dtype, cache, max_tokens_in_use, digest)
         self.paged_kv = PagedKV()
         self.forward = forward_logits if enforce_eager else compiled_forward_logits
@@ -123,20 +154,21 @@ class PagedExecutor:
         block_table = self.kv.block_table([r.request_id for r in reqs])
         page = self.kv.page_size
         slot_mapping = block_table[seq, positions // page] * page + positions % page
-        step = StepAttention(
-            self.kv, block_table, slot_mapping, q_lens, ctx_lens, num_decodes, max(counts)
-        )
         started = time.perf_counter()
         done = [b for b, r in enumerate(reqs) if starts[b] + counts[b] == r.num_tokens]
         logits_index = (q_ends - 1)[done or [0]]  # never empty: one fixed graph shape
-        with active_step(step):
-            logits = self.forward(
-                self.model,
-                self.paged_kv,
-                torch.tensor(token_ids, device=dev),
-                positions,
-                logits_index,
-            )
+        step = StepInputs(
+            torch.tensor(token_ids, device=dev),
+            positions,
+            block_table,
+            slot_mapping,
+            q_lens,
+            ctx_lens,
+            logits_index,
+            num_decodes,
+            max(counts),
+        )
+        logits = self.run(step)
         for r, start, n in zip(reqs, starts, counts, strict=True):
             self.kv.cache_full_pages(r, start + n)
         if len(token_ids) >= self.kv.page_size:  # prefill-heavy: the rate recompute would cost
@@ -155,6 +187,36 @@ class PagedExecutor:
             for b in done
         ]
         return dict(zip([reqs[b].request_id for b in done], sample(logits, rows), strict=True))
+
+    def run(self, step: StepInputs) -> torch.Tensor:
+        """The forward of one step (on rank 0, broadcast first to the other ranks)."""
+        if self.tp.size > 1 and self.tp.rank == 0:
+            broadcast_step(step, self.device)
+        attention = StepAttention(
+            self.kv,
+            step.block_table,
+            step.slot_mapping,
+            step.q_lens,
+            step.ctx_lens,
+            step.num_decodes,
+            step.max_q,
+        )
+        with active_step(attention):
+            return self.forward(
+                self.model, self.paged_kv, step.input_ids, step.positions, step.logits_index
+            )
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Ranks > 0: run the steps rank 0 broadcasts until it says stop."""
+        while (step := receive_step(self.device)) is not None:
+            self.run(step)
+
+    def close(self) -> None:
+        """Tell the other ranks to stop (rank 0), finish the KV store's background work."""
+        if self.tp.size > 1 and self.tp.rank == 0:
+            broadcast_step(None, self.device)
+        self.kv.close()
 
     def _warmup_step(self, plan: list[tuple[Request, int]], reqs: list[Request]) -> None:
         out = SchedulerOutput([ScheduledRequest(r, n) for r, n in plan])

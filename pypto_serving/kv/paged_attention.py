@@ -89,7 +89,8 @@ class _Group:
         keys, values = keys.reshape(-1, ctx, dim), values.reshape(-1, ctx, dim)
         scores = torch.bmm(queries, keys.transpose(1, 2)).float() * dim**-0.5 + self.bias
         out = torch.bmm(scores.softmax(-1).to(values.dtype), values)  # [Hkv * B, G, D]
-        return out.view(kv_heads, batch, group, dim).transpose(0, 1).reshape(batch, heads, dim)
+        out = out.view(kv_heads, batch, group, dim).transpose(0, 1)
+        return out.reshape(batch, heads, dim).contiguous()  # group 1 (MHA): reshape is a view
 
 
 class StepAttention:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,27 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def tensor_parallel_shard(self, size: int) -> ModelConfig:
+        """One rank's share under tensor parallelism of `size`: its attention heads, KV heads
+        and MLP columns (vocabulary sharding is the embedding's business)."""
+        if size == 1:
+            return self
+        for what, n in (
+            ("KV heads", self.num_kv_heads),
+            ("attention heads", self.num_heads),
+            ("MLP intermediate size", self.intermediate_size),
+        ):
+            if n % size:
+                raise ModelLoadError(
+                    f"tensor_parallel_size {size} does not divide the model's {what} ({n})"
+                )
+        return replace(
+            self,
+            num_heads=self.num_heads // size,
+            num_kv_heads=self.num_kv_heads // size,
+            intermediate_size=self.intermediate_size // size,
+        )
 
 
 def _rope(hf: Any, head_dim: int) -> tuple[tuple[float, ...], float]:

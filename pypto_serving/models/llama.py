@@ -13,20 +13,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pypto_serving.distributed import Group, tp_all_gather
 from pypto_serving.models.config import ModelConfig
 from pypto_serving.ops.activation import silu_and_mul
 from pypto_serving.ops.attention import KVAttention
-from pypto_serving.ops.linear import Linear
+from pypto_serving.ops.linear import Linear, RowParallelLinear, VocabParallelEmbedding
 from pypto_serving.ops.norm import RMSNorm
 from pypto_serving.ops.rope import apply_rope, rope_cos_sin
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: Group) -> None:
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.o_bias, tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -47,22 +48,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: Group) -> None:
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: Group) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention
@@ -72,21 +73,27 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: Group) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """Decoder + LM head. `forward` returns final hidden states; `logits` projects them."""
+    """Decoder + LM head. `forward` returns final hidden states; `logits` projects them.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    Under tensor parallelism (`tp.size > 1`) `cfg` is this rank's share
+    (`ModelConfig.tensor_parallel_shard`): q/k/v and gate/up are column-parallel (each rank
+    computes its heads and MLP columns, no communication), o_proj and down_proj row-parallel
+    (an all-reduce each), the embedding and LM head split by vocabulary rows (an all-reduce
+    after the lookup, an all-gather of the logits)."""
+
+    def __init__(self, cfg: ModelConfig, tp: Group = Group()) -> None:  # noqa: B008 (frozen)
         super().__init__()
-        self.cfg = cfg
-        self.model = Decoder(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.cfg, self.tp = cfg, tp
+        self.model = Decoder(cfg, tp)
+        self.lm_head = Linear(cfg.hidden_size, self.model.embed_tokens.shard, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", torch.tensor(cfg.rope_inv_freq), persistent=False)
@@ -96,7 +103,8 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] (a flat batch); returns hidden states [T, hidden]."""
         embeds = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.cfg.rope_scaling, embeds.dtype)
+        dtype = self.lm_head.weight.dtype
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.cfg.rope_scaling, dtype)
         x = embeds.float()  # the residual stream stays in float32 whatever the weights' dtype
         for layer in self.model.layers:
             x = layer(x, cos, sin, kv)
@@ -104,4 +112,7 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the given hidden states [N, hidden]."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.tp.size == 1:
+            return logits
+        return tp_all_gather(logits)[:, : self.cfg.vocab_size]

@@ -1,7 +1,8 @@
 """Load a Hugging Face model directory into our model code.
 
 This file is the ONE place where checkpoint tensors are rearranged: HF parameter names are
-kept, except that q/k/v and gate/up land in slices of the fused `qkv_proj` / `gate_up_proj`.
+kept, except that q/k/v and gate/up land in slices of the fused `qkv_proj` / `gate_up_proj`,
+and under tensor parallelism each rank takes its slice of the split tensors first.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pypto_serving.device import use_packed_linear
+from pypto_serving.distributed import Group
 from pypto_serving.errors import ModelLoadError
 from pypto_serving.models.config import ModelConfig, load_model_config
 from pypto_serving.models.llama import CausalLM
@@ -85,8 +87,34 @@ def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"corrupt safetensors file {path.name}: {e}") from None
 
 
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+"""Split by output rows under tensor parallelism (weights and biases)."""
+ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
+"""Split by input columns."""
+VOCAB_PARALLEL = ("embed_tokens.weight", "lm_head.weight")
+"""Split by vocabulary rows, the last shard padded with zero rows."""
+
+
+def tensor_parallel_slice(hf_name: str, tensor: torch.Tensor, tp: Group) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor under tensor parallelism (the whole tensor for
+    the replicated ones: norms, and the o_proj bias, added once after the reduction)."""
+    if tp.size == 1:
+        return tensor
+    if hf_name.endswith(VOCAB_PARALLEL):
+        shard = -(-tensor.shape[0] // tp.size)
+        part = tensor[tp.rank * shard : (tp.rank + 1) * shard]
+        pad = shard - part.shape[0]
+        return torch.cat([part, part.new_zeros(pad, *part.shape[1:])]) if pad else part
+    if any(f".{name}." in hf_name for name in COLUMN_PARALLEL):
+        return tensor.chunk(tp.size, dim=0)[tp.rank]
+    if hf_name.endswith(ROW_PARALLEL):
+        return tensor.chunk(tp.size, dim=1)[tp.rank]
+    return tensor
+
+
 def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into the model; every parameter must be filled exactly once."""
+    """Copy checkpoint tensors into the model; every parameter must be filled exactly once.
+    Under tensor parallelism each rank keeps its slice of every split tensor."""
     cfg = model.cfg
     params = dict(model.named_parameters())
     pending = {name: expected_loads(cfg, name) for name in params}
@@ -102,6 +130,7 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -
         param = params.get(name)
         if param is None:
             raise ModelLoadError(f"unexpected tensor {hf_name!r} in checkpoint")
+        tensor = tensor_parallel_slice(hf_name, tensor, model.tp)
         target = param.data
         if shard is not None:
             sizes = fused_slices(cfg, name.split(".")[-2])
@@ -119,14 +148,20 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors: {shown}")
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Build our model for `model_dir` and fill it with the checkpoint's weights."""
+def load_model(
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: Group = Group(),  # noqa: B008 (frozen)
+) -> CausalLM:
+    """Build our model for `model_dir` (this rank's share of it under tensor parallelism) and
+    fill it with the checkpoint's weights."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory not found: {model_dir}")
-    cfg = load_model_config(model_dir)
+    cfg = load_model_config(model_dir).tensor_parallel_shard(tp.size)
     files = safetensors_files(model_dir)
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = CausalLM(cfg, tp)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:  # to_empty() gives each module its own tensor: tie again
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""Tensor parallelism on one machine: TP=2 (a rank per core, one thread each) vs TP=1.
+
+Runs `pypto bench latency` (single stream: TTFT and decode tok/s) and `pypto bench offline`
+on W1 with `--tp 1` and `--tp 2`, one after the other, on the default model, and prints the
+figures with the ratio TP=2 / TP=1; `--json` / `--markdown` keep them.
+
+    python bench/tensor_parallel.py --markdown tp.md
+    python bench/tensor_parallel.py --num-prompts 8 --output-len 16 --single-len 32   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from data_parallel import OFFLINE_METRICS, rows
+from serve_side_by_side import emit
+from side_by_side import DEFAULT_W1, machine, markdown_report
+
+LATENCY_METRICS = (  # (key in the `pypto bench latency` JSON, title, format)
+    ("decode_tok_per_s", "single stream decode tok/s", "{:.1f}"),
+    ("tpot_ms", "single stream TPOT ms", "{:.1f}"),
+    ("ttft_ms", "single stream TTFT ms", "{:.0f}"),
+)
+
+
+def run(cmd: list[str], out: Path) -> dict[str, Any]:
+    print(f"$ {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    try:
+        subprocess.run(cmd, stdout=sys.stderr, check=True, timeout=3600)
+    except subprocess.SubprocessError as e:
+        return {"command": shlex.join(cmd), "error": str(e)}
+    return {"command": shlex.join(cmd), **json.loads(out.read_text())}
+
+
+def measure(args: argparse.Namespace, tp: int, tmp: Path) -> dict[str, Any]:
+    bench = [sys.executable, "-m", "pypto_serving.cli", "bench"]
+    latency = [*bench, "latency", "--input-len", str(args.single_input_len)]
+    latency += ["--output-len", str(args.single_len), "--iters", str(args.iters)]
+    offline = [*bench, "offline", "--prompts-file", str(args.w1)]
+    offline += ["--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len)]
+    flags = ["--tp", str(tp)]
+    return {
+        "latency": run(
+            [*latency, *flags, "--json", str(tmp / f"lat{tp}.json")], tmp / f"lat{tp}.json"
+        ),
+        "offline": run(
+            [*offline, *flags, "--json", str(tmp / f"off{tp}.json")], tmp / f"off{tp}.json"
+        ),
+    }
+
+
+def table(results: dict[str, Any]) -> list[str]:
+    lines = ["| metric | TP=1 | TP=2 | TP=2 / TP=1 |", "|---|---|---|---|"]
+    one, two = results["tp1"], results["tp2"]
+    for key, title, fmt in LATENCY_METRICS:
+        lines.append(rows(title, one["latency"].get(key), two["latency"].get(key), fmt))
+    for key, title, fmt in OFFLINE_METRICS:
+        lines.append(rows(title, one["offline"].get(key), two["offline"].get(key), fmt))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--w1", type=Path, default=DEFAULT_W1, help="W1 prompts (JSONL)")
+    p.add_argument("--num-prompts", type=int, default=64, help="W1 prompts to use")
+    p.add_argument("--output-len", type=int, default=128, help="W1 output tokens per prompt")
+    p.add_argument("--single-input-len", type=int, default=32)
+    p.add_argument("--single-len", type=int, default=256, help="single-stream output tokens")
+    p.add_argument("--iters", type=int, default=3, help="single-stream runs (median)")
+    p.add_argument("--json", type=Path, help="write every figure to this file")
+    p.add_argument("--markdown", type=Path, help="write the table and commands to this file")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {f"tp{tp}": measure(args, tp, Path(tmp)) for tp in (1, 2)}
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "results": results,
+    }
+    about = (
+        f"Single stream: {args.single_input_len} prompt tokens → {args.single_len}, median of "
+        f"{args.iters}. W1: {args.num_prompts} prompts × {args.output_len} tokens. TP=1 is one "
+        "process with a thread per core; TP=2 is two ranks (gloo), each pinned to its own core."
+    )
+    runs = [r for by_tp in results.values() for r in by_tp.values()]
+    commands = [r["command"] for r in runs]
+    missing = {f"{tp} {k}": r for tp, v in results.items() for k, r in v.items() if "error" in r}
+    text = markdown_report(
+        "Tensor parallel: TP=2 vs TP=1", report, about, table(results), commands, missing
+    )
+    emit(text, report, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""torch.distributed for tensor parallelism: rendezvous, group metadata, collectives.
+
+Model code learns its place from a `Group` (rank and size in the tensor-parallel group) and
+calls the collectives below, which are custom ops: torch.compile treats them as opaque calls
+(like the paged attention op), so one compiled graph per shape serves every step. Partial
+sums are reduced in float32 (the residual stream's dtype), so TP does not add rounding.
+
+The group is one engine's ranks: rank 0 runs the scheduler and broadcasts each step's
+inputs as int64 tensors (never pickled objects); the other ranks follow. Ranks rendezvous
+through torch.distributed's environment method: MASTER_ADDR / MASTER_PORT, RANK and
+WORLD_SIZE, set by whoever starts the processes (this package on one machine, or the user on
+each node of several), gloo on CPUs and nccl on GPUs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+RENDEZVOUS_TIMEOUT_S = 300
+"""How long ranks wait for each other at start-up (model loading and compilation included)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """This process's rank and the size of one parallel group (TP here)."""
+
+    rank: int = 0
+    size: int = 1
+
+
+def init_distributed(rank: int, world_size: int, backend: str) -> Group:
+    """Join the engine's tensor-parallel group (MASTER_ADDR / MASTER_PORT from the
+    environment); returns this rank's place in it."""
+    if world_size > 1 and not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+        )
+    return Group(rank, world_size)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+@torch.library.custom_op("pypto::tp_all_reduce", mutates_args=())
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the tensor-parallel group of every rank's `x` (float32)."""
+    out = x.float().clone()
+    dist.all_reduce(out)
+    return out
+
+
+@tp_all_reduce.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.float32)
+
+
+@torch.library.custom_op("pypto::tp_all_gather", mutates_args=())
+def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's `x` [N, d] side by side along the last dimension: [N, world * d]."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_world())]
+    dist.all_gather(parts, x)
+    return torch.cat(parts, dim=-1)
+
+
+@tp_all_gather.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], x.shape[-1] * _world())
+
+
+HEADER = 8
+"""Ints in a step header: tokens, sequences, block-table width, decodes, longest query,
+logits rows, stop flag, spare."""
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """What every rank needs to run one step's forward (rank 0 builds it and broadcasts)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_lens: torch.Tensor
+    ctx_lens: torch.Tensor
+    logits_index: torch.Tensor
+    num_decodes: int
+    max_q: int
+
+    def parts(self) -> list[torch.Tensor]:
+        return [
+            self.input_ids,
+            self.positions,
+            self.block_table.flatten(),
+            self.slot_mapping,
+            self.q_lens,
+            self.ctx_lens,
+            self.logits_index,
+        ]
+
+
+def broadcast_step(step: StepInputs | None, device: torch.device) -> None:
+    """Rank 0: send a step's inputs to the other ranks (None: tell them to stop)."""
+    header = torch.zeros(HEADER, dtype=torch.int64, device=device)
+    if step is None:
+        header[6] = 1
+        dist.broadcast(header, 0)
+        return
+    t, (b, w) = len(step.input_ids), step.block_table.shape
+    header[:6] = torch.tensor(
+        [t, b, w, step.num_decodes, step.max_q, len(step.logits_index)], device=device
+    )
+    dist.broadcast(header, 0)
+    dist.broadcast(torch.cat([p.to(device, torch.int64) for p in step.parts()]), 0)
+
+
+def receive_step(device: torch.device) -> StepInputs | None:
+    """Ranks > 0: the next step's inputs from rank 0, or None when told to stop."""
+    header = torch.empty(HEADER, dtype=torch.int64, device=device)
+    dist.broadcast(header, 0)
+    t, b, w, num_decodes, max_q, n, stop, _ = header.tolist()
+    if stop:
+        return None
+    payload = torch.empty(3 * t + b * w + 2 * b + n, dtype=torch.int64, device=device)
+    dist.broadcast(payload, 0)
+    ids, pos, table, slots, q_lens, ctx_lens, index = payload.split([t, t, b * w, t, b, b, n])
+    table = table.view(b, w)
+    return StepInputs(ids, pos, table, slots, q_lens, ctx_lens, index, num_decodes, max_q)

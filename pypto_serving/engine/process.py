@@ -1,0 +1,91 @@
+"""Child processes of the engine (DP replicas, TP workers) and their local channel.
+
+A child is a fresh interpreter (`subprocess`, not multiprocessing's spawn, which would re-run
+the caller's main module) that inherits one end of a socketpair created before it starts;
+its spec is the first message on it, and its entry function runs with the channel. There is
+no listening socket, so pickled messages only ever come from a process this one started.
+When a child dies its end closes and the parent reads EOF; when the parent dies, the child
+does (at its next read or write).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing
+import subprocess
+import sys
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+STOP_TIMEOUT_S = 10.0
+
+
+class ChildProcess:
+    """The parent's handle on a child running `entry(spec, channel)`."""
+
+    def __init__(self, entry: Callable[[Any, Connection], None], spec: Any) -> None:
+        self.conn, child = multiprocessing.Pipe()
+        fd = child.fileno()
+        code = (
+            f"import {__name__} as m; m.child_main({fd}, {entry.__module__!r}, {entry.__name__!r})"
+        )
+        self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=(fd,))
+        child.close()
+        self.conn.send(spec)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def request_stop(self) -> None:
+        """Ask the child to finish its work and exit (a None message)."""
+        if self.process.poll() is None:
+            with contextlib.suppress(OSError):
+                self.conn.send(None)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Ask the child to finish, wait for it, then make sure it is gone."""
+        self.request_stop()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout)
+        self.kill()
+
+    def kill(self) -> None:
+        """Terminate the child (SIGTERM, then SIGKILL after a grace period) and reap it."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(2.0)
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.conn.close()
+
+    def peak_rss_mib(self) -> float:
+        """The child's peak resident memory so far (Linux: VmHWM), 0 once it is gone."""
+        try:
+            status = Path(f"/proc/{self.pid}/status").read_text()
+        except OSError:
+            return 0.0
+        kib = next(
+            (int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0
+        )
+        return kib / 1024
+
+    def exit_code(self, timeout: float = 5.0) -> int | None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return self.process.wait(timeout)
+        return None
+
+
+def child_main(fd: int, module: str, name: str) -> None:
+    """In the child: read the spec from the inherited channel and run the entry function."""
+    conn = Connection(fd)
+    try:
+        spec = conn.recv()
+    except (EOFError, OSError):
+        sys.exit(1)
+    getattr(importlib.import_module(module), name)(spec, conn)

@@ -1,0 +1,123 @@
+"""Tensor parallelism over torch.distributed (gloo, separate processes on this machine).
+
+Ground truth: the same engine with TP=1, and HF transformers. Every rank holds its share of
+the heads, KV heads, MLP columns and vocabulary; greedy tokens must not change.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from checkpoints import hf_greedy
+from live_server import serving, tiny_llm
+from test_data_parallel import children_of, gone
+
+from pypto_serving.distributed import Group
+from pypto_serving.errors import PyptoError
+from pypto_serving.models.loader import tensor_parallel_slice
+from pypto_serving.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.8, top_k=30, max_tokens=6, seed=3, n=2)
+PROMPTS = [[(11 * i + 5 * j) % 300 + 3 for j in range(4 + 13 * i)] for i in range(6)]
+
+
+def tokens(llm, params: SamplingParams) -> list[list[list[int]]]:
+    return [[o.token_ids for o in r.outputs] for r in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("name", ["llama-gqa4-tied", "qwen2-gqa2", "qwen3-hd32-gqa4"])
+def test_tp2_gives_the_tp1_and_hf_tokens(tiny_model, name):
+    """GQA, tied and untied heads, q/k/v biases, qk-norm: TP=2 equals TP=1 equals HF."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model(name)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    expected = [[hf_greedy(hf, p, GREEDY.max_tokens)] for p in PROMPTS]
+    with tiny_llm(path) as one:
+        assert tokens(one, GREEDY) == expected
+        sampled = tokens(one, SAMPLED)
+    with tiny_llm(path, tensor_parallel_size=2) as two:
+        workers = [w.pid for w in two.engine.workers]
+        assert (
+            len(workers) == 1
+            and two.engine.model.cfg.num_kv_heads * 2 == hf.config.num_key_value_heads
+        )
+        assert tokens(two, GREEDY) == expected
+        assert tokens(two, SAMPLED) == sampled
+    assert all(gone(pid) for pid in workers)
+
+
+def test_tp2_compiled_without_recompilation(tiny_model):
+    """The collectives are opaque custom ops: the compiled forward works on every rank and
+    varied batches compile nothing after warm-up."""
+    path = tiny_model("llama-mha-untied")
+    with tiny_llm(path) as one:
+        expected = tokens(one, GREEDY)
+    with tiny_llm(path, tensor_parallel_size=2, enforce_eager=False) as two:
+        assert tokens(two, GREEDY) == expected
+        assert two.generate([[5] * 70], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert two.engine.executor.num_recompilations == 0
+
+
+def test_tp2_server_and_dp2_x_tp2(tiny_model):
+    import httpx
+
+    path = tiny_model("qwen3-hd32-gqa4")
+    with tiny_llm(path) as one:
+        expected = [o.outputs[0].text for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    with serving(tiny_llm(path, tensor_parallel_size=2)) as live:
+        for prompt, text in zip(PROMPTS, expected, strict=True):
+            body = {"model": live.model, "prompt": prompt, "max_tokens": 10, "temperature": 0}
+            r = httpx.post(f"{live.url}/v1/completions", json=body | {"ignore_eos": True})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
+    with tiny_llm(path, data_parallel_size=2, tensor_parallel_size=2) as four:
+        got = [o.outputs[0].text for o in four.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert got == expected
+    assert children_of(os.getpid()) == []
+
+
+def test_tp_must_divide_the_kv_heads(tiny_model):
+    with pytest.raises(
+        PyptoError, match=r"tensor_parallel_size 2 does not divide the model's KV heads \(1\)"
+    ):
+        tiny_llm(tiny_model("qwen3-hd8-untied"), tensor_parallel_size=2)
+    assert children_of(os.getpid()) == []  # refused before any rank started
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
+        ({"distributed_backend": "mpi"}, "distributed_backend must be one of gloo, nccl"),
+        ({"tensor_parallel_size": 2, "devices": "cpu"}, "tensor_parallel_size 2); give one per"),
+        ({"tensor_parallel_size": 2, "kv_ssd_dir": "/tmp/x"}, "SSD KV tier is not available"),
+        ({"tensor_parallel_size": 2, "executor": "reference"}, "need the paged executor"),
+    ],
+)
+def test_tensor_parallel_config_errors(knobs, message):
+    from pypto_serving.config import engine_config
+
+    with pytest.raises(PyptoError) as e:
+        engine_config(**knobs)
+    assert message in str(e.value)
+
+
+def test_checkpoint_slices_per_rank():
+    w = torch.arange(5 * 2).view(5, 2)  # a vocabulary of 5 rows over 2 ranks: 3 + 2 (+1 pad)
+    first, second = (
+        tensor_parallel_slice("model.embed_tokens.weight", w, Group(r, 2)) for r in (0, 1)
+    )
+    assert first.tolist() == w[:3].tolist()
+    assert second.tolist() == [*w[3:].tolist(), [0, 0]]
+    q = torch.arange(8 * 4).view(8, 4)
+    assert torch.equal(
+        tensor_parallel_slice("layers.0.self_attn.q_proj.weight", q, Group(1, 2)), q[4:]
+    )
+    assert torch.equal(
+        tensor_parallel_slice("layers.0.self_attn.o_proj.weight", q, Group(1, 2)), q[:, 2:]
+    )
+    assert torch.equal(tensor_parallel_slice("layers.0.self_attn.o_proj.bias", q, Group(1, 2)), q)
+    assert torch.equal(tensor_parallel_slice("layers.0.input_layernorm.weight", q, Group(1, 2)), q)
