@@ -2,8 +2,14 @@
 """Tensor parallelism on one machine: TP=2 (a rank per core, one thread each) vs TP=1.
 
 Runs `pypto bench latency` (single stream: TTFT and decode tok/s) and `pypto bench offline`
-on W1 with `--tp 1` and `--tp 2`, one after the other, on the default model, and prints the
-figures with the ratio TP=2 / TP=1; `--json` / `--markdown` keep them.
+on W1 with `--tp 1` and `--tp 2`, one after the other, and prints the figures with the ratio
+TP=2 / TP=1; `--json` / `--markdown` keep them.
+
+SmolLM2-135M cannot be split over 2 ranks (3 KV heads, 9 attention heads), so by default the
+model is a random checkpoint of SmolLM2-135M's size and cost with heads that divide: hidden
+576, 30 layers, MLP 1536, vocabulary 49152, 12 heads of 48 and 4 KV heads (the same q and KV
+widths, 576 and 192, as SmolLM2's 9 x 64 and 3 x 64), bf16, with SmolLM2's tokenizer.
+`--model DIR` measures another checkpoint instead.
 
     python bench/tensor_parallel.py --markdown tp.md
     python bench/tensor_parallel.py --num-prompts 8 --output-len 16 --single-len 32   # quick
@@ -42,11 +48,50 @@ def run(cmd: list[str], out: Path) -> dict[str, Any]:
     return {"command": shlex.join(cmd), **json.loads(out.read_text())}
 
 
+def smollm2_shaped(out: Path) -> Path:
+    """A random SmolLM2-135M-sized Llama whose heads divide by 2 (and 4), with its tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pypto_serving.models.default_model import resolve_model_path
+
+    smol = resolve_model_path("default")
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=48,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    for f in smol.iterdir():
+        if "token" in f.name or f.name == "special_tokens_map.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
 def measure(args: argparse.Namespace, tp: int, tmp: Path) -> dict[str, Any]:
     bench = [sys.executable, "-m", "pypto_serving.cli", "bench"]
-    latency = [*bench, "latency", "--input-len", str(args.single_input_len)]
+    latency = [
+        *bench,
+        "latency",
+        "--model",
+        str(args.model),
+        "--input-len",
+        str(args.single_input_len),
+    ]
     latency += ["--output-len", str(args.single_len), "--iters", str(args.iters)]
-    offline = [*bench, "offline", "--prompts-file", str(args.w1)]
+    offline = [*bench, "offline", "--model", str(args.model), "--prompts-file", str(args.w1)]
     offline += ["--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len)]
     flags = ["--tp", str(tp)]
     return {
@@ -77,10 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--single-input-len", type=int, default=32)
     p.add_argument("--single-len", type=int, default=256, help="single-stream output tokens")
     p.add_argument("--iters", type=int, default=3, help="single-stream runs (median)")
+    p.add_argument("--model", type=Path, help="checkpoint (default: SmolLM2-shaped, see above)")
     p.add_argument("--json", type=Path, help="write every figure to this file")
     p.add_argument("--markdown", type=Path, help="write the table and commands to this file")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
+        if args.model is None:
+            args.model = smollm2_shaped(Path(tmp) / "smollm2-shaped")
         results = {f"tp{tp}": measure(args, tp, Path(tmp)) for tp in (1, 2)}
     report = {
         "date": datetime.date.today().isoformat(),
@@ -88,9 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join([sys.executable, *sys.argv]),
         "results": results,
     }
+    model_name = (
+        "a random SmolLM2-135M-sized Llama with 12 heads / 4 KV heads (SmolLM2 itself has 3 "
+        "KV heads, so no TP=2)"
+        if args.model.name == "smollm2-shaped"
+        else str(args.model)
+    )
     about = (
         f"Single stream: {args.single_input_len} prompt tokens → {args.single_len}, median of "
-        f"{args.iters}. W1: {args.num_prompts} prompts × {args.output_len} tokens. TP=1 is one "
+        f"{args.iters}. W1: {args.num_prompts} prompts × {args.output_len} tokens. Model: "
+        f"{model_name}. TP=1 is one "
         "process with a thread per core; TP=2 is two ranks (gloo), each pinned to its own core."
     )
     runs = [r for by_tp in results.values() for r in by_tp.values()]

@@ -231,6 +231,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     knobs = SERVE_ENGINE_DEFAULTS | (read_config_file(args.config) if args.config else {})
     knobs |= engine_knobs(args, (*SECTIONS, ServerConfig))
     engine, server = split_knobs(knobs)
+    if engine.get("node_rank", 0) > 0:  # another machine of a multi-node group: ranks only
+        from pypto_serving.config import engine_config
+        from pypto_serving.engine.tp_worker import serve_node
+        from pypto_serving.models.default_model import resolve_model_path
+
+        config = engine_config(**engine)
+        return serve_node(config, resolve_model_path(config.model))
     return run_server(engine, server)
 
 

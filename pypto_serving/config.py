@@ -103,13 +103,24 @@ class ParallelConfig:
     """torch.distributed backend of the tensor-parallel ranks: gloo or nccl (None: nccl on
     CUDA, gloo on the CPU)."""
     devices: str | None = None
-    """Comma-separated devices, one per process (DP replicas x TP ranks, e.g.
-    cuda:0,cuda:1); None: automatic (a GPU each where there are enough, else the CPU with its
-    cores split between the processes)."""
+    """Comma-separated devices, one per process on this machine (DP replicas x TP ranks,
+    e.g. cuda:0,cuda:1); None: automatic (a GPU each where there are enough, else the CPU
+    with its cores split between the processes)."""
+    nnodes: int = 1
+    """Machines the tensor-parallel ranks span; every one runs `pypto serve` with the same
+    options and its own node_rank."""
+    node_rank: int = 0
+    """This machine's index among nnodes: 0 runs the engine (rank 0) and serves; the others
+    only host their ranks."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0, where the ranks rendezvous (torch.distributed's MASTER_ADDR)."""
+    master_port: int | None = None
+    """Rendezvous port (MASTER_PORT); None picks a free one (a single machine only)."""
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel_size * self.tensor_parallel_size
+        """Processes on this machine: DP replicas x the TP ranks each hosts here."""
+        return self.data_parallel_size * self.tensor_parallel_size // max(self.nnodes, 1)
 
     def device_list(self) -> list[str] | None:
         """The devices given, one per replica (None when automatic)."""
@@ -123,6 +134,26 @@ class ParallelConfig:
             n = getattr(self, name)
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise PyptoError(f"{name} must be an integer >= 1, got {n!r}")
+        for name, low in (("nnodes", 1), ("node_rank", 0)):
+            n = getattr(self, name)
+            if not isinstance(n, int) or isinstance(n, bool) or n < low:
+                raise PyptoError(f"{name} must be an integer >= {low}, got {n!r}")
+        if self.node_rank >= self.nnodes:
+            raise PyptoError(
+                f"node_rank must be below nnodes ({self.nnodes}), got {self.node_rank}"
+            )
+        if self.nnodes > 1:
+            if self.data_parallel_size > 1:
+                raise PyptoError("nnodes > 1 spans tensor-parallel ranks; use data_parallel_size 1")
+            if self.tensor_parallel_size % self.nnodes:
+                raise PyptoError(
+                    f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of "
+                    f"nnodes {self.nnodes} (the same number of ranks on every node)"
+                )
+            if self.master_port is None:
+                raise PyptoError("nnodes > 1 needs master_port (the same on every node)")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise PyptoError(f"master_port must be in [1, 65535], got {self.master_port!r}")
         if self.distributed_backend not in (None, *BACKENDS):
             raise PyptoError(
                 f"distributed_backend must be one of {', '.join(BACKENDS)}, "
@@ -139,9 +170,10 @@ class ParallelConfig:
                 raise PyptoError(f"devices must name one device per replica, got {self.devices!r}")
             if len(devices) != self.world_size:
                 raise PyptoError(
-                    f"devices names {len(devices)} device(s) for a world of {self.world_size} "
-                    f"process(es) (data_parallel_size {self.data_parallel_size} x "
-                    f"tensor_parallel_size {self.tensor_parallel_size}); give one per process"
+                    f"devices names {len(devices)} device(s) for {self.world_size} process(es) "
+                    f"on this machine (data_parallel_size {self.data_parallel_size} x "
+                    f"tensor_parallel_size {self.tensor_parallel_size} / nnodes {self.nnodes}); "
+                    "give one per process"
                 )
 
 

@@ -170,7 +170,7 @@ def test_replicas_exit_when_their_parent_is_killed(tiny_model):
         ({"data_parallel_size": 0}, "data_parallel_size must be an integer >= 1"),
         ({"data_parallel_size": "2"}, "data_parallel_size must be an integer >= 1"),
         ({"data_parallel_load_balance": "random"}, "data_parallel_load_balance must be one of"),
-        ({"data_parallel_size": 2, "devices": "cpu"}, "names 1 device(s) for a world of 2"),
+        ({"data_parallel_size": 2, "devices": "cpu"}, "names 1 device(s) for 2 process(es) on this machine"),
         ({"data_parallel_size": 2, "devices": "cpu,"}, "one device per replica"),
         ({"data_parallel_size": 2, "executor": "reference"}, "need the paged executor"),
     ],

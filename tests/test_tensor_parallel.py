@@ -92,7 +92,7 @@ def test_tp_must_divide_the_kv_heads(tiny_model):
     [
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
         ({"distributed_backend": "mpi"}, "distributed_backend must be one of gloo, nccl"),
-        ({"tensor_parallel_size": 2, "devices": "cpu"}, "tensor_parallel_size 2); give one per"),
+        ({"tensor_parallel_size": 2, "devices": "cpu"}, "tensor_parallel_size 2 / nnodes 1); give one per"),
         ({"tensor_parallel_size": 2, "kv_ssd_dir": "/tmp/x"}, "SSD KV tier is not available"),
         ({"tensor_parallel_size": 2, "executor": "reference"}, "need the paged executor"),
     ],
@@ -121,3 +121,52 @@ def test_checkpoint_slices_per_rank():
     )
     assert torch.equal(tensor_parallel_slice("layers.0.self_attn.o_proj.bias", q, Group(1, 2)), q)
     assert torch.equal(tensor_parallel_slice("layers.0.input_layernorm.weight", q, Group(1, 2)), q)
+
+
+def test_two_nodes_on_loopback(tiny_model):
+    """Node 1 is a separate `pypto serve --node-rank 1` process hosting rank 1; node 0 (this
+    process) runs rank 0 and the engine; they rendezvous on 127.0.0.1 like two machines."""
+    import subprocess
+    import sys
+
+    from live_server import FAST_KNOBS, free_port
+
+    path = tiny_model("qwen2-gqa2")
+    with tiny_llm(path) as one:
+        expected = tokens(one, GREEDY)
+    port = free_port()
+    flags = ["--tp", "2", "--nnodes", "2", "--master-port", str(port)]
+    knobs = [f"--{k.replace('_', '-')}={v}" for k, v in FAST_KNOBS.items() if k != "enforce_eager"]
+    serve = [sys.executable, "-m", "pypto_serving.cli", "serve", "--model", str(path)]
+    node1 = subprocess.Popen([*serve, "--enforce-eager", *knobs, *flags, "--node-rank", "1"])
+    try:
+        with tiny_llm(path, tensor_parallel_size=2, nnodes=2, master_port=port) as node0:
+            assert node0.engine.workers == []  # rank 1 lives on "the other machine"
+            assert tokens(node0, GREEDY) == expected
+        assert node1.wait(timeout=30) == 0  # rank 0's stop ends node 1
+    finally:
+        node1.kill()
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        ({"tensor_parallel_size": 2, "nnodes": 2}, "nnodes > 1 needs master_port"),
+        (
+            {"tensor_parallel_size": 3, "nnodes": 2, "master_port": 1234},
+            "must be a multiple of nnodes",
+        ),
+        ({"nnodes": 2, "node_rank": 2, "master_port": 1234}, "node_rank must be below nnodes (2)"),
+        (
+            {"data_parallel_size": 2, "tensor_parallel_size": 2, "nnodes": 2, "master_port": 1},
+            "use data_parallel_size 1",
+        ),
+        ({"master_port": 70000}, "master_port must be in [1, 65535]"),
+    ],
+)
+def test_multi_node_config_errors(knobs, message):
+    from pypto_serving.config import engine_config
+
+    with pytest.raises(PyptoError) as e:
+        engine_config(**knobs)
+    assert message in str(e.value)

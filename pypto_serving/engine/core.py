@@ -103,6 +103,8 @@ class EngineCore:
         config.validate()
         self.config, self.model_dir = config, model_dir
         tp = config.parallel.tensor_parallel_size
+        if config.parallel.node_rank > 0:
+            raise PyptoError("node_rank > 0 only hosts tensor-parallel ranks: run `pypto serve`")
         self.workers: list[ChildProcess] = []
         self._threads = (os.sched_getaffinity(0), torch.get_num_threads())  # restored by close
         own = config

@@ -53,9 +53,10 @@ def free_port() -> int:
 
 
 def plan_ranks(config: EngineConfig) -> list[tuple[EngineConfig, list[int] | None]]:
-    """Each tensor-parallel rank's own config (device, threads) and cores, rank 0 first."""
-    tp = config.parallel.tensor_parallel_size
-    plan = plan_devices(tp, config.parallel.device_list(), config.device)
+    """The config (device, threads) and cores of each tensor-parallel rank on this machine,
+    lowest rank first."""
+    p = config.parallel
+    plan = plan_devices(p.tensor_parallel_size // p.nnodes, p.device_list(), config.device)
     return [
         (replace(config, device=d, num_threads=config.num_threads or (len(c) if c else None)), c)
         for d, c in plan
@@ -63,23 +64,51 @@ def plan_ranks(config: EngineConfig) -> list[tuple[EngineConfig, list[int] | Non
 
 
 def start_workers(config: EngineConfig, model_dir: Path) -> list[ChildProcess]:
-    """Start ranks 1..N-1 (they block in the rendezvous until rank 0 joins); set this
-    process's environment for rank 0's own join."""
+    """Start this machine's ranks, all but rank 0 on node 0 (they block in the rendezvous
+    until every rank joins); set this process's environment for rank 0's own join."""
+    p = config.parallel
     ranks = plan_ranks(config)
     backend = backend_for(config, ranks[0][0].device)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = os.environ.get("PYPTO_MASTER_PORT") or str(free_port())
+    os.environ["MASTER_ADDR"] = p.master_addr
+    os.environ["MASTER_PORT"] = str(p.master_port or free_port())
     level = logging.getLogger().getEffectiveLevel()
+    first = p.node_rank * len(ranks)
     workers: list[ChildProcess] = []
     try:
-        for rank, (own, cpus) in enumerate(ranks[1:], start=1):
-            spec = WorkerSpec(rank, len(ranks), backend, own, model_dir, cpus, level)
+        for local, (own, cpus) in enumerate(ranks):
+            if first + local == 0:
+                continue  # rank 0 is the engine process itself
+            spec = WorkerSpec(
+                first + local, p.tensor_parallel_size, backend, own, model_dir, cpus, level
+            )
             workers.append(ChildProcess(worker_main, spec))
     except BaseException:
         for w in workers:
             w.kill()
         raise
     return workers
+
+
+def serve_node(config: EngineConfig, model_dir: Path) -> int:
+    """A node other than 0: host this machine's ranks until they exit (rank 0 stops them, or
+    goes away); Ctrl-C stops them. Returns the exit code."""
+    workers = start_workers(config, model_dir)
+    log.info(
+        "node %d of %d: ranks %s joining %s:%s",
+        config.parallel.node_rank,
+        config.parallel.nnodes,
+        ", ".join(str(w.pid) for w in workers),
+        os.environ["MASTER_ADDR"],
+        os.environ["MASTER_PORT"],
+    )
+    try:
+        codes = [w.process.wait() for w in workers]
+    except KeyboardInterrupt:
+        codes = [130]
+    finally:
+        for w in workers:
+            w.kill()
+    return max(codes, default=0)
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
