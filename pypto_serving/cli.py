@@ -34,7 +34,11 @@ from pypto_serving.config import (
 from pypto_serving.errors import PyptoError
 
 SECTIONS = (EngineConfig, SchedulerConfig, CacheConfig, ParallelConfig)
-ALIASES = {"data_parallel_size": ("--dp",), "tensor_parallel_size": ("--tp",)}
+ALIASES = {
+    "data_parallel_size": ("--dp",),
+    "tensor_parallel_size": ("--tp",),
+    "pipeline_parallel_size": ("--pp",),
+}
 """Short flags beside the long ones derived from field names (vLLM's spellings)."""
 
 
@@ -233,7 +237,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine, server = split_knobs(knobs)
     if engine.get("node_rank", 0) > 0:  # another machine of a multi-node group: ranks only
         from pypto_serving.config import engine_config
-        from pypto_serving.engine.tp_worker import serve_node
+        from pypto_serving.engine.ranks import serve_node
         from pypto_serving.models.default_model import resolve_model_path
 
         config = engine_config(**engine)

@@ -16,6 +16,7 @@ from pypto_serving.errors import PyptoError
 EXECUTORS = ("paged", "reference")
 LOAD_BALANCE = ("least_pending_tokens", "round_robin")
 BACKENDS = ("gloo", "nccl")
+PLACEMENTS = ("linear", "round_robin")
 SECTION_NAMES = ("scheduler", "cache", "parallel")
 """EngineConfig's sub-configs (and the JSON config file's sections of the same names)."""
 
@@ -99,6 +100,15 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Processes (ranks) one engine's model is split across: attention heads, KV heads, MLP
     columns and the vocabulary; rank 0 schedules and broadcasts each step."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages one engine's layers are split into, a rank each; activations pass
+    from stage to stage point-to-point, rank 0 (the first stage) schedules."""
+    enable_expert_parallel: bool = False
+    """Mixture-of-experts models: place whole experts across the tensor-parallel ranks
+    (instead of every rank holding every expert) and sum their outputs with an all-reduce."""
+    expert_placement_strategy: str = "linear"
+    """Which experts a rank holds with expert parallelism: linear (contiguous blocks) or
+    round_robin (every N-th)."""
     distributed_backend: str | None = None
     """torch.distributed backend of the tensor-parallel ranks: gloo or nccl (None: nccl on
     CUDA, gloo on the CPU)."""
@@ -118,9 +128,14 @@ class ParallelConfig:
     """Rendezvous port (MASTER_PORT); None picks a free one (a single machine only)."""
 
     @property
+    def ranks_per_engine(self) -> int:
+        """torch.distributed ranks of one engine (all machines): TP x PP."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def world_size(self) -> int:
-        """Processes on this machine: DP replicas x the TP ranks each hosts here."""
-        return self.data_parallel_size * self.tensor_parallel_size // max(self.nnodes, 1)
+        """Processes on this machine: DP replicas x the ranks each hosts here."""
+        return self.data_parallel_size * self.ranks_per_engine // max(self.nnodes, 1)
 
     def device_list(self) -> list[str] | None:
         """The devices given, one per replica (None when automatic)."""
@@ -130,7 +145,7 @@ class ParallelConfig:
         return [str(n).strip() for n in names]
 
     def validate(self) -> None:
-        for name in ("data_parallel_size", "tensor_parallel_size"):
+        for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
             n = getattr(self, name)
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise PyptoError(f"{name} must be an integer >= 1, got {n!r}")
@@ -144,16 +159,31 @@ class ParallelConfig:
             )
         if self.nnodes > 1:
             if self.data_parallel_size > 1:
-                raise PyptoError("nnodes > 1 spans tensor-parallel ranks; use data_parallel_size 1")
-            if self.tensor_parallel_size % self.nnodes:
+                raise PyptoError("nnodes > 1 spans one engine's ranks; use data_parallel_size 1")
+            if self.ranks_per_engine % self.nnodes:
                 raise PyptoError(
-                    f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of "
-                    f"nnodes {self.nnodes} (the same number of ranks on every node)"
+                    f"tensor_parallel_size x pipeline_parallel_size ({self.ranks_per_engine}) "
+                    f"must be a multiple of nnodes {self.nnodes} (as many ranks on every node)"
                 )
             if self.master_port is None:
                 raise PyptoError("nnodes > 1 needs master_port (the same on every node)")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise PyptoError(f"master_port must be in [1, 65535], got {self.master_port!r}")
+        if self.expert_placement_strategy not in PLACEMENTS:
+            raise PyptoError(
+                f"expert_placement_strategy must be one of {', '.join(PLACEMENTS)}, "
+                f"got {self.expert_placement_strategy!r}"
+            )
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise PyptoError(
+                "enable_expert_parallel places experts across the tensor-parallel ranks: "
+                "set tensor_parallel_size > 1"
+            )
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise PyptoError(
+                "tensor_parallel_size and pipeline_parallel_size together are not supported "
+                "yet; use one of them"
+            )
         if self.distributed_backend not in (None, *BACKENDS):
             raise PyptoError(
                 f"distributed_backend must be one of {', '.join(BACKENDS)}, "
@@ -172,8 +202,8 @@ class ParallelConfig:
                 raise PyptoError(
                     f"devices names {len(devices)} device(s) for {self.world_size} process(es) "
                     f"on this machine (data_parallel_size {self.data_parallel_size} x "
-                    f"tensor_parallel_size {self.tensor_parallel_size} / nnodes {self.nnodes}); "
-                    "give one per process"
+                    f"tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
+                    f"{self.pipeline_parallel_size} / nnodes {self.nnodes}); give one per process"
                 )
 
 
@@ -208,8 +238,10 @@ class EngineConfig:
         p = self.parallel
         if p.world_size > 1 and self.executor == "reference":
             raise PyptoError("data and tensor parallelism need the paged executor")
-        if p.tensor_parallel_size > 1 and self.cache.kv_ssd_dir is not None:
-            raise PyptoError("the SSD KV tier is not available with tensor_parallel_size > 1 yet")
+        if p.ranks_per_engine > 1 and self.cache.kv_ssd_dir is not None:
+            raise PyptoError(
+                "the SSD KV tier is not available with tensor or pipeline parallelism yet"
+            )
 
 
 @dataclass(slots=True)

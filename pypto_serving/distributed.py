@@ -1,4 +1,5 @@
-"""torch.distributed for tensor parallelism: rendezvous, group metadata, collectives.
+"""torch.distributed for tensor and pipeline parallelism: rendezvous, group metadata,
+collectives and point-to-point transfers.
 
 Model code learns its place from a `Group` (rank and size in the tensor-parallel group) and
 calls the collectives below, which are custom ops: torch.compile treats them as opaque calls
@@ -33,9 +34,46 @@ class Group:
     size: int = 1
 
 
-def init_distributed(rank: int, world_size: int, backend: str) -> Group:
-    """Join the engine's tensor-parallel group (MASTER_ADDR / MASTER_PORT from the
-    environment); returns this rank's place in it."""
+@dataclass(frozen=True, slots=True)
+class ParallelGroups:
+    """This process's rank and size in every parallel group, what model code consumes.
+    Ranks of one engine are numbered pipeline stage-major: rank = pp.rank * tp.size + tp.rank."""
+
+    tp: Group = Group()
+    pp: Group = Group()
+    dp: Group = Group()
+    """Replica index among the data-parallel replicas (they share no collective)."""
+    ep: Group = Group()
+    """Expert parallelism: the TP ranks when enabled (each holds some whole experts)."""
+    expert_placement: str = "linear"
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in its engine's torch.distributed world."""
+        return self.pp.rank * self.tp.size + self.tp.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tp.size * self.pp.size
+
+
+def resolve_groups(
+    rank: int,
+    tp_size: int,
+    pp_size: int,
+    expert_parallel: bool = False,
+    expert_placement: str = "linear",
+) -> ParallelGroups:
+    """The groups of engine rank `rank` in a world of pp_size stages x tp_size ranks; with
+    expert parallelism the experts are spread over the TP group."""
+    tp = Group(rank % tp_size, tp_size)
+    ep = tp if expert_parallel else Group()
+    return ParallelGroups(tp, Group(rank // tp_size, pp_size), Group(), ep, expert_placement)
+
+
+def init_distributed(rank: int, world_size: int, backend: str) -> None:
+    """Join the engine's torch.distributed world (MASTER_ADDR / MASTER_PORT from the
+    environment)."""
     if world_size > 1 and not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         dist.init_process_group(
@@ -45,7 +83,6 @@ def init_distributed(rank: int, world_size: int, backend: str) -> Group:
             world_size=world_size,
             timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
         )
-    return Group(rank, world_size)
 
 
 def shutdown_distributed() -> None:
@@ -82,6 +119,18 @@ def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
 @tp_all_gather.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], x.shape[-1] * _world())
+
+
+def send_to(tensor: torch.Tensor, rank: int) -> None:
+    """Point-to-point: hand a pipeline stage's activations (or logits) to `rank`."""
+    dist.send(tensor.contiguous(), rank)
+
+
+def receive_from(shape: tuple[int, ...], rank: int, device: torch.device) -> torch.Tensor:
+    """Point-to-point: the float32 tensor of `shape` that `rank` sends next."""
+    out = torch.empty(shape, dtype=torch.float32, device=device)
+    dist.recv(out, rank)
+    return out
 
 
 HEADER = 8

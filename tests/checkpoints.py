@@ -31,6 +31,20 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
         "qwen3",
         dict(num_attention_heads=8, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
     ),
+    "qwen3moe-e4-top2": (  # layer 0 mixture of experts, layer 1 dense
+        "qwen3_moe",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        ),
+    ),
     "qwen3-hd8-untied": (
         "qwen3",
         dict(num_attention_heads=4, num_key_value_heads=1, head_dim=8, tie_word_embeddings=False),

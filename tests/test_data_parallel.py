@@ -170,7 +170,10 @@ def test_replicas_exit_when_their_parent_is_killed(tiny_model):
         ({"data_parallel_size": 0}, "data_parallel_size must be an integer >= 1"),
         ({"data_parallel_size": "2"}, "data_parallel_size must be an integer >= 1"),
         ({"data_parallel_load_balance": "random"}, "data_parallel_load_balance must be one of"),
-        ({"data_parallel_size": 2, "devices": "cpu"}, "names 1 device(s) for 2 process(es) on this machine"),
+        (
+            {"data_parallel_size": 2, "devices": "cpu"},
+            "names 1 device(s) for 2 process(es) on this machine",
+        ),
         ({"data_parallel_size": 2, "devices": "cpu,"}, "one device per replica"),
         ({"data_parallel_size": 2, "executor": "reference"}, "need the paged executor"),
     ],
@@ -198,8 +201,11 @@ def test_parallel_section_and_dp_flag(tmp_path, monkeypatch):
     from pypto_serving.cli import build_parser, engine_knobs, main
     from pypto_serving.server import launch
 
-    assert engine_knobs(build_parser().parse_args(["generate", "--prompt", "x", "--dp", "2"])) == {
-        "data_parallel_size": 2
+    argv = ["generate", "--prompt", "x", "--dp", "2", "--tp", "2", "--pp", "3"]
+    assert engine_knobs(build_parser().parse_args(argv)) == {
+        "data_parallel_size": 2,
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 3,
     }
     seen = {}
     monkeypatch.setattr(launch, "run_server", lambda knobs, server: seen.update(knobs))

@@ -92,7 +92,10 @@ def test_tp_must_divide_the_kv_heads(tiny_model):
     [
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
         ({"distributed_backend": "mpi"}, "distributed_backend must be one of gloo, nccl"),
-        ({"tensor_parallel_size": 2, "devices": "cpu"}, "tensor_parallel_size 2 / nnodes 1); give one per"),
+        (
+            {"tensor_parallel_size": 2, "devices": "cpu"},
+            "tensor_parallel_size 2 x pipeline_parallel_size 1 / nnodes 1); give one",
+        ),
         ({"tensor_parallel_size": 2, "kv_ssd_dir": "/tmp/x"}, "SSD KV tier is not available"),
         ({"tensor_parallel_size": 2, "executor": "reference"}, "need the paged executor"),
     ],
@@ -123,9 +126,11 @@ def test_checkpoint_slices_per_rank():
     assert torch.equal(tensor_parallel_slice("layers.0.input_layernorm.weight", q, Group(1, 2)), q)
 
 
-def test_two_nodes_on_loopback(tiny_model):
-    """Node 1 is a separate `pypto serve --node-rank 1` process hosting rank 1; node 0 (this
-    process) runs rank 0 and the engine; they rendezvous on 127.0.0.1 like two machines."""
+@pytest.mark.parametrize("dimension", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_two_nodes_on_loopback(tiny_model, dimension):
+    """Node 1 is a separate `pypto serve --node-rank 1` process hosting rank 1 (a TP share or
+    the second pipeline stage); node 0 (this process) runs rank 0 and the engine; they
+    rendezvous on 127.0.0.1 like two machines."""
     import subprocess
     import sys
 
@@ -135,12 +140,13 @@ def test_two_nodes_on_loopback(tiny_model):
     with tiny_llm(path) as one:
         expected = tokens(one, GREEDY)
     port = free_port()
-    flags = ["--tp", "2", "--nnodes", "2", "--master-port", str(port)]
+    flag = "--" + dimension.replace("_", "-")
+    flags = [flag, "2", "--nnodes", "2", "--master-port", str(port)]
     knobs = [f"--{k.replace('_', '-')}={v}" for k, v in FAST_KNOBS.items() if k != "enforce_eager"]
     serve = [sys.executable, "-m", "pypto_serving.cli", "serve", "--model", str(path)]
     node1 = subprocess.Popen([*serve, "--enforce-eager", *knobs, *flags, "--node-rank", "1"])
     try:
-        with tiny_llm(path, tensor_parallel_size=2, nnodes=2, master_port=port) as node0:
+        with tiny_llm(path, nnodes=2, master_port=port, **{dimension: 2}) as node0:
             assert node0.engine.workers == []  # rank 1 lives on "the other machine"
             assert tokens(node0, GREEDY) == expected
         assert node1.wait(timeout=30) == 0  # rank 0's stop ends node 1

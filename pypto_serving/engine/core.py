@@ -11,9 +11,9 @@ import torch
 
 from pypto_serving.config import EngineConfig
 from pypto_serving.device import resolve_device, resolve_dtype, set_num_threads
-from pypto_serving.distributed import init_distributed, shutdown_distributed
+from pypto_serving.distributed import init_distributed, resolve_groups, shutdown_distributed
 from pypto_serving.engine.process import ChildProcess
-from pypto_serving.engine.tp_worker import backend_for, plan_ranks, start_workers
+from pypto_serving.engine.ranks import backend_for, plan_ranks, start_workers
 from pypto_serving.errors import PyptoError
 from pypto_serving.executor.paged import PagedExecutor, build_paged_executor
 from pypto_serving.executor.reference import ReferenceExecutor
@@ -96,40 +96,55 @@ def check_request(
         )
 
 
+def describe_ranks(tp: int, pp: int) -> str:
+    parts = [f"tensor parallel over {tp} ranks"] * (tp > 1)
+    parts += [f"{pp} pipeline stages"] * (pp > 1)
+    return "".join(", " + part for part in parts)
+
+
 class EngineCore:
     """Owns the scheduler and the executor for one model on one device."""
 
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         config.validate()
         self.config, self.model_dir = config, model_dir
-        tp = config.parallel.tensor_parallel_size
-        if config.parallel.node_rank > 0:
+        p = config.parallel
+        if p.node_rank > 0:
             raise PyptoError("node_rank > 0 only hosts tensor-parallel ranks: run `pypto serve`")
         self.workers: list[ChildProcess] = []
         self._threads = (os.sched_getaffinity(0), torch.get_num_threads())  # restored by close
         own = config
-        if tp > 1:  # this process is rank 0; the other ranks are child processes
-            load_model_config(model_dir).tensor_parallel_shard(tp)  # before any process starts
+        if p.ranks_per_engine > 1:  # this process is rank 0; the others are child processes
+            load_model_config(model_dir).parallel_shard(  # errors before any process starts
+                p.tensor_parallel_size, p.pipeline_parallel_size, p.enable_expert_parallel
+            )
             own, cpus = plan_ranks(config)[0]
             if cpus:
                 os.sched_setaffinity(0, cpus)  # this (engine) thread and its OpenMP team
             self.workers = start_workers(config, model_dir)
         try:
-            self._load(own, tp)
+            self._load(own)
         except BaseException as e:
             self._stop_workers()
             os.sched_setaffinity(0, self._threads[0])
             if self.workers and isinstance(e, RuntimeError):  # a rank failed: say which
-                raise PyptoError(f"tensor-parallel start-up failed: {e}; {self._ranks()}") from e
+                raise PyptoError(f"start-up of the ranks failed: {e}; {self._ranks()}") from e
             raise
 
-    def _load(self, own: EngineConfig, tp: int) -> None:
-        config = self.config
+    def _load(self, own: EngineConfig) -> None:
+        config, p = self.config, self.config.parallel
         set_num_threads(own.num_threads)
         self.device = resolve_device(own.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.tp = init_distributed(0, tp, backend_for(config, own.device))
-        self.model = load_model(self.model_dir, self.dtype, self.device, self.tp)
+        init_distributed(0, p.ranks_per_engine, backend_for(config, own.device))
+        groups = resolve_groups(
+            0,
+            p.tensor_parallel_size,
+            p.pipeline_parallel_size,
+            p.enable_expert_parallel,
+            p.expert_placement_strategy,
+        )
+        self.model = load_model(self.model_dir, self.dtype, self.device, groups)
         self.model_config = cfg = self.model.cfg
         limits = [cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings]
         self.executor = self._make_executor()
@@ -146,7 +161,7 @@ class EngineCore:
             str(self.dtype).removeprefix("torch."),
             self.device,
             config.executor,
-            f", tensor parallel over {tp} ranks" if tp > 1 else "",
+            describe_ranks(p.tensor_parallel_size, p.pipeline_parallel_size),
         )
 
     def _make_executor(self) -> ReferenceExecutor | PagedExecutor:
@@ -209,7 +224,7 @@ class EngineCore:
         self._closed = True
         if isinstance(self.executor, PagedExecutor):
             self.executor.close()
-        if self.workers:
+        if self.config.parallel.ranks_per_engine > 1:  # local ranks, and the group itself
             self._stop_workers()
             os.sched_setaffinity(0, self._threads[0])
             torch.set_num_threads(self._threads[1])

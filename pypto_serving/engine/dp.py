@@ -46,9 +46,9 @@ class ReplicaDiedError(RuntimeError):
 
 def replica_specs(config: EngineConfig, model_dir: Path) -> list[ReplicaSpec]:
     """Each replica's own engine config: its device(s), its share of the cores, its SSD dir.
-    With tensor parallelism a replica gets the devices and cores of its TP ranks."""
+    With tensor or pipeline parallelism a replica gets the devices and cores of its ranks."""
     p = config.parallel
-    n, tp = p.data_parallel_size, p.tensor_parallel_size
+    n, tp = p.data_parallel_size, p.ranks_per_engine
     plan = plan_devices(n * tp, p.device_list(), config.device)
     level = logging.getLogger().getEffectiveLevel()
     specs = []

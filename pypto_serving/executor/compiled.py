@@ -55,9 +55,14 @@ def forward_logits(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     logits_index: torch.Tensor,
+    hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Logits [N, vocab] of the tokens at logits_index after a forward over [T] tokens."""
-    hidden = model(input_ids, positions, kv)
+    """Logits [N, vocab] of the tokens at logits_index after a forward over [T] tokens; on a
+    pipeline stage before the last, its hidden states [T, hidden] (`hidden`: the previous
+    stage's)."""
+    hidden = model(input_ids, positions, kv, hidden)
+    if not model.last_stage:
+        return hidden
     return model.logits(hidden[logits_index])
 
 
@@ -70,12 +75,14 @@ def compiled_forward_logits(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     logits_index: torch.Tensor,
+    hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`forward_logits` under torch.compile, with the token dimensions dynamic."""
     global _compiled
     if _compiled is None:
         torch._dynamo.config.cache_size_limit = 64  # several architectures in one process
         _compiled = torch.compile(forward_logits, backend=COUNTER.backend)
-    for t in (input_ids, positions, logits_index):
-        torch._dynamo.maybe_mark_dynamic(t, 0)
-    return _compiled(model, kv, input_ids, positions, logits_index)
+    for t in (input_ids, positions, logits_index, hidden):
+        if t is not None:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    return _compiled(model, kv, input_ids, positions, logits_index, hidden)

@@ -20,7 +20,13 @@ from tqdm import tqdm
 
 from pypto_serving.config import CacheConfig, EngineConfig
 from pypto_serving.device import synchronize
-from pypto_serving.distributed import StepInputs, broadcast_step, receive_step
+from pypto_serving.distributed import (
+    StepInputs,
+    broadcast_step,
+    receive_from,
+    receive_step,
+    send_to,
+)
 from pypto_serving.errors import PyptoError
 from pypto_serving.executor.compiled import COUNTER, compiled_forward_logits, forward_logits
 from pypto_serving.kv.disk_tier import HEADER_BYTES
@@ -53,14 +59,17 @@ def build_kv_store(
     digest: str,
 ) -> PagedKVStore:
     """The KV store with its tiers sized from the cache config's byte budgets. Under tensor
-    parallelism it holds this rank's KV heads, with the same page ids on every rank, and no
+    parallelism it holds this rank's KV heads, under pipeline parallelism its stage's layers,
+    with the same page ids on every rank (the page count depends only on the config), and no
     tiers below the device yet (moving pages would need every rank to move its share)."""
-    cfg = model.cfg
-    if model.tp.size > 1:
+    cfg, layers = model.cfg, model.num_local_layers
+    if model.groups.world_size > 1:
         if cache.kv_cpu_bytes:
-            log.info("KV tiers below the device are off under tensor parallelism (for now)")
+            log.info(
+                "KV tiers below the device are off under tensor/pipeline parallelism (for now)"
+            )
         cache = replace(cache, kv_cpu_bytes=0, kv_ssd_dir=None)
-    page_bytes = 2 * cfg.num_layers * cache.page_size * cfg.kv_size * dtype.itemsize
+    page_bytes = 2 * layers * cache.page_size * cfg.kv_size * dtype.itemsize
     num_pages = num_pages_for(cache, page_bytes, -(-max_tokens_in_use // cache.page_size))
     ssd_dir = Path(cache.kv_ssd_dir).expanduser() if cache.kv_ssd_dir else None
     ssd_pages = cache.kv_ssd_bytes // (page_bytes + HEADER_BYTES)
@@ -71,7 +80,7 @@ def build_kv_store(
         )
     try:
         store = PagedKVStore(
-            cfg.num_layers,
+            layers,
             cfg.num_kv_heads,
             cfg.head_dim,
             num_pages,
@@ -109,9 +118,10 @@ def build_paged_executor(
 
 
 class PagedExecutor:
-    """Runs steps on its model. Under tensor parallelism rank 0's executor builds each step
-    and broadcasts its inputs; the other ranks' executors `follow()`, running the same
-    forward on their shares (the collectives inside the model join them), and never sample."""
+    """Runs steps on its model. Under tensor or pipeline parallelism rank 0's executor builds
+    each step and broadcasts its inputs; the other ranks' executors `follow()`, running the
+    same forward on their shares (TP: the collectives inside the model join them; PP:
+    activations pass stage to stage), and never sample."""
 
     def __init__(
         self,
@@ -125,7 +135,7 @@ class PagedExecutor:
     ) -> None:
         """max_tokens_in_use: the most tokens all running sequences can hold at once; digest:
         identifies the checkpoint (keys the SSD tier's pages)."""
-        self.model, self.device, self.tp = model, device, model.tp
+        self.model, self.device, self.groups = model, device, model.groups
         self.kv = build_kv_store(model, device, dtype, cache, max_tokens_in_use, digest)
         self.paged_kv = PagedKV()
         self.forward = forward_logits if enforce_eager else compiled_forward_logits
@@ -189,9 +199,16 @@ class PagedExecutor:
         return dict(zip([reqs[b].request_id for b in done], sample(logits, rows), strict=True))
 
     def run(self, step: StepInputs) -> torch.Tensor:
-        """The forward of one step (on rank 0, broadcast first to the other ranks)."""
-        if self.tp.size > 1 and self.tp.rank == 0:
+        """The forward of one step: rank 0 broadcasts it first to the other ranks; a pipeline
+        stage receives the previous stage's hidden states and sends its own to the next, and
+        the last stage's logits go back to rank 0, which samples."""
+        g = self.groups
+        if g.world_size > 1 and g.rank == 0:
             broadcast_step(step, self.device)
+        hidden = None
+        if g.pp.rank > 0:
+            size = self.model.cfg.hidden_size
+            hidden = receive_from((len(step.input_ids), size), g.rank - g.tp.size, self.device)
         attention = StepAttention(
             self.kv,
             step.block_table,
@@ -202,9 +219,24 @@ class PagedExecutor:
             step.max_q,
         )
         with active_step(attention):
-            return self.forward(
-                self.model, self.paged_kv, step.input_ids, step.positions, step.logits_index
+            out = self.forward(
+                self.model,
+                self.paged_kv,
+                step.input_ids,
+                step.positions,
+                step.logits_index,
+                hidden,
             )
+        if g.pp.size == 1:
+            return out
+        if not self.model.last_stage:
+            send_to(out, g.rank + g.tp.size)
+        elif g.rank != 0:
+            send_to(out, 0)
+        if g.rank == 0:  # the last stage's logits
+            shape = (len(step.logits_index), self.model.cfg.vocab_size)
+            out = receive_from(shape, g.world_size - 1, self.device)
+        return out
 
     @torch.inference_mode()
     def follow(self) -> None:
@@ -214,7 +246,7 @@ class PagedExecutor:
 
     def close(self) -> None:
         """Tell the other ranks to stop (rank 0), finish the KV store's background work."""
-        if self.tp.size > 1 and self.tp.rank == 0:
+        if self.groups.world_size > 1 and self.groups.rank == 0:
             broadcast_step(None, self.device)
         self.kv.close()
 

@@ -14,7 +14,12 @@ from pypto_serving.errors import ModelLoadError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -44,6 +49,14 @@ class ModelConfig:
     """Multiplier on cos/sin (yarn's attention factor; 1.0 otherwise)."""
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    num_experts: int = 0
+    """Routed experts of the MoE layers (0: a dense model)."""
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    """Renormalise the top-k routing weights to sum to one."""
+    moe_layers: tuple[int, ...] = ()
+    """Layers whose MLP is the mixture of experts (the others are dense)."""
 
     @property
     def q_size(self) -> int:
@@ -53,9 +66,26 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def tensor_parallel_shard(self, size: int) -> ModelConfig:
-        """One rank's share under tensor parallelism of `size`: its attention heads, KV heads
-        and MLP columns (vocabulary sharding is the embedding's business)."""
+    def parallel_shard(self, tp: int, pp: int = 1, ep: bool = False) -> ModelConfig:
+        """One rank's share under tensor parallelism of `tp`: its attention heads, KV heads
+        and MLP columns (vocabulary sharding is the embedding's business); checks that `pp`
+        pipeline stages get a layer each (which layers is the model's business) and that
+        expert parallelism (`ep`) has experts to place."""
+        if ep and not self.num_experts:
+            raise ModelLoadError(
+                f"enable_expert_parallel needs a mixture-of-experts model; {self.architecture} "
+                "is dense"
+            )
+        if self.num_experts and tp > 1 and not ep:
+            raise ModelLoadError(
+                "a mixture-of-experts model under tensor parallelism needs "
+                "enable_expert_parallel (splitting each expert by columns is not supported)"
+            )
+        if pp > self.num_layers:
+            raise ModelLoadError(
+                f"pipeline_parallel_size {pp} exceeds the model's {self.num_layers} layers"
+            )
+        size = tp
         if size == 1:
             return self
         for what, n in (
@@ -138,9 +168,28 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
         o_bias=attention_bias and arch != "Qwen2ForCausalLM",
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         rope_inv_freq=inv_freq,
         rope_scaling=rope_scaling,
         eos_token_ids=eos_ids,
         torch_dtype=str(dtype),
+        **_moe(hf, arch),
     )
+
+
+def _moe(hf: Any, arch: str) -> dict[str, Any]:
+    """The mixture-of-experts fields (Qwen3-MoE: top-k routing, no shared expert)."""
+    experts = int(getattr(hf, "num_experts", 0) or 0) if arch == "Qwen3MoeForCausalLM" else 0
+    if experts == 0:
+        return {}
+    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(hf, "mlp_only_layers", None) or [])
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(hf.num_experts_per_tok),
+        "moe_intermediate_size": int(hf.moe_intermediate_size),
+        "norm_topk_prob": bool(getattr(hf, "norm_topk_prob", False)),
+        "moe_layers": tuple(
+            i for i in range(hf.num_hidden_layers) if i not in dense and (i + 1) % step == 0
+        ),
+    }

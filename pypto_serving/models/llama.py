@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Qwen2, Qwen3) as one decoder-only transformer.
+"""The Llama family (Llama, Qwen2, Qwen3, Qwen3-MoE) as one decoder-only transformer.
 
 Parameter names follow Hugging Face's, except that q/k/v and gate/up are fused into
 `qkv_proj` and `gate_up_proj`; `loader.py` is the one place that maps HF tensors onto them.
@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pypto_serving.distributed import Group, tp_all_gather
+from pypto_serving.distributed import Group, ParallelGroups, tp_all_gather, tp_all_reduce
 from pypto_serving.models.config import ModelConfig
 from pypto_serving.ops.activation import silu_and_mul
 from pypto_serving.ops.attention import KVAttention
 from pypto_serving.ops.linear import Linear, RowParallelLinear, VocabParallelEmbedding
+from pypto_serving.ops.moe import expert_placement, moe_experts, route
 from pypto_serving.ops.norm import RMSNorm
 from pypto_serving.ops.rope import apply_rope, rope_cos_sin
 
@@ -57,13 +58,37 @@ class MLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: Group) -> None:
+class MoE(nn.Module):
+    """Qwen3-MoE's sparse block: a router (replicated) and the experts this rank holds (all of
+    them, or its share under expert parallelism, then summed over the ranks)."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
         super().__init__()
+        self.cfg, ep = cfg, groups.ep
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.held = expert_placement(cfg.num_experts, ep.rank, ep.size, groups.expert_placement)
+        """Global ids of the experts this rank holds, in the order of the stacks below."""
+        n, size, hidden = len(self.held), cfg.moe_intermediate_size, cfg.hidden_size
+        self.experts_gate_up = nn.Parameter(torch.empty(n, 2 * size, hidden))
+        self.experts_down = nn.Parameter(torch.empty(n, hidden, size))
+        self.reduce = ep.size > 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        ids, weights = route(self.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob, x.dtype)
+        out = moe_experts(x, ids, weights, self.experts_gate_up, self.experts_down, self.held)
+        return tp_all_reduce(out) if self.reduce else out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, groups: ParallelGroups, index: int) -> None:
+        """layer: its index in this stage's KV store; index: in the checkpoint."""
+        super().__init__()
+        tp = groups.tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MoE(cfg, groups) if index in cfg.moe_layers else MLP(cfg, tp)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention
@@ -72,12 +97,30 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def stage_layers(num_layers: int, pp: Group) -> range:
+    """The layers of pipeline stage `pp.rank`: contiguous, the counts differing by at most one
+    (the later stages take the extra ones: the first holds the embedding)."""
+    return range(num_layers * pp.rank // pp.size, num_layers * (pp.rank + 1) // pp.size)
+
+
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Group) -> None:
+    """The stage's layers keep their checkpoint index (`layers.{i}`); the other stages'
+    places hold an Identity. The embedding lives on the first stage, the final norm on the
+    last."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        pp, tp = groups.pp, groups.tp
+        self.local = stage_layers(cfg.num_layers, pp)
+        self.embed_tokens = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if pp.rank == 0 else None
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i - self.local.start, groups, i) if i in self.local else nn.Identity()
+            for i in range(cfg.num_layers)
+        )
+        last = pp.rank == pp.size - 1
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last else None
 
 
 class CausalLM(nn.Module):
@@ -87,31 +130,51 @@ class CausalLM(nn.Module):
     (`ModelConfig.tensor_parallel_shard`): q/k/v and gate/up are column-parallel (each rank
     computes its heads and MLP columns, no communication), o_proj and down_proj row-parallel
     (an all-reduce each), the embedding and LM head split by vocabulary rows (an all-reduce
-    after the lookup, an all-gather of the logits)."""
+    after the lookup, an all-gather of the logits).
 
-    def __init__(self, cfg: ModelConfig, tp: Group = Group()) -> None:  # noqa: B008 (frozen)
+    Under pipeline parallelism (`pp.size > 1`) the model is one stage: its layers, the
+    embedding on the first stage, the final norm and LM head on the last; `forward` takes the
+    previous stage's hidden states and returns its own (the executor passes them on)."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups | None = None) -> None:
         super().__init__()
-        self.cfg, self.tp = cfg, tp
-        self.model = Decoder(cfg, tp)
-        self.lm_head = Linear(cfg.hidden_size, self.model.embed_tokens.shard, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        groups = groups or ParallelGroups()
+        self.cfg, self.groups, self.tp = cfg, groups, groups.tp
+        self.model = Decoder(cfg, groups)
+        self.first_stage = groups.pp.rank == 0
+        self.last_stage = groups.pp.rank == groups.pp.size - 1
+        self.num_local_layers = len(self.model.local)
+        self.lm_head: Linear | None = None
+        if self.last_stage:
+            shard = -(-cfg.vocab_size // groups.tp.size)
+            self.lm_head = Linear(cfg.hidden_size, shard, bias=False)
+            if cfg.tie_word_embeddings and self.model.embed_tokens is not None:
+                self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", torch.tensor(cfg.rope_inv_freq), persistent=False)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAttention
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KVAttention,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] (a flat batch); returns hidden states [T, hidden]."""
-        embeds = self.model.embed_tokens(input_ids)
-        dtype = self.lm_head.weight.dtype
+        """input_ids, positions: [T] (a flat batch); hidden: the previous pipeline stage's
+        output (None on the first stage). Returns hidden states [T, hidden] (normed on the
+        last stage)."""
+        dtype = self.model.layers[self.model.local.start].input_layernorm.weight.dtype
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.cfg.rope_scaling, dtype)
-        x = embeds.float()  # the residual stream stays in float32 whatever the weights' dtype
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, kv)
-        return self.model.norm(x)
+        if self.model.embed_tokens is not None:
+            # the residual stream stays in float32 whatever the weights' dtype
+            hidden = self.model.embed_tokens(input_ids).float()
+        assert hidden is not None
+        for i in self.model.local:
+            hidden = self.model.layers[i](hidden, cos, sin, kv)
+        return hidden if self.model.norm is None else self.model.norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] for the given hidden states [N, hidden]."""
+        """Float32 logits [N, vocab] for the given hidden states [N, hidden] (last stage)."""
+        assert self.lm_head is not None
         logits = self.lm_head(hidden).float()
         if self.tp.size == 1:
             return logits

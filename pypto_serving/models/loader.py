@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pypto_serving.device import use_packed_linear
-from pypto_serving.distributed import Group
+from pypto_serving.distributed import Group, ParallelGroups
 from pypto_serving.errors import ModelLoadError
 from pypto_serving.models.config import ModelConfig, load_model_config
 from pypto_serving.models.llama import CausalLM
@@ -52,10 +53,39 @@ def fused_slices(cfg: ModelConfig, fused: str) -> list[int]:
     return [cfg.intermediate_size, cfg.intermediate_size]
 
 
-def expected_loads(cfg: ModelConfig, param_name: str) -> int:
-    """How many checkpoint tensors fill a parameter (several for the fused projections)."""
+def expected_loads(cfg: ModelConfig, param_name: str, param: torch.Tensor) -> int:
+    """How many checkpoint tensors fill a parameter (several for the fused projections, one
+    or two per expert held for the experts' stacks)."""
+    if param_name.endswith(".experts_gate_up"):
+        return 2 * param.shape[0]
+    if param_name.endswith(".experts_down"):
+        return param.shape[0]
     fused = param_name.split(".")[-2]
     return len(fused_slices(cfg, fused)) if fused in ("qkv_proj", "gate_up_proj") else 1
+
+
+EXPERT = re.compile(r"(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def expert_target(
+    model: CausalLM, params: dict[str, torch.Tensor], name: str
+) -> tuple[str, torch.Tensor | None] | None:
+    """Where a Qwen3-MoE expert tensor goes: (the stacked parameter, the slice this rank
+    fills, or None when another rank holds that expert); None for a tensor that is no
+    expert's."""
+    match = EXPERT.fullmatch(name)
+    if match is None:
+        return None
+    prefix, expert, proj = match[1], int(match[2]), match[3]
+    moe = model.get_submodule(prefix)
+    if expert not in moe.held:
+        return prefix, None
+    j = moe.held.index(expert)
+    if proj == "down":
+        return f"{prefix}.experts_down", params[f"{prefix}.experts_down"].data[j]
+    rows = model.cfg.moe_intermediate_size
+    stack = params[f"{prefix}.experts_gate_up"].data[j]
+    return f"{prefix}.experts_gate_up", stack.narrow(0, 0 if proj == "gate" else rows, rows)
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -98,8 +128,8 @@ VOCAB_PARALLEL = ("embed_tokens.weight", "lm_head.weight")
 def tensor_parallel_slice(hf_name: str, tensor: torch.Tensor, tp: Group) -> torch.Tensor:
     """This rank's part of a checkpoint tensor under tensor parallelism (the whole tensor for
     the replicated ones: norms, and the o_proj bias, added once after the reduction)."""
-    if tp.size == 1:
-        return tensor
+    if tp.size == 1 or ".mlp.experts." in hf_name or hf_name.endswith(".mlp.gate.weight"):
+        return tensor  # experts stay whole: expert parallelism places them instead
     if hf_name.endswith(VOCAB_PARALLEL):
         shard = -(-tensor.shape[0] // tp.size)
         part = tensor[tp.rank * shard : (tp.rank + 1) * shard]
@@ -112,36 +142,64 @@ def tensor_parallel_slice(hf_name: str, tensor: torch.Tensor, tp: Group) -> torc
     return tensor
 
 
+def copy_checked(hf_name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ModelLoadError(
+            f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+        )
+    target.copy_(tensor)
+
+
+def pipeline_targets(model: CausalLM, hf_name: str) -> list[str]:
+    """The parameters (HF names) this pipeline stage fills from a checkpoint tensor: its own
+    layers, the embedding on the first stage, the norm and LM head on the last (a tied LM
+    head on a last stage that is not the first gets its own copy of the embedding)."""
+    cfg, first, last = model.cfg, model.first_stage, model.last_stage
+    layer = re.match(r"model\.layers\.(\d+)\.", hf_name)
+    if layer is not None:
+        i = int(layer[1])
+        return [hf_name] if i in model.model.local or i >= cfg.num_layers else []
+    if hf_name == "model.embed_tokens.weight":
+        tied_here = cfg.tie_word_embeddings and last and not first
+        return [hf_name] * first + ["lm_head.weight"] * tied_here
+    if hf_name == "lm_head.weight":
+        return [hf_name] if last and not cfg.tie_word_embeddings else []
+    if hf_name == "model.norm.weight":
+        return [hf_name] if last else []
+    return [hf_name]
+
+
 def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint tensors into the model; every parameter must be filled exactly once.
     Under tensor parallelism each rank keeps its slice of every split tensor."""
     cfg = model.cfg
     params = dict(model.named_parameters())
-    pending = {name: expected_loads(cfg, name) for name in params}
+    pending = {name: expected_loads(cfg, name, p) for name, p in params.items()}
     for hf_name, tensor in weights:
         if hf_name.endswith(IGNORED_SUFFIXES):
             continue
-        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        name, shard = hf_name, None
-        for hf_proj, (fused, index) in FUSED.items():
-            if f".{hf_proj}." in hf_name:
-                name, shard = hf_name.replace(hf_proj, fused), index
-        param = params.get(name)
-        if param is None:
-            raise ModelLoadError(f"unexpected tensor {hf_name!r} in checkpoint")
         tensor = tensor_parallel_slice(hf_name, tensor, model.tp)
-        target = param.data
-        if shard is not None:
-            sizes = fused_slices(cfg, name.split(".")[-2])
-            target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ModelLoadError(
-                f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
-        pending[name] -= 1
+        for target_name in pipeline_targets(model, hf_name):
+            expert = expert_target(model, params, target_name)
+            if expert is not None:
+                name, part = expert
+                if part is not None:  # else another rank's expert
+                    copy_checked(hf_name, tensor, part)
+                    pending[name] -= 1
+                continue
+            name, shard = target_name, None
+            for hf_proj, (fused, index) in FUSED.items():
+                if f".{hf_proj}." in target_name:
+                    name, shard = target_name.replace(hf_proj, fused), index
+            param = params.get(name)
+            if param is None:
+                raise ModelLoadError(f"unexpected tensor {hf_name!r} in checkpoint")
+            target = param.data
+            if shard is not None:
+                sizes = fused_slices(cfg, name.split(".")[-2])
+                target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+            copy_checked(hf_name, tensor, target)
+            pending[name] -= 1
     missing = sorted(n for n, left in pending.items() if left > 0)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -152,19 +210,23 @@ def load_model(
     model_dir: Path,
     dtype: torch.dtype,
     device: torch.device,
-    tp: Group = Group(),  # noqa: B008 (frozen)
+    groups: ParallelGroups | None = None,
 ) -> CausalLM:
-    """Build our model for `model_dir` (this rank's share of it under tensor parallelism) and
-    fill it with the checkpoint's weights."""
+    """Build our model for `model_dir` (this rank's share of it under tensor and pipeline
+    parallelism) and fill it with the checkpoint's weights."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory not found: {model_dir}")
-    cfg = load_model_config(model_dir).tensor_parallel_shard(tp.size)
+    groups = groups or ParallelGroups()
+    cfg = load_model_config(model_dir).parallel_shard(
+        groups.tp.size, groups.pp.size, groups.ep.size > 1
+    )
     files = safetensors_files(model_dir)
     with torch.device("meta"):
-        model = CausalLM(cfg, tp)
+        model = CausalLM(cfg, groups)
     model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:  # to_empty() gives each module its own tensor: tie again
-        model.lm_head.weight = model.model.embed_tokens.weight
+    embed, head = model.model.embed_tokens, model.lm_head
+    if cfg.tie_word_embeddings and embed is not None and head is not None:
+        head.weight = embed.weight  # to_empty() gives each module its own tensor: tie again
     with torch.no_grad():
         load_weights(model, iter_checkpoint(files))
     model.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32, device=device)

@@ -1,11 +1,12 @@
-"""Tensor-parallel ranks 1..N-1 of an engine: processes that follow rank 0's steps.
+"""The ranks 1..N-1 of an engine (tensor-parallel shares, pipeline stages): processes that
+follow rank 0's steps.
 
 Rank 0 is the engine itself (`EngineCore`: scheduler, KV decisions, sampling). It picks a
 rendezvous port, starts the other ranks as child processes (engine/process.py) with
 torch.distributed's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), and joins the
-group with them. Each rank loads its share of the weights, builds the same paged executor
-(its share of the KV heads, the same page ids) and runs every step rank 0 broadcasts, until
-rank 0 says stop or goes away.
+group with them. Each rank loads its share of the weights (its heads, or its stage's layers),
+builds the same paged executor (the same page ids) and runs every step rank 0 broadcasts,
+until rank 0 says stop or goes away.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from pypto_serving.config import EngineConfig
 from pypto_serving.device import plan_devices, resolve_device, resolve_dtype, set_num_threads
-from pypto_serving.distributed import init_distributed, shutdown_distributed
+from pypto_serving.distributed import init_distributed, resolve_groups, shutdown_distributed
 from pypto_serving.engine.process import ChildProcess
 from pypto_serving.executor.paged import build_paged_executor
 from pypto_serving.models.loader import load_model
@@ -53,10 +54,10 @@ def free_port() -> int:
 
 
 def plan_ranks(config: EngineConfig) -> list[tuple[EngineConfig, list[int] | None]]:
-    """The config (device, threads) and cores of each tensor-parallel rank on this machine,
+    """The config (device, threads) and cores of each of the engine's ranks on this machine,
     lowest rank first."""
     p = config.parallel
-    plan = plan_devices(p.tensor_parallel_size // p.nnodes, p.device_list(), config.device)
+    plan = plan_devices(p.ranks_per_engine // p.nnodes, p.device_list(), config.device)
     return [
         (replace(config, device=d, num_threads=config.num_threads or (len(c) if c else None)), c)
         for d, c in plan
@@ -79,7 +80,7 @@ def start_workers(config: EngineConfig, model_dir: Path) -> list[ChildProcess]:
             if first + local == 0:
                 continue  # rank 0 is the engine process itself
             spec = WorkerSpec(
-                first + local, p.tensor_parallel_size, backend, own, model_dir, cpus, level
+                first + local, p.ranks_per_engine, backend, own, model_dir, cpus, level
             )
             workers.append(ChildProcess(worker_main, spec))
     except BaseException:
@@ -125,9 +126,17 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     set_num_threads(config.num_threads)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    group = init_distributed(spec.rank, spec.world_size, spec.backend)
+    p = config.parallel
+    init_distributed(spec.rank, spec.world_size, spec.backend)
+    groups = resolve_groups(
+        spec.rank,
+        p.tensor_parallel_size,
+        p.pipeline_parallel_size,
+        p.enable_expert_parallel,
+        p.expert_placement_strategy,
+    )
     try:
-        model = load_model(spec.model_dir, dtype, device, group)
+        model = load_model(spec.model_dir, dtype, device, groups)
         build_paged_executor(config, model, device, dtype, spec.model_dir).follow()
     except RuntimeError as e:  # rank 0 went away mid-collective: nothing left to serve
         log.info("rank %d stops: %s", spec.rank, str(e).splitlines()[0][:200])
