@@ -125,7 +125,8 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"
     """Address of node 0, where the ranks rendezvous (torch.distributed's MASTER_ADDR)."""
     master_port: int | None = None
-    """Rendezvous port (MASTER_PORT); None picks a free one (a single machine only)."""
+    """Rendezvous port on node 0 when nnodes > 1 (MASTER_PORT); ranks on one machine meet
+    through a file instead, with no listening socket."""
 
     @property
     def ranks_per_engine(self) -> int:

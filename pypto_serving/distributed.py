@@ -7,17 +7,21 @@ calls the collectives below, which are custom ops: torch.compile treats them as 
 sums are reduced in float32 (the residual stream's dtype), so TP does not add rounding.
 
 The group is one engine's ranks: rank 0 runs the scheduler and broadcasts each step's
-inputs as int64 tensors (never pickled objects); the other ranks follow. Ranks rendezvous
+inputs as int64 tensors (never pickled objects); the other ranks follow. On one machine the
+ranks meet through a file (a FileStore in a private directory) and gloo's connections stay
+on the loopback device, so nothing listens on the network. Across machines they rendezvous
 through torch.distributed's environment method: MASTER_ADDR / MASTER_PORT, RANK and
-WORLD_SIZE, set by whoever starts the processes (this package on one machine, or the user on
-each node of several), gloo on CPUs and nccl on GPUs.
+WORLD_SIZE, set by `pypto serve` on each node; gloo on CPUs and nccl on GPUs.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -71,23 +75,51 @@ def resolve_groups(
     return ParallelGroups(tp, Group(rank // tp_size, pp_size), Group(), ep, expert_placement)
 
 
+STORE_FILE_ENV = "PYPTO_RENDEZVOUS_FILE"
+"""Set (by whoever starts the ranks) when all of them are on this machine: they rendezvous
+through this file instead of a listening TCP store."""
+
+
+def local_rendezvous() -> None:
+    """Make the ranks started from here (they inherit the environment) meet without the
+    network: a FileStore in a private directory, and gloo's pairs on the loopback device."""
+    global _made_store_dir
+    _made_store_dir = Path(tempfile.mkdtemp(prefix="pypto-rendezvous-"))
+    os.environ[STORE_FILE_ENV] = str(_made_store_dir / "store")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+_made_store_dir: Path | None = None
+
+
 def init_distributed(rank: int, world_size: int, backend: str) -> None:
-    """Join the engine's torch.distributed world (MASTER_ADDR / MASTER_PORT from the
-    environment)."""
-    if world_size > 1 and not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    """Join the engine's torch.distributed world: through the rendezvous file when the ranks
+    share this machine, else MASTER_ADDR / MASTER_PORT from the environment (env://)."""
+    if world_size == 1 or dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+    store_file = os.environ.get(STORE_FILE_ENV)
+    if store_file:
+        store = dist.FileStore(store_file, world_size)
         dist.init_process_group(
-            backend,
-            init_method="env://",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group(
+        backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout
+    )
 
 
 def shutdown_distributed() -> None:
+    """Leave the group; the process that made the rendezvous file removes it."""
+    global _made_store_dir
     if dist.is_initialized():
         dist.destroy_process_group()
+    if _made_store_dir is not None:
+        os.environ.pop(STORE_FILE_ENV, None)
+        shutil.rmtree(_made_store_dir, ignore_errors=True)
+        _made_store_dir = None
 
 
 def _world() -> int:

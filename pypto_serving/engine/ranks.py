@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import sys
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
@@ -22,7 +21,12 @@ from pathlib import Path
 
 from pypto_serving.config import EngineConfig
 from pypto_serving.device import plan_devices, resolve_device, resolve_dtype, set_num_threads
-from pypto_serving.distributed import init_distributed, resolve_groups, shutdown_distributed
+from pypto_serving.distributed import (
+    init_distributed,
+    local_rendezvous,
+    resolve_groups,
+    shutdown_distributed,
+)
 from pypto_serving.engine.process import ChildProcess
 from pypto_serving.executor.paged import build_paged_executor
 from pypto_serving.models.loader import load_model
@@ -47,12 +51,6 @@ def backend_for(config: EngineConfig, device: str) -> str:
     return chosen or ("nccl" if resolve_device(device).type == "cuda" else "gloo")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def plan_ranks(config: EngineConfig) -> list[tuple[EngineConfig, list[int] | None]]:
     """The config (device, threads) and cores of each of the engine's ranks on this machine,
     lowest rank first."""
@@ -70,8 +68,11 @@ def start_workers(config: EngineConfig, model_dir: Path) -> list[ChildProcess]:
     p = config.parallel
     ranks = plan_ranks(config)
     backend = backend_for(config, ranks[0][0].device)
-    os.environ["MASTER_ADDR"] = p.master_addr
-    os.environ["MASTER_PORT"] = str(p.master_port or free_port())
+    if p.nnodes == 1:
+        local_rendezvous()
+    else:
+        os.environ["MASTER_ADDR"] = p.master_addr
+        os.environ["MASTER_PORT"] = str(p.master_port)
     level = logging.getLogger().getEffectiveLevel()
     first = p.node_rank * len(ranks)
     workers: list[ChildProcess] = []
