@@ -1,10 +1,11 @@
 """The ranks 1..N-1 of an engine (tensor-parallel shares, pipeline stages): processes that
 follow rank 0's steps.
 
-Rank 0 is the engine itself (`EngineCore`: scheduler, KV decisions, sampling). It picks a
-rendezvous port, starts the other ranks as child processes (engine/process.py) with
-torch.distributed's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), and joins the
-group with them. Each rank loads its share of the weights (its heads, or its stage's layers),
+Rank 0 is the engine itself (`EngineCore`: scheduler, KV decisions, sampling). It sets up
+the rendezvous (a private file on one machine; MASTER_ADDR / MASTER_PORT across machines,
+where each other node's `pypto serve --node-rank R` starts that node's ranks), starts the
+other ranks of its machine as child processes (engine/process.py), and joins the group with
+them. Each rank loads its share of the weights (its heads, or its stage's layers),
 builds the same paged executor (the same page ids) and runs every step rank 0 broadcasts,
 until rank 0 says stop or goes away.
 """
@@ -118,7 +119,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     logging.basicConfig(
         level=spec.log_level,
         stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s tp{spec.rank} %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s rank{spec.rank} %(name)s: %(message)s",
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
     if spec.cpus:
