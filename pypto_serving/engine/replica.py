@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+import torch
+
 from pypto_serving.config import EngineConfig
 from pypto_serving.engine.core import EngineCore, EngineStats
 from pypto_serving.engine.process import ChildProcess
@@ -133,8 +135,6 @@ def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
         conn.send(StartFailed(os.getpid(), describe(e)))
         sys.exit(1)
     try:
-        import torch
-
         tiers = engine.stats().tiers
         conn.send(
             Ready(
