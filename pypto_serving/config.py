@@ -258,6 +258,13 @@ class ServerConfig:
     """Largest request body accepted; larger ones get 413."""
     log_interval_s: float = 5.0
     """Seconds between throughput log lines while busy."""
+    max_queued_requests: int | None = None
+    """Sequences that may wait beyond the max_num_seqs running ones (per replica); a request
+    over the limit gets 503 with Retry-After at once (None: no limit)."""
+    max_queued_tokens: int | None = None
+    """Prompt tokens that may wait for their first output token (queued or in prefill); a
+    request that would pass the limit gets 503 with Retry-After, unless none are waiting
+    (None: no limit)."""
 
     def validate(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -268,6 +275,10 @@ class ServerConfig:
             raise PyptoError(f"log_interval_s must be > 0, got {self.log_interval_s!r}")
         if self.api_key is not None and not self.api_key:
             raise PyptoError("api_key must not be empty")
+        for name in ("max_queued_requests", "max_queued_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise PyptoError(f"{name} must be an integer >= 0, got {value!r}")
 
 
 SERVE_ENGINE_DEFAULTS: dict[str, Any] = {"max_num_batched_tokens": 1024}

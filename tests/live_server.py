@@ -14,7 +14,7 @@ from typing import Any
 import uvicorn
 
 from pypto_serving.config import ServerConfig
-from pypto_serving.engine.async_llm import AsyncLLM
+from pypto_serving.engine.async_llm import AsyncLLM, QueueLimits
 from pypto_serving.engine.llm import LLM
 from pypto_serving.server.app import build_app
 
@@ -49,7 +49,8 @@ def free_port() -> int:
 def serving(llm: LLM, name: str = "tiny", **server: Any) -> Iterator[Live]:
     """Serve `llm` until the block ends."""
     config = ServerConfig(port=free_port(), **server)
-    engine = AsyncLLM(llm, name, config.log_interval_s)
+    limits = QueueLimits(config.max_queued_requests, config.max_queued_tokens)
+    engine = AsyncLLM(llm, name, config.log_interval_s, limits=limits)
     app = build_app(engine, config, name)
     uv = uvicorn.Server(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")

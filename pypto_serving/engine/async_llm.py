@@ -1,12 +1,14 @@
 """AsyncLLM: the engine behind the server, stepping without blocking the asyncio event loop.
 
-One engine task owns the `LLM`. Handlers call `generate()`, which checks the request at once
-(a bad request fails in the handler, before anything is queued) and yields the request's
-updates as the engine produces them. Steps run on one dedicated engine thread; everything
-else (adding, aborting, dispatching updates) runs on the event loop between steps, so the
-engine's state is never touched by two threads at once. A consumer that stops iterating
-(a client that went away) aborts its request, and its KV pages are freed at the next step
-boundary. The boundary a multi-process layout would cut along is `generate()` / `abort()`.
+One engine task owns the `LLM`. Handlers call `admit()` (queue limits) and `generate()`,
+which checks the request at once (a bad request fails in the handler, before anything is
+queued), puts it in flight and returns the iterator of its updates as the engine produces
+them. Steps run on one dedicated engine thread; everything else (adding, aborting,
+dispatching updates) runs on the event loop between steps, so the engine's state is never
+touched by two threads at once. A consumer that stops iterating, or drops the iterator
+unread (a client that went away), aborts its request, and its KV pages are freed at the next
+step boundary. With data parallelism the engine behind `LLM` is a `DPEngine` whose replicas
+are processes; this file does not change.
 
 `AsyncLLM.build()` also loads and warms the model on the engine thread. That matters on CPU:
 OpenMP keeps one worker team per thread that has run parallel code, and with two teams on a
@@ -70,6 +72,18 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (a step raised, or the server is shutting down)."""
 
 
+class OverloadedError(RuntimeError):
+    """A queue limit would be passed: the request is refused before anything is queued."""
+
+
+@dataclass(slots=True, frozen=True)
+class QueueLimits:
+    """Admission limits (see ServerConfig): None is no limit."""
+
+    max_queued_requests: int | None = None
+    max_queued_tokens: int | None = None
+
+
 @dataclass(slots=True)
 class GenerationUpdate:
     """What a request produced in one step: one delta per sample with news."""
@@ -84,9 +98,48 @@ class GenerationUpdate:
 class _Stream:
     queue: asyncio.Queue[GenerationUpdate | BaseException]
     arrival: float
+    num_seqs: int = 1
+    prompt_tokens: int = 0
     family: _Family | None = None
     first_token: float | None = None
     last_token: float = 0.0
+
+
+class _Updates:
+    """The updates of one request, in order, until it finishes. Closing it early, or dropping
+    it without ever reading it (a client gone before its response started), aborts the
+    request, so nothing in flight is ever left without a reader."""
+
+    def __init__(self, llm: AsyncLLM, request_id: str, stream: _Stream) -> None:
+        self.llm, self.request_id, self.stream, self.done = llm, request_id, stream, False
+
+    def __aiter__(self) -> _Updates:
+        return self
+
+    async def __anext__(self) -> GenerationUpdate:
+        if self.done:
+            raise StopAsyncIteration
+        try:
+            item = await self.stream.queue.get()
+        except BaseException:  # cancelled while waiting: the reader is gone
+            self._abort()
+            raise
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        self.done = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        self._abort()
+
+    def __del__(self) -> None:
+        self._abort()
+
+    def _abort(self) -> None:
+        if not self.done:
+            self.done = True
+            self.llm.abort(self.request_id)
 
 
 @dataclass(slots=True)
@@ -113,8 +166,14 @@ class AsyncLLM:
         model_name: str,
         log_interval_s: float = 5.0,
         thread: EngineThread | None = None,
+        limits: QueueLimits = QueueLimits(),
     ) -> None:
         self.llm = llm
+        self.limits = limits
+        parallel = llm.engine.config.parallel
+        self.running_capacity = llm.engine.config.scheduler.max_num_seqs * (
+            parallel.data_parallel_size
+        )
         self.engine = llm.engine
         self.metrics = EngineMetrics(self.engine.stats, model_name)
         self.log_interval_s = log_interval_s
@@ -131,7 +190,11 @@ class AsyncLLM:
 
     @classmethod
     def build(
-        cls, knobs: dict[str, Any], model_name: str | None, log_interval_s: float
+        cls,
+        knobs: dict[str, Any],
+        model_name: str | None,
+        log_interval_s: float,
+        limits: QueueLimits = QueueLimits(),
     ) -> AsyncLLM:
         """Load the model (and compile it) on the engine thread; the name defaults to the
         model directory's."""
@@ -141,7 +204,7 @@ class AsyncLLM:
         except BaseException:
             thread.shutdown(wait=False)
             raise
-        return cls(llm, model_name or llm.model_dir.name, log_interval_s, thread)
+        return cls(llm, model_name or llm.model_dir.name, log_interval_s, thread, limits)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="pypto-engine")
@@ -163,34 +226,47 @@ class AsyncLLM:
 
     # --- requests -------------------------------------------------------------------------
 
-    async def generate(
+    def admit(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Raise OverloadedError if these prompts would pass a queue limit. Counted here, on
+        the event loop, from what is in flight (so a burst is counted before any step runs):
+        queued sequences are those beyond the running capacity (max_num_seqs per replica);
+        waiting tokens are the prompts of requests without an output token yet."""
+        limits = self.limits
+        if limits.max_queued_requests is not None:
+            in_flight = sum(s.num_seqs for s in self._streams.values())
+            queued = in_flight + len(prompts) * params.n - self.running_capacity
+            if queued > limits.max_queued_requests:
+                raise OverloadedError(
+                    f"the server is at its limit of {self.running_capacity} running and "
+                    f"{limits.max_queued_requests} queued sequences; retry later"
+                )
+        if limits.max_queued_tokens is not None:
+            waiting = sum(s.prompt_tokens for s in self._streams.values() if s.first_token is None)
+            new = sum(map(len, prompts))
+            if waiting and waiting + new > limits.max_queued_tokens:
+                raise OverloadedError(
+                    f"the server is at its limit of {limits.max_queued_tokens} prompt tokens "
+                    "waiting; retry later"
+                )
+
+    def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[GenerationUpdate]:
-        """Queue a request and yield its updates until it finishes.
+        """Queue a request now and return the iterator of its updates until it finishes.
 
         Raises PyptoError for a request the model cannot take, EngineDeadError when the
-        engine is not running. Closing the iterator early aborts the request."""
+        engine is not running. The request counts as in flight from this call (admission
+        limits see it at once); closing the iterator early aborts it."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.engine.check(prompt_token_ids, params)
-        stream = _Stream(asyncio.Queue(), time.monotonic())
+        stream = _Stream(asyncio.Queue(), time.monotonic(), params.n, len(prompt_token_ids))
         self._streams[request_id] = stream
         self._adds.append(_Add(request_id, prompt_token_ids, params, stream))
         self._wake.set()
-        done = False
-        try:
-            while not done:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                done = item.finished
-                yield item
-        finally:
-            if not done:
-                self.abort(request_id)
+        return _Updates(self, request_id, stream)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (takes effect at the next step boundary)."""

@@ -8,7 +8,7 @@ from typing import Any
 import uvicorn
 
 from pypto_serving.config import ServerConfig
-from pypto_serving.engine.async_llm import AsyncLLM
+from pypto_serving.engine.async_llm import AsyncLLM, QueueLimits
 from pypto_serving.server.app import build_app
 
 log = logging.getLogger(__name__)
@@ -16,7 +16,8 @@ log = logging.getLogger(__name__)
 
 def run_server(knobs: dict[str, Any], config: ServerConfig) -> int:
     """Serve until interrupted; returns the exit code."""
-    engine = AsyncLLM.build(knobs, config.served_model_name, config.log_interval_s)
+    limits = QueueLimits(config.max_queued_requests, config.max_queued_tokens)
+    engine = AsyncLLM.build(knobs, config.served_model_name, config.log_interval_s, limits)
     name = engine.metrics.model_name
     app = build_app(engine, config, name)
     log.info(

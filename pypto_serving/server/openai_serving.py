@@ -19,7 +19,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pypto_serving.engine.async_llm import AsyncLLM, EngineDeadError, GenerationUpdate
+from pypto_serving.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    GenerationUpdate,
+    OverloadedError,
+)
 from pypto_serving.errors import PyptoError
 from pypto_serving.kv.tier import TIER_NAMES
 from pypto_serving.ops.sampler import Sampled
@@ -146,6 +151,8 @@ def sse(data: dict[str, Any] | str) -> str:
 
 
 MAX_SEQUENCES_PER_REQUEST = 128
+RETRY_AFTER = {"Retry-After": "1"}
+"""Seconds a client refused for overload should wait (OpenAI clients honour the header)."""
 """Prompts x n of one request: more is refused (one request must not flood the queue)."""
 
 
@@ -178,6 +185,12 @@ class OpenAIServing:
             )
         for ids in prompts:  # before anything is queued: a bad prompt queues nothing
             self.engine.engine.check(ids, params)
+        try:
+            self.engine.admit(prompts, params)
+        except OverloadedError as e:
+            raise APIError(
+                503, str(e), "service_unavailable_error", None, "overloaded", RETRY_AFTER
+            ) from None
         return [
             self.engine.generate(f"{request_id}-{i}", ids, params) for i, ids in enumerate(prompts)
         ]

@@ -1,0 +1,77 @@
+"""Backpressure: queue limits answer 503 with Retry-After at once; admitted requests finish."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from live_server import serving, tiny_llm
+
+MODEL = "llama-gqa4-tied"
+
+
+def post(url: str, body: dict, results: list, barrier: threading.Barrier) -> None:
+    barrier.wait()
+    start = time.monotonic()
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    results.append((r, time.monotonic() - start))
+
+
+def burst(url: str, model: str, n: int, prompt: list[int], max_tokens: int) -> list:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    results: list = []
+    barrier = threading.Barrier(n)
+    threads = [threading.Thread(target=post, args=(url, body, results, barrier)) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_limits_1_1_admit_exactly_two_of_ten(tiny_model):
+    llm = tiny_llm(tiny_model(MODEL), max_num_seqs=1)
+    with serving(llm, max_queued_requests=1) as live:
+        results = burst(live.url, live.model, 10, [5] * 20, 120)
+        ok = [(r, t) for r, t in results if r.status_code == 200]
+        refused = [(r, t) for r, t in results if r.status_code == 503]
+        assert (len(ok), len(refused)) == (2, 8), [r.status_code for r, _ in results]
+        for r, _ in ok:  # every admitted request completes with all its tokens
+            assert r.json()["usage"]["completion_tokens"] == 120
+        for r, seconds in refused:
+            assert r.headers["retry-after"] == "1"
+            error = r.json()["error"]
+            assert error["code"] == "overloaded" and error["type"] == "service_unavailable_error"
+            assert "1 running and 1 queued" in error["message"]
+            assert seconds < 1.0  # refused at once, never after waiting for the engine
+        assert httpx.get(f"{live.url}/health").status_code == 200
+        stats = live.engine.engine.stats()
+        assert (stats.num_running, stats.num_waiting) == (0, 0)
+
+
+def test_queued_token_limit(tiny_model):
+    llm = tiny_llm(tiny_model(MODEL), max_num_seqs=4)
+    with serving(llm, max_queued_tokens=40) as live:
+        # one request over the limit alone is served (nothing else waits)...
+        alone = httpx.post(
+            f"{live.url}/v1/completions",
+            json={"model": live.model, "prompt": [7] * 60, "max_tokens": 2},
+            timeout=60,
+        )
+        assert alone.status_code == 200
+        # ...but while prompts wait for their first token, more tokens than the limit are not
+        results = burst(live.url, live.model, 6, [9] * 30, 60)
+        codes = sorted(r.status_code for r, _ in results)
+        assert 200 in codes and 503 in codes, codes
+        refused = next(r for r, _ in results if r.status_code == 503)
+        assert "40 prompt tokens waiting" in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("name", ["max_queued_requests", "max_queued_tokens"])
+def test_queue_limit_flags_are_checked(name, capsys):
+    from pypto_serving.cli import main
+
+    assert main(["serve", f"--{name.replace('_', '-')}", "-1"]) == 1
+    assert f"{name} must be an integer >= 0" in capsys.readouterr().err
