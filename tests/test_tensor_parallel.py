@@ -176,3 +176,20 @@ def test_multi_node_config_errors(knobs, message):
     with pytest.raises(PyptoError) as e:
         engine_config(**knobs)
     assert message in str(e.value)
+
+
+def test_a_rank_that_fails_to_start_is_named_and_nothing_waits(tiny_model, monkeypatch):
+    """A rank failing before the rendezvous is reported at once (rank 0 never waits for it
+    in init_process_group) and no process is left behind."""
+    import time
+
+    from pypto_serving.engine.ranks import FAIL_START_ENV
+
+    monkeypatch.setenv(FAIL_START_ENV, "1")
+    start = time.monotonic()
+    with pytest.raises(
+        PyptoError, match=r"rank 1 \(pid \d+\) failed to start: RuntimeError: injected"
+    ):
+        tiny_llm(tiny_model("qwen2-gqa2"), tensor_parallel_size=2)
+    assert time.monotonic() - start < 60  # not the 300 s rendezvous timeout
+    assert children_of(os.getpid()) == []

@@ -16,11 +16,33 @@ import multiprocessing
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from pypto_serving.errors import PyptoError
+
 STOP_TIMEOUT_S = 10.0
+
+
+@dataclass(slots=True)
+class StartFailed:
+    """A child's report that it could not start (sent before it exits)."""
+
+    pid: int
+    message: str
+
+
+@dataclass(slots=True)
+class Joining:
+    """A rank's report that it is set up and joins the torch.distributed group now."""
+
+    pid: int
+
+
+def describe(e: BaseException) -> str:
+    return str(e) if isinstance(e, PyptoError) else f"{type(e).__name__}: {e}"
 
 
 class ChildProcess:

@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass, replace
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from pypto_serving.config import EngineConfig
@@ -28,11 +28,15 @@ from pypto_serving.distributed import (
     resolve_groups,
     shutdown_distributed,
 )
-from pypto_serving.engine.process import ChildProcess
+from pypto_serving.engine.process import ChildProcess, Joining, StartFailed, describe
+from pypto_serving.errors import PyptoError
 from pypto_serving.executor.paged import build_paged_executor
 from pypto_serving.models.loader import load_model
 
 log = logging.getLogger(__name__)
+
+FAIL_START_ENV = "PYPTO_FAIL_RANK_START"
+"""Fault injection for tests: the rank this names fails before it joins the group."""
 
 
 @dataclass(slots=True)
@@ -85,11 +89,36 @@ def start_workers(config: EngineConfig, model_dir: Path) -> list[ChildProcess]:
                 first + local, p.ranks_per_engine, backend, own, model_dir, cpus, level
             )
             workers.append(ChildProcess(worker_main, spec))
+        wait_joining(workers, first + (1 if first == 0 else 0))
     except BaseException:
         for w in workers:
             w.kill()
+        shutdown_distributed()  # removes the rendezvous file made above
         raise
     return workers
+
+
+def wait_joining(workers: list[ChildProcess], first_rank: int) -> None:
+    """Wait until every started rank is set up and joining; if one fails first, stop them all
+    and raise PyptoError naming it (rank 0 then never waits for it in the rendezvous)."""
+    pending = {w.conn: (first_rank + i, w) for i, w in enumerate(workers)}
+    while pending:
+        for conn in wait(list(pending)):
+            rank, w = pending.pop(conn)  # type: ignore[call-overload]
+            try:
+                message = w.conn.recv()
+            except (EOFError, OSError):
+                message = None
+            if isinstance(message, Joining):
+                continue
+            why = (
+                message.message
+                if isinstance(message, StartFailed)
+                else f"it exited with code {w.exit_code()}"
+            )
+            for other in workers:
+                other.kill()
+            raise PyptoError(f"rank {rank} (pid {w.pid}) failed to start: {why}")
 
 
 def serve_node(config: EngineConfig, model_dir: Path) -> int:
@@ -122,12 +151,19 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         format=f"%(asctime)s %(levelname)s rank{spec.rank} %(name)s: %(message)s",
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
-    if spec.cpus:
-        os.sched_setaffinity(0, spec.cpus)
     config = spec.config
-    set_num_threads(config.num_threads)
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    try:
+        if spec.cpus:
+            os.sched_setaffinity(0, spec.cpus)
+        if os.environ.get(FAIL_START_ENV) == str(spec.rank):
+            raise RuntimeError(f"injected start-up failure ({FAIL_START_ENV}={spec.rank})")
+        set_num_threads(config.num_threads)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+    except BaseException as e:  # reported before the rendezvous, so rank 0 never waits on it
+        conn.send(StartFailed(os.getpid(), describe(e)))
+        sys.exit(1)
+    conn.send(Joining(os.getpid()))
     p = config.parallel
     init_distributed(spec.rank, spec.world_size, spec.backend)
     groups = resolve_groups(

@@ -24,7 +24,7 @@ import torch
 
 from pypto_serving.config import EngineConfig
 from pypto_serving.engine.core import EngineCore, EngineStats
-from pypto_serving.engine.process import ChildProcess
+from pypto_serving.engine.process import ChildProcess, StartFailed, describe
 from pypto_serving.errors import PyptoError
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.request import Request
@@ -82,12 +82,6 @@ class Ready:
 
 
 @dataclass(slots=True)
-class StartFailed:
-    pid: int
-    message: str
-
-
-@dataclass(slots=True)
 class TokenDelta:
     """A request's new token (with its logprobs when asked for) after one replica step."""
 
@@ -108,10 +102,6 @@ class StepResult:
 @dataclass(slots=True)
 class StepFailed:
     message: str
-
-
-def describe(e: BaseException) -> str:
-    return str(e) if isinstance(e, PyptoError) else f"{type(e).__name__}: {e}"
 
 
 def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
