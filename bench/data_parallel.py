@@ -17,7 +17,6 @@ Prints absolute figures and the ratio DP=2 / DP=1; `--json` / `--markdown` keep 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import shlex
 import subprocess
@@ -27,8 +26,19 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_side_by_side import METRICS, bench, emit, lookup, model_dir, server_command, serving
-from side_by_side import DEFAULT_W1, machine, markdown_report, ratio
+from serve_side_by_side import (
+    METRICS,
+    add_output_args,
+    bench,
+    emit,
+    lookup,
+    model_dir,
+    parse_cases,
+    report_of,
+    server_command,
+    serving,
+)
+from side_by_side import DEFAULT_W1, markdown_report, ratio
 
 OFFLINE_METRICS = (  # (key in the `pypto bench offline` JSON, title, format)
     ("output_tok_per_s", "W1 output tok/s", "{:.1f}"),
@@ -42,7 +52,12 @@ OFFLINE_METRICS = (  # (key in the `pypto bench offline` JSON, title, format)
 def offline(args: argparse.Namespace, dp: int, out: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pypto_serving.cli", "bench", "offline"]
     cmd += ["--prompts-file", str(args.w1), "--num-prompts", str(args.num_prompts)]
-    cmd += ["--output-len", str(args.output_len), "--dp", str(dp), "--json", str(out)]
+    return run_json([*cmd, "--output-len", str(args.output_len), "--dp", str(dp)], out)
+
+
+def run_json(cmd: list[str], out: Path) -> dict[str, Any]:
+    """Run a `pypto bench` command with `--json out`: its command and figures, or the error."""
+    cmd = [*cmd, "--json", str(out)]
     print(f"$ {shlex.join(cmd)}", file=sys.stderr, flush=True)
     try:
         subprocess.run(cmd, stdout=sys.stderr, check=True, timeout=3600)
@@ -93,10 +108,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cases", default="1:8,16:64", help="concurrency:prompts, comma-separated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=900)
-    p.add_argument("--json", type=Path, help="write every figure to this file")
-    p.add_argument("--markdown", type=Path, help="write the table and commands to this file")
+    add_output_args(p)
     args = p.parse_args(argv)
-    args.cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
+    args.cases = parse_cases(args.cases)
     return args
 
 
@@ -108,12 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             results["offline"][f"dp{dp}"] = offline(args, dp, Path(tmp) / f"offline{dp}.json")
         for dp in (1, 2):
             results["serve"][f"dp{dp}"] = serve(args, dp, Path(tmp))
-    report = {
-        "date": datetime.date.today().isoformat(),
-        "machine": machine(),
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "results": results,
-    }
+    report = report_of(results)
     about = (
         f"Offline: W1 ({args.num_prompts} prompts × {args.output_len} tokens). Serving: random "
         f"{args.input_len}-token prompts → {args.output_len} tokens, streamed. DP=1 runs one "

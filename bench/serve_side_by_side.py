@@ -115,6 +115,28 @@ def serving(
             proc.kill()
 
 
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    """--json and --markdown, as every serving bench script takes them."""
+    p.add_argument("--json", type=Path, help="write every figure to this file")
+    p.add_argument("--markdown", type=Path, help="write the table and commands to this file")
+
+
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    """'1:8,16:64' -> [(1, 8), (16, 64)]: (concurrency, prompts) pairs."""
+    return [(int(c), int(n)) for c, n in (case.split(":") for case in text.split(","))]
+
+
+def report_of(results: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """The JSON report of a bench script: date, machine, its command line, then `extra`."""
+    return {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        **extra,
+        "results": results,
+    }
+
+
 def emit(text: str, report: dict[str, Any], args: argparse.Namespace) -> None:
     """Print the Markdown report; keep it and the figures where --markdown / --json say."""
     print(text)
@@ -163,10 +185,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=900)
     p.add_argument("--ours-args", default="", help="extra flags for pypto serve")
-    p.add_argument("--json", type=Path, help="write every figure to this file")
-    p.add_argument("--markdown", type=Path, help="write the table and commands to this file")
+    add_output_args(p)
     args = p.parse_args(argv)
-    args.cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
+    args.cases = parse_cases(args.cases)
     return args
 
 
@@ -174,13 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         results = {e: run_engine(e, args, Path(tmp)) for e in args.engines.split(",")}
-    report = {
-        "date": datetime.date.today().isoformat(),
-        "machine": machine(),
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "workload": {"input_len": args.input_len, "output_len": args.output_len},
-        "results": results,
-    }
+    workload = {"input_len": args.input_len, "output_len": args.output_len}
+    report = report_of(results, workload=workload)
     about = (
         f"Random {args.input_len}-token prompts → {args.output_len} tokens, EOS ignored, "
         "greedy, streamed; the same `pypto bench serve` client for every server."

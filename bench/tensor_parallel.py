@@ -18,34 +18,21 @@ widths, 576 and 192, as SmolLM2's 9 x 64 and 3 x 64), bf16, with SmolLM2's token
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import shlex
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from data_parallel import OFFLINE_METRICS, rows
-from serve_side_by_side import emit
-from side_by_side import DEFAULT_W1, machine, markdown_report
+from data_parallel import OFFLINE_METRICS, rows, run_json
+from serve_side_by_side import add_output_args, emit, report_of
+from side_by_side import DEFAULT_W1, markdown_report
 
 LATENCY_METRICS = (  # (key in the `pypto bench latency` JSON, title, format)
     ("decode_tok_per_s", "single stream decode tok/s", "{:.1f}"),
     ("tpot_ms", "single stream TPOT ms", "{:.1f}"),
     ("ttft_ms", "single stream TTFT ms", "{:.0f}"),
 )
-
-
-def run(cmd: list[str], out: Path) -> dict[str, Any]:
-    print(f"$ {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    try:
-        subprocess.run(cmd, stdout=sys.stderr, check=True, timeout=3600)
-    except subprocess.SubprocessError as e:
-        return {"command": shlex.join(cmd), "error": str(e)}
-    return {"command": shlex.join(cmd), **json.loads(out.read_text())}
 
 
 def smollm2_shaped(out: Path) -> Path:
@@ -95,12 +82,8 @@ def measure(args: argparse.Namespace, tp: int, tmp: Path) -> dict[str, Any]:
     offline += ["--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len)]
     flags = ["--tp", str(tp)]
     return {
-        "latency": run(
-            [*latency, *flags, "--json", str(tmp / f"lat{tp}.json")], tmp / f"lat{tp}.json"
-        ),
-        "offline": run(
-            [*offline, *flags, "--json", str(tmp / f"off{tp}.json")], tmp / f"off{tp}.json"
-        ),
+        "latency": run_json([*latency, *flags], tmp / f"lat{tp}.json"),
+        "offline": run_json([*offline, *flags], tmp / f"off{tp}.json"),
     }
 
 
@@ -123,19 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--single-len", type=int, default=256, help="single-stream output tokens")
     p.add_argument("--iters", type=int, default=3, help="single-stream runs (median)")
     p.add_argument("--model", type=Path, help="checkpoint (default: SmolLM2-shaped, see above)")
-    p.add_argument("--json", type=Path, help="write every figure to this file")
-    p.add_argument("--markdown", type=Path, help="write the table and commands to this file")
+    add_output_args(p)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
             args.model = smollm2_shaped(Path(tmp) / "smollm2-shaped")
         results = {f"tp{tp}": measure(args, tp, Path(tmp)) for tp in (1, 2)}
-    report = {
-        "date": datetime.date.today().isoformat(),
-        "machine": machine(),
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "results": results,
-    }
+    report = report_of(results)
     model_name = (
         "a random SmolLM2-135M-sized Llama with 12 heads / 4 KV heads (SmolLM2 itself has 3 "
         "KV heads, so no TP=2)"

@@ -16,7 +16,6 @@ throughput, and where the cached prompt tokens came from (usage's per-tier exten
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import shlex
 import subprocess
@@ -26,8 +25,17 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_side_by_side import PORT, emit, lookup, model_dir, server_command, serving
-from side_by_side import machine, markdown_report, ratio
+from serve_side_by_side import (
+    PORT,
+    add_output_args,
+    emit,
+    lookup,
+    model_dir,
+    report_of,
+    server_command,
+    serving,
+)
+from side_by_side import markdown_report, ratio
 
 METRICS = (  # (path in the `pypto bench serve` result JSON, title, format)
     ("ttft_later_turns_median_ms", "TTFT median, returning turns (ms)", "{:.0f}"),
@@ -102,8 +110,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ssd-bytes", default="4GiB", help="SSD tier budget (tiers on)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=900)
-    p.add_argument("--json", type=Path, help="write every figure to this file")
-    p.add_argument("--markdown", type=Path, help="write the table and commands to this file")
+    add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -122,11 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             "off": run("off", f"{device} --kv-cpu-bytes 0", args, Path(tmp)),
         }
     working_set = page_tokens_of_working_set(args)
-    report = {
-        "date": datetime.date.today().isoformat(),
-        "machine": machine(),
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "workload": {
+    report = report_of(
+        results,
+        workload={
             "conversations": args.conversations,
             "turns": args.turns,
             "input_len": args.input_len,
@@ -134,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             "working_set_tokens": working_set,
             "device_tokens": args.device_pages * 64,
         },
-        "results": results,
-    }
+    )
     about = (
         f"{args.conversations} chats of {args.turns} turns ({args.input_len}-token user "
         f"turns, {args.output_len}-token replies, EOS ignored, {args.think_time:g} s think "

@@ -14,11 +14,11 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from live_server import FAST_KNOBS, serving, tiny_llm
+from parallel_checks import children_of, config_error, gone
 
 from pypto_serving.engine.dp import DPEngine, ReplicaDiedError
 from pypto_serving.engine.replica import FAIL_START_ENV
@@ -45,26 +45,6 @@ def prompts() -> list[list[int]]:
 def outputs(llm, params: SamplingParams) -> list[list[tuple[list[int], str]]]:
     result = llm.generate(prompts(), params, use_tqdm=False)
     return [[(o.token_ids, o.text) for o in r.outputs] for r in result]
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"  # exited, not yet reaped
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -179,11 +159,7 @@ def test_replicas_exit_when_their_parent_is_killed(tiny_model):
     ],
 )
 def test_parallel_config_errors(knobs, message):
-    from pypto_serving.config import engine_config
-
-    with pytest.raises(PyptoError) as e:
-        engine_config(**knobs)
-    assert message in str(e.value)
+    assert message in config_error(knobs)
 
 
 @pytest.mark.skipif(

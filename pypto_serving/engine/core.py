@@ -108,6 +108,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         config.validate()
         self.config, self.model_dir = config, model_dir
+        self._closed = False
         p = config.parallel
         if p.node_rank > 0:
             raise PyptoError("node_rank > 0 only hosts tensor-parallel ranks: run `pypto serve`")
@@ -219,7 +220,7 @@ class EngineCore:
     def close(self) -> None:
         """Finish background work (the SSD tier's queued writes), stop the tensor-parallel
         ranks. Idempotent."""
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
         if isinstance(self.executor, PagedExecutor):

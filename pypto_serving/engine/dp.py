@@ -76,6 +76,7 @@ class DPEngine:
         self.config, self.model_dir = config, model_dir
         self.model_config = load_model_config(model_dir)
         specs = replica_specs(config, model_dir)
+        self._closed = False
         self.replicas: list[Replica] = []
         try:
             for spec in specs:  # all start loading at once
@@ -97,8 +98,8 @@ class DPEngine:
             config.parallel.data_parallel_load_balance,
         )
         self._stats = [i.stats for i in infos]
+        self._by_conn = {r.conn: r for r in self.replicas}
         self._requests: dict[str, Request] = {}
-        self._closed = False
         log.info(
             "%d data-parallel replicas ready: %s",
             len(infos),
@@ -154,10 +155,9 @@ class DPEngine:
     def step(self) -> list[Request]:
         """Apply the next step result of each replica that has one (waiting briefly for
         one); returns the requests that got a token or finished."""
-        by_conn = {r.conn: r for r in self.replicas}
         changed: list[Request] = []
-        for conn in wait(list(by_conn), timeout=STEP_WAIT_S):
-            replica = by_conn[conn]  # type: ignore[index]
+        for conn in wait(list(self._by_conn), timeout=STEP_WAIT_S):
+            replica = self._by_conn[conn]  # type: ignore[index]
             try:
                 message = replica.conn.recv()
             except (EOFError, OSError):
@@ -193,7 +193,7 @@ class DPEngine:
 
     def close(self) -> None:
         """Stop every replica (each finishes its SSD writes). Idempotent."""
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
         for r in self.replicas:  # all finish at once

@@ -40,9 +40,13 @@ class Linear(nn.Linear):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T (+ bias), through the packed weight when there is one."""
         if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias, self.out_features)
-        return F.linear(x, self.weight, self.bias)
+            return packed_linear(x, self.packed, bias, self.out_features)
+        return F.linear(x, self.weight, bias)
 
 
 class RowParallelLinear(Linear):
@@ -57,11 +61,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return super().forward(x)
-        if self.packed is not None:
-            partial = packed_linear(x, self.packed, None, self.out_features)
-        else:
-            partial = F.linear(x, self.weight)
-        out = tp_all_reduce(partial)
+        out = tp_all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias
 
 
