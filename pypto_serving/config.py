@@ -224,6 +224,9 @@ class EngineConfig:
     """Longest sequence (prompt + output); None uses the model's own limit."""
     num_threads: int | None = None
     """CPU threads for PyTorch; None uses every core this process may run on."""
+    step_timeout_s: float = 60.0
+    """A step (or a data-parallel replica's step) running longer is taken for a hang: the
+    watchdog fails the requests it held and reports the engine (or replica) dead."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -233,6 +236,8 @@ class EngineConfig:
             raise PyptoError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise PyptoError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        if not isinstance(self.step_timeout_s, int | float) or not self.step_timeout_s > 0:
+            raise PyptoError(f"step_timeout_s must be > 0, got {self.step_timeout_s!r}")
         self.scheduler.validate()
         self.cache.validate()
         self.parallel.validate()
@@ -253,9 +258,11 @@ class ServerConfig:
     served_model_name: str | None = None
     """The model name clients use; None uses the model directory's (or GGUF file's) name."""
     api_key: str | None = None
-    """Require `Authorization: Bearer KEY` on /v1/* and the tokenizer routes."""
+    """Require `Authorization: Bearer KEY` on every route but /health."""
     max_request_bytes: int = 4 << 20
     """Largest request body accepted; larger ones get 413."""
+    max_header_bytes: int = 16 << 10
+    """Largest request headers accepted (names and values together); larger ones get 431."""
     log_interval_s: float = 5.0
     """Seconds between throughput log lines while busy."""
     max_queued_requests: int | None = None
@@ -265,14 +272,21 @@ class ServerConfig:
     """Prompt tokens that may wait for their first output token (queued or in prefill); a
     request that would pass the limit gets 503 with Retry-After, unless none are waiting
     (None: no limit)."""
+    shutdown_timeout: float = 30.0
+    """On SIGTERM, seconds the requests in flight may take to finish (new ones get 503)
+    before they end with an error and the server exits."""
 
     def validate(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise PyptoError(f"port must be in [0, 65535], got {self.port!r}")
-        if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
-            raise PyptoError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes!r}")
+        for name in ("max_request_bytes", "max_header_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1024:
+                raise PyptoError(f"{name} must be >= 1024, got {value!r}")
         if not self.log_interval_s > 0:
             raise PyptoError(f"log_interval_s must be > 0, got {self.log_interval_s!r}")
+        if not isinstance(self.shutdown_timeout, int | float) or not self.shutdown_timeout >= 0:
+            raise PyptoError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout!r}")
         if self.api_key is not None and not self.api_key:
             raise PyptoError("api_key must not be empty")
         for name in ("max_queued_requests", "max_queued_tokens"):

@@ -17,3 +17,17 @@ class PyptoError(Exception):
 
 class ModelLoadError(PyptoError):
     """The model directory or file cannot be used (missing, corrupt, unsupported)."""
+
+
+class RequestFailedError(RuntimeError):
+    """A request lost to a fault of the engine (a worker died or hung), not to its input.
+
+    The server answers 503 with `code`; the message names the fault, never a file path."""
+
+    code = "worker_failed"
+
+
+class EngineDeadError(RequestFailedError):
+    """The engine loop stopped (a step raised or hung, or the server is shutting down)."""
+
+    code = "engine_dead"

@@ -48,6 +48,8 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    error: str | None = None
+    """Why the request was lost to a fault (its worker died or hung), if it was."""
     generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:
@@ -92,3 +94,8 @@ class Request:
 
     def finish(self, reason: str) -> None:
         self.status, self.finish_reason = RequestStatus.FINISHED, reason
+
+    def fail(self, why: str) -> None:
+        """Finish a request lost to a fault, not to its input or a stop condition."""
+        self.error = why
+        self.finish("error")

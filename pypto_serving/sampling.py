@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 
 from pypto_serving.errors import PyptoError
 
+INT64 = range(-(2**63), 2**63)
+"""Integer parameters must fit here: they end up in torch tensors and generators."""
+MAX_SHOWN_CHARS = 40
+"""A value shown in an error message longer than this is cut short."""
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -47,8 +52,15 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> PyptoError:
-            return PyptoError(f"invalid {name}={getattr(self, name)!r}: {why}", param=name)
+            shown = repr(getattr(self, name))
+            if len(shown) > MAX_SHOWN_CHARS:
+                shown = shown[: MAX_SHOWN_CHARS - 3] + "..."
+            return PyptoError(f"invalid {name}={shown}: {why}", param=name)
 
+        for name in ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, int) and value not in INT64:
+                raise bad(name, "must fit in a 64-bit integer")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if self.max_tokens is not None and (
@@ -84,8 +96,8 @@ class SamplingParams:
             raise bad("repetition_penalty", "must be in (0, 2]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
+        if any(not isinstance(t, int) or not 0 <= t < INT64.stop for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative 64-bit integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):

@@ -33,6 +33,7 @@ class Live:
     llm: LLM
     engine: AsyncLLM
     model: str
+    app: Any = None
 
 
 def tiny_llm(model_dir: Path, **knobs: Any) -> LLM:
@@ -63,7 +64,7 @@ def serving(llm: LLM, name: str = "tiny", **server: Any) -> Iterator[Live]:
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
     try:
-        yield Live(f"http://{config.host}:{config.port}", llm, engine, name)
+        yield Live(f"http://{config.host}:{config.port}", llm, engine, name, app)
     finally:
         uv.should_exit = True
         thread.join(timeout=30)

@@ -7,12 +7,14 @@ sampling with logprobs) must be the same whichever replica computed them.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import httpx
@@ -22,7 +24,7 @@ from parallel_checks import children_of, config_error, gone
 
 from pypto_serving.engine.dp import DPEngine, ReplicaDiedError
 from pypto_serving.engine.replica import FAIL_START_ENV
-from pypto_serving.errors import PyptoError
+from pypto_serving.errors import PyptoError, RequestFailedError
 from pypto_serving.sampling import SamplingParams
 
 MODEL = "qwen3-hd32-gqa4"
@@ -104,20 +106,47 @@ def test_a_replica_that_fails_to_start_stops_them_all(tiny_model, monkeypatch):
     assert children_of(os.getpid()) == []
 
 
-def test_a_replica_killed_while_serving_is_reported(tiny_model):
+def test_a_killed_replica_fails_its_requests_and_the_others_keep_serving(tiny_model):
     llm = tiny_llm(tiny_model(MODEL), data_parallel_size=2)
     try:
         victim = llm.engine.replicas[1]
-        llm.add(prompts()[0], GREEDY)
-        llm.add(prompts()[2], GREEDY)  # one request on each replica
+        mine = llm.add(prompts()[0], GREEDY)
+        theirs = llm.add(prompts()[2], GREEDY)  # one request on each replica
+        assert llm.engine.router.replica_of(theirs.children[0].request_id) == 1
         os.kill(victim.pid, signal.SIGKILL)
-        with pytest.raises(ReplicaDiedError, match="replica 1 stopped: it exited"):
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                llm.step()
+        deadline = time.monotonic() + 30
+        while llm.engine.has_unfinished() and time.monotonic() < deadline:
+            llm.step()
+        assert theirs.error is not None and "replica 1 stopped: it exited (code -9)" in theirs.error
+        assert mine.error is None and len(mine.children[0].output_token_ids) == 12
+        assert "data-parallel replica 1 stopped" in llm.engine.degraded
+        assert gone(victim.pid)
+        # new requests go to the replica left, with the same tokens as before
+        again = llm.generate(prompts()[:3], GREEDY, use_tqdm=False)
+        assert again[0].outputs[0].token_ids == mine.children[0].output_token_ids
+        assert llm.engine.router.live == {0}
+        assert llm.engine.stats().num_running == 0
     finally:
         llm.close()
     assert all(gone(r.pid) for r in llm.engine.replicas)
+
+
+def test_generate_raises_when_a_replica_dies_and_step_when_all_have(tiny_model):
+    llm = tiny_llm(tiny_model(MODEL), data_parallel_size=2)
+    try:
+        slow = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        for r in llm.engine.replicas:
+            threading.Timer(0.5, os.kill, (r.pid, signal.SIGKILL)).start()
+        with pytest.raises(RequestFailedError, match=r"replica \d stopped"):
+            llm.generate(prompts(), slow, use_tqdm=False)
+        deadline = time.monotonic() + 10
+        while len(llm.engine.lost) < 2 and time.monotonic() < deadline:
+            with contextlib.suppress(ReplicaDiedError):
+                llm.step()
+        with pytest.raises(ReplicaDiedError, match="every data-parallel replica has stopped"):
+            llm.generate(prompts()[:1], GREEDY, use_tqdm=False)
+    finally:
+        llm.close()
 
 
 def test_replicas_exit_when_their_parent_is_killed(tiny_model):

@@ -30,6 +30,8 @@ from typing import Any
 
 from pypto_serving.engine.llm import LLM, _Family
 from pypto_serving.engine.metrics import EngineMetrics
+from pypto_serving.engine.process import describe
+from pypto_serving.errors import EngineDeadError, RequestFailedError
 from pypto_serving.outputs import CompletionDelta
 from pypto_serving.sampling import SamplingParams
 
@@ -68,12 +70,12 @@ class EngineThread(Executor):
                     future.set_exception(e)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (a step raised, or the server is shutting down)."""
-
-
 class OverloadedError(RuntimeError):
     """A queue limit would be passed: the request is refused before anything is queued."""
+
+
+class DrainingError(RuntimeError):
+    """The server is shutting down: it finishes the requests in flight and takes no new ones."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -148,6 +150,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: _Stream
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -177,7 +180,12 @@ class AsyncLLM:
         self.engine = llm.engine
         self.metrics = EngineMetrics(self.engine.stats, model_name)
         self.log_interval_s = log_interval_s
-        self.error: BaseException | None = None
+        self.error: EngineDeadError | None = None
+        self.step_timeout_s = llm.engine.config.step_timeout_s
+        self.hung = False
+        """A step outlived step_timeout_s: the engine thread is stuck in it."""
+        self.draining = False
+        """Shutting down: requests in flight finish, new ones are refused."""
         self._streams: dict[str, _Stream] = {}
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
@@ -217,12 +225,40 @@ class AsyncLLM:
                 await self._task
             self._task = None
         self._fail_all(EngineDeadError("the server is shutting down"))
+        if self.hung:  # the stuck thread is a daemon; worker processes exit with this one
+            log.warning("the engine thread is stuck in a step: not waiting for it")
+            return
         self._thread.submit(self.engine.close).result()
         self._thread.shutdown(wait=True)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests; wait up to `timeout_s` for those in flight to finish, then end
+        the rest with EngineDeadError (a JSON error, or an SSE error event then [DONE])."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._streams and self.alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._streams:
+            log.warning(
+                "shutdown timeout: %d request(s) still in flight end with an error",
+                len(self._streams),
+            )
+            for rid in list(self._streams):
+                self.abort(rid)
+            self._fail_all(EngineDeadError("the server is shutting down"))
 
     @property
     def alive(self) -> bool:
         return self.error is None and self._task is not None and not self._task.done()
+
+    def health_problem(self) -> str | None:
+        """Why the server is not fully able to serve (None: it is): the engine is dead, it
+        lost a worker (data-parallel replicas still serve), or it is shutting down."""
+        if not self.alive:
+            return str(self.error) if self.error else "the engine is not running"
+        if self.draining:
+            return "the server is shutting down"
+        return self.engine.degraded
 
     # --- requests -------------------------------------------------------------------------
 
@@ -250,21 +286,28 @@ class AsyncLLM:
                 )
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[GenerationUpdate]:
         """Queue a request now and return the iterator of its updates until it finishes.
 
         Raises PyptoError for a request the model cannot take, EngineDeadError when the
-        engine is not running. The request counts as in flight from this call (admission
-        limits see it at once); closing the iterator early aborts it."""
+        engine is not running, DrainingError while shutting down. The request counts as in
+        flight from this call (admission limits see it at once); closing the iterator early
+        aborts it. A request lost to a fault ends with RequestFailedError."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
+        if self.draining:
+            raise DrainingError("the server is shutting down")
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.engine.check(prompt_token_ids, params)
         stream = _Stream(asyncio.Queue(), time.monotonic(), params.n, len(prompt_token_ids))
         self._streams[request_id] = stream
-        self._adds.append(_Add(request_id, prompt_token_ids, params, stream))
+        self._adds.append(_Add(request_id, prompt_token_ids, params, stream, cache_salt))
         self._wake.set()
         return _Updates(self, request_id, stream)
 
@@ -287,14 +330,22 @@ class AsyncLLM:
                     with contextlib.suppress(TimeoutError):  # wakes to log the last interval
                         await asyncio.wait_for(self._wake.wait(), self.log_interval_s)
                     continue
-                updates = await loop.run_in_executor(self._thread, self._step)
-                self._dispatch(updates)
+                step = loop.run_in_executor(self._thread, self._step)
+                done, _ = await asyncio.wait({step}, timeout=self.step_timeout_s)
+                if not done:  # the thread stays stuck in it; nothing else may touch the engine
+                    self.hung = True
+                    raise EngineDeadError(
+                        f"a step ran longer than step_timeout_s ({self.step_timeout_s:g} s)"
+                    )
+                self._dispatch(step.result())
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a failed step leaves the engine in an unknown state
-            log.exception("engine step failed; the engine is stopped")
-            self.error = e
-            self._fail_all(EngineDeadError(f"engine step failed: {type(e).__name__}"))
+            fault = isinstance(e, RequestFailedError)
+            log.error("the engine is stopped: %s", describe(e), exc_info=not fault)
+            why = str(e) if fault else f"a step failed ({type(e).__name__})"
+            self.error = EngineDeadError(f"the engine stopped: {why}")
+            self._fail_all(self.error)
 
     def _apply_requests(self) -> None:
         aborts, self._aborts = self._aborts, []
@@ -312,15 +363,20 @@ class AsyncLLM:
                     a.params,
                     request_id=a.request_id,
                     arrival_time=a.stream.arrival,
+                    cache_salt=a.cache_salt,
                 )
             except Exception as e:  # checked in generate(); a failure here is reported to it
                 self._streams.pop(a.request_id, None)
                 a.stream.queue.put_nowait(e)
 
-    def _step(self) -> list[tuple[str, GenerationUpdate]]:
-        """On the engine thread: one step, then each changed request's deltas."""
-        updates = []
+    def _step(self) -> list[tuple[str, GenerationUpdate | RequestFailedError]]:
+        """On the engine thread: one step, then each changed request's deltas (or the error
+        that ended a request lost to a fault)."""
+        updates: list[tuple[str, GenerationUpdate | RequestFailedError]] = []
         for f in self.llm.step():
+            if f.error is not None:
+                updates.append((f.request_id, RequestFailedError(f.error)))
+                continue
             first = f.children[0]
             update = GenerationUpdate(
                 f.take_deltas(),
@@ -331,12 +387,17 @@ class AsyncLLM:
             updates.append((f.request_id, update))
         return updates
 
-    def _dispatch(self, updates: list[tuple[str, GenerationUpdate]]) -> None:
+    def _dispatch(self, updates: list[tuple[str, GenerationUpdate | RequestFailedError]]) -> None:
         now = time.monotonic()
         for rid, update in updates:
             stream = self._streams.get(rid)
             if stream is None:
                 continue  # aborted while the step ran
+            if isinstance(update, RequestFailedError):
+                del self._streams[rid]
+                self.metrics.finished("error", stream.num_seqs)
+                stream.queue.put_nowait(update)
+                continue
             if any(d.token_ids for d in update.deltas):
                 if stream.first_token is None:
                     stream.first_token = now

@@ -14,7 +14,7 @@ from pypto_serving.device import resolve_device, resolve_dtype, set_num_threads
 from pypto_serving.distributed import init_distributed, resolve_groups, shutdown_distributed
 from pypto_serving.engine.process import ChildProcess
 from pypto_serving.engine.ranks import backend_for, plan_ranks, start_workers
-from pypto_serving.errors import PyptoError
+from pypto_serving.errors import EngineDeadError, PyptoError
 from pypto_serving.executor.paged import PagedExecutor, build_paged_executor
 from pypto_serving.executor.reference import ReferenceExecutor
 from pypto_serving.kv.store import PagedKVStore
@@ -81,6 +81,8 @@ def check_request(
         raise PyptoError("the prompt is empty", param="prompt")
     if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
         raise PyptoError(f"prompt token ids must be integers in [0, {vocab_size})", "prompt")
+    if any(t >= vocab_size for t in params.stop_token_ids):
+        raise PyptoError(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
     if n >= max_model_len:
         raise PyptoError(
             f"the prompt has {n} tokens; this model's context is "
@@ -90,7 +92,7 @@ def check_request(
     max_tokens = params.max_tokens
     if max_tokens is not None and n + max_tokens > max_model_len:
         raise PyptoError(
-            f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the "
+            f"prompt ({n} token{'s' * (n != 1)}) + max_tokens ({max_tokens}) exceeds the "
             f"context length {max_model_len}",
             param="max_tokens",
         )
@@ -104,6 +106,9 @@ def describe_ranks(tp: int, pp: int) -> str:
 
 class EngineCore:
     """Owns the scheduler and the executor for one model on one device."""
+
+    degraded: str | None = None
+    """Serving with less than it started with (a DPEngine may lose replicas; this never)."""
 
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         config.validate()
@@ -180,6 +185,14 @@ class EngineCore:
             for i, w in enumerate(self.workers, start=1)
         )
 
+    def _lost_ranks(self) -> str:
+        """The local ranks that have exited, as 'rank 1 (pid 123, exit code -9)'."""
+        return ", ".join(
+            f"rank {i} (pid {w.pid}, exit code {code})"
+            for i, w in enumerate(self.workers, start=1)
+            if (code := w.exit_code(1.0)) is not None
+        )
+
     def _stop_workers(self) -> None:
         for w in self.workers:
             w.stop(timeout=5.0)
@@ -239,7 +252,12 @@ class EngineCore:
             r = s.request
             prompt_end = min(r.num_computed_tokens + s.num_new_tokens, len(r.prompt_token_ids))
             self.prompt_tokens += max(prompt_end - r.num_computed_tokens, 0)
-        sampled = self.executor.execute(out)
+        try:
+            sampled = self.executor.execute(out)
+        except RuntimeError as e:
+            if lost := self._lost_ranks():  # a collective failed because a rank died
+                raise EngineDeadError(f"{lost} stopped") from e
+            raise
         self.generation_tokens += len(sampled)
         self.scheduler.update(out, sampled)
         return [s.request for s in out.scheduled if s.request.request_id in sampled]

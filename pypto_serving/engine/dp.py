@@ -6,12 +6,20 @@ tiers, and executor; this side keeps a mirror `Request` per request, routes new 
 (engine/router.py), forwards aborts, and applies the tokens the replicas report. `step()`
 waits for the next replica step results (one per replica at most, so a request gains at
 most one token per call, as with EngineCore).
+
+A replica that dies (its pipe closes, a step fails) or hangs (no step result for
+`step_timeout_s` while it has requests) is lost alone: it is killed, its requests fail
+(`Request.fail`, reported by the next `step()`), the router stops sending it requests, and
+the others keep serving. `degraded` says so (the server's /health turns 503). Only when the
+last replica is lost does `step()` raise.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import time
 from dataclasses import replace
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -30,6 +38,7 @@ from pypto_serving.engine.replica import (
     wait_ready,
 )
 from pypto_serving.engine.router import Router
+from pypto_serving.errors import EngineDeadError
 from pypto_serving.models.config import load_model_config
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
@@ -40,8 +49,8 @@ STEP_WAIT_S = 0.01
 """Longest a step() waits for replica results (new requests are sent between steps)."""
 
 
-class ReplicaDiedError(RuntimeError):
-    """A replica process failed or exited while serving."""
+class ReplicaDiedError(EngineDeadError):
+    """Every replica process failed, exited or hung while serving."""
 
 
 def replica_specs(config: EngineConfig, model_dir: Path) -> list[ReplicaSpec]:
@@ -100,6 +109,13 @@ class DPEngine:
         self._stats = [i.stats for i in infos]
         self._by_conn = {r.conn: r for r in self.replicas}
         self._requests: dict[str, Request] = {}
+        self.lost: dict[int, str] = {}
+        """Replicas lost while serving, and why."""
+        self._changed: list[Request] = []
+        """Requests that got a token, finished or failed (those of a lost replica, found
+        outside step() too), reported by the next step()."""
+        self._heard = [time.monotonic()] * len(self.replicas)
+        """When each replica last reported (or got work while it had none)."""
         log.info(
             "%d data-parallel replicas ready: %s",
             len(infos),
@@ -112,24 +128,40 @@ class DPEngine:
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
 
+    @property
+    def degraded(self) -> str | None:
+        """Why the engine serves with fewer replicas than it started with (None: it does not)."""
+        lost = [f"data-parallel replica {i} stopped: {why}" for i, why in self.lost.items()]
+        return "; ".join(lost) or None
+
     def add_request(self, request: Request) -> None:
         """Check, route and send a request to its replica."""
         self.check(request.prompt_token_ids, request.params)
         request.max_model_len = self.max_model_len
-        replica = self.replicas[self.router.route(request)]
-        self._requests[request.request_id] = request
-        replica.send(
-            NewRequest(
-                request.request_id,
-                request.prompt_token_ids,
-                request.params,
-                request.eos_token_ids,
-                request.priority,
-                request.arrival,
-                request.arrival_time,
-                request.cache_salt,
-            )
+        message = NewRequest(
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            request.eos_token_ids,
+            request.priority,
+            request.arrival,
+            request.arrival_time,
+            request.cache_salt,
         )
+        while True:  # a replica found dead on sending is lost, and the next one is tried
+            if not self.router.live:
+                raise ReplicaDiedError("every data-parallel replica has stopped")
+            index = self.router.route(request)
+            replica = self.replicas[index]
+            if self.router.num_routed[index] == 1:
+                self._heard[index] = time.monotonic()  # it was idle: the watchdog starts now
+            try:
+                replica.send(message)
+                break
+            except OSError:
+                self.router.finish(request.request_id)
+                self._lose(replica, f"it exited (code {replica.exit_code()})")
+        self._requests[request.request_id] = request
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> list[Request]:
         aborted, by_replica = [], {}
@@ -143,31 +175,56 @@ class DPEngine:
             by_replica.setdefault(replica, []).append(rid)
             aborted.append(request)
         for replica, ids in by_replica.items():
-            self.replicas[replica].send(Abort(ids, reason))
+            with contextlib.suppress(OSError):  # a dead replica is found by step()
+                self.replicas[replica].send(Abort(ids, reason))
         return aborted
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests or self._changed)
 
     def stats(self) -> EngineStats:
-        return combine_stats(self._stats)
+        return combine_stats([s for i, s in enumerate(self._stats) if i not in self.lost])
 
     def step(self) -> list[Request]:
         """Apply the next step result of each replica that has one (waiting briefly for
-        one); returns the requests that got a token or finished."""
-        changed: list[Request] = []
+        one); returns the requests that got a token, finished or failed."""
         for conn in wait(list(self._by_conn), timeout=STEP_WAIT_S):
             replica = self._by_conn[conn]  # type: ignore[index]
             try:
                 message = replica.conn.recv()
             except (EOFError, OSError):
-                raise self._died(replica, f"it exited (code {replica.exit_code()})") from None
+                self._lose(replica, f"it exited (code {replica.exit_code()})")
+                continue
+            self._heard[replica.index] = time.monotonic()
             if isinstance(message, StepFailed):
-                raise self._died(replica, f"a step failed: {message.message}")
-            if isinstance(message, StepResult):
+                self._lose(replica, f"a step failed: {message.message}")
+            elif isinstance(message, StepResult):
                 self._stats[replica.index] = message.stats
-                changed += [r for d in message.deltas if (r := self._apply(d)) is not None]
+                self._changed += [r for d in message.deltas if (r := self._apply(d)) is not None]
+        self._watch_for_hangs()
+        changed, self._changed = self._changed, []
+        if not self._by_conn:
+            raise ReplicaDiedError(f"every data-parallel replica has stopped: {self.degraded}")
         return changed
+
+    def _watch_for_hangs(self) -> None:
+        now, limit = time.monotonic(), self.config.step_timeout_s
+        for replica in list(self._by_conn.values()):
+            i = replica.index
+            if self.router.num_routed[i] and now - self._heard[i] > limit:
+                self._lose(replica, f"no step result for {now - self._heard[i]:.0f} s (hung)")
+
+    def _lose(self, replica: Replica, why: str) -> None:
+        """Kill a dead or hung replica and fail its requests; the others keep serving."""
+        log.error("data-parallel replica %d (pid %s) stopped: %s", replica.index, replica.pid, why)
+        self.lost[replica.index] = why
+        self._by_conn.pop(replica.conn, None)
+        replica.kill(grace=0)
+        message = f"data-parallel replica {replica.index} stopped: {why}"
+        for rid in self.router.remove(replica.index):
+            request = self._requests.pop(rid)
+            request.fail(message)
+            self._changed.append(request)
 
     def _apply(self, delta: TokenDelta) -> Request | None:
         request = self._requests.get(delta.request_id)
@@ -186,10 +243,6 @@ class DPEngine:
             del self._requests[delta.request_id]
             self.router.finish(delta.request_id)
         return request
-
-    def _died(self, replica: Replica, why: str) -> ReplicaDiedError:
-        log.error("data-parallel replica %d (pid %s) stopped: %s", replica.index, replica.pid, why)
-        return ReplicaDiedError(f"data-parallel replica {replica.index} stopped: {why}")
 
     def close(self) -> None:
         """Stop every replica (each finishes its SSD writes). Idempotent."""

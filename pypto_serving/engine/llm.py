@@ -15,7 +15,7 @@ from pypto_serving.config import engine_config
 from pypto_serving.engine.core import EngineCore
 from pypto_serving.engine.dp import DPEngine
 from pypto_serving.engine.text import TextAssembler
-from pypto_serving.errors import ModelLoadError
+from pypto_serving.errors import ModelLoadError, RequestFailedError
 from pypto_serving.models.config import load_model_config
 from pypto_serving.models.default_model import resolve_model_path
 from pypto_serving.outputs import CompletionDelta, CompletionOutput, RequestOutput
@@ -50,6 +50,11 @@ class _Family:
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.children)
+
+    @property
+    def error(self) -> str | None:
+        """Why the request was lost to a fault of the engine (None: it was not)."""
+        return next((c.error for c in self.children if c.error is not None), None)
 
     def take_deltas(self) -> list[CompletionDelta]:
         """What each sample produced since the previous call (samples with news only)."""
@@ -134,8 +139,10 @@ class LLM:
         priority: int = 0,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> _Family:
-        """Queue one prompt (n child sequences); returns its handle."""
+        """Queue one prompt (n child sequences); returns its handle. Requests share cached
+        prefix pages only with requests of the same `cache_salt`."""
         seq = next(self._ids)
         rid = request_id if request_id is not None else str(seq)
         ids = self.encode(prompt)
@@ -144,7 +151,9 @@ class LLM:
         arrived = time.monotonic() if arrival_time is None else arrival_time
         for i in range(params.n):
             child = params if params.seed is None else replace(params, seed=params.seed + i)
-            req = Request(f"{rid}-{i}", ids, child, eos, priority, seq, arrived)
+            req = Request(
+                f"{rid}-{i}", ids, child, eos, priority, seq, arrived, cache_salt=cache_salt
+            )
             family.children.append(req)
             family.texts.append(TextAssembler(self.tokenizer, ids, params))
             family.sent.append(0)
@@ -167,10 +176,17 @@ class LLM:
             self._families.pop(rid, None)
 
     def step(self) -> list[_Family]:
-        """One engine step; returns the families that changed."""
+        """One engine step; returns the families that changed. A family with an `error` lost
+        a sample to a fault of the engine; its other samples are aborted."""
         changed: dict[str, _Family] = {}
         for req in self.engine.step():
+            if req.request_id not in self._families:
+                continue  # its family failed earlier in this step
             family, i = self._families[req.request_id]
+            if req.error is not None:
+                self.abort(family)
+                changed[family.request_id] = family
+                continue
             text = family.texts[i]
             text.add(req.output_token_ids[-1])
             if text.stopped and not req.finished:
@@ -202,7 +218,12 @@ class LLM:
         families = [self.add(p, sp, pr) for p, sp, pr in zip(prompts, plist, prios, strict=True)]
         bar = tqdm(total=len(families), desc="generate", disable=not use_tqdm or len(families) < 2)
         while self.engine.has_unfinished():
-            bar.update(sum(f.finished for f in self.step()))
+            changed = self.step()
+            if failed := next((f.error for f in changed if f.error is not None), None):
+                for f in families:
+                    self.abort(f)
+                raise RequestFailedError(failed)
+            bar.update(sum(f.finished for f in changed))
         bar.close()
         return [f.output() for f in families]
 
@@ -212,5 +233,7 @@ class LLM:
         text, req = family.texts[0], family.children[0]
         while not req.finished:
             self.step()
+            if req.error is not None:
+                raise RequestFailedError(req.error)
             if piece := text.take(final=req.finished):
                 yield piece

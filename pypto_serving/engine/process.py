@@ -4,8 +4,9 @@ A child is a fresh interpreter (`subprocess`, not multiprocessing's spawn, which
 the caller's main module) that inherits one end of a socketpair created before it starts;
 its spec is the first message on it, and its entry function runs with the channel. There is
 no listening socket, so pickled messages only ever come from a process this one started.
-When a child dies its end closes and the parent reads EOF; when the parent dies, the child
-does (at its next read or write).
+When a child dies its end closes and the parent reads EOF. When the parent dies, the child
+exits within PARENT_CHECK_S even if it is busy or stuck in a collective: a watcher thread
+sees it re-parented.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import multiprocessing
+import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -24,6 +28,7 @@ from typing import Any
 from pypto_serving.errors import PyptoError
 
 STOP_TIMEOUT_S = 10.0
+PARENT_CHECK_S = 0.5
 
 
 @dataclass(slots=True)
@@ -52,7 +57,8 @@ class ChildProcess:
         self.conn, child = multiprocessing.Pipe()
         fd = child.fileno()
         code = (
-            f"import {__name__} as m; m.child_main({fd}, {entry.__module__!r}, {entry.__name__!r})"
+            f"import {__name__} as m; "
+            f"m.child_main({fd}, {entry.__module__!r}, {entry.__name__!r}, {os.getpid()})"
         )
         self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=(fd,))
         child.close()
@@ -75,12 +81,13 @@ class ChildProcess:
             self.process.wait(timeout)
         self.kill()
 
-    def kill(self) -> None:
-        """Terminate the child (SIGTERM, then SIGKILL after a grace period) and reap it."""
-        if self.process.poll() is None:
+    def kill(self, grace: float = 2.0) -> None:
+        """Terminate the child (SIGTERM, then SIGKILL after `grace` seconds; at once with 0)
+        and reap it."""
+        if self.process.poll() is None and grace > 0:
             self.process.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(2.0)
+                self.process.wait(grace)
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
@@ -103,8 +110,20 @@ class ChildProcess:
         return None
 
 
-def child_main(fd: int, module: str, name: str) -> None:
+def exit_with_parent(parent: int) -> None:
+    """Exit this process as soon as `parent` is no longer its parent (it died)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pypto-parent-watch", daemon=True).start()
+
+
+def child_main(fd: int, module: str, name: str, parent: int) -> None:
     """In the child: read the spec from the inherited channel and run the entry function."""
+    exit_with_parent(parent)
     conn = Connection(fd)
     try:
         spec = conn.recv()

@@ -51,6 +51,10 @@ class Router:
         self._routed: dict[str, _Routed] = {}
         self._cached: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in capacity_pages]
         self._turn = itertools.cycle(range(num_replicas))
+        self.live = set(range(num_replicas))
+        """Replicas that take new requests."""
+        self.num_routed = [0] * num_replicas
+        """Requests routed to each replica and not finished."""
 
     def prompt_hashes(self, request: Request) -> list[bytes]:
         """Hashes of the prompt's full pages, first page first."""
@@ -72,9 +76,11 @@ class Router:
         if request.request_id in self._routed:
             raise ValueError(f"request {request.request_id!r} is already routed")
         hashes = self.prompt_hashes(request)
-        replicas = range(len(self.pending))
+        if not self.live:
+            raise RuntimeError("no data-parallel replica is left to take requests")
+        replicas = sorted(self.live)
         if self.policy == "round_robin":
-            choice = next(self._turn)
+            choice = next(i for i in self._turn if i in self.live)
         else:
             choice = min(
                 replicas,
@@ -92,6 +98,7 @@ class Router:
         routed = _Routed(choice, n, max(output, 0))
         self._routed[request.request_id] = routed
         self.pending[choice] += routed.pending
+        self.num_routed[choice] += 1
         return choice
 
     def progress(self, request_id: str, num_output_tokens: int) -> None:
@@ -106,6 +113,17 @@ class Router:
         routed = self._routed.pop(request_id, None)
         if routed is not None:
             self.pending[routed.replica] -= routed.pending
+            self.num_routed[routed.replica] -= 1
+
+    def remove(self, replica: int) -> list[str]:
+        """Take a replica out of rotation; returns the requests it had (no longer routed)."""
+        self.live.discard(replica)
+        lost = [rid for rid, r in self._routed.items() if r.replica == replica]
+        for rid in lost:
+            del self._routed[rid]
+        self.pending[replica] = self.num_routed[replica] = 0
+        self._cached[replica].clear()
+        return lost
 
     def replica_of(self, request_id: str) -> int | None:
         routed = self._routed.get(request_id)

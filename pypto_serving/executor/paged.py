@@ -247,7 +247,10 @@ class PagedExecutor:
     def close(self) -> None:
         """Tell the other ranks to stop (rank 0), finish the KV store's background work."""
         if self.groups.world_size > 1 and self.groups.rank == 0:
-            broadcast_step(None, self.device)
+            try:
+                broadcast_step(None, self.device)
+            except RuntimeError:  # a rank died: the others stop when rank 0 leaves the group
+                log.warning("could not tell every rank to stop; they stop with this process")
         self.kv.close()
 
     def _warmup_step(self, plan: list[tuple[Request, int]], reqs: list[Request]) -> None:

@@ -1,8 +1,9 @@
 """The HTTP server: FastAPI routes over one AsyncLLM.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models (OpenAI), /tokenize, /detokenize,
-/health, /metrics (Prometheus), /version. With an API key set, /v1/* and the tokenizer routes
-need `Authorization: Bearer KEY` (compared in constant time).
+/health, /metrics (Prometheus), /version, and FastAPI's /openapi.json and /docs. With an API
+key set, every route but /health needs `Authorization: Bearer KEY` (compared in constant
+time, before the body is read).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from contextlib import asynccontextmanager
 from importlib.metadata import version as package_version
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -22,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pypto_serving.config import ServerConfig
 from pypto_serving.engine.async_llm import AsyncLLM
 from pypto_serving.errors import PyptoError
-from pypto_serving.server.errors import APIError, error_body, install_error_handlers
+from pypto_serving.server.errors import UNAVAILABLE, error_body, install_error_handlers
 from pypto_serving.server.openai_serving import OpenAIServing
 from pypto_serving.server.protocol import (
     ChatCompletionRequest,
@@ -32,19 +33,43 @@ from pypto_serving.server.protocol import (
     conversation,
 )
 
+OPEN_PATHS = frozenset({"/health"})
+"""Routes answered without the API key (a load balancer's probe)."""
 
-class BodyLimit:
-    """ASGI middleware: answer 413 for a request body over `limit` bytes, before parsing it."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
+class RequestGuard:
+    """ASGI middleware run before any route: 431 for request headers over `max_header_bytes`,
+    401 without the API key (every path but OPEN_PATHS, unknown ones and the OpenAPI pages
+    included; compared in constant time), 413 for a body over `max_body_bytes`, read before
+    it is parsed."""
+
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, max_header_bytes: int, max_body_bytes: int
+    ) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_header_bytes, self.max_body_bytes = max_header_bytes, max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.limit:
+        headers = scope["headers"]
+        if sum(len(k) + len(v) + 4 for k, v in headers) > self.max_header_bytes:
+            message = (
+                f"the request headers are larger than the limit of {self.max_header_bytes} bytes"
+            )
+            await self._refuse(scope, receive, send, 431, message, "headers_too_large")
+            return
+        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+            given = next((v for k, v in headers if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                await self._refuse(
+                    scope, receive, send, 401, "missing or invalid API key", "invalid_api_key"
+                )
+                return
+        declared = next((v for k, v in headers if k == b"content-length"), b"")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
             await self._too_large(scope, receive, send)
             return
         body, more = bytearray(), True
@@ -54,7 +79,7 @@ class BodyLimit:
                 return  # the client went away while sending
             body += message.get("body", b"")
             more = message.get("more_body", False)
-            if len(body) > self.limit:
+            if len(body) > self.max_body_bytes:
                 await self._too_large(scope, receive, send)
                 return
         replayed = False
@@ -69,9 +94,15 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        message = f"the request body is larger than the limit of {self.limit} bytes"
-        body = error_body(message, "invalid_request_error", code="request_too_large")
-        await JSONResponse(body, status_code=413)(scope, receive, send)
+        message = f"the request body is larger than the limit of {self.max_body_bytes} bytes"
+        await self._refuse(scope, receive, send, 413, message, "request_too_large")
+
+    @staticmethod
+    async def _refuse(
+        scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str
+    ) -> None:
+        body = error_body(message, "invalid_request_error", code=code)
+        await JSONResponse(body, status_code=status)(scope, receive, send)
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
@@ -88,26 +119,16 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     install_error_handlers(app)
     serving = OpenAIServing(engine, model_name)
     created = int(time.time())
-    expected = f"Bearer {config.api_key}".encode() if config.api_key else None
 
-    def authorize(request: Request) -> None:
-        if expected is None:
-            return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise APIError(401, "missing or invalid API key", code="invalid_api_key")
-
-    auth = [Depends(authorize)]
-
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:
         return await serving.completions(body, raw)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return await serving.chat(body, raw)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {
             "id": model_name,
@@ -118,7 +139,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/tokenize", dependencies=auth)
+    @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -135,7 +156,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
             "max_model_len": engine.engine.max_model_len,
         }
 
-    @app.post("/detokenize", dependencies=auth)
+    @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         serving.check_model(body.model)
         vocab = engine.engine.model_config.vocab_size
@@ -145,12 +166,17 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.alive:
+        problem = engine.health_problem()
+        if problem is None:
             return Response(status_code=200)
-        return JSONResponse(
-            error_body("the engine is not running", "service_unavailable", code="engine_dead"),
-            status_code=503,
+        code = (
+            "engine_dead"
+            if not engine.alive
+            else "shutting_down"
+            if engine.draining
+            else "degraded"
         )
+        return JSONResponse(error_body(problem, UNAVAILABLE, code=code), status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -160,5 +186,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    app.add_middleware(BodyLimit, limit=config.max_request_bytes)
+    app.add_middleware(
+        RequestGuard,
+        api_key=config.api_key,
+        max_header_bytes=config.max_header_bytes,
+        max_body_bytes=config.max_request_bytes,
+    )
     return app

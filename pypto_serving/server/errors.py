@@ -6,6 +6,7 @@ traces, never the request echoed back); anything else is a 500 that says only th
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -14,12 +15,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pypto_serving.engine.async_llm import EngineDeadError
-from pypto_serving.errors import PyptoError
+from pypto_serving.engine.async_llm import DrainingError
+from pypto_serving.errors import PyptoError, RequestFailedError
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_CHARS = 500
+MAX_MESSAGE_BYTES = 1000
+MAX_PARAM_BYTES = 200
+"""Most bytes of an error's message and param as JSON, whatever the request held: an error
+body stays under 2 KB."""
+JSON_MEDIA_TYPE = "application/json"
+UNAVAILABLE = "service_unavailable_error"
+"""The error type of every 503: overloaded, shutting down, or the engine (or a worker) lost."""
 
 
 class APIError(Exception):
@@ -45,11 +52,33 @@ class APIError(Exception):
         self.headers = headers
 
 
+def clip(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` bytes of UTF-8 JSON (escapes included), lone surrogates
+    (which UTF-8 cannot encode) replaced."""
+    text = text.encode(errors="replace").decode()
+    if len(text) * 6 <= limit:  # no character takes more than 6 bytes ("\u001f")
+        return text
+    size, end = 0, len(text)
+    for i, ch in enumerate(text):
+        size += len(json.dumps(ch, ensure_ascii=False).encode()) - 2
+        if size > limit - 3:
+            end = i
+            break
+    return text if end == len(text) else text[:end] + "..."
+
+
+def quoted(text: str, limit: int = 60) -> str:
+    """`text` as repr() shows it, cut short past `limit` characters (a client's name for
+    something may be any size)."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 4] + "..." + shown[-1]
+
+
 def error_body(
     message: str, type_: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
-    if len(message) > MAX_MESSAGE_CHARS:
-        message = message[: MAX_MESSAGE_CHARS - 3] + "..."
+    message = clip(message, MAX_MESSAGE_BYTES)
+    param = None if param is None else clip(param, MAX_PARAM_BYTES)
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -82,13 +111,41 @@ def _validation_message(err: dict[str, Any]) -> tuple[str, str | None, str]:
         return f"{param!r} must be {UNION_FIELDS[names[-1]]}", param, "invalid_value"
     if kind == "json_invalid":
         return "the request body is not valid JSON", None, "invalid_json"
+    if not loc and kind == "missing":
+        return "the request body is empty; send a JSON object", None, "invalid_json"
     if kind == "extra_forbidden":
-        return f"unsupported parameter: {param!r}", param, "unsupported_parameter"
+        return f"unsupported parameter: {quoted(param)}", param, "unsupported_parameter"
     if kind == "missing":
         return f"missing required parameter: {param!r}", param, "missing_required_parameter"
     if not names and kind in ("model_attributes_type", "dict_type"):
         return "the request body must be a JSON object", None, "invalid_type"
+    if kind == "string_unicode":
+        where = quoted(param) if param else "the request body"
+        return f"{where} holds text that is not valid Unicode", param, "invalid_value"
+    if param is None:
+        return f"invalid request body: {err.get('msg', 'invalid')}", None, "invalid_value"
     return f"invalid value for {param!r}: {err.get('msg', 'invalid')}", param, "invalid_value"
+
+
+def is_json(content_type: str | None) -> bool:
+    """Whether a Content-Type is one FastAPI parses as JSON (application/json or */*+json)."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == JSON_MEDIA_TYPE or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
+def unparsable(e: StarletteHTTPException) -> str | None:
+    """Why FastAPI could not parse a JSON body (it answers 400 with the parser's exception as
+    the cause), or None for any other HTTP error."""
+    cause = e.__cause__
+    if e.status_code != 400 or not isinstance(cause, ValueError | RecursionError):
+        return None
+    if isinstance(cause, UnicodeDecodeError):
+        return "the request body is not valid UTF-8"
+    if isinstance(cause, RecursionError):
+        return "the request body is not valid JSON: it is nested too deeply"
+    return "the request body is not valid JSON"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -97,7 +154,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(e)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
+        if not is_json(request.headers.get("content-type")):
+            message = f"the request body must be JSON, sent with Content-Type: {JSON_MEDIA_TYPE}"
+            return error_response(APIError(415, message, code="unsupported_media_type"))
         errors = e.errors()
         message, param, code = _validation_message(errors[0] if errors else {})
         return error_response(APIError(400, message, param=param, code=code))
@@ -106,12 +166,19 @@ def install_error_handlers(app: FastAPI) -> None:
     async def invalid_value(_: Request, e: PyptoError) -> JSONResponse:
         return error_response(APIError(400, str(e), param=e.param, code="invalid_value"))
 
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
-        return error_response(APIError(503, str(e), "service_unavailable", code="engine_dead"))
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(_: Request, e: RequestFailedError) -> JSONResponse:
+        return error_response(APIError(503, str(e), UNAVAILABLE, code=e.code))
+
+    @app.exception_handler(DrainingError)
+    async def draining(_: Request, e: DrainingError) -> JSONResponse:
+        return error_response(APIError(503, str(e), UNAVAILABLE, code="shutting_down"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        why = unparsable(e)
+        if why is not None:
+            return error_response(APIError(400, why, code="invalid_json"))
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return error_response(APIError(e.status_code, str(e.detail), kind, headers=e.headers))
 

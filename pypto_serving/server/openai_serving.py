@@ -21,15 +21,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pypto_serving.engine.async_llm import (
     AsyncLLM,
+    DrainingError,
     EngineDeadError,
     GenerationUpdate,
     OverloadedError,
 )
-from pypto_serving.errors import PyptoError
+from pypto_serving.errors import PyptoError, RequestFailedError
 from pypto_serving.kv.tier import TIER_NAMES
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.sampling import SamplingParams
-from pypto_serving.server.errors import APIError, error_body
+from pypto_serving.server.errors import UNAVAILABLE, APIError, error_body, quoted
 from pypto_serving.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -167,32 +168,48 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise APIError(
                 404,
-                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                f"the model {quoted(model)} does not exist; this server serves {self.model_name!r}",
                 param="model",
                 code="model_not_found",
             )
 
-    def _start(
-        self, prompts: list[list[int]], params: SamplingParams, request_id: str
-    ) -> list[AsyncIterator[GenerationUpdate]]:
+    def _check(
+        self, prompts: list[list[int]], params: SamplingParams, prompt_param: str = "prompt"
+    ) -> None:
+        """Raise unless the engine can take every prompt; `prompt_param` names them in errors."""
         if not self.engine.alive:
             raise EngineDeadError("the engine is not running")
+        if self.engine.draining:
+            raise DrainingError("the server is shutting down and takes no new requests")
         if len(prompts) * params.n > MAX_SEQUENCES_PER_REQUEST:
             raise PyptoError(
                 f"{len(prompts)} prompt(s) x n={params.n} sequences is over the limit of "
                 f"{MAX_SEQUENCES_PER_REQUEST} per request",
                 "n",
             )
-        for ids in prompts:  # before anything is queued: a bad prompt queues nothing
-            self.engine.engine.check(ids, params)
+        for ids in prompts:
+            try:
+                self.engine.engine.check(ids, params)
+            except PyptoError as e:
+                if e.param != "prompt":
+                    raise
+                raise PyptoError(str(e), prompt_param) from None
+
+    def _start(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None,
+    ) -> list[AsyncIterator[GenerationUpdate]]:
+        """Queue the prompts, which `_check` has passed (a bad prompt must queue nothing)."""
         try:
             self.engine.admit(prompts, params)
         except OverloadedError as e:
-            raise APIError(
-                503, str(e), "service_unavailable_error", None, "overloaded", RETRY_AFTER
-            ) from None
+            raise APIError(503, str(e), UNAVAILABLE, None, "overloaded", RETRY_AFTER) from None
         return [
-            self.engine.generate(f"{request_id}-{i}", ids, params) for i, ids in enumerate(prompts)
+            self.engine.generate(f"{request_id}-{i}", ids, params, cache_salt)
+            for i, ids in enumerate(prompts)
         ]
 
     def token_text(self, token_id: int) -> str:
@@ -207,12 +224,13 @@ class OpenAIServing:
             raise PyptoError("echo with logprobs is not supported (no prompt logprobs)", "echo")
         texts = body.prompts()
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in texts]
+        self._check(prompts, params)
         echoes = [
             (p if isinstance(p, str) else self.tokenizer.decode(ids)) if body.echo else ""
             for p, ids in zip(texts, prompts, strict=True)
         ]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        updates = merge(self._start(prompts, params, rid))
+        updates = merge(self._start(prompts, params, rid, body.cache_salt))
         usage = _Usage(prompt_tokens=sum(map(len, prompts)))
         n = params.n
 
@@ -295,8 +313,9 @@ class OpenAIServing:
         self.check_model(body.model)
         params = body.sampling_params(body.max_new_tokens(), body.num_logprobs())
         prompt = self.render_chat(body.conversation(), add_generation_prompt=True)
+        self._check([prompt], params, "messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        updates = merge(self._start([prompt], params, rid))
+        updates = merge(self._start([prompt], params, rid, body.cache_salt))
         usage = _Usage(prompt_tokens=len(prompt))
 
         def chunk(choices: list[dict[str, Any]], obj: str, **extra: Any) -> dict[str, Any]:
@@ -401,9 +420,10 @@ class OpenAIServing:
             try:
                 async for c in chunks:
                     yield c
-            except (EngineDeadError, PyptoError) as e:
-                status = "service_unavailable" if isinstance(e, EngineDeadError) else "invalid"
-                yield sse(error_body(str(e), status))
+            except RequestFailedError as e:  # the worker died or hung, or shutdown timed out
+                yield sse(error_body(str(e), UNAVAILABLE, code=e.code))
+            except PyptoError as e:
+                yield sse(error_body(str(e), "invalid_request_error", code="invalid_value"))
             yield sse("[DONE]")
 
         return StreamingResponse(body(), media_type="text/event-stream")

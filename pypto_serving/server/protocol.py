@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
 from pypto_serving.errors import PyptoError
 from pypto_serving.sampling import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
 
 
 class _Body(BaseModel):
@@ -42,6 +44,9 @@ class _Sampling(_Body):
     min_tokens: int = 0
     user: str | None = None
     """Accepted for compatibility (an end-user id); it does not change the answer."""
+    cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
+    """Prefix-cache isolation (vLLM's name): requests share cached KV pages only with
+    requests of the same salt (and requests without one only with each other)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -86,12 +91,12 @@ class CompletionRequest(_Sampling):
         """The prompt(s) as a list: strings or token id lists."""
         p = self.prompt
         if isinstance(p, str):
-            return [p]
+            return [unicode_text(p, "prompt")]
         if not p:
             raise PyptoError("the prompt is empty", "prompt")
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+        return [unicode_text(x, "prompt") if isinstance(x, str) else list(x) for x in p]
 
 
 class TextPart(_Body):
@@ -126,6 +131,8 @@ class ChatCompletionRequest(_Sampling):
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise PyptoError("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise PyptoError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, str]]:
@@ -134,7 +141,27 @@ class ChatCompletionRequest(_Sampling):
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """Messages as the chat template takes them."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    return [
+        {"role": m.role, "content": unicode_text(m.text(), f"messages.{i}.content")}
+        for i, m in enumerate(messages)
+    ]
+
+
+def is_unicode(text: str) -> bool:
+    """False for text with a lone surrogate (JSON's "\\ud800" escapes allow them), which no
+    tokenizer can encode."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def unicode_text(text: str, param: str) -> str:
+    """`text`, checked by `is_unicode`."""
+    if not is_unicode(text):
+        raise PyptoError(f"{param} is not valid Unicode (a lone surrogate)", param)
+    return text
 
 
 class TokenizeRequest(_Body):
@@ -143,6 +170,13 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+    @field_validator("prompt")
+    @classmethod
+    def _unicode_prompt(cls, prompt: str | None) -> str | None:
+        if prompt is not None and not is_unicode(prompt):
+            raise ValueError("not valid Unicode (a lone surrogate)")
+        return prompt
 
 
 class DetokenizeRequest(_Body):
