@@ -7,14 +7,12 @@ sampling with logprobs) must be the same whichever replica computed them.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import httpx
@@ -133,15 +131,23 @@ def test_a_killed_replica_fails_its_requests_and_the_others_keep_serving(tiny_mo
 
 def test_generate_raises_when_a_replica_dies_and_step_when_all_have(tiny_model):
     llm = tiny_llm(tiny_model(MODEL), data_parallel_size=2)
+    replicas, real_step = llm.engine.replicas, llm.engine.step
+
+    def step():  # the first step finds replica 1 dead, with its requests in flight
+        if not gone(replicas[1].pid):
+            os.kill(replicas[1].pid, signal.SIGKILL)
+            replicas[1].process.wait()
+        return real_step()
+
+    llm.engine.step = step
     try:
-        slow = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-        for r in llm.engine.replicas:
-            threading.Timer(0.5, os.kill, (r.pid, signal.SIGKILL)).start()
-        with pytest.raises(RequestFailedError, match=r"replica \d stopped"):
-            llm.generate(prompts(), slow, use_tqdm=False)
-        deadline = time.monotonic() + 10
-        while len(llm.engine.lost) < 2 and time.monotonic() < deadline:
-            with contextlib.suppress(ReplicaDiedError):
+        with pytest.raises(RequestFailedError, match="replica 1 stopped: it exited"):
+            llm.generate(prompts(), GREEDY, use_tqdm=False)
+        assert not llm.engine.has_unfinished()  # the other replica's requests were aborted
+        os.kill(replicas[0].pid, signal.SIGKILL)
+        with pytest.raises(ReplicaDiedError, match="every data-parallel replica has stopped"):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
                 llm.step()
         with pytest.raises(ReplicaDiedError, match="every data-parallel replica has stopped"):
             llm.generate(prompts()[:1], GREEDY, use_tqdm=False)

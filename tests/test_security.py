@@ -3,6 +3,7 @@ unpickled, and prefix-cache isolation between tenants."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -113,10 +114,8 @@ def test_model_provided_code_is_never_executed(tiny_model, tmp_path):
     tokenizer = json.loads((model / "tokenizer_config.json").read_text())
     tokenizer["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
     (model / "tokenizer_config.json").write_text(json.dumps(tokenizer))
-    try:
+    with contextlib.suppress(PyptoError):  # refusing it is fine too
         tiny_llm(model).close()
-    except PyptoError:
-        pass  # refusing it is fine too
     config["architectures"] = ["EvilForCausalLM"]
     (model / "config.json").write_text(json.dumps(config))
     with pytest.raises(PyptoError, match="unsupported architecture EvilForCausalLM"):
