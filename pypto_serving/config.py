@@ -17,6 +17,7 @@ EXECUTORS = ("paged", "reference")
 LOAD_BALANCE = ("least_pending_tokens", "round_robin")
 BACKENDS = ("gloo", "nccl")
 PLACEMENTS = ("linear", "round_robin")
+QUANTIZATIONS = ("int8", "int4")
 SECTION_NAMES = ("scheduler", "cache", "parallel")
 """EngineConfig's sub-configs (and the JSON config file's sections of the same names)."""
 
@@ -224,6 +225,10 @@ class EngineConfig:
     """Longest sequence (prompt + output); None uses the model's own limit."""
     num_threads: int | None = None
     """CPU threads for PyTorch; None uses every core this process may run on."""
+    quantization: str | None = None
+    """Weight-only quantization of the linear layers (CPU, bfloat16): int8 (a scale per
+    output row) or int4 (scale and minimum per 32 inputs, as llama.cpp's Q4_1); None keeps
+    the weights in dtype. Fewer bytes per decode step, at some accuracy."""
     step_timeout_s: float = 60.0
     """A step (or a data-parallel replica's step) running longer is taken for a hang: the
     watchdog fails the requests it held and reports the engine (or replica) dead."""
@@ -236,6 +241,10 @@ class EngineConfig:
             raise PyptoError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise PyptoError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise PyptoError(
+                f"quantization must be one of {QUANTIZATIONS} (or unset), got {self.quantization!r}"
+            )
         if not isinstance(self.step_timeout_s, int | float) or not self.step_timeout_s > 0:
             raise PyptoError(f"step_timeout_s must be > 0, got {self.step_timeout_s!r}")
         self.scheduler.validate()

@@ -9,7 +9,10 @@ import pytest
 
 
 @pytest.mark.slow
-def test_default_model_knows_the_capital_of_france():
+@pytest.mark.parametrize(
+    "flags", [[], ["--quantization", "int4", "--enforce-eager"]], ids=["bf16", "int4"]
+)
+def test_default_model_knows_the_capital_of_france(flags):
     proc = subprocess.run(
         [
             sys.executable,
@@ -23,6 +26,7 @@ def test_default_model_knows_the_capital_of_france():
             "0",
             "--max-tokens",
             "24",
+            *flags,
         ],
         capture_output=True,
         text=True,

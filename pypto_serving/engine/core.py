@@ -150,7 +150,9 @@ class EngineCore:
             p.enable_expert_parallel,
             p.expert_placement_strategy,
         )
-        self.model = load_model(self.model_dir, self.dtype, self.device, groups)
+        self.model = load_model(
+            self.model_dir, self.dtype, self.device, groups, config.quantization
+        )
         self.model_config = cfg = self.model.cfg
         limits = [cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings]
         self.executor = self._make_executor()

@@ -174,7 +174,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         p.expert_placement_strategy,
     )
     try:
-        model = load_model(spec.model_dir, dtype, device, groups)
+        model = load_model(spec.model_dir, dtype, device, groups, config.quantization)
         build_paged_executor(config, model, device, dtype, spec.model_dir).follow()
     except RuntimeError as e:  # rank 0 went away mid-collective: nothing left to serve
         log.info("rank %d stops: %s", spec.rank, str(e).splitlines()[0][:200])

@@ -113,7 +113,8 @@ def build_paged_executor(
         config.cache,
         config.scheduler.max_num_seqs * max_len,
         config.enforce_eager,
-        checkpoint_digest(model_dir),
+        # the KV of a quantized model differs: its SSD pages must not mix with the plain ones
+        checkpoint_digest(model_dir) + (f"|{config.quantization}" if config.quantization else ""),
     )
 
 

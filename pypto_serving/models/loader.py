@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from pypto_serving.device import use_packed_linear
 from pypto_serving.distributed import Group, ParallelGroups
-from pypto_serving.errors import ModelLoadError
+from pypto_serving.errors import ModelLoadError, PyptoError
 from pypto_serving.models.config import ModelConfig, load_model_config
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.ops.linear import pack_linears
@@ -211,11 +211,19 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     groups: ParallelGroups | None = None,
+    quantization: str | None = None,
 ) -> CausalLM:
     """Build our model for `model_dir` (this rank's share of it under tensor and pipeline
-    parallelism) and fill it with the checkpoint's weights."""
+    parallelism) and fill it with the checkpoint's weights, quantized if asked (int8, int4:
+    CPU and bfloat16 only)."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory not found: {model_dir}")
+    if quantization is not None and (device.type != "cpu" or dtype != torch.bfloat16):
+        raise PyptoError(
+            f"quantization {quantization} runs on CPU with dtype bfloat16; this engine has "
+            f"{device.type} and {str(dtype).removeprefix('torch.')}",
+            "quantization",
+        )
     groups = groups or ParallelGroups()
     cfg = load_model_config(model_dir).parallel_shard(
         groups.tp.size, groups.pp.size, groups.ep.size > 1
@@ -231,6 +239,8 @@ def load_model(
         load_weights(model, iter_checkpoint(files))
     model.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32, device=device)
     model = model.eval().requires_grad_(False)
-    if use_packed_linear(device, dtype):
+    if quantization is not None:
+        pack_linears(model, quantization)
+    elif use_packed_linear(device, dtype):
         pack_linears(model)
     return model

@@ -1,10 +1,16 @@
 """Linear layers (plain, and split across a tensor-parallel group) and the vocab-parallel
-embedding; weights can be repacked once for the CPU's bf16 GEMM (oneDNN).
+embedding; weights can be repacked once for the CPU's bf16 GEMM (oneDNN), or quantized.
 
 A plain bf16 `F.linear` on CPU reorders its weight on every call; packing it once at load
 time makes decode-sized matmuls about 1.6x faster. The packed weight is an opaque oneDNN
 tensor, so the matmul runs as the custom op `pypto::packed_linear`, which torch.compile
 treats as a black box. Whether to pack is decided in `device.py`.
+
+Weight-only quantization (`quantization`: int8 or int4) stores each weight in fewer bits and
+multiplies with PyTorch's CPU kernels, which dequantize on the fly: a decode step streams
+half (int8) or a quarter (int4) of the bytes of bf16. int8 has one scale per output row;
+int4 has a scale and a minimum per group of 32 inputs, as llama.cpp's Q4_1. Activations stay
+bf16; the matmul runs as the custom op `pypto::quantized_linear`.
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pypto_serving.distributed import Group, tp_all_reduce
+from pypto_serving.errors import PyptoError
+
+INT4_GROUP = 32
+INT4_INNER_K_TILES = 2
 
 
 @torch.library.custom_op("pypto::packed_linear", mutates_args=())
@@ -30,20 +40,81 @@ def _(
     return x.new_empty(x.shape[0], out_features)
 
 
+@torch.library.custom_op("pypto::quantized_linear", mutates_args=())
+def quantized_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int, out_features: int
+) -> torch.Tensor:
+    """x @ dequantized(weight).T: int8 per-row scales (group 0) or int4 groups."""
+    if group == 0:
+        return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, group, scales)
+
+
+@quantized_linear.register_fake
+def _(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int, out_features: int
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per output row: (int8 [N, K], bf16 scales [N])."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
+    q = (w / scale[:, None]).round().clamp(-128, 127).to(torch.int8)
+    return q, scale.to(weight.dtype)
+
+
+def quantize_int4(
+    weight: torch.Tensor, group: int = INT4_GROUP
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of `group` inputs (scale and minimum, as Q4_1), packed for
+    the CPU kernel: (packed weight, bf16 scales-and-zeros [K / group, N, 2])."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // group, group)
+    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-10)
+    q = ((w - low) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+    zero = low + 8 * scale  # the kernel computes (q - 8) * scale + zero
+    scales = torch.cat([scale, zero], -1).transpose(0, 1).contiguous().to(weight.dtype)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INT4_INNER_K_TILES)
+    return packed, scales
+
+
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same checkpoint names) with optional oneDNN packing."""
+    """nn.Linear (same parameters, same checkpoint names) with optional oneDNN packing or
+    weight-only quantization."""
 
     packed: torch.Tensor | None = None
+    quantized: tuple[torch.Tensor, torch.Tensor, int] | None = None
+    """(weight, scales, group): group 0 is int8 per row, else int4 groups."""
 
     def pack(self) -> None:
         """Repack the (loaded) weight for oneDNN; the plain weight stays for tying/loading."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
 
+    def quantize(self, kind: str) -> None:
+        """Quantize the (loaded) weight; the plain weight stays for tying/loading."""
+        weight = self.weight.detach()
+        if kind == "int8":
+            self.quantized = (*quantize_int8(weight), 0)
+            return
+        if self.in_features % (INT4_GROUP * INT4_INNER_K_TILES):
+            raise PyptoError(
+                f"int4 quantization needs input sizes divisible by "
+                f"{INT4_GROUP * INT4_INNER_K_TILES}; a layer has {self.in_features}",
+                "quantization",
+            )
+        self.quantized = (*quantize_int4(weight), INT4_GROUP)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ weight.T (+ bias), through the packed weight when there is one."""
+        """x @ weight.T (+ bias), through the quantized or packed weight when there is one."""
+        if self.quantized is not None:
+            out = quantized_linear(x, *self.quantized, self.out_features)
+            return out if bias is None else out + bias
         if self.packed is not None:
             return packed_linear(x, self.packed, bias, self.out_features)
         return F.linear(x, self.weight, bias)
@@ -86,9 +157,15 @@ class VocabParallelEmbedding(nn.Module):
         return tp_all_reduce(rows * inside[:, None])
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Pack every `Linear` of the model; returns how many were packed."""
+def pack_linears(model: nn.Module, quantization: str | None = None) -> int:
+    """Pack (or quantize) every `Linear` of the model; returns how many there were. Under
+    int4 the LM head gets int8, as llama.cpp keeps its output tensor above 4 bits: the
+    logits are where small models lose most to quantization."""
+    head = getattr(model, "lm_head", None)
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     for layer in layers:
-        layer.pack()
+        if quantization is None:
+            layer.pack()
+        else:
+            layer.quantize("int8" if layer is head else quantization)
     return len(layers)

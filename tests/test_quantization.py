@@ -1,0 +1,81 @@
+"""Weight-only quantization (int8 per row, int4 per group of 32): the kernels against a
+dequantized reference, the engine against its bf16 self, and the errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from live_server import tiny_llm
+
+from pypto_serving.errors import PyptoError
+from pypto_serving.ops.linear import INT4_GROUP, Linear, quantize_int4, quantize_int8
+from pypto_serving.sampling import SamplingParams
+
+MODEL = "llama-gqa4-tied"
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return q.float() * scales.float()[:, None]
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_linear_matches_its_dequantized_weight(kind):
+    torch.manual_seed(0)
+    layer = Linear(128, 96, bias=True).to(torch.bfloat16)
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    exact = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+    layer.quantize(kind)
+    out = layer(x)
+    assert out.shape == (5, 96) and out.dtype == torch.bfloat16
+    # the quantization error is what the bits allow: int8 well under 1 %, int4 under 10 %
+    assert relative_error(out, exact) < (0.01 if kind == "int8" else 0.1)
+    if kind == "int8":  # and the kernel computes exactly x @ dequantized.T (+ bias)
+        q, scales = quantize_int8(layer.weight.detach())
+        reference = x.float() @ dequantize_int8(q, scales).T + layer.bias.float()
+        assert relative_error(out, reference) < 0.01
+
+
+def test_int4_groups_keep_each_group_in_range():
+    torch.manual_seed(1)
+    weight = torch.randn(64, 128, dtype=torch.bfloat16)
+    weight[:, :INT4_GROUP] *= 100  # one loud group must not cost the others their precision
+    packed, scales = quantize_int4(weight)
+    assert scales.shape == (128 // INT4_GROUP, 64, 2)
+    x = torch.zeros(1, 128, dtype=torch.bfloat16)
+    x[0, INT4_GROUP:] = 1  # only the quiet groups
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales)
+    exact = weight[:, INT4_GROUP:].float().sum(1)
+    assert relative_error(out[0], exact) < 0.1
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_the_quantized_engine_follows_the_bf16_one(tiny_model, kind):
+    """Greedy tokens where each side's token is in the other's top-5 (the rule of the bf16
+    equality tests), compiled and with 0 recompilations after warm-up."""
+    prompts = [[(11 * i + 5 * j) % 300 + 3 for j in range(4 + 9 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    with tiny_llm(tiny_model(MODEL), dtype="bfloat16") as plain:
+        expected = plain.generate(prompts, params, use_tqdm=False)
+    knobs = {"dtype": "bfloat16", "quantization": kind, "enforce_eager": False}
+    with tiny_llm(tiny_model(MODEL), **knobs) as quantized:
+        got = quantized.generate(prompts, params, use_tqdm=False)
+        assert quantized.engine.stats().num_recompilations == 0
+        layer = quantized.engine.model.model.layers[0].mlp.down_proj
+        assert layer.quantized is not None and layer.quantized[2] == (0 if kind == "int8" else 32)
+    for a, b in zip(expected, got, strict=True):
+        ours, theirs = a.outputs[0], b.outputs[0]
+        for i, (x, y) in enumerate(zip(ours.token_ids, theirs.token_ids, strict=True)):
+            if x != y:
+                assert y in ours.logprobs[i].top_logprobs and x in theirs.logprobs[i].top_logprobs
+                break  # after a divergence the contexts differ
+
+
+def test_quantization_errors(tiny_model):
+    with pytest.raises(PyptoError, match="quantization must be one of"):
+        tiny_llm(tiny_model(MODEL), quantization="int3")
+    with pytest.raises(PyptoError, match="runs on CPU with dtype bfloat16; this engine has cpu"):
+        tiny_llm(tiny_model(MODEL), quantization="int4", dtype="float32")
