@@ -8,7 +8,13 @@ import torch
 from live_server import tiny_llm
 
 from pypto_serving.errors import PyptoError
-from pypto_serving.ops.linear import INT4_GROUP, Linear, quantize_int4, quantize_int8
+from pypto_serving.ops.linear import (
+    INT4_GROUP,
+    QUANTIZED_MAX_ROWS,
+    Linear,
+    quantize_int4,
+    quantize_int8,
+)
 from pypto_serving.sampling import SamplingParams
 
 MODEL = "llama-gqa4-tied"
@@ -26,7 +32,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_quantized_linear_matches_its_dequantized_weight(kind):
     torch.manual_seed(0)
     layer = Linear(128, 96, bias=True).to(torch.bfloat16)
-    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    x = torch.randn(5, 128, dtype=torch.bfloat16)  # decode-sized: the quantized kernel
     exact = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
     layer.quantize(kind)
     out = layer(x)
@@ -37,6 +43,22 @@ def test_quantized_linear_matches_its_dequantized_weight(kind):
         q, scales = quantize_int8(layer.weight.detach())
         reference = x.float() @ dequantize_int8(q, scales).T + layer.bias.float()
         assert relative_error(out, reference) < 0.01
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_prefill_sized_matmuls_use_the_packed_bf16_weight(kind):
+    torch.manual_seed(2)
+    layer = Linear(128, 64, bias=False).to(torch.bfloat16)
+    layer.pack()
+    layer.quantize(kind)
+    for rows in (1, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 128, dtype=torch.bfloat16)
+        dense = torch.ops.mkldnn._linear_pointwise(x, layer.packed, None, "none", [None], "")
+        out = layer(x)
+        if rows > QUANTIZED_MAX_ROWS:
+            assert torch.equal(out, dense)  # the bf16 GEMM, bit for bit
+        else:
+            assert not torch.equal(out, dense) and relative_error(out, dense) < 0.1
 
 
 def test_int4_groups_keep_each_group_in_range():
