@@ -16,8 +16,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -25,26 +23,22 @@ from pathlib import Path
 
 import httpx
 
+from pypto_serving.bench.serve import summarize_latency
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from live_server import free_port
+
 RUNNING, QUEUED, OUTPUT = 8, 8, 256
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def summary(values: list[float]) -> dict[str, float]:
-    ms = [v * 1000 for v in values]
+    """Median, p99 (as `pypto bench serve` reports them) and max, in ms."""
+    latency = summarize_latency(values)
+    assert latency is not None
     return {
-        "median_ms": round(statistics.median(ms), 1),
-        "p99_ms": round(percentile(ms, 0.99), 1),
-        "max_ms": round(max(ms), 1),
+        "median_ms": round(latency.median_ms, 1),
+        "p99_ms": round(latency.p99_ms, 1),
+        "max_ms": round(max(values) * 1000, 1),
     }
 
 

@@ -63,6 +63,13 @@ def start_stream(url: str, model: str | None, max_tokens: int = LONG) -> Stream:
     return out
 
 
+def started_streams(url: str, model: str | None, n: int) -> list[Stream]:
+    """`n` long streams, once each has received its first tokens."""
+    streams = [start_stream(url, model) for _ in range(n)]
+    wait_for(lambda: all(tokens_of(s) >= 2 for s in streams), 30, f"{n} streams started")
+    return streams
+
+
 def wait_for(condition, seconds: float, what: str) -> float:
     """Poll until `condition()` holds; returns when it did."""
     deadline = time.monotonic() + seconds
@@ -98,8 +105,7 @@ def completion(url: str, model: str | None) -> httpx.Response:
 def test_a_killed_replica_fails_its_requests_and_the_others_keep_serving(tiny_model):
     llm = tiny_llm(tiny_model(MODEL), data_parallel_size=2)
     with serving(llm) as live:
-        streams = [start_stream(live.url, live.model) for _ in range(4)]
-        wait_for(lambda: all(tokens_of(s) >= 2 for s in streams), 30, "every stream started")
+        streams = started_streams(live.url, live.model, 4)
         assert llm.engine.router.num_routed == [2, 2]
         os.kill(llm.engine.replicas[1].pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -128,8 +134,7 @@ def test_a_hung_replica_is_caught_by_the_watchdog(tiny_model):
     llm = tiny_llm(tiny_model(MODEL), data_parallel_size=2, step_timeout_s=1.5)
     victim = llm.engine.replicas[1].pid
     with serving(llm) as live:
-        streams = [start_stream(live.url, live.model) for _ in range(2)]
-        wait_for(lambda: all(tokens_of(s) >= 2 for s in streams), 30, "both streams started")
+        streams = started_streams(live.url, live.model, 2)
         os.kill(victim, signal.SIGSTOP)
         stopped = time.monotonic()
         wait_for(lambda: all(s.ended for s in streams), 30, "both streams ended")
@@ -179,8 +184,7 @@ def test_a_killed_tensor_parallel_rank_stops_the_engine_with_errors(tiny_model):
     llm = tiny_llm(tiny_model(MODEL), tensor_parallel_size=2)
     rank1 = llm.engine.workers[0].pid
     with serving(llm) as live:
-        streams = [start_stream(live.url, live.model) for _ in range(2)]
-        wait_for(lambda: all(tokens_of(s) >= 2 for s in streams), 30, "both streams started")
+        streams = started_streams(live.url, live.model, 2)
         os.kill(rank1, signal.SIGKILL)
         killed = time.monotonic()
         wait_for(lambda: all(s.ended for s in streams), 5, "both streams ended")

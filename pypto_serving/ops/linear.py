@@ -59,7 +59,7 @@ def quantized_linear(
     bf16 GEMM runs instead: the dequantizing kernels win only while memory-bound. The choice
     is made in here, out of torch.compile's sight, so it adds no guard."""
     if dense is not None and x.shape[0] > QUANTIZED_MAX_ROWS:
-        return torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [None], "")
+        return packed_linear(x, dense, None, out_features)
     if group == 0:
         return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, group, scales)
