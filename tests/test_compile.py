@@ -9,6 +9,7 @@ from pypto_serving.executor.compiled import COUNTER, compiled_forward_logits
 
 
 def test_no_recompilation_after_warmup_across_batch_compositions(tiny_model):
+    before = COUNTER.num_compiles
     llm = LLM(
         str(tiny_model("qwen3-hd32-gqa4")),
         dtype="float32",
@@ -20,6 +21,10 @@ def test_no_recompilation_after_warmup_across_batch_compositions(tiny_model):
     executor = llm.engine.executor
     assert executor.forward is compiled_forward_logits  # compiled, no eager fallback
     assert executor.num_recompilations == 0
+    # at most two graphs (the whole model for a decode of one, the layer graph for the rest),
+    # none if another engine of this architecture compiled them: the layers share one graph
+    assert executor.model.cfg.num_layers >= 2  # so that a graph per layer would show
+    assert COUNTER.num_compiles - before <= 2
     compiles = COUNTER.num_compiles
     rng = random.Random(0)
     shared = [rng.randrange(3, 300) for _ in range(40)]

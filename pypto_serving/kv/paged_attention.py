@@ -151,17 +151,21 @@ def active_step(step: StepAttention) -> Iterator[None]:
 
 
 @torch.library.custom_op("pypto::paged_attention", mutates_args=())
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    return _active[-1].attend(layer, q, k, v)
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor
+) -> torch.Tensor:
+    return _active[-1].attend(int(layer), q, k, v)
 
 
 @paged_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(q)
 
 
 class PagedKV:
     """What the model sees on the paged path: attention through the custom op."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         return paged_attention(q, k, v, layer)

@@ -10,6 +10,8 @@ so bf16 weights cost little accuracy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -26,7 +28,11 @@ from pypto_serving.ops.rope import apply_rope, rope_cos_sin
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: Group) -> None:
         super().__init__()
-        self.cfg, self.layer = cfg, layer
+        self.cfg = cfg
+        # a tensor, not an int: an int would be a constant of a compiled layer's graph, so
+        # each layer would compile its own; a tensor is an input, and all layers share one
+        # graph. Kept on the CPU (the model may be built on "meta", and moved to a GPU).
+        self.layer = torch.tensor(layer, device="cpu")
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.o_bias, tp)
         if cfg.qk_norm:
@@ -158,10 +164,12 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv: KVAttention,
         hidden: torch.Tensor | None = None,
+        run_layer: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T] (a flat batch); hidden: the previous pipeline stage's
-        output (None on the first stage). Returns hidden states [T, hidden] (normed on the
-        last stage)."""
+        output (None on the first stage); run_layer(layer, hidden, cos, sin, kv): how each
+        decoder layer runs (a compiled layer; None calls it). Returns hidden states
+        [T, hidden] (normed on the last stage)."""
         dtype = self.model.layers[self.model.local.start].input_layernorm.weight.dtype
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.cfg.rope_scaling, dtype)
         if self.model.embed_tokens is not None:
@@ -169,7 +177,12 @@ class CausalLM(nn.Module):
             hidden = self.model.embed_tokens(input_ids).float()
         assert hidden is not None
         for i in self.model.local:
-            hidden = self.model.layers[i](hidden, cos, sin, kv)
+            layer = self.model.layers[i]
+            hidden = (
+                layer(hidden, cos, sin, kv)
+                if run_layer is None
+                else run_layer(layer, hidden, cos, sin, kv)
+            )
         return hidden if self.model.norm is None else self.model.norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

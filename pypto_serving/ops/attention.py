@@ -15,9 +15,12 @@ import torch.nn.functional as F
 
 
 class KVAttention(Protocol):
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         """Store k/v [T, kv_heads, D] of the new tokens, attend q [T, heads, D] causally over
-        everything cached for their sequences, and return [T, heads, D]."""
+        everything cached for their sequences, and return [T, heads, D]. `layer` is the
+        layer's index as a 0-d CPU tensor (so that compiled layers share one graph)."""
         ...
 
 
@@ -31,11 +34,14 @@ class DenseKV:
     def __len__(self) -> int:
         return 0 if self.k[0] is None else self.k[0].shape[0]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        past_k, past_v = self.k[layer], self.v[layer]
+    def attend(
+        self, layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        i = int(layer)
+        past_k, past_v = self.k[i], self.v[i]
         if past_k is not None and past_v is not None:
             k, v = torch.cat((past_k, k)), torch.cat((past_v, v))
-        self.k[layer], self.v[layer] = k, v
+        self.k[i], self.v[i] = k, v
         return causal_attention(q, k, v)
 
 

@@ -10,9 +10,11 @@ Weight-only quantization (`quantization`: int8 or int4) stores each weight in fe
 multiplies with PyTorch's CPU kernels, which dequantize on the fly: a decode step streams
 half (int8) or a quarter (int4) of the bytes of bf16. int8 has one scale per output row;
 int4 has a scale and a minimum per group of 32 inputs, as llama.cpp's Q4_1. Activations stay
-bf16; the matmul runs as the custom op `pypto::quantized_linear`. Those kernels only win while
-a matmul is memory-bound (a few rows: decode); prefill-sized ones use the packed bf16 weight,
-kept alongside, so quantization speeds up decoding and does not save memory.
+bf16; under int4 the LM head gets int8. A matmul of one row (a decode of one, which has a
+graph of its own) calls the kernel directly; wider ones run as the custom op
+`pypto::quantized_linear`. Those kernels only win while a matmul is memory-bound (a few rows:
+decode); prefill-sized ones use the packed bf16 weight, kept alongside, so quantization
+speeds up decoding and does not save memory.
 """
 
 from __future__ import annotations
@@ -45,6 +47,16 @@ def _(
     return x.new_empty(x.shape[0], out_features)
 
 
+def dequantizing_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int
+) -> torch.Tensor:
+    """x @ dequantized(weight).T with PyTorch's CPU kernels: int8 per-row scales (group 0)
+    or int4 groups."""
+    if group == 0:
+        return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, group, scales)
+
+
 @torch.library.custom_op("pypto::quantized_linear", mutates_args=())
 def quantized_linear(
     x: torch.Tensor,
@@ -54,15 +66,13 @@ def quantized_linear(
     out_features: int,
     dense: torch.Tensor | None,
 ) -> torch.Tensor:
-    """x @ dequantized(weight).T: int8 per-row scales (group 0) or int4 groups. With more
-    than QUANTIZED_MAX_ROWS rows (prefill) and the oneDNN-packed bf16 weight at hand, the
-    bf16 GEMM runs instead: the dequantizing kernels win only while memory-bound. The choice
-    is made in here, out of torch.compile's sight, so it adds no guard."""
+    """`dequantizing_matmul`, but with more than QUANTIZED_MAX_ROWS rows (prefill) and the
+    oneDNN-packed bf16 weight at hand, the bf16 GEMM runs instead: the dequantizing kernels
+    win only while memory-bound. The choice is made in here, out of torch.compile's sight,
+    so it adds no guard."""
     if dense is not None and x.shape[0] > QUANTIZED_MAX_ROWS:
         return packed_linear(x, dense, None, out_features)
-    if group == 0:
-        return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, group, scales)
+    return dequantizing_matmul(x, qweight, scales, group)
 
 
 @quantized_linear.register_fake
@@ -133,7 +143,10 @@ class Linear(nn.Linear):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ bias), through the quantized or packed weight when there is one."""
         if self.quantized is not None:
-            out = quantized_linear(x, *self.quantized, self.out_features, self.packed)
+            if x.shape[0] == 1:  # a decode of one: the kernel itself, no custom op around it
+                out = dequantizing_matmul(x, *self.quantized)
+            else:
+                out = quantized_linear(x, *self.quantized, self.out_features, self.packed)
             return out if bias is None else out + bias
         if self.packed is not None:
             return packed_linear(x, self.packed, bias, self.out_features)
