@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from pypto_serving import LLM, SamplingParams
-from pypto_serving.executor.compiled import COUNTER, compiled_forward_logits
+from pypto_serving.executor.compiled import COUNTER, CompiledForward, LayerGraph
+from pypto_serving.models.llama import MLP
 
 
 def test_no_recompilation_after_warmup_across_batch_compositions(tiny_model):
@@ -19,10 +22,10 @@ def test_no_recompilation_after_warmup_across_batch_compositions(tiny_model):
         num_kv_pages=40,
     )
     executor = llm.engine.executor
-    assert executor.forward is compiled_forward_logits  # compiled, no eager fallback
+    assert isinstance(executor.forward, CompiledForward)  # compiled, no eager fallback
     assert executor.num_recompilations == 0
-    # at most two graphs (the whole model for a decode of one, the layer graph for the rest),
-    # none if another engine of this architecture compiled them: the layers share one graph
+    # at most two graphs (the layer's for a decode of one, for the rest), none if another
+    # engine of this architecture compiled them: the layers share them
     assert executor.model.cfg.num_layers >= 2  # so that a graph per layer would show
     assert COUNTER.num_compiles - before <= 2
     compiles = COUNTER.num_compiles
@@ -49,21 +52,43 @@ def test_eager_and_compiled_paths_agree(tiny_model):
     prompts = [[3 + i] * (5 + 7 * i) for i in range(6)]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     eager = LLM(path, dtype="float32", enforce_eager=True).generate(prompts, greedy)
-    compiled = LLM(path, dtype="float32").generate(prompts, greedy)
+    torch._dynamo.reset()  # so that this engine compiles, and captures, its own layer graphs
+    llm = LLM(path, dtype="float32")
+    # both graphs (decode of one; any other step) captured: the layers call them directly
+    assert set(llm.engine.executor.forward.graphs) == {(MLP, True), (MLP, False)}
+    compiled = llm.generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in eager] == [o.outputs[0].token_ids for o in compiled]
+
+
+def test_a_captured_layer_graph_is_checked_against_each_layer():
+    """A layer whose tensors differ from the captured ones' (here: another shape) is not
+    given the graph: its inputs are checked once, and it goes through dynamo instead."""
+    graph = LayerGraph(
+        fn=lambda *args: (args[0],),
+        examples=[torch.zeros(2, 4), torch.zeros(4)],
+        plan=["x", ("input_layernorm", "_parameters", "weight")],
+    )
+    cfg_layer = torch.nn.Module()
+    cfg_layer.input_layernorm = torch.nn.Module()
+    cfg_layer.input_layernorm.weight = torch.nn.Parameter(torch.ones(4))
+    x = torch.ones(2, 4)
+    assert graph(cfg_layer, x, x, x) is x  # type: ignore[arg-type]
+    other = torch.nn.Module()
+    other.input_layernorm = torch.nn.Module()
+    other.input_layernorm.weight = torch.nn.Parameter(torch.ones(8))
+    assert graph(other, x, x, x) is None  # type: ignore[arg-type]
 
 
 def test_compile_failure_falls_back_to_eager(tiny_model, monkeypatch, caplog):
     """Where torch.compile cannot work (no C++ compiler, say) the engine still serves."""
     from torch._inductor.exc import InductorError
 
-    from pypto_serving.executor import compiled, paged
+    from pypto_serving.executor import paged
 
     def broken(*args, **kwargs):
         raise InductorError(RuntimeError("no C++ compiler"), "")
 
-    monkeypatch.setattr(paged, "compiled_forward_logits", broken)
-    monkeypatch.setattr(compiled, "compiled_forward_logits", broken)
+    monkeypatch.setattr(paged, "CompiledForward", lambda: broken)
     llm = LLM(str(tiny_model("llama-gqa4-tied")), dtype="float32")
     assert llm.engine.executor.forward is paged.forward_logits
     assert "serving eagerly" in caplog.text

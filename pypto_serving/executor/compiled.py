@@ -1,17 +1,23 @@
-"""Compile once, execute many: the model forward under torch.compile, with a compile counter.
+"""Compile once, execute many: decoder layers under torch.compile, with a compile counter.
 
-Two compiled paths, chosen per step by its token count:
-- a decode of one token (single-stream decoding, where per-call overhead is what counts):
-  the whole model as one graph, every size static;
-- every other step (prefills, batched decodes, mixed): the model runs eagerly around one
-  compiled `DecoderLayer.forward`, with the token count dynamic. The layers differ only in
-  their tensors, which are graph inputs, so all of them share its graph: tracing and
-  compiling one layer instead of the whole model keeps start-up short, and on a batch the
-  ~0.2 ms each layer call costs (dynamo's guards, the compiled region's wrappers) is lost in
-  the matmuls.
+The model runs eagerly around one compiled `DecoderLayer.forward`. The layers differ only in
+their tensors, which are graph inputs, so all of them share its graphs: one for a decode of
+one token (every size static) and one for any other step (the token count dynamic), per kind
+of layer (dense or mixture of experts). Tracing and compiling one layer instead of the whole
+model is what keeps start-up short.
 
-The compiled functions take the model as an argument, so engines of the same architecture in
-one process share graphs, and Inductor's caches live in the project's cache directory, so a
+Going through dynamo costs ~0.17 ms a call (its guards, the compiled region's wrappers), 5 ms
+a token over 30 layers. So the first call that compiles a graph also captures it: where each
+of the graph's inputs comes from (the layer's hidden states, cos, sin, the token count, or a
+tensor of the layer, found by identity), checked by calling it directly on the same inputs
+and comparing with dynamo's result. Later calls with the same kind of layer and step build
+the inputs from the layer's own tensors (checked once per layer against the captured ones'
+shapes, strides and dtypes) and call the compiled graph directly, as vLLM does. Anything that
+does not fit the capture (a graph break, a layer whose tensors differ) goes through dynamo.
+
+The compiled function takes the layer as an argument, so engines of the same architecture in
+one process share graphs (the second engine's calls go through dynamo: its cache hits compile
+nothing to capture), and Inductor's caches live in the project's cache directory, so a
 restart reuses the compiled code. Every compilation is counted; one after warm-up is a
 recompilation, logged and exposed as a metric.
 """
@@ -19,9 +25,11 @@ recompilation, logged and exposed as a metric.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from pypto_serving.models.llama import CausalLM, DecoderLayer
 from pypto_serving.ops.attention import KVAttention
@@ -75,35 +83,174 @@ def forward_logits(
     return model.logits(hidden[logits_index])
 
 
-_whole_model: Callable[..., torch.Tensor] | None = None
+_captured: list[tuple[list[object], Callable[..., Sequence[torch.Tensor]]]] = []
+"""(example inputs, compiled graph) of each compilation since the last layer call began."""
+
+
+def _capturing_backend(
+    gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]
+) -> Callable[..., object]:
+    fn = COUNTER.backend(gm, example_inputs)
+    _captured.append((list(example_inputs), fn))  # type: ignore[arg-type]
+    return fn
+
+
 _layer: Callable[..., torch.Tensor] | None = None
 
 
-def compiled_layer(
-    layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention
-) -> torch.Tensor:
-    """One decoder layer through the shared compiled graph, the token count dynamic."""
-    for t in (x, cos, sin):
-        torch._dynamo.maybe_mark_dynamic(t, 0)
-    assert _layer is not None
-    return _layer(layer, x, cos, sin, kv)
-
-
-def compiled_forward_logits(
-    model: CausalLM,
-    kv: KVAttention,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    logits_index: torch.Tensor,
-    hidden: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`forward_logits` compiled: the whole model for a decode of one token, compiled layers
-    for any other step."""
-    global _whole_model, _layer
-    if _whole_model is None or _layer is None:
+def _compiled_layer() -> Callable[..., torch.Tensor]:
+    global _layer
+    if _layer is None:
         torch._dynamo.config.cache_size_limit = 64  # several architectures in one process
-        _whole_model = torch.compile(forward_logits, backend=COUNTER.backend)
-        _layer = torch.compile(DecoderLayer.forward, backend=COUNTER.backend)
-    if len(input_ids) == 1:
-        return _whole_model(model, kv, input_ids, positions, logits_index, hidden)
-    return forward_logits(model, kv, input_ids, positions, logits_index, hidden, compiled_layer)
+        _layer = torch.compile(DecoderLayer.forward, backend=_capturing_backend)
+    return _layer
+
+
+Where = tuple[str, str, str | int | None]
+"""A layer tensor's place: (submodule name, attribute, parameter/buffer name or tuple index)."""
+
+
+def _places(layer: nn.Module) -> dict[int, Where]:
+    """id -> place of every tensor a layer holds: parameters, buffers, plain tensor
+    attributes (packed or quantized weights, the attention layer's index), tuples of them."""
+    places: dict[int, Where] = {}
+    for name, m in layer.named_modules():
+        for attr, value in vars(m).items():
+            if isinstance(value, torch.Tensor):
+                places[id(value)] = (name, attr, None)
+            elif isinstance(value, tuple):
+                for i, item in enumerate(value):
+                    if isinstance(item, torch.Tensor):
+                        places[id(item)] = (name, attr, i)
+        for kind in ("_parameters", "_buffers"):
+            for key, value in getattr(m, kind).items():
+                if value is not None:
+                    places[id(value)] = (name, kind, key)
+    return places
+
+
+def _fetch(layer: nn.Module, where: Where) -> object:
+    name, attr, key = where
+    m = layer.get_submodule(name)
+    if attr in ("_parameters", "_buffers"):
+        return getattr(m, attr)[key]
+    value = vars(m).get(attr)
+    return value if key is None or value is None else value[key]  # type: ignore[index]
+
+
+def _same_meta(a: object, b: object) -> bool:
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
+    )
+
+
+@dataclass
+class LayerGraph:
+    """One compiled graph of `DecoderLayer.forward`, called without dynamo."""
+
+    fn: Callable[..., Sequence[torch.Tensor]]
+    examples: list[object]
+    plan: list[str | Where]
+    """Per graph input: "x", "cos", "sin", "tokens" (the token count), or a layer tensor's place."""
+    _bound: dict[int, list[object] | None] = field(default_factory=dict)
+
+    @classmethod
+    def capture(
+        cls,
+        fn: Callable[..., Sequence[torch.Tensor]],
+        examples: list[object],
+        layer: DecoderLayer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> LayerGraph | None:
+        """The graph compiled while running `layer` on x, cos, sin; None where an input's
+        origin cannot be told."""
+        places, args = _places(layer), {"x": x, "cos": cos, "sin": sin}
+        plan: list[str | Where] = []
+        for e in examples:
+            if isinstance(e, torch.SymInt | int) and not isinstance(e, bool):
+                if int(e) != len(x):
+                    return None
+                plan.append("tokens")
+                continue
+            name = next((k for k, v in args.items() if v is e), None)
+            if name is None and id(e) not in places:
+                return None
+            plan.append(name if name is not None else places[id(e)])
+        return cls(fn, examples, plan)
+
+    def _bind(self, layer: DecoderLayer) -> list[object] | None:
+        """The layer's constant inputs (None in the slots a call fills), or None where its
+        tensors do not match the captured ones."""
+        inputs: list[object] = []
+        for where, example in zip(self.plan, self.examples, strict=True):
+            if isinstance(where, str):
+                inputs.append(None)
+                continue
+            value = _fetch(layer, where)
+            if not _same_meta(value, example):
+                return None
+            inputs.append(value)
+        return inputs
+
+    def __call__(
+        self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The layer's output, or None where this graph does not fit the layer."""
+        if id(layer) not in self._bound:
+            self._bound[id(layer)] = self._bind(layer)
+        bound = self._bound[id(layer)]
+        if bound is None:
+            return None
+        step = {"x": x, "cos": cos, "sin": sin, "tokens": len(x)}
+        args = [step[w] if isinstance(w, str) else b for w, b in zip(self.plan, bound, strict=True)]
+        (out,) = self.fn(*args)
+        return out
+
+
+class CompiledForward:
+    """`forward_logits` with its decoder layers compiled (one graph shared by all layers) and,
+    once captured, called directly. One per model (the captured graphs hold its tensors)."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[tuple[type, bool], LayerGraph] = {}
+
+    def __call__(
+        self,
+        model: CausalLM,
+        kv: KVAttention,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_index: torch.Tensor,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return forward_logits(model, kv, input_ids, positions, logits_index, hidden, self.layer)
+
+    def layer(
+        self,
+        layer: DecoderLayer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVAttention,
+    ) -> torch.Tensor:
+        key = (type(layer.mlp), len(x) == 1)
+        graph = self.graphs.get(key)
+        if graph is not None and (out := graph(layer, x, cos, sin)) is not None:
+            return out
+        for t in (x, cos, sin):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        _captured.clear()
+        out = _compiled_layer()(layer, x, cos, sin, kv)
+        if graph is None and len(_captured) == 1:
+            examples, fn = _captured[0]
+            graph = LayerGraph.capture(fn, examples, layer, x, cos, sin)
+            if graph is not None and torch.equal(graph(layer, x, cos, sin), out):
+                self.graphs[key] = graph
+            else:
+                log.info("a compiled layer graph could not be captured; it runs through dynamo")
+        _captured.clear()
+        return out

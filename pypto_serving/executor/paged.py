@@ -28,7 +28,7 @@ from pypto_serving.distributed import (
     send_to,
 )
 from pypto_serving.errors import PyptoError
-from pypto_serving.executor.compiled import COUNTER, compiled_forward_logits, forward_logits
+from pypto_serving.executor.compiled import COUNTER, CompiledForward, forward_logits
 from pypto_serving.kv.disk_tier import HEADER_BYTES
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, active_step
 from pypto_serving.kv.store import PagedKVStore
@@ -139,7 +139,7 @@ class PagedExecutor:
         self.model, self.device, self.groups = model, device, model.groups
         self.kv = build_kv_store(model, device, dtype, cache, max_tokens_in_use, digest)
         self.paged_kv = PagedKV()
-        self.forward = forward_logits if enforce_eager else compiled_forward_logits
+        self.forward = forward_logits if enforce_eager else CompiledForward()
 
     @property
     def num_recompilations(self) -> int:
