@@ -8,6 +8,7 @@ import torch
 
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.executor.compiled import COUNTER, CompiledForward, LayerGraph
+from pypto_serving.kv.paged_attention import PagedKV
 from pypto_serving.models.llama import MLP
 
 
@@ -55,7 +56,10 @@ def test_eager_and_compiled_paths_agree(tiny_model):
     torch._dynamo.reset()  # so that this engine compiles, and captures, its own layer graphs
     llm = LLM(path, dtype="float32")
     # both graphs (decode of one; any other step) captured: the layers call them directly
-    assert set(llm.engine.executor.forward.graphs) == {(MLP, True), (MLP, False)}
+    assert set(llm.engine.executor.forward.graphs) == {
+        (MLP, PagedKV, True),
+        (MLP, PagedKV, False),
+    }
     compiled = llm.generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in eager] == [o.outputs[0].token_ids for o in compiled]
 

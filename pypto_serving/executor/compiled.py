@@ -216,7 +216,8 @@ class CompiledForward:
     once captured, called directly. One per model (the captured graphs hold its tensors)."""
 
     def __init__(self) -> None:
-        self.graphs: dict[tuple[type, bool], LayerGraph] = {}
+        self.graphs: dict[tuple[type, type, bool], LayerGraph] = {}
+        """(kind of MLP, kind of KV attention, one token?) -> its captured graph."""
 
     def __call__(
         self,
@@ -237,7 +238,7 @@ class CompiledForward:
         sin: torch.Tensor,
         kv: KVAttention,
     ) -> torch.Tensor:
-        key = (type(layer.mlp), len(x) == 1)
+        key = (type(layer.mlp), type(kv), len(x) == 1)
         graph = self.graphs.get(key)
         if graph is not None and (out := graph(layer, x, cos, sin)) is not None:
             return out
