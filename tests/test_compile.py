@@ -7,7 +7,7 @@ import random
 import torch
 
 from pypto_serving import LLM, SamplingParams
-from pypto_serving.executor.compiled import COUNTER, CompiledForward, LayerGraph
+from pypto_serving.executor.compiled import COUNTER, CompiledLayers, LayerGraph
 from pypto_serving.kv.paged_attention import PagedKV
 from pypto_serving.models.llama import MLP
 
@@ -23,7 +23,7 @@ def test_no_recompilation_after_warmup_across_batch_compositions(tiny_model):
         num_kv_pages=40,
     )
     executor = llm.engine.executor
-    assert isinstance(executor.forward, CompiledForward)  # compiled, no eager fallback
+    assert isinstance(executor.run_layer, CompiledLayers)  # compiled, no eager fallback
     assert executor.num_recompilations == 0
     # at most two graphs (the layer's for a decode of one, for the rest), none if another
     # engine of this architecture compiled them: the layers share them
@@ -56,7 +56,7 @@ def test_eager_and_compiled_paths_agree(tiny_model):
     torch._dynamo.reset()  # so that this engine compiles, and captures, its own layer graphs
     llm = LLM(path, dtype="float32")
     # both graphs (decode of one; any other step) captured: the layers call them directly
-    assert set(llm.engine.executor.forward.graphs) == {
+    assert set(llm.engine.executor.run_layer.graphs) == {
         (MLP, PagedKV, True),
         (MLP, PagedKV, False),
     }
@@ -92,9 +92,9 @@ def test_compile_failure_falls_back_to_eager(tiny_model, monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise InductorError(RuntimeError("no C++ compiler"), "")
 
-    monkeypatch.setattr(paged, "CompiledForward", lambda: broken)
+    monkeypatch.setattr(paged, "CompiledLayers", lambda: broken)
     llm = LLM(str(tiny_model("llama-gqa4-tied")), dtype="float32")
-    assert llm.engine.executor.forward is paged.forward_logits
+    assert llm.engine.executor.run_layer is None
     assert "serving eagerly" in caplog.text
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4

@@ -211,26 +211,16 @@ class LayerGraph:
         return out
 
 
-class CompiledForward:
-    """`forward_logits` with its decoder layers compiled (one graph shared by all layers) and,
-    once captured, called directly. One per model (the captured graphs hold its tensors)."""
+class CompiledLayers:
+    """Runs decoder layers through the compiled graph they share (`forward_logits`'s
+    `run_layer`) and, once captured, directly. One per model (the captured graphs hold its
+    tensors)."""
 
     def __init__(self) -> None:
         self.graphs: dict[tuple[type, type, bool], LayerGraph] = {}
         """(kind of MLP, kind of KV attention, one token?) -> its captured graph."""
 
     def __call__(
-        self,
-        model: CausalLM,
-        kv: KVAttention,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        logits_index: torch.Tensor,
-        hidden: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return forward_logits(model, kv, input_ids, positions, logits_index, hidden, self.layer)
-
-    def layer(
         self,
         layer: DecoderLayer,
         x: torch.Tensor,

@@ -28,7 +28,7 @@ from pypto_serving.distributed import (
     send_to,
 )
 from pypto_serving.errors import PyptoError
-from pypto_serving.executor.compiled import COUNTER, CompiledForward, forward_logits
+from pypto_serving.executor.compiled import COUNTER, CompiledLayers, forward_logits
 from pypto_serving.kv.disk_tier import HEADER_BYTES
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, active_step
 from pypto_serving.kv.store import PagedKVStore
@@ -139,7 +139,8 @@ class PagedExecutor:
         self.model, self.device, self.groups = model, device, model.groups
         self.kv = build_kv_store(model, device, dtype, cache, max_tokens_in_use, digest)
         self.paged_kv = PagedKV()
-        self.forward = forward_logits if enforce_eager else CompiledForward()
+        self.run_layer = None if enforce_eager else CompiledLayers()
+        """How the model's decoder layers run: compiled, or eagerly (None)."""
 
     @property
     def num_recompilations(self) -> int:
@@ -220,13 +221,14 @@ class PagedExecutor:
             step.max_q,
         )
         with active_step(attention):
-            out = self.forward(
+            out = forward_logits(
                 self.model,
                 self.paged_kv,
                 step.input_ids,
                 step.positions,
                 step.logits_index,
                 hidden,
+                self.run_layer,
             )
         if g.pp.size == 1:
             return out
@@ -266,7 +268,7 @@ class PagedExecutor:
 
     def warmup(self) -> None:
         """Compile every graph shape serving can meet: decode of one, of many, prefill, mixed."""
-        if self.forward is forward_logits:
+        if self.run_layer is None:
             return
         start, compiles = time.perf_counter(), COUNTER.num_compiles
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -285,7 +287,7 @@ class PagedExecutor:
                 "torch.compile failed, serving eagerly (as --enforce-eager): %s",
                 str(e).splitlines()[0][:300],
             )
-            self.forward = forward_logits
+            self.run_layer = None
         finally:
             for r in reqs:
                 self.kv.free(r)
