@@ -26,14 +26,21 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 @cache
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU computes bf16 natively (AVX512_BF16 or AMX), so bf16 pays off."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.partition(":")[2].split())
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        pass
+    return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU computes bf16 natively (AVX512_BF16 or AMX), so bf16 pays off."""
+    return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -61,6 +68,12 @@ def use_packed_linear(device: torch.device, dtype: torch.dtype) -> bool:
     if os.environ.get("PYPTO_PACK_LINEAR", "1") == "0":
         return False
     return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+
+
+def use_native_attention(device: torch.device) -> bool:
+    """Decode attention through the native CPU kernel (kv/paged_decode.cpp): on the CPU, unless
+    PYPTO_NATIVE_ATTENTION=0. Elsewhere attention is PyTorch's."""
+    return device.type == "cpu" and os.environ.get("PYPTO_NATIVE_ATTENTION", "1") != "0"
 
 
 def pin_host_memory(device: torch.device) -> bool:

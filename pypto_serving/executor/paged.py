@@ -8,6 +8,7 @@ compiled once at start-up (warm-up covers every graph shape) unless `enforce_eag
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from dataclasses import replace
@@ -19,7 +20,7 @@ from torch._inductor.exc import InductorError
 from tqdm import tqdm
 
 from pypto_serving.config import CacheConfig, EngineConfig
-from pypto_serving.device import synchronize
+from pypto_serving.device import synchronize, use_native_attention
 from pypto_serving.distributed import (
     StepInputs,
     broadcast_step,
@@ -29,9 +30,11 @@ from pypto_serving.distributed import (
 )
 from pypto_serving.errors import PyptoError
 from pypto_serving.executor.compiled import COUNTER, CompiledLayers, forward_logits
+from pypto_serving.kv import paged_decode
 from pypto_serving.kv.disk_tier import HEADER_BYTES
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, active_step
 from pypto_serving.kv.store import PagedKVStore
+from pypto_serving.models.config import ModelConfig
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.models.loader import checkpoint_digest
 from pypto_serving.ops.sampler import Sampled, SamplingRow, sample
@@ -118,6 +121,26 @@ def build_paged_executor(
     )
 
 
+def native_decode_kernel(
+    cfg: ModelConfig, device: torch.device, dtype: torch.dtype, page_size: int
+) -> ctypes.CDLL | None:
+    """The native decode attention library where it applies (the CPU, a supported dtype and
+    head shape), built or loaded now; None means PyTorch's attention (said in the log)."""
+    if not use_native_attention(device):
+        return None
+    if not paged_decode.supports(dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size):
+        log.info(
+            "decode attention on the PyTorch path: the native kernel does not take %s, "
+            "head_dim %d, %d query heads per KV head or pages of %d",
+            dtype,
+            cfg.head_dim,
+            cfg.num_heads // cfg.num_kv_heads,
+            page_size,
+        )
+        return None
+    return paged_decode.library(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
+
+
 class PagedExecutor:
     """Runs steps on its model. Under tensor or pipeline parallelism rank 0's executor builds
     each step and broadcasts its inputs; the other ranks' executors `follow()`, running the
@@ -141,6 +164,8 @@ class PagedExecutor:
         self.paged_kv = PagedKV()
         self.run_layer = None if enforce_eager else CompiledLayers()
         """How the model's decoder layers run: compiled, or eagerly (None)."""
+        self.decode_kernel = native_decode_kernel(model.cfg, device, dtype, cache.page_size)
+        """The native decode attention library, or None for PyTorch's attention."""
 
     @property
     def num_recompilations(self) -> int:
@@ -219,6 +244,7 @@ class PagedExecutor:
             step.ctx_lens,
             step.num_decodes,
             step.max_q,
+            self.decode_kernel,
         )
         with active_step(attention):
             out = forward_logits(

@@ -14,12 +14,14 @@ the per-step shapes of the metadata (the vLLM "forward context" pattern).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
+from pypto_serving.kv.paged_decode import paged_decode
 from pypto_serving.kv.store import PagedKVStore
 
 _active: list[StepAttention] = []
@@ -38,9 +40,14 @@ class _Group:
         ctx_lens: torch.Tensor,
         tokens: slice,
         max_q: int,
+        kernel: ctypes.CDLL | None = None,
     ) -> None:
         batch, width = block_table.shape
         self.page_size, self.tokens, self.decode = page_size, tokens, max_q == 1
+        self.kernel = kernel if self.decode else None
+        if self.kernel is not None:  # reads pages in place: no gather, no mask
+            self.block_table, self.ctx_lens = block_table.contiguous(), ctx_lens.contiguous()
+            return
         self.pages = block_table.flatten()  # keys are gathered whole pages at a time
         self.shape = (batch, width * page_size)  # [B, padded context]
         j = torch.arange(self.shape[1], device=block_table.device)
@@ -64,6 +71,10 @@ class _Group:
         return pages.view(heads, *self.shape, dim)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return paged_decode(
+                self.kernel, q, k_cache, v_cache, self.block_table, self.ctx_lens, self.page_size
+            )
         keys, values = self.gather(k_cache), self.gather(v_cache)
         if self.decode:
             return self._decode(q, keys, values)
@@ -109,14 +120,26 @@ class StepAttention:
         ctx_lens: torch.Tensor,
         num_decodes: int,
         max_q: int,
+        kernel: ctypes.CDLL | None = None,
     ) -> None:
-        """block_table [B, W]; slot_mapping [T]; q_lens, ctx_lens [B] (ctx includes new)."""
+        """block_table [B, W]; slot_mapping [T]; q_lens, ctx_lens [B] (ctx includes new);
+        `kernel`: the native decode attention library (`paged_decode.library()`) for the
+        decodes, or None for PyTorch's."""
         self.store, self.slot_mapping = store, slot_mapping
         heads, page, nd = store.k_cache.shape[1], store.page_size, num_decodes
         self.groups = []
         if nd > 0:
             self.groups.append(
-                _Group(page, heads, block_table[:nd], q_lens[:nd], ctx_lens[:nd], slice(0, nd), 1)
+                _Group(
+                    page,
+                    heads,
+                    block_table[:nd],
+                    q_lens[:nd],
+                    ctx_lens[:nd],
+                    slice(0, nd),
+                    1,
+                    kernel,
+                )
             )
         if nd < len(q_lens):
             width = int((ctx_lens[nd:].max() + page - 1) // page)  # drop decodes' extra width
