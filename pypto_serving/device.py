@@ -71,8 +71,8 @@ def use_packed_linear(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def use_native_attention(device: torch.device) -> bool:
-    """Decode attention through the native CPU kernel (kv/paged_decode.cpp): on the CPU, unless
-    PYPTO_NATIVE_ATTENTION=0. Elsewhere attention is PyTorch's."""
+    """Paged attention through the native CPU kernels (kv/native_attention.cpp): on the CPU,
+    unless PYPTO_NATIVE_ATTENTION=0. Elsewhere attention is PyTorch's."""
     return device.type == "cpu" and os.environ.get("PYPTO_NATIVE_ATTENTION", "1") != "0"
 
 

@@ -30,7 +30,7 @@ from pypto_serving.distributed import (
 )
 from pypto_serving.errors import PyptoError
 from pypto_serving.executor.compiled import COUNTER, CompiledLayers, forward_logits
-from pypto_serving.kv import paged_decode
+from pypto_serving.kv import native_attention
 from pypto_serving.kv.disk_tier import HEADER_BYTES
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, active_step
 from pypto_serving.kv.store import PagedKVStore
@@ -121,16 +121,18 @@ def build_paged_executor(
     )
 
 
-def native_decode_kernel(
+def native_attention_kernel(
     cfg: ModelConfig, device: torch.device, dtype: torch.dtype, page_size: int
 ) -> ctypes.CDLL | None:
-    """The native decode attention library where it applies (the CPU, a supported dtype and
+    """The native paged attention library where it applies (the CPU, a supported dtype and
     head shape), built or loaded now; None means PyTorch's attention (said in the log)."""
     if not use_native_attention(device):
         return None
-    if not paged_decode.supports(dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size):
+    if not native_attention.supports(
+        dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size
+    ):
         log.info(
-            "decode attention on the PyTorch path: the native kernel does not take %s, "
+            "attention on the PyTorch path: the native kernels do not take %s, "
             "head_dim %d, %d query heads per KV head or pages of %d",
             dtype,
             cfg.head_dim,
@@ -138,7 +140,7 @@ def native_decode_kernel(
             page_size,
         )
         return None
-    return paged_decode.library(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
+    return native_attention.library(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
 
 
 class PagedExecutor:
@@ -164,8 +166,8 @@ class PagedExecutor:
         self.paged_kv = PagedKV()
         self.run_layer = None if enforce_eager else CompiledLayers()
         """How the model's decoder layers run: compiled, or eagerly (None)."""
-        self.decode_kernel = native_decode_kernel(model.cfg, device, dtype, cache.page_size)
-        """The native decode attention library, or None for PyTorch's attention."""
+        self.attention_kernel = native_attention_kernel(model.cfg, device, dtype, cache.page_size)
+        """The native paged attention library, or None for PyTorch's attention."""
 
     @property
     def num_recompilations(self) -> int:
@@ -244,7 +246,7 @@ class PagedExecutor:
             step.ctx_lens,
             step.num_decodes,
             step.max_q,
-            self.decode_kernel,
+            self.attention_kernel,
         )
         with active_step(attention):
             out = forward_logits(

@@ -2,9 +2,11 @@
 
 Tokens of a step arrive flat ([T], sequences concatenated, decodes first). For each layer the
 operator scatters the new k/v into the store's slots (slot = page * page_size + offset), then
-gathers each sequence's keys and values page by page through its block table into a padded
-[kv_head, B, ctx] batch. Decodes attend with two batched matmuls; prefill chunks with one
-masked, causal, GQA-aware scaled-dot-product attention.
+attends for the decodes and for the prefill chunks separately. On the CPU the native kernels
+(`native_attention`) read the pages in place. Otherwise (CUDA, no compiler, a shape they do
+not take) PyTorch's path gathers each sequence's keys and values page by page through its
+block table into a padded [kv_head, B, ctx] batch: decodes attend with two batched matmuls,
+prefill chunks with one masked, causal, GQA-aware scaled-dot-product attention.
 
 To the compiler the operator is one opaque custom op, `pypto::paged_attention(q, k, v,
 layer)`: the step's metadata and the KV tensors are reached through the active `StepAttention`
@@ -21,15 +23,16 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from pypto_serving.kv.paged_decode import paged_decode
+from pypto_serving.kv.native_attention import paged_attention as native_attention
 from pypto_serving.kv.store import PagedKVStore
 
 _active: list[StepAttention] = []
 
 
 class _Group:
-    """Sequences of one kind in a step (all decodes, or all prefill chunks): their pages and
-    masks. Its tokens are `tokens` of the step's flat batch."""
+    """Sequences of one kind in a step (all decodes, or all prefill chunks): their pages, and
+    for PyTorch's path their masks. Its tokens are `tokens` of the step's flat batch; `kernel`
+    is the native attention library, or None for PyTorch's path."""
 
     def __init__(
         self,
@@ -44,9 +47,10 @@ class _Group:
     ) -> None:
         batch, width = block_table.shape
         self.page_size, self.tokens, self.decode = page_size, tokens, max_q == 1
-        self.kernel = kernel if self.decode else None
-        if self.kernel is not None:  # reads pages in place: no gather, no mask
+        self.kernel = kernel
+        if kernel is not None:  # reads pages in place: no gather, no mask
             self.block_table, self.ctx_lens = block_table.contiguous(), ctx_lens.contiguous()
+            self.q_lens = None if self.decode else q_lens.contiguous()
             return
         self.pages = block_table.flatten()  # keys are gathered whole pages at a time
         self.shape = (batch, width * page_size)  # [B, padded context]
@@ -72,8 +76,15 @@ class _Group:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            return paged_decode(
-                self.kernel, q, k_cache, v_cache, self.block_table, self.ctx_lens, self.page_size
+            return native_attention(
+                self.kernel,
+                q,
+                k_cache,
+                v_cache,
+                self.block_table,
+                self.ctx_lens,
+                self.page_size,
+                self.q_lens,
             )
         keys, values = self.gather(k_cache), self.gather(v_cache)
         if self.decode:
@@ -123,8 +134,8 @@ class StepAttention:
         kernel: ctypes.CDLL | None = None,
     ) -> None:
         """block_table [B, W]; slot_mapping [T]; q_lens, ctx_lens [B] (ctx includes new);
-        `kernel`: the native decode attention library (`paged_decode.library()`) for the
-        decodes, or None for PyTorch's."""
+        `kernel`: the native attention library (`native_attention.library()`), or None for
+        PyTorch's path."""
         self.store, self.slot_mapping = store, slot_mapping
         heads, page, nd = store.k_cache.shape[1], store.page_size, num_decodes
         self.groups = []
@@ -152,6 +163,7 @@ class StepAttention:
                     ctx_lens[nd:],
                     slice(nd, len(slot_mapping)),
                     max_q,
+                    kernel,
                 )
             )
 

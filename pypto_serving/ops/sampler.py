@@ -99,11 +99,22 @@ def draw(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
+def _edits_logits(row: SamplingRow) -> bool:
+    """Whether penalties or min_tokens change this row's logits before sampling."""
+    p = row.params
+    return (
+        p.repetition_penalty != 1.0
+        or bool(p.presence_penalty or p.frequency_penalty)
+        or len(row.output_ids) < p.min_tokens
+    )
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sampled]:
     """Pick one token for each row of logits [B, vocab] (float32)."""
     raw = logits
-    logits = apply_penalties(logits.clone(), rows)
-    suppress_stop_tokens(logits, rows)
+    if any(_edits_logits(r) for r in rows):  # else no copy: greedy batches read raw logits
+        logits = apply_penalties(logits.clone(), rows)
+        suppress_stop_tokens(logits, rows)
     greedy = logits.argmax(dim=-1)
     tokens = greedy
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]

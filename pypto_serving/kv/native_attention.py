@@ -1,17 +1,19 @@
-"""The native decode attention kernel (paged_decode.cpp): built once, loaded through ctypes.
+"""The native paged attention kernels (native_attention.cpp): built once, loaded with ctypes.
 
-Decode attention is memory-bound: each decoding sequence reads all of its keys and values once
-per layer. PyTorch cannot read them where they lie (pages scattered through the cache), so its
-path gathers them into a padded batch first and reads everything twice more. The kernel reads
-each page in place, with an online softmax, over torch's own OpenMP threads.
+PyTorch cannot read keys and values where they lie (pages scattered through the cache), so its
+path gathers each sequence's pages into a padded batch first. For decodes, which are
+memory-bound, that gather and the padded reads cost more than the attention itself; for
+prefill chunks, the padded, masked flash attention does up to 3x the useful work. The kernels
+read each page in place, over torch's own OpenMP threads: decodes one query per sequence,
+prefill chunks in tiles of queries with the causal mask skipping pages past a tile's end.
 
 The library is compiled on first use with the C++ compiler Inductor also uses (`$CXX`, else
 g++), for this CPU (-march=native) and for one attention shape (query heads per KV head and
-head_dim as constants, so the loops unroll and the queries stay in registers; half a second of
-compiling). It is cached under `cache_dir()/kernels` by a key of the source, flags, compiler
-and the CPU's flags, so a restart only loads it. Without a compiler, or
-when the build fails, `library()` is None (said once in the log) and attention stays on the
-PyTorch path; both paths are tested against each other.
+head_dim as constants, so loops unroll and the decode queries stay in registers; about a
+second of compiling). It is cached under `cache_dir()/kernels` by a key of the source, flags,
+compiler and the CPU's flags, so a restart only loads it. Without a compiler, or when the
+build fails, `library()` is None (said once in the log) and attention stays on the PyTorch
+path; both paths are tested against a float64 reference.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pypto_serving.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.cpp")
+SOURCE = Path(__file__).with_name("native_attention.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM, MAX_GROUP, MAX_PAGE = 256, 16, 256
@@ -46,20 +48,20 @@ def build(group: int, head_dim: int, out_dir: Path, compiler: str | None = None)
     compiler = compiler or os.environ.get("CXX", "g++")
     found = shutil.which(compiler)
     if found is None:
-        log.warning("no C++ compiler %r: decode attention stays on PyTorch's", compiler)
+        log.warning("no C++ compiler %r: attention stays on PyTorch's", compiler)
         return None
     try:
         version = subprocess.run(
             [found, "--version"], capture_output=True, text=True, check=True, timeout=60
         ).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("C++ compiler %s unusable (%s): decode attention stays on PyTorch's", found, e)
+        log.warning("C++ compiler %s unusable (%s): attention stays on PyTorch's", found, e)
         return None
     flags = (*FLAGS, f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}")
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(flags), found, version, *sorted(cpu_flags())):
         key.update(part.encode() if isinstance(part, str) else part)
-    target = out_dir / f"paged_decode-g{group}-d{head_dim}-{key.hexdigest()[:16]}.so"
+    target = out_dir / f"attention-g{group}-d{head_dim}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -71,12 +73,12 @@ def build(group: int, head_dim: int, out_dir: Path, compiler: str | None = None)
         )
         if run.returncode != 0:
             log.warning(
-                "building the decode attention kernel failed; attention stays on PyTorch's:\n%s",
+                "building the attention kernels failed; attention stays on PyTorch's:\n%s",
                 run.stderr.strip()[-2000:],
             )
             return None
         os.replace(built, target)  # atomic: processes building at once never see half a file
-    log.info("built the decode attention kernel in %.1f s: %s", time.perf_counter() - start, target)
+    log.info("built the attention kernels in %.1f s: %s", time.perf_counter() - start, target)
     return target
 
 
@@ -89,17 +91,17 @@ def library(group: int, head_dim: int) -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
-        log.warning("cannot load %s (%s): decode attention stays on PyTorch's", path, e)
+        log.warning("cannot load %s (%s): attention stays on PyTorch's", path, e)
         return None
-    fn = lib.pypto_paged_decode
+    fn = lib.pypto_paged_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 6, *[ctypes.c_int] * 6, ctypes.c_int64]
+    fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 6, ctypes.c_int64]
     fn.argtypes += [ctypes.c_float]
     return lib
 
 
 def supports(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, page_size: int) -> bool:
-    """Whether the kernel can be built for these shapes (else the PyTorch path serves)."""
+    """Whether the kernels can be built for these shapes (else the PyTorch path serves)."""
     return (
         dtype in DTYPES
         and head_dim % 16 == 0
@@ -110,7 +112,7 @@ def supports(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, page_
     )
 
 
-def paged_decode(
+def paged_attention(
     lib: ctypes.CDLL,
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -118,24 +120,27 @@ def paged_decode(
     block_table: torch.Tensor,
     ctx_lens: torch.Tensor,
     page_size: int,
+    q_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one query per sequence: q [B, H, D] over the first ctx_lens[b] tokens of
-    sequence b, whose pages are block_table [B, W] (int64) in the caches [Hkv, slots, D] of one
-    layer. Returns [B, H, D]. `lib` must be the library built for these shapes; the tensors are
-    on the CPU, the caches and tables contiguous."""
+    """Attention of q [T, H, D]: sequence b's queries are the last q_lens[b] of its first
+    ctx_lens[b] tokens (q_lens None: one query each, decodes), its tokens after the previous
+    sequence's; its pages are block_table [B, W] in one layer's caches [Hkv, slots, D]. Causal.
+    Returns [T, H, D]. `lib` must be the library built for these shapes; the tensors are on
+    the CPU, and the caches and int64 tables contiguous."""
     q = q.contiguous()
-    batch, heads, dim = q.shape
+    heads, dim = q.shape[1:]
     kv_heads, slots, _ = k_cache.shape
     out = torch.empty_like(q)
-    failed = lib.pypto_paged_decode(
+    failed = lib.pypto_paged_attention(
         DTYPES[q.dtype],
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         block_table.data_ptr(),
+        None if q_lens is None else q_lens.data_ptr(),
         ctx_lens.data_ptr(),
         out.data_ptr(),
-        batch,
+        len(ctx_lens),
         heads,
         kv_heads,
         dim,
@@ -146,7 +151,7 @@ def paged_decode(
     )
     if failed:
         raise ValueError(
-            f"the decode attention library was not built for q {tuple(q.shape)}, "
+            f"the attention library was not built for q {tuple(q.shape)}, "
             f"{kv_heads} KV heads, pages of {page_size}"
         )
     return out

@@ -1,0 +1,347 @@
+// Paged attention for the CPU, reading keys and values in place from their pages (no gather
+// into a padded batch): decodes (one query per sequence, memory-bound) and prefill chunks
+// (many queries per sequence, causal, compute-bound), each with an online softmax in float32.
+//
+// Built on first use by native_attention.py (g++ -O3 -march=native -fopenmp, with the model's
+// GROUP and HEAD_DIM defined) and called through ctypes. Portable C++ with GCC vector
+// extensions: the compiler maps the 16-float vectors onto whatever the CPU has (one AVX-512
+// register, two AVX2 registers, four NEON registers).
+//
+// Layout, as the KV store holds it: the caches of one layer are [kv_heads, slots, dim] with
+// slot = page * page_size + offset; q and out are [tokens, heads, dim], query head h reading
+// KV head h / GROUP (grouped-query attention without expanding K/V). Work is split over the
+// OpenMP team that torch itself uses. Inputs and outputs are float32 or bfloat16; all
+// arithmetic is float32.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+namespace {
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+// The library is built for one model's attention shape: query heads per KV head and head_dim.
+#if !defined(GROUP) || !defined(HEAD_DIM) || HEAD_DIM % 16 != 0
+#error "build with -DGROUP=<query heads per KV head> -DHEAD_DIM=<a multiple of 16>"
+#endif
+
+constexpr int MAX_PAGE = 256;  // tokens per page
+
+inline v16f load(const float* p) {
+    v16f v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+inline v16f load(const uint16_t* p) {  // bfloat16 -> float32: the bf16 bits are the high half
+    v16h h;
+    std::memcpy(&h, p, sizeof h);
+    v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16f f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+inline void store(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+
+inline void store(uint16_t* p, v16f v) {  // float32 -> bfloat16, rounding to nearest even
+    v16u u;
+    std::memcpy(&u, &v, sizeof u);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    v16h h = __builtin_convertvector(u, v16h);
+    std::memcpy(p, &h, sizeof h);
+}
+
+inline float hsum(v16f a) {
+    v8f lo, hi;
+    std::memcpy(&lo, &a, sizeof lo);
+    std::memcpy(&hi, reinterpret_cast<char*>(&a) + sizeof lo, sizeof hi);
+    v8f s8 = lo + hi;
+    v4f l4, h4;
+    std::memcpy(&l4, &s8, sizeof l4);
+    std::memcpy(&h4, reinterpret_cast<char*>(&s8) + sizeof l4, sizeof h4);
+    v4f s4 = l4 + h4;
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// e^x for x <= 0 (softmax after subtracting the max): 2^n * e^r with |r| <= ln2 / 2 and a
+// degree-6 Taylor polynomial for e^r (relative error < 2e-7); below -87 it flushes to ~0.
+inline v16f vexp(v16f x) {
+    x = x < -87.0f ? v16f{} - 87.0f : x;
+    v16i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v16i);  // round(x / ln2), x <= 0
+    v16f r = x - __builtin_convertvector(n, v16f) * 0.693147181f;
+    v16f p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 +
+                                                r * (1.0f / 120 + r * (1.0f / 720))))));
+    v16i bits = (n + 127) << 23;
+    v16f scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+// Attention of G query heads (one KV head's group) of one sequence; NV = head_dim / 16.
+// ---- decodes: one query per sequence ----
+//
+// Per (sequence, KV head): the group's queries stay in registers; each page gives scores for
+// its tokens (a dot product and a horizontal sum each), an online-softmax update (running max
+// and sum) and the weighted sum of its values.
+
+template <typename T, int G, int NV>
+void decode_one(const T* q, const T* k, const T* v, const int64_t* pages, int64_t ctx, T* out,
+                int page_size, float scale) {
+    constexpr int D = NV * 16;
+    v16f qs[G][NV], acc[G][NV];
+    float m[G], l[G];
+    alignas(64) float s[G][MAX_PAGE];
+    for (int g = 0; g < G; ++g) {
+        for (int i = 0; i < NV; ++i) {
+            qs[g][i] = load(q + g * D + i * 16) * scale;
+            acc[g][i] = v16f{};
+        }
+        m[g] = -3.0e38f;
+        l[g] = 0.0f;
+    }
+    for (int64_t start = 0, p = 0; start < ctx; start += page_size, ++p) {
+        const int n = ctx - start < page_size ? int(ctx - start) : page_size;
+        const T* kp = k + pages[p] * page_size * D;
+        const T* vp = v + pages[p] * page_size * D;
+        for (int t = 0; t < n; ++t) {  // scores of the page's tokens
+            v16f row[NV];
+            for (int i = 0; i < NV; ++i) row[i] = load(kp + t * D + i * 16);
+            for (int g = 0; g < G; ++g) {
+                v16f d = qs[g][0] * row[0];
+                for (int i = 1; i < NV; ++i) d += qs[g][i] * row[i];
+                s[g][t] = hsum(d);
+            }
+        }
+        for (int g = 0; g < G; ++g) {  // online softmax: new max, rescale what came before
+            float mx = m[g];
+            for (int t = 0; t < n; ++t) mx = s[g][t] > mx ? s[g][t] : mx;
+            for (int t = n; t < (n + 15) / 16 * 16; ++t) s[g][t] = mx - 100.0f;  // e^-87: ~0
+            v16f sum{};
+            for (int t = 0; t < n; t += 16) {
+                v16f e = vexp(load(&s[g][t]) - mx);
+                store(&s[g][t], e);
+                sum += e;
+            }
+            const float corr = vexp(v16f{} + (m[g] - mx))[0];
+            for (int i = 0; i < NV; ++i) acc[g][i] *= corr;
+            l[g] = l[g] * corr + hsum(sum);
+            m[g] = mx;
+        }
+        for (int t = 0; t < n; ++t) {  // weighted values
+            v16f row[NV];
+            for (int i = 0; i < NV; ++i) row[i] = load(vp + t * D + i * 16);
+            for (int g = 0; g < G; ++g)
+                for (int i = 0; i < NV; ++i) acc[g][i] += s[g][t] * row[i];
+        }
+    }
+    for (int g = 0; g < G; ++g) {
+        const float inv = 1.0f / l[g];
+        for (int i = 0; i < NV; ++i) store(out + g * D + i * 16, acc[g][i] * inv);
+    }
+}
+
+template <typename T>
+void decode(const T* q, const T* k, const T* v, const int64_t* block_table,
+            const int64_t* ctx_lens, T* out, int batch, int heads, int kv_heads, int width,
+            int page_size, int64_t head_stride, float scale) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int item = 0; item < batch * kv_heads; ++item) {
+        const int b = item / kv_heads, h = item % kv_heads;
+        const int64_t at = (int64_t(b) * heads + int64_t(h) * GROUP) * HEAD_DIM;
+        decode_one<T, GROUP, HEAD_DIM / 16>(q + at, k + h * head_stride, v + h * head_stride,
+                                            block_table + int64_t(b) * width, ctx_lens[b],
+                                            out + at, page_size, scale);
+    }
+}
+
+// ---- prefill chunks: many queries per sequence, causal over the pages in place ----
+//
+// A work item is a tile of a sequence's query tokens for one KV head. Its rows are the
+// (token, query head of the group) pairs, ROWS of them, held transposed so that the rows lie
+// across the vector lanes: scores are [key][row], and the running max, sum and output are
+// per lane. Each key page is converted to float32 once per tile; its scores, causal mask,
+// online-softmax update and weighted values are all broadcast-FMAs over row vectors (no
+// horizontal sums). Pages past the tile's last query are never read.
+
+constexpr int ROWS = 64;          // rows of a tile: tokens * group, padded to the vectors
+constexpr int RV = ROWS / 16;     // row vectors
+constexpr float MASKED = -1.0e30f;
+
+struct Scratch {  // per thread, reused by every tile it runs
+    float qt[HEAD_DIM][ROWS], ot[HEAD_DIM][ROWS], st[MAX_PAGE][ROWS];
+    float kf[MAX_PAGE][HEAD_DIM], vf[MAX_PAGE][HEAD_DIM], row[HEAD_DIM];
+};
+
+template <typename T>
+void to_float(const T* src, float* dst, int n) {  // n values, n a multiple of 16
+    for (int i = 0; i < n; i += 16) store(dst + i, load(src + i));
+}
+
+// Rows r = token * GROUP + g of `tokens` query tokens at positions first, first + 1, ...;
+// q and out point at the group's first query head of the tile's first token; consecutive
+// tokens are `token_stride` apart.
+template <typename T>
+void prefill_tile(Scratch& w, const T* q, T* out, int64_t token_stride, int tokens,
+                  int64_t first, const T* k, const T* v, const int64_t* pages, int page_size,
+                  float scale) {
+    constexpr int D = HEAD_DIM;
+    const int rows = tokens * GROUP;
+    for (int r = 0; r < rows; ++r) {  // transpose the queries in, scaled
+        to_float(q + (r / GROUP) * token_stride + (r % GROUP) * D, w.row, D);
+        for (int d = 0; d < D; ++d) w.qt[d][r] = w.row[d] * scale;
+    }
+    for (int d = 0; d < D; ++d) {
+        for (int r = rows; r < ROWS; ++r) w.qt[d][r] = 0.0f;
+        for (int r = 0; r < ROWS; ++r) w.ot[d][r] = 0.0f;
+    }
+    v16f pos[RV], m[RV], l[RV];  // each row's token position, running max and sum
+    for (int j = 0; j < RV; ++j) {
+        for (int i = 0; i < 16; ++i) {
+            const int r = j * 16 + i < rows ? j * 16 + i : rows - 1;  // padding: the last row
+            pos[j][i] = float(first + r / GROUP);
+        }
+        m[j] = v16f{} - 3.0e38f;
+        l[j] = v16f{};
+    }
+    const int64_t last = first + tokens - 1;
+    for (int64_t start = 0, p = 0; start <= last; start += page_size, ++p) {
+        const int n = last + 1 - start < page_size ? int(last + 1 - start) : page_size;
+        to_float(k + pages[p] * page_size * D, &w.kf[0][0], n * D);
+        to_float(v + pages[p] * page_size * D, &w.vf[0][0], n * D);
+        int t = 0;
+        for (; t + 4 <= n; t += 4) {  // scores, four keys at a time
+            v16f acc[4][RV] = {};
+            for (int d = 0; d < D; ++d) {
+                v16f qv[RV];
+                for (int j = 0; j < RV; ++j) qv[j] = load(&w.qt[d][j * 16]);
+                for (int i = 0; i < 4; ++i)
+                    for (int j = 0; j < RV; ++j) acc[i][j] += w.kf[t + i][d] * qv[j];
+            }
+            for (int i = 0; i < 4; ++i)
+                for (int j = 0; j < RV; ++j) store(&w.st[t + i][j * 16], acc[i][j]);
+        }
+        for (; t < n; ++t) {
+            v16f acc[RV] = {};
+            for (int d = 0; d < D; ++d)
+                for (int j = 0; j < RV; ++j) acc[j] += w.kf[t][d] * load(&w.qt[d][j * 16]);
+            for (int j = 0; j < RV; ++j) store(&w.st[t][j * 16], acc[j]);
+        }
+        if (start + n - 1 > first)  // keys after some row's own position: causal mask
+            for (int t = 0; t < n; ++t)
+                for (int j = 0; j < RV; ++j) {
+                    v16f s = load(&w.st[t][j * 16]);
+                    store(&w.st[t][j * 16], float(start + t) > pos[j] ? v16f{} + MASKED : s);
+                }
+        for (int j = 0; j < RV; ++j) {  // online softmax across the lanes
+            v16f mx = m[j];
+            for (int t = 0; t < n; ++t) {
+                v16f s = load(&w.st[t][j * 16]);
+                mx = s > mx ? s : mx;
+            }
+            const v16f corr = vexp(m[j] - mx);
+            v16f sum{};
+            for (int t = 0; t < n; ++t) {
+                v16f e = vexp(load(&w.st[t][j * 16]) - mx);
+                store(&w.st[t][j * 16], e);
+                sum += e;
+            }
+            l[j] = l[j] * corr + sum;
+            m[j] = mx;
+            for (int d0 = 0; d0 < D; d0 += 16) {  // weighted values, 16 dims at a time
+                v16f acc[16];
+                for (int i = 0; i < 16; ++i) acc[i] = load(&w.ot[d0 + i][j * 16]) * corr;
+                for (int t = 0; t < n; ++t) {
+                    const v16f pv = load(&w.st[t][j * 16]);
+                    for (int i = 0; i < 16; ++i) acc[i] += w.vf[t][d0 + i] * pv;
+                }
+                for (int i = 0; i < 16; ++i) store(&w.ot[d0 + i][j * 16], acc[i]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; ++r) {  // transpose the outputs back, normalised
+        const float inv = 1.0f / l[r / 16][r % 16];
+        for (int d = 0; d < D; ++d) w.row[d] = w.ot[d][r] * inv;
+        T* dst = out + (r / GROUP) * token_stride + (r % GROUP) * D;
+        for (int d = 0; d < D; d += 16) store(dst + d, load(w.row + d));
+    }
+}
+
+template <typename T>
+void prefill(const T* q, const T* k, const T* v, const int64_t* block_table,
+             const int64_t* q_lens, const int64_t* ctx_lens, T* out, int batch, int heads,
+             int kv_heads, int width, int page_size, int64_t head_stride, float scale) {
+    constexpr int tile = ROWS / GROUP;  // query tokens a tile
+    struct Item { int b; int64_t token; };  // a sequence, and its tile's first token
+    std::vector<Item> items;
+    std::vector<int64_t> q_start(batch);
+    for (int b = 0, at = 0; b < batch; at += q_lens[b], ++b) {
+        q_start[b] = at;
+        for (int64_t i = 0; i < q_lens[b]; i += tile) items.push_back({b, i});
+    }
+    // costliest first (the most keys: late tiles of long contexts), for the dynamic schedule
+    std::sort(items.begin(), items.end(), [&](const Item& x, const Item& y) {
+        return ctx_lens[x.b] - q_lens[x.b] + x.token > ctx_lens[y.b] - q_lens[y.b] + y.token;
+    });
+    const int64_t token_stride = int64_t(heads) * HEAD_DIM;
+    const int count = int(items.size()) * kv_heads;
+#pragma omp parallel
+    {
+        thread_local std::unique_ptr<Scratch> w(new Scratch);  // once per thread
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < count; ++i) {
+            const Item it = items[i / kv_heads];
+            const int h = i % kv_heads;
+            const int tokens = int(std::min<int64_t>(tile, q_lens[it.b] - it.token));
+            const int64_t at = (q_start[it.b] + it.token) * token_stride + h * GROUP * HEAD_DIM;
+            prefill_tile(*w, q + at, out + at, token_stride, tokens,
+                         ctx_lens[it.b] - q_lens[it.b] + it.token, k + h * head_stride,
+                         v + h * head_stride, block_table + int64_t(it.b) * width, page_size,
+                         scale);
+        }
+    }
+}
+
+template <typename T>
+int attend(const void* q, const void* k, const void* v, const int64_t* block_table,
+           const int64_t* q_lens, const int64_t* ctx_lens, void* out, int batch, int heads,
+           int kv_heads, int dim, int width, int page_size, int64_t head_stride, float scale) {
+    if (kv_heads <= 0 || heads != kv_heads * GROUP || dim != HEAD_DIM || page_size <= 0 ||
+        page_size > MAX_PAGE)
+        return 1;
+    const T *qt = static_cast<const T*>(q), *kt = static_cast<const T*>(k),
+            *vt = static_cast<const T*>(v);
+    if (q_lens == nullptr)
+        decode(qt, kt, vt, block_table, ctx_lens, static_cast<T*>(out), batch, heads, kv_heads,
+               width, page_size, head_stride, scale);
+    else
+        prefill(qt, kt, vt, block_table, q_lens, ctx_lens, static_cast<T*>(out), batch, heads,
+                kv_heads, width, page_size, head_stride, scale);
+    return 0;
+}
+
+}  // namespace
+
+// Attention of a step's sequences of one kind, over their pages in one layer's caches
+// [kv_heads, slots, dim] (head_stride = slots * dim apart), through block_table [batch, width].
+// q and out are [tokens, heads, dim], each sequence's tokens after the previous one's, the
+// last of them at position ctx_lens[b] - 1. q_lens null: decodes, one token per sequence;
+// else prefill chunks of q_lens[b] tokens. dtype: 0 float32, 1 bfloat16. Returns 0, or 1 for
+// a shape the library was not built for.
+extern "C" int pypto_paged_attention(int dtype, const void* q, const void* k, const void* v,
+                                     const int64_t* block_table, const int64_t* q_lens,
+                                     const int64_t* ctx_lens, void* out, int batch, int heads,
+                                     int kv_heads, int dim, int width, int page_size,
+                                     int64_t head_stride, float scale) {
+    auto run = dtype == 0 ? attend<float> : dtype == 1 ? attend<uint16_t> : nullptr;
+    if (run == nullptr) return 1;
+    return run(q, k, v, block_table, q_lens, ctx_lens, out, batch, heads, kv_heads, dim, width,
+               page_size, head_stride, scale);
+}

@@ -1,0 +1,176 @@
+"""The native paged attention kernels against PyTorch's path and a float64 reference.
+
+Pages are scattered at random through the cache, contexts and chunks start and end anywhere
+within a page, and the shapes cover grouped-query ratios, head sizes and page sizes; each case
+is computed three ways: the kernel reading pages in place, PyTorch's gather + batched matmuls
+(decodes) or masked flash attention (prefill chunks), and float64 causal attention over each
+sequence's keys and values gathered token by token.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pypto_serving.executor.paged import native_attention_kernel
+from pypto_serving.kv import native_attention
+from pypto_serving.kv.paged_attention import _Group
+from pypto_serving.models.config import ModelConfig
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def reference(q, k_cache, v_cache, block_table, q_lens, ctx_lens, page_size):
+    """float64 causal attention of each sequence's queries (the last q_lens[b] of its ctx_lens[b]
+    tokens) over its keys and values, gathered token by token."""
+    heads, kv_heads = q.shape[1], k_cache.shape[0]
+    out, first = [], 0
+    for b, (n, ctx) in enumerate(zip(q_lens.tolist(), ctx_lens.tolist(), strict=True)):
+        pos = torch.arange(ctx)
+        slots = block_table[b, pos // page_size] * page_size + pos % page_size
+        keys = k_cache[:, slots].double().repeat_interleave(heads // kv_heads, 0)  # [H, ctx, D]
+        values = v_cache[:, slots].double().repeat_interleave(heads // kv_heads, 0)
+        queries = q[first : first + n].double().transpose(0, 1)  # [H, n, D]
+        scores = queries @ keys.transpose(1, 2) * q.shape[-1] ** -0.5  # [H, n, ctx]
+        scores.masked_fill_(pos[None, :] > (ctx - n + torch.arange(n))[:, None], -torch.inf)
+        out.append((scores.softmax(-1) @ values).transpose(0, 1))
+        first += n
+    return torch.cat(out)
+
+
+def make_case(seed, q_lens, kv_heads, group, head_dim, page_size, max_prefix, dtype):
+    g = torch.Generator().manual_seed(seed)
+    q_lens = torch.tensor(q_lens)
+    ctx_lens = q_lens + torch.randint(0, max_prefix + 1, (len(q_lens),), generator=g)
+    width = int((ctx_lens.max() + page_size - 1) // page_size)
+    num_pages = len(q_lens) * width + 3
+    k_cache = torch.randn(kv_heads, num_pages * page_size, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(kv_heads, num_pages * page_size, head_dim, generator=g).to(dtype)
+    q = torch.randn(int(q_lens.sum()), kv_heads * group, head_dim, generator=g) * 2
+    table = torch.randperm(num_pages, generator=g)[: len(q_lens) * width]
+    return q.to(dtype), k_cache, v_cache, table.view(len(q_lens), width), q_lens, ctx_lens
+
+
+SHAPES = dict(
+    seed=st.integers(0, 2**31),
+    kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 3, 4, 8]),
+    head_dim=st.sampled_from([16, 32, 64, 128]),
+    page_size=st.sampled_from([16, 64]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+
+
+def check(q, k_cache, v_cache, block_table, q_lens, ctx_lens, page_size, group, head_dim):
+    lib = native_attention.library(group, head_dim)
+    assert lib is not None, "the kernels must build here (g++ is what Inductor uses too)"
+    tokens, max_q = slice(0, len(q)), int(q_lens.max())
+    native = _Group(page_size, k_cache.shape[0], block_table, q_lens, ctx_lens, tokens, max_q, lib)
+    plain = _Group(page_size, k_cache.shape[0], block_table, q_lens, ctx_lens, tokens, max_q)
+    got = native.attend(q, k_cache, v_cache)
+    want = reference(q, k_cache, v_cache, block_table, q_lens, ctx_lens, page_size)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    tol = TOLERANCE[q.dtype]
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(plain.attend(q, k_cache, v_cache).double(), want, atol=tol, rtol=tol)
+
+
+@settings(max_examples=50, deadline=None)
+@given(batch=st.integers(1, 6), max_ctx=st.integers(1, 300), **SHAPES)
+def test_decodes_match_pytorch_and_float64(
+    seed, batch, kv_heads, group, head_dim, page_size, max_ctx, dtype
+):
+    case = make_case(seed, [1] * batch, kv_heads, group, head_dim, page_size, max_ctx - 1, dtype)
+    check(*case, page_size, group, head_dim)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    q_lens=st.lists(st.integers(2, 90), min_size=1, max_size=4),
+    max_prefix=st.integers(0, 150),
+    **SHAPES,
+)
+def test_prefill_chunks_match_pytorch_and_float64(
+    seed, q_lens, kv_heads, group, head_dim, page_size, max_prefix, dtype
+):
+    case = make_case(seed, q_lens, kv_heads, group, head_dim, page_size, max_prefix, dtype)
+    check(*case, page_size, group, head_dim)
+
+
+def test_a_library_refuses_shapes_it_was_not_built_for():
+    q, k_cache, v_cache, table, q_lens, ctx_lens = make_case(
+        0, [1, 1], 2, 2, 64, 16, 40, torch.float32
+    )
+    lib = native_attention.library(4, 64)  # built for 4 query heads per KV head, not 2
+    with pytest.raises(ValueError, match="not built for"):
+        native_attention.paged_attention(lib, q, k_cache, v_cache, table, ctx_lens, 16)
+    with pytest.raises(ValueError, match="not built for"):
+        native_attention.paged_attention(lib, q, k_cache, v_cache, table, ctx_lens, 16, q_lens)
+
+
+def test_the_library_is_built_once_then_reused(tmp_path: Path):
+    first = native_attention.build(2, 32, tmp_path)
+    assert first is not None and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert native_attention.build(2, 32, tmp_path) == first
+    assert first.stat().st_mtime_ns == stamp
+    assert native_attention.build(2, 64, tmp_path) != first  # another shape, another library
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".so")] == []
+
+
+def test_without_a_working_compiler_attention_stays_on_pytorch(tmp_path: Path, caplog):
+    with caplog.at_level(logging.WARNING):
+        assert native_attention.build(3, 64, tmp_path, compiler="no-such-compiler-here") is None
+        assert "no C++ compiler" in caplog.text
+        broken = tmp_path / "cxx"
+        broken.write_text(
+            '#!/bin/sh\n[ "$1" = --version ] && echo "cxx 1.0" && exit 0\n'
+            "echo 'cxx: cannot compile' >&2\nexit 1\n"
+        )
+        broken.chmod(0o755)
+        assert native_attention.build(3, 64, tmp_path / "out", compiler=str(broken)) is None
+        assert "cannot compile" in caplog.text
+    assert not list((tmp_path / "out").glob("*.so"))
+
+
+def _config(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=32,
+        hidden_size=heads * head_dim,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+        o_bias=False,
+        qk_norm=False,
+        rope_inv_freq=(1.0,) * (head_dim // 2),
+        rope_scaling=1.0,
+        eos_token_ids=(2,),
+        torch_dtype="float32",
+    )
+
+
+def test_the_executor_uses_the_kernel_only_where_it_applies(monkeypatch, caplog):
+    cpu = torch.device("cpu")
+    assert native_attention_kernel(_config(9, 3, 64), cpu, torch.bfloat16, 64) is not None
+    with caplog.at_level(logging.INFO):
+        assert native_attention_kernel(_config(4, 1, 8), cpu, torch.float32, 64) is None
+    assert "head_dim 8" in caplog.text
+    assert native_attention_kernel(_config(9, 3, 64), cpu, torch.float16, 64) is None
+    assert (
+        native_attention_kernel(_config(9, 3, 64), torch.device("meta"), torch.float32, 64) is None
+    )
+    monkeypatch.setitem(os.environ, "PYPTO_NATIVE_ATTENTION", "0")
+    assert native_attention_kernel(_config(9, 3, 64), cpu, torch.bfloat16, 64) is None
