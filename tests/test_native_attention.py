@@ -174,3 +174,41 @@ def test_the_executor_uses_the_kernel_only_where_it_applies(monkeypatch, caplog)
     )
     monkeypatch.setitem(os.environ, "PYPTO_NATIVE_ATTENTION", "0")
     assert native_attention_kernel(_config(9, 3, 64), cpu, torch.bfloat16, 64) is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    tokens=st.integers(1, 40),
+    kv_heads=st.integers(1, 3),
+    head_dim=st.sampled_from([16, 64]),
+    extra=st.integers(0, 3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_storing_new_keys_and_values_matches_index_copy(
+    seed, tokens, kv_heads, head_dim, extra, dtype
+):
+    """k and v arrive as views into a projection's output (rows wider than their heads)."""
+    g = torch.Generator().manual_seed(seed)
+    width = (2 * kv_heads + extra) * head_dim
+    rows = torch.randn(tokens, width, generator=g).to(dtype)
+    k = rows[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    v = rows[:, kv_heads * head_dim : 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    k = k.contiguous() if extra % 2 else k  # keys are often fresh tensors (after RoPE)
+    slots = torch.randperm(64, generator=g)[:tokens]
+    caches = [torch.randn(kv_heads, 64, head_dim, generator=g).to(dtype) for _ in range(2)]
+    caches += [c.clone() for c in caches]
+    lib = native_attention.library(1, head_dim)
+    assert native_attention.store_kv(lib, k, v, caches[0], caches[1], slots)
+    caches[2].index_copy_(1, slots, k.transpose(0, 1))
+    caches[3].index_copy_(1, slots, v.transpose(0, 1))
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_keys_laid_out_otherwise_are_left_to_the_caller():
+    lib = native_attention.library(1, 16)
+    k = torch.randn(16, 4, 2).transpose(0, 2)  # [2, 4, 16], heads not 16 apart
+    cache = torch.zeros(4, 8, 16)
+    slots = torch.tensor([3, 5])
+    assert not native_attention.store_kv(lib, k, k.contiguous(), cache, cache.clone(), slots)
+    assert not cache.any()

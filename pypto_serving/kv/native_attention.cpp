@@ -345,3 +345,21 @@ extern "C" int pypto_paged_attention(int dtype, const void* q, const void* k, co
     return run(q, k, v, block_table, q_lens, ctx_lens, out, batch, heads, kv_heads, dim, width,
                page_size, head_stride, scale);
 }
+
+// Write a step's new keys and values into their slots: k and v are [tokens, kv_heads, dim]
+// with heads dim apart and tokens k_stride / v_stride apart (views into the projections'
+// outputs), the caches as above; element_size is 4 (float32) or 2 (bfloat16).
+extern "C" void pypto_store_kv(int element_size, const void* k, const void* v, void* k_cache,
+                               void* v_cache, const int64_t* slots, int tokens, int kv_heads,
+                               int64_t k_stride, int64_t v_stride, int64_t head_stride) {
+    const int64_t row = int64_t(HEAD_DIM) * element_size;
+    const char *ks = static_cast<const char*>(k), *vs = static_cast<const char*>(v);
+    char *kc = static_cast<char*>(k_cache), *vc = static_cast<char*>(v_cache);
+    for (int t = 0; t < tokens; ++t)
+        for (int h = 0; h < kv_heads; ++h) {
+            const int64_t at = int64_t(h) * HEAD_DIM;
+            const int64_t dst = (h * head_stride + slots[t] * HEAD_DIM) * element_size;
+            std::memcpy(kc + dst, ks + (t * k_stride + at) * element_size, row);
+            std::memcpy(vc + dst, vs + (t * v_stride + at) * element_size, row);
+        }
+}

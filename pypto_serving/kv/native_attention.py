@@ -97,6 +97,10 @@ def library(group: int, head_dim: int) -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 6, ctypes.c_int64]
     fn.argtypes += [ctypes.c_float]
+    store = lib.pypto_store_kv
+    store.restype = None
+    store.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 5, ctypes.c_int, ctypes.c_int]
+    store.argtypes += [ctypes.c_int64] * 3
     return lib
 
 
@@ -155,3 +159,33 @@ def paged_attention(
             f"{kv_heads} KV heads, pages of {page_size}"
         )
     return out
+
+
+def store_kv(
+    lib: ctypes.CDLL,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """Write k, v [T, Hkv, D] of a step's new tokens into their slots (slot_mapping [T],
+    int64, contiguous) of one layer's caches [Hkv, slots, D]; False (nothing written) where k
+    or v is not laid out as rows of contiguous heads, for the caller to write them itself."""
+    tokens, kv_heads, dim = k.shape
+    if k.stride()[1:] != (dim, 1) or v.stride()[1:] != (dim, 1):
+        return False
+    lib.pypto_store_kv(
+        k.element_size(),
+        k.data_ptr(),
+        v.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        tokens,
+        kv_heads,
+        k.stride(0),
+        v.stride(0),
+        k_cache.shape[1] * dim,
+    )
+    return True

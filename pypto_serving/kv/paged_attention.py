@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from pypto_serving.kv.native_attention import paged_attention as native_attention
+from pypto_serving.kv.native_attention import store_kv
 from pypto_serving.kv.store import PagedKVStore
 
 _active: list[StepAttention] = []
@@ -136,7 +137,7 @@ class StepAttention:
         """block_table [B, W]; slot_mapping [T]; q_lens, ctx_lens [B] (ctx includes new);
         `kernel`: the native attention library (`native_attention.library()`), or None for
         PyTorch's path."""
-        self.store, self.slot_mapping = store, slot_mapping
+        self.store, self.slot_mapping, self.kernel = store, slot_mapping.contiguous(), kernel
         heads, page, nd = store.k_cache.shape[1], store.page_size, num_decodes
         self.groups = []
         if nd > 0:
@@ -169,8 +170,11 @@ class StepAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.store.k_cache[layer], self.store.v_cache[layer]
-        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
+        if self.kernel is None or not store_kv(
+            self.kernel, k, v, k_cache, v_cache, self.slot_mapping
+        ):
+            k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
+            v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
         outs = [g.attend(q[g.tokens], k_cache, v_cache) for g in self.groups]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
