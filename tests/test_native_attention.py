@@ -18,10 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pypto_serving.executor.paged import native_attention_kernel
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.paged_attention import _Group
-from pypto_serving.models.config import ModelConfig
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -139,41 +137,17 @@ def test_without_a_working_compiler_attention_stays_on_pytorch(tmp_path: Path, c
     assert not list((tmp_path / "out").glob("*.so"))
 
 
-def _config(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
-    return ModelConfig(
-        architecture="llama",
-        vocab_size=32,
-        hidden_size=heads * head_dim,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        qkv_bias=False,
-        o_bias=False,
-        qk_norm=False,
-        rope_inv_freq=(1.0,) * (head_dim // 2),
-        rope_scaling=1.0,
-        eos_token_ids=(2,),
-        torch_dtype="float32",
-    )
-
-
-def test_the_executor_uses_the_kernel_only_where_it_applies(monkeypatch, caplog):
+def test_the_kernels_are_used_only_where_they_apply(monkeypatch, caplog):
     cpu = torch.device("cpu")
-    assert native_attention_kernel(_config(9, 3, 64), cpu, torch.bfloat16, 64) is not None
+    library_for = native_attention.library_for
+    assert library_for(cpu, torch.bfloat16, 9, 3, 64, 64) is not None
     with caplog.at_level(logging.INFO):
-        assert native_attention_kernel(_config(4, 1, 8), cpu, torch.float32, 64) is None
+        assert library_for(cpu, torch.float32, 4, 1, 8, 64) is None
     assert "head_dim 8" in caplog.text
-    assert native_attention_kernel(_config(9, 3, 64), cpu, torch.float16, 64) is None
-    assert (
-        native_attention_kernel(_config(9, 3, 64), torch.device("meta"), torch.float32, 64) is None
-    )
+    assert library_for(cpu, torch.float16, 9, 3, 64, 64) is None
+    assert library_for(torch.device("meta"), torch.float32, 9, 3, 64, 64) is None
     monkeypatch.setitem(os.environ, "PYPTO_NATIVE_ATTENTION", "0")
-    assert native_attention_kernel(_config(9, 3, 64), cpu, torch.bfloat16, 64) is None
+    assert library_for(cpu, torch.bfloat16, 9, 3, 64, 64) is None
 
 
 @settings(max_examples=30, deadline=None)

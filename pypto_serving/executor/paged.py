@@ -8,7 +8,6 @@ compiled once at start-up (warm-up covers every graph shape) unless `enforce_eag
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from dataclasses import replace
@@ -20,7 +19,7 @@ from torch._inductor.exc import InductorError
 from tqdm import tqdm
 
 from pypto_serving.config import CacheConfig, EngineConfig
-from pypto_serving.device import synchronize, use_native_attention
+from pypto_serving.device import synchronize
 from pypto_serving.distributed import (
     StepInputs,
     broadcast_step,
@@ -34,7 +33,6 @@ from pypto_serving.kv import native_attention
 from pypto_serving.kv.disk_tier import HEADER_BYTES
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, active_step
 from pypto_serving.kv.store import PagedKVStore
-from pypto_serving.models.config import ModelConfig
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.models.loader import checkpoint_digest
 from pypto_serving.ops.sampler import Sampled, SamplingRow, sample
@@ -121,28 +119,6 @@ def build_paged_executor(
     )
 
 
-def native_attention_kernel(
-    cfg: ModelConfig, device: torch.device, dtype: torch.dtype, page_size: int
-) -> ctypes.CDLL | None:
-    """The native paged attention library where it applies (the CPU, a supported dtype and
-    head shape), built or loaded now; None means PyTorch's attention (said in the log)."""
-    if not use_native_attention(device):
-        return None
-    if not native_attention.supports(
-        dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size
-    ):
-        log.info(
-            "attention on the PyTorch path: the native kernels do not take %s, "
-            "head_dim %d, %d query heads per KV head or pages of %d",
-            dtype,
-            cfg.head_dim,
-            cfg.num_heads // cfg.num_kv_heads,
-            page_size,
-        )
-        return None
-    return native_attention.library(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
-
-
 class PagedExecutor:
     """Runs steps on its model. Under tensor or pipeline parallelism rank 0's executor builds
     each step and broadcasts its inputs; the other ranks' executors `follow()`, running the
@@ -166,7 +142,10 @@ class PagedExecutor:
         self.paged_kv = PagedKV()
         self.run_layer = None if enforce_eager else CompiledLayers()
         """How the model's decoder layers run: compiled, or eagerly (None)."""
-        self.attention_kernel = native_attention_kernel(model.cfg, device, dtype, cache.page_size)
+        cfg = model.cfg
+        self.attention_kernel = native_attention.library_for(
+            device, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache.page_size
+        )
         """The native paged attention library, or None for PyTorch's attention."""
 
     @property

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from pypto_serving.device import cpu_flags
+from pypto_serving.device import cpu_flags, use_native_attention
 from pypto_serving.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -104,16 +104,38 @@ def library(group: int, head_dim: int) -> ctypes.CDLL | None:
     return lib
 
 
-def supports(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, page_size: int) -> bool:
-    """Whether the kernels can be built for these shapes (else the PyTorch path serves)."""
-    return (
-        dtype in DTYPES
-        and head_dim % 16 == 0
-        and head_dim <= MAX_HEAD_DIM
-        and heads % kv_heads == 0
-        and heads // kv_heads <= MAX_GROUP
-        and page_size <= MAX_PAGE
-    )
+def library_for(
+    device: torch.device,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+) -> ctypes.CDLL | None:
+    """The library for a model's attention where the kernels apply (the CPU, float32 or
+    bfloat16, head_dim a multiple of 16 up to 256, up to 16 query heads per KV head, pages of
+    up to 256 tokens), built or loaded now; None means PyTorch's attention (logged)."""
+    if not use_native_attention(device):
+        return None
+    group = heads // kv_heads
+    if (
+        dtype not in DTYPES
+        or head_dim % 16
+        or head_dim > MAX_HEAD_DIM
+        or heads % kv_heads
+        or group > MAX_GROUP
+        or page_size > MAX_PAGE
+    ):
+        log.info(
+            "attention on the PyTorch path: the native kernels do not take %s, "
+            "head_dim %d, %d query heads per KV head or pages of %d",
+            dtype,
+            head_dim,
+            group,
+            page_size,
+        )
+        return None
+    return library(group, head_dim)
 
 
 def paged_attention(

@@ -135,7 +135,7 @@ class StepAttention:
         kernel: ctypes.CDLL | None = None,
     ) -> None:
         """block_table [B, W]; slot_mapping [T]; q_lens, ctx_lens [B] (ctx includes new);
-        `kernel`: the native attention library (`native_attention.library()`), or None for
+        `kernel`: the native attention library (`native_attention.library_for`), or None for
         PyTorch's path."""
         self.store, self.slot_mapping, self.kernel = store, slot_mapping.contiguous(), kernel
         heads, page, nd = store.k_cache.shape[1], store.page_size, num_decodes
