@@ -22,6 +22,10 @@ from pypto_serving.kv import native_attention
 from pypto_serving.kv.paged_attention import _Group
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+PYTORCH_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 5e-2}
+"""PyTorch's decode path rounds the softmax probabilities to bf16 before weighting the values
+(the native kernels keep them in float32), so over a long context its error grows past one
+bf16 step of the output: 0.026 was seen against float64 at context 136."""
 
 
 def reference(q, k_cache, v_cache, block_table, q_lens, ctx_lens, page_size):
@@ -76,6 +80,7 @@ def check(q, k_cache, v_cache, block_table, q_lens, ctx_lens, page_size, group, 
     assert got.dtype == q.dtype and got.shape == q.shape
     tol = TOLERANCE[q.dtype]
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    tol = PYTORCH_TOLERANCE[q.dtype]
     torch.testing.assert_close(plain.attend(q, k_cache, v_cache).double(), want, atol=tol, rtol=tol)
 
 
