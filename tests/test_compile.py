@@ -5,9 +5,15 @@ from __future__ import annotations
 import random
 
 import torch
+from live_server import tiny_llm
 
 from pypto_serving import LLM, SamplingParams
-from pypto_serving.executor.compiled import COUNTER, CompiledLayers, LayerGraph
+from pypto_serving.executor.compiled import (
+    COUNTER,
+    CompiledLayers,
+    LayerGraph,
+    trust_cpu_vector_isa,
+)
 from pypto_serving.kv.paged_attention import PagedKV
 from pypto_serving.models.llama import MLP
 
@@ -25,10 +31,10 @@ def test_no_recompilation_after_warmup_across_batch_compositions(tiny_model):
     executor = llm.engine.executor
     assert isinstance(executor.run_layer, CompiledLayers)  # compiled, no eager fallback
     assert executor.num_recompilations == 0
-    # at most two graphs (the layer's for a decode of one, for the rest), none if another
-    # engine of this architecture compiled them: the layers share them
+    # at most one graph, none if another engine of this architecture compiled it: the
+    # layers share it, and it serves every step (a decode of one too)
     assert executor.model.cfg.num_layers >= 2  # so that a graph per layer would show
-    assert COUNTER.num_compiles - before <= 2
+    assert COUNTER.num_compiles - before <= 1
     compiles = COUNTER.num_compiles
     rng = random.Random(0)
     shared = [rng.randrange(3, 300) for _ in range(40)]
@@ -55,13 +61,67 @@ def test_eager_and_compiled_paths_agree(tiny_model):
     eager = LLM(path, dtype="float32", enforce_eager=True).generate(prompts, greedy)
     torch._dynamo.reset()  # so that this engine compiles, and captures, its own layer graphs
     llm = LLM(path, dtype="float32")
-    # both graphs (decode of one; any other step) captured: the layers call them directly
-    assert set(llm.engine.executor.run_layer.graphs) == {
-        (MLP, PagedKV, True),
-        (MLP, PagedKV, False),
-    }
+    # one graph for every step, captured: the layers call it directly
+    assert set(llm.engine.executor.run_layer.graphs) == {(MLP, PagedKV, False)}
     compiled = llm.generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in eager] == [o.outputs[0].token_ids for o in compiled]
+
+
+def test_a_second_engine_of_an_architecture_serves_every_step(tiny_model):
+    """The second engine's larger steps hit the first one's graph in dynamo's cache and
+    compile nothing to capture; its decode of one compiles a static graph, which must not
+    become the graph for every step."""
+    path = str(tiny_model("llama-gqa4-tied"))
+    prompts = [[3 + i] * (5 + 7 * i) for i in range(6)]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    torch._dynamo.reset()
+    first = LLM(path, dtype="float32")
+    expected = first.generate(prompts, greedy, use_tqdm=False)
+    second = LLM(path, dtype="float32")
+    assert (MLP, PagedKV, False) not in second.engine.executor.run_layer.graphs
+    got = second.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert second.engine.executor.num_recompilations == 0
+
+
+def test_quantized_layers_get_a_graph_of_their_own_for_a_decode_of_one(tiny_model):
+    """A quantized linear calls its one-row kernel directly, a branch taken when traced, so
+    quantized layers get a second graph, static, for a decode of one token."""
+    torch._dynamo.reset()  # so that this engine compiles, and captures, its own layer graphs
+    knobs = {"dtype": "bfloat16", "quantization": "int8", "enforce_eager": False}
+    with tiny_llm(tiny_model("llama-gqa4-tied"), **knobs) as llm:
+        assert set(llm.engine.executor.run_layer.graphs) == {
+            (MLP, PagedKV, True),
+            (MLP, PagedKV, False),
+        }
+        greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        llm.generate([[5, 6, 7], [8] * 20], greedy, use_tqdm=False)
+        assert llm.engine.stats().num_recompilations == 0
+
+
+def test_the_cpu_vector_isa_is_the_one_inductor_probes(monkeypatch):
+    """Trusting the CPU's flags picks the ISA Inductor's own probes pick; a compiler that
+    does not take the ISA's flags leaves the probing to Inductor."""
+    from torch._inductor import config, cpp_builder, cpu_vec_isa
+
+    def picked(vec_isa_ok: bool | None) -> str:
+        monkeypatch.setattr(config.cpp, "vec_isa_ok", vec_isa_ok)
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+        return str(cpu_vec_isa.pick_vec_isa())
+
+    try:
+        probed = picked(None)
+        assert trust_cpu_vector_isa()
+        assert config.cpp.vec_isa_ok is True
+        assert str(cpu_vec_isa.pick_vec_isa()) == probed
+        assert not trust_cpu_vector_isa()  # already decided: left as it is
+        for compiler in ("false", "/nonexistent/g++"):
+            monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda c=compiler: c)
+            picked(None)
+            assert not trust_cpu_vector_isa()
+            assert config.cpp.vec_isa_ok is None
+    finally:
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
 
 
 def test_a_captured_layer_graph_is_checked_against_each_layer():

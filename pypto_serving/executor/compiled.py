@@ -1,10 +1,11 @@
 """Compile once, execute many: decoder layers under torch.compile, with a compile counter.
 
 The model runs eagerly around one compiled `DecoderLayer.forward`. The layers differ only in
-their tensors, which are graph inputs, so all of them share its graphs: one for a decode of
-one token (every size static) and one for any other step (the token count dynamic), per kind
-of layer (dense or mixture of experts). Tracing and compiling one layer instead of the whole
-model is what keeps start-up short.
+their tensors, which are graph inputs, so all of them share one graph per kind of layer
+(dense or mixture of experts), with the token count dynamic. Layers with quantized linears get
+a second graph for a decode of one token (every size static): their one-row kernel call is a
+trace-time branch. Tracing and compiling one layer instead of the whole model, and as few
+graphs as that, is what keeps start-up short (each graph is ~6 s of g++ on a cold cache).
 
 Going through dynamo costs ~0.17 ms a call (its guards, the compiled region's wrappers), 5 ms
 a token over 30 layers. So the first call that compiles a graph also captures it: where each
@@ -25,6 +26,8 @@ recompilation, logged and exposed as a metric.
 from __future__ import annotations
 
 import logging
+import subprocess
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +36,7 @@ from torch import nn
 
 from pypto_serving.models.llama import CausalLM, DecoderLayer
 from pypto_serving.ops.attention import KVAttention
+from pypto_serving.ops.linear import Linear
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +108,50 @@ def _compiled_layer() -> Callable[..., torch.Tensor]:
         torch._dynamo.config.cache_size_limit = 64  # several architectures in one process
         _layer = torch.compile(DecoderLayer.forward, backend=_capturing_backend)
     return _layer
+
+
+_ISA_CHECK = """
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+int pypto_isa_check() { return 0; }
+"""
+
+
+def trust_cpu_vector_isa() -> bool:
+    """Let Inductor use the widest SIMD ISA the CPU reports without its own probes.
+
+    Inductor checks each ISA the CPU reports by compiling a test against torch's vector
+    headers and loading it in a child Python: ~6 s of a cold start, and 1.2 s of every warm
+    one (the loading is not cached). The CPU's flags already say what it runs; what is left to
+    check is that the compiler takes the ISA's flags, which a few lines of intrinsics show in
+    ~50 ms. Returns whether the ISA is trusted; where the quick check fails (or the user set
+    TORCHINDUCTOR_VEC_ISA_OK), Inductor decides as it would have."""
+    from torch._inductor import config, cpp_builder, cpu_vec_isa
+
+    if config.cpp.vec_isa_ok is not None:
+        return False
+    config.cpp.vec_isa_ok = True
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    isa = cpu_vec_isa.pick_vec_isa()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            source = f"{tmp}/isa.cpp"
+            with open(source, "w") as f:
+                f.write(_ISA_CHECK)
+            cmd = [cpp_builder.get_cpp_compiler(), *isa.build_arch_flags().split()]
+            subprocess.run(
+                [*cmd, "-c", source, "-o", f"{tmp}/isa.o"],
+                capture_output=True,
+                check=True,
+                timeout=60,
+            )
+        return True
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.info("the compiler did not take %s's flags (%s); Inductor probes its ISA", isa, e)
+        config.cpp.vec_isa_ok = None
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+        return False
 
 
 Where = tuple[str, str, str | int | None]
@@ -218,7 +266,10 @@ class CompiledLayers:
 
     def __init__(self) -> None:
         self.graphs: dict[tuple[type, type, bool], LayerGraph] = {}
-        """(kind of MLP, kind of KV attention, one token?) -> its captured graph."""
+        """(kind of MLP, kind of KV attention, one token with a graph of its own?) -> its
+        captured graph."""
+        self._one_row_branch: dict[int, bool] = {}
+        """id(layer) -> whether its code branches on a step of one token when traced."""
 
     def __call__(
         self,
@@ -228,7 +279,12 @@ class CompiledLayers:
         sin: torch.Tensor,
         kv: KVAttention,
     ) -> torch.Tensor:
-        key = (type(layer.mlp), type(kv), len(x) == 1)
+        if (branches := self._one_row_branch.get(id(layer))) is None:
+            branches = any(
+                isinstance(m, Linear) and m.quantized is not None for m in layer.modules()
+            )
+            self._one_row_branch[id(layer)] = branches
+        key = (type(layer.mlp), type(kv), branches and len(x) == 1)
         graph = self.graphs.get(key)
         if graph is not None and (out := graph(layer, x, cos, sin)) is not None:
             return out
@@ -236,7 +292,11 @@ class CompiledLayers:
             torch._dynamo.maybe_mark_dynamic(t, 0)
         _captured.clear()
         out = _compiled_layer()(layer, x, cos, sin, kv)
-        if graph is None and len(_captured) == 1:
+        # dynamo specialises a size of 1, so a graph compiled for one token is static: it
+        # can only be the one-token graph, never the shared one (that happens when another
+        # engine's graph of this architecture served the larger steps from dynamo's cache)
+        static = len(x) == 1
+        if graph is None and len(_captured) == 1 and static == key[2]:
             examples, fn = _captured[0]
             graph = LayerGraph.capture(fn, examples, layer, x, cos, sin)
             if graph is not None and torch.equal(graph(layer, x, cos, sin), out):

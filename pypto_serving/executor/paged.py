@@ -28,7 +28,12 @@ from pypto_serving.distributed import (
     send_to,
 )
 from pypto_serving.errors import PyptoError
-from pypto_serving.executor.compiled import COUNTER, CompiledLayers, forward_logits
+from pypto_serving.executor.compiled import (
+    COUNTER,
+    CompiledLayers,
+    forward_logits,
+    trust_cpu_vector_isa,
+)
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.disk_tier import HEADER_BYTES
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, active_step
@@ -278,6 +283,8 @@ class PagedExecutor:
         if self.run_layer is None:
             return
         start, compiles = time.perf_counter(), COUNTER.num_compiles
+        if self.device.type == "cpu":
+            trust_cpu_vector_isa()
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         reqs = [Request(f"warmup-{i}", [1 + i] * (5 + 3 * i), params) for i in range(2)]
         plans = [
