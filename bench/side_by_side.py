@@ -313,9 +313,8 @@ def run_ours(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     single = {key: lat[key] for key in ("ttft_ms", "decode_tok_per_s")}
     single |= {"output_tokens": lat["output_len"], "method": "engine step loop"}
     engine = off["engine"]
-    figures = engine_result(
-        "pypto-serving", engine["dtype"], engine["threads"], off["startup_s"], w1, single
-    )
+    kind = engine["dtype"] + (f", {q}" if (q := engine.get("quantization")) else "")
+    figures = engine_result("pypto-serving", kind, engine["threads"], off["startup_s"], w1, single)
     return {**result, **figures, "peak_rss_mib": max(off["peak_rss_mib"], lat["peak_rss_mib"])}
 
 

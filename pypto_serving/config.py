@@ -17,7 +17,7 @@ EXECUTORS = ("paged", "reference")
 LOAD_BALANCE = ("least_pending_tokens", "round_robin")
 BACKENDS = ("gloo", "nccl")
 PLACEMENTS = ("linear", "round_robin")
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "w8a8")
 SECTION_NAMES = ("scheduler", "cache", "parallel")
 """EngineConfig's sub-configs (and the JSON config file's sections of the same names)."""
 
@@ -226,9 +226,10 @@ class EngineConfig:
     num_threads: int | None = None
     """CPU threads for PyTorch; None uses every core this process may run on."""
     quantization: str | None = None
-    """Weight-only quantization of the linear layers (CPU, bfloat16): int8 (a scale per
-    output row) or int4 (scale and minimum per 32 inputs, as llama.cpp's Q4_1); None keeps
-    the weights in dtype. Fewer bytes per decode step, at some accuracy."""
+    """Quantization of the linear layers (CPU, bfloat16). Weight-only: int8 (a scale per
+    output row) or int4 (scale and minimum per 32 inputs, as llama.cpp's Q4_1): fewer bytes
+    per decode step. w8a8: int8 weights and int8 activations (per token, smoothed), for
+    faster batched steps. None keeps the weights in dtype. Each costs some accuracy."""
     step_timeout_s: float = 60.0
     """A step (or a data-parallel replica's step) running longer is taken for a hang: the
     watchdog fails the requests it held and reports the engine (or replica) dead."""
@@ -253,6 +254,11 @@ class EngineConfig:
         p = self.parallel
         if p.world_size > 1 and self.executor == "reference":
             raise PyptoError("data and tensor parallelism need the paged executor")
+        if p.ranks_per_engine > 1 and self.quantization == "w8a8":
+            raise PyptoError(
+                "quantization w8a8 is not available with tensor or pipeline parallelism yet "
+                "(its calibration runs the whole model on one rank)"
+            )
         if p.ranks_per_engine > 1 and self.cache.kv_ssd_dir is not None:
             raise PyptoError(
                 "the SSD KV tier is not available with tensor or pipeline parallelism yet"

@@ -1,5 +1,7 @@
-"""Weight-only quantization (int8 per row, int4 per group of 32): the kernels against a
-dequantized reference, the engine against its bf16 self, and the errors."""
+"""Quantization: weight-only (int8 per row, int4 per group of 32) and w8a8 (int8 weights and
+smoothed per-token int8 activations). The kernels against a dequantized reference, the
+calibration's factors against their definition, the engine against its bf16 self, and the
+errors."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pypto_serving.ops.linear import (
     INT4_GROUP,
     QUANTIZED_MAX_ROWS,
     Linear,
+    int8_linear,
     quantize_int4,
     quantize_int8,
     quantized_linear,
@@ -65,6 +68,62 @@ def test_prefill_sized_matmuls_use_the_packed_bf16_weight(kind):
         assert torch.equal(out, op)
 
 
+def test_int8_linear_is_the_integer_product_of_the_quantized_rows():
+    torch.manual_seed(3)
+    x = torch.randn(7, 128, dtype=torch.bfloat16)
+    weight = torch.randn(96, 128)
+    q, scales = quantize_int8(weight)
+    out = int8_linear(x, q, scales)
+    assert out.shape == (7, 96) and out.dtype == torch.bfloat16
+    # each row quantized by its own largest magnitude; int32 products; then both scales
+    row_scale = x.float().abs().amax(1, keepdim=True) / 127
+    xq = torch.round(x.float() / row_scale)
+    assert xq.abs().max() <= 127
+    expected = (xq.double() @ q.double().T) * row_scale.double() * scales.double()
+    assert relative_error(out, expected) < 4e-3  # bf16 rounding of the output only
+    assert relative_error(out, x.float() @ weight.T) < 0.02  # both quantizations together
+
+
+def test_smoothing_keeps_a_token_with_loud_channels_precise():
+    """A few loud input channels cost a token its quiet ones; divided by the smoothing
+    factors (and the weight's columns multiplied), the product is the same and precise."""
+    torch.manual_seed(4)
+    x = torch.randn(16, 256)
+    x[:, :4] *= 60  # outlier channels, the same for every token, as in LLMs
+    weight = torch.randn(64, 256) * 0.05
+    exact = x @ weight.T
+    plain = int8_linear(x.bfloat16(), *quantize_int8(weight))
+    s = (x.abs().amax(0) ** 0.5 / weight.abs().amax(0) ** 0.5).clamp(min=1e-5)
+    smoothed = int8_linear(x.bfloat16(), *quantize_int8(weight * s), s)
+    assert relative_error(smoothed, exact) < 0.5 * relative_error(plain, exact)
+    assert relative_error(smoothed, exact) < 0.02
+
+
+def test_calibrated_factors_meet_activations_and_weights_halfway(tiny_model):
+    """alpha 0.5: after smoothing, each input channel's largest activation equals its
+    largest weight, for every linear layer, from a forward over the calibration text."""
+    from pypto_serving.models.calibration import (
+        activation_maxima,
+        calibration_tokens,
+        smoothing_factors,
+    )
+    from pypto_serving.models.loader import load_model, load_tokenizer
+
+    path = tiny_model(MODEL)
+    model = load_model(path, torch.bfloat16, torch.device("cpu"))
+    tokens = calibration_tokens(load_tokenizer(path))
+    assert len(tokens) > 1000  # the text runs as several chunks
+    maxima = activation_maxima(model, tokens)
+    factors = smoothing_factors(model, tokens)
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert set(factors) == set(maxima) == set(layers)  # the LM head included
+    for layer in layers:
+        act, s = maxima[layer], factors[layer]
+        weight = layer.weight.detach().float().abs().amax(0)
+        assert act.shape == s.shape == (layer.in_features,) and (act > 0).all()
+        torch.testing.assert_close(act / s, weight * s, rtol=1e-4, atol=1e-6)
+
+
 def test_int4_groups_keep_each_group_in_range():
     torch.manual_seed(1)
     weight = torch.randn(64, 128, dtype=torch.bfloat16)
@@ -78,7 +137,7 @@ def test_int4_groups_keep_each_group_in_range():
     assert relative_error(out[0], exact) < 0.1
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "w8a8"])
 def test_the_quantized_engine_follows_the_bf16_one(tiny_model, kind):
     """Greedy tokens where each side's token is in the other's top-5 (the rule of the bf16
     equality tests), compiled and with 0 recompilations after warm-up."""
@@ -91,7 +150,11 @@ def test_the_quantized_engine_follows_the_bf16_one(tiny_model, kind):
         got = quantized.generate(prompts, params, use_tqdm=False)
         assert quantized.engine.stats().num_recompilations == 0
         layer = quantized.engine.model.model.layers[0].mlp.down_proj
-        assert layer.quantized is not None and layer.quantized[2] == (0 if kind == "int8" else 32)
+        if kind == "w8a8":  # int8 weights, smoothed, and no bf16 weight packed beside them
+            assert layer.int8 is not None and layer.int8[2] is not None
+            assert layer.packed is None and layer.quantized is None
+        else:
+            assert layer.quantized[2] == (0 if kind == "int8" else 32)
     for a, b in zip(expected, got, strict=True):
         ours, theirs = a.outputs[0], b.outputs[0]
         for i, (x, y) in enumerate(zip(ours.token_ids, theirs.token_ids, strict=True)):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pypto_serving.engine.llm import load_tokenizer
 from pypto_serving.engine.text import TextAssembler
+from pypto_serving.models.loader import load_tokenizer
 from pypto_serving.sampling import SamplingParams
 
 TEXT = "héllo wörld — 東京 🚀🎉 the quick fox, ça va? 😀"

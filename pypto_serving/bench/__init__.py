@@ -59,6 +59,7 @@ def engine_info(llm: LLM) -> dict[str, Any]:
     return {
         "model_dir": str(llm.model_dir),
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "quantization": engine.config.quantization,
         "device": str(engine.device),
         "executor": engine.config.executor,
         "enforce_eager": engine.config.enforce_eager,

@@ -414,8 +414,8 @@ def plot(result: ServeResult, records: list[RequestRecord], path: Path) -> None:
 
 
 def build_sessions(args: argparse.Namespace, endpoint: str) -> list[Session]:
-    from pypto_serving.engine.llm import load_tokenizer
     from pypto_serving.models.default_model import resolve_model_path
+    from pypto_serving.models.loader import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model_path(args.tokenizer or args.model))
     vocab = sampling_vocab(tokenizer, len(tokenizer))

@@ -6,7 +6,6 @@ import itertools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Self
 
 from tqdm import tqdm
@@ -15,23 +14,15 @@ from pypto_serving.config import engine_config
 from pypto_serving.engine.core import EngineCore
 from pypto_serving.engine.dp import DPEngine
 from pypto_serving.engine.text import TextAssembler
-from pypto_serving.errors import ModelLoadError, RequestFailedError
+from pypto_serving.errors import RequestFailedError
 from pypto_serving.models.config import load_model_config
 from pypto_serving.models.default_model import resolve_model_path
+from pypto_serving.models.loader import load_tokenizer
 from pypto_serving.outputs import CompletionDelta, CompletionOutput, RequestOutput
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 
 Prompt = str | list[int]
-
-
-def load_tokenizer(model_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
-    except (OSError, ValueError, TypeError) as e:
-        raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {e}") from None
 
 
 @dataclass(slots=True)

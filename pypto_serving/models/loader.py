@@ -12,6 +12,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -19,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from pypto_serving.device import use_packed_linear
 from pypto_serving.distributed import Group, ParallelGroups
 from pypto_serving.errors import ModelLoadError, PyptoError
+from pypto_serving.models.calibration import calibration_tokens, smoothing_factors
 from pypto_serving.models.config import ModelConfig, load_model_config
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.ops.linear import pack_linears
@@ -206,6 +208,15 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors: {shown}")
 
 
+def load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+    except (OSError, ValueError, TypeError) as e:
+        raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {e}") from None
+
+
 def load_model(
     model_dir: Path,
     dtype: torch.dtype,
@@ -214,8 +225,8 @@ def load_model(
     quantization: str | None = None,
 ) -> CausalLM:
     """Build our model for `model_dir` (this rank's share of it under tensor and pipeline
-    parallelism) and fill it with the checkpoint's weights, quantized if asked (int8, int4:
-    CPU and bfloat16 only)."""
+    parallelism) and fill it with the checkpoint's weights, quantized if asked (int8, int4,
+    w8a8: CPU and bfloat16 only)."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory not found: {model_dir}")
     if quantization is not None and (device.type != "cpu" or dtype != torch.bfloat16):
@@ -239,7 +250,10 @@ def load_model(
         load_weights(model, iter_checkpoint(files))
     model.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32, device=device)
     model = model.eval().requires_grad_(False)
-    if quantization is not None:
+    if quantization == "w8a8":  # on one rank: EngineConfig.validate refuses TP and PP
+        tokens = calibration_tokens(load_tokenizer(model_dir))
+        pack_linears(model, quantization, smoothing_factors(model, tokens))
+    elif quantization is not None:
         pack_linears(model, quantization)
     elif use_packed_linear(device, dtype):
         pack_linears(model)
