@@ -5,7 +5,8 @@ their tensors, which are graph inputs, so all of them share one graph per kind o
 (dense or mixture of experts), with the token count dynamic. Layers with quantized linears get
 a second graph for a decode of one token (every size static): their one-row kernel call is a
 trace-time branch. Tracing and compiling one layer instead of the whole model, and as few
-graphs as that, is what keeps start-up short (each graph is ~6 s of g++ on a cold cache).
+graphs as that, is what keeps start-up short (each graph is several g++ runs on a cold
+cache).
 
 Going through dynamo costs ~0.17 ms a call (its guards, the compiled region's wrappers), 5 ms
 a token over 30 layers. So the first call that compiles a graph also captures it: where each

@@ -138,7 +138,8 @@ class Linear(nn.Linear):
     quantized: tuple[torch.Tensor, torch.Tensor, int] | None = None
     """(weight, scales, group): group 0 is int8 per row, else int4 groups."""
     int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
-    """w8a8: (int8 weight [out, in], float32 scale per output row), for `int8_linear`."""
+    """w8a8: (int8 weight [out, in], float32 scale per output row, smoothing factors per input
+    channel or None), for `int8_linear`."""
 
     def pack(self) -> None:
         """Repack the (loaded) weight for oneDNN; the plain weight stays for tying/loading."""
