@@ -34,36 +34,40 @@ class Sampled:
     """The `params.logprobs` most likely tokens and their logprobs (raw model distribution)."""
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def edit_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Penalties (repetition, presence, frequency), then min_tokens' suppression of stop
+    tokens: a copy of logits with those rows edited, or logits itself when no row needs an
+    edit (greedy batches then read the raw logits, with no [batch, vocab] copy)."""
+    edited = logits
     for i, row in enumerate(rows):
         p = row.params
+        occurrence = bool(p.presence_penalty or p.frequency_penalty) and bool(row.output_ids)
+        stops = (
+            [*p.stop_token_ids, *([] if p.ignore_eos else row.eos_token_ids)]
+            if len(row.output_ids) < p.min_tokens
+            else []
+        )
+        if p.repetition_penalty == 1.0 and not occurrence and not stops:
+            continue
+        if edited is logits:
+            edited = logits.clone()
+        x = edited[i]  # a view: the edits land in `edited`
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(
-                sorted({*row.prompt_ids, *row.output_ids}), dtype=torch.long, device=logits.device
+                sorted({*row.prompt_ids, *row.output_ids}), dtype=torch.long, device=x.device
             )
             if seen.numel():
-                vals = logits[i, seen]
-                logits[i, seen] = torch.where(
+                vals = x[seen]
+                x[seen] = torch.where(
                     vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
                 )
-        if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
-            out = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
-            counts = torch.zeros_like(logits[i]).scatter_add_(
-                0, out, torch.ones_like(out, dtype=logits.dtype)
-            )
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-    return logits
-
-
-def suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    for i, row in enumerate(rows):
-        if len(row.output_ids) < row.params.min_tokens:
-            ids = [
-                *row.params.stop_token_ids,
-                *([] if row.params.ignore_eos else row.eos_token_ids),
-            ]
-            if ids:
-                logits[i, ids] = -float("inf")
+        if occurrence:
+            out = torch.tensor(row.output_ids, dtype=torch.long, device=x.device)
+            counts = torch.zeros_like(x).scatter_add_(0, out, torch.ones_like(out, dtype=x.dtype))
+            x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if stops:
+            x[stops] = -float("inf")
+    return edited
 
 
 def filter_top_k_top_p_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -99,22 +103,10 @@ def draw(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
-def _edits_logits(row: SamplingRow) -> bool:
-    """Whether penalties or min_tokens change this row's logits before sampling."""
-    p = row.params
-    return (
-        p.repetition_penalty != 1.0
-        or bool(p.presence_penalty or p.frequency_penalty)
-        or len(row.output_ids) < p.min_tokens
-    )
-
-
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sampled]:
     """Pick one token for each row of logits [B, vocab] (float32)."""
     raw = logits
-    if any(_edits_logits(r) for r in rows):  # else no copy: greedy batches read raw logits
-        logits = apply_penalties(logits.clone(), rows)
-        suppress_stop_tokens(logits, rows)
+    logits = edit_logits(logits, rows)
     greedy = logits.argmax(dim=-1)
     tokens = greedy
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
