@@ -17,7 +17,7 @@ EXECUTORS = ("paged", "reference")
 LOAD_BALANCE = ("least_pending_tokens", "round_robin")
 BACKENDS = ("gloo", "nccl")
 PLACEMENTS = ("linear", "round_robin")
-QUANTIZATIONS = ("int8", "int4", "w8a8")
+QUANTIZATIONS = ("int8", "int4", "w8a8", "int4-w8a8")
 SECTION_NAMES = ("scheduler", "cache", "parallel")
 """EngineConfig's sub-configs (and the JSON config file's sections of the same names)."""
 
@@ -254,10 +254,10 @@ class EngineConfig:
         p = self.parallel
         if p.world_size > 1 and self.executor == "reference":
             raise PyptoError("data and tensor parallelism need the paged executor")
-        if p.ranks_per_engine > 1 and self.quantization == "w8a8":
+        if p.ranks_per_engine > 1 and self.quantization in ("w8a8", "int4-w8a8"):
             raise PyptoError(
-                "quantization w8a8 is not available with tensor or pipeline parallelism yet "
-                "(its calibration runs the whole model on one rank)"
+                f"quantization {self.quantization} is not available with tensor or pipeline "
+                "parallelism yet (its calibration runs the whole model on one rank)"
             )
         if p.ranks_per_engine > 1 and self.cache.kv_ssd_dir is not None:
             raise PyptoError(

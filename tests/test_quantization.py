@@ -68,6 +68,23 @@ def test_prefill_sized_matmuls_use_the_packed_bf16_weight(kind):
         assert torch.equal(out, op)
 
 
+def test_int4_w8a8_decodes_a_few_rows_in_int4_and_multiplies_more_in_int8():
+    torch.manual_seed(4)
+    layer = Linear(128, 64, bias=True).to(torch.bfloat16)
+    smooth = torch.rand(128) + 0.5
+    layer.quantize("int4-w8a8", smooth)
+    assert layer.packed is None and layer.row_bounds == (1, QUANTIZED_MAX_ROWS)
+    for rows in (1, 2, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 128, dtype=torch.bfloat16)
+        int4 = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, *layer.quantized[:1], INT4_GROUP, layer.quantized[1]
+        )
+        int8 = int8_linear(x, *layer.int8)
+        want = int4 if rows <= QUANTIZED_MAX_ROWS else int8
+        assert torch.equal(layer(x), want + layer.bias)
+        assert not torch.equal(int4, int8)
+
+
 def test_int8_linear_is_the_integer_product_of_the_quantized_rows():
     torch.manual_seed(3)
     x = torch.randn(7, 128, dtype=torch.bfloat16)
@@ -137,7 +154,7 @@ def test_int4_groups_keep_each_group_in_range():
     assert relative_error(out[0], exact) < 0.1
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "w8a8", "int4-w8a8"])
 def test_the_quantized_engine_follows_the_bf16_one(tiny_model, kind):
     """Greedy tokens where each side's token is in the other's top-5 (the rule of the bf16
     equality tests), compiled and with 0 recompilations after warm-up."""
@@ -150,11 +167,22 @@ def test_the_quantized_engine_follows_the_bf16_one(tiny_model, kind):
         got = quantized.generate(prompts, params, use_tqdm=False)
         assert quantized.engine.stats().num_recompilations == 0
         layer = quantized.engine.model.model.layers[0].mlp.down_proj
+        head = quantized.engine.model.lm_head
         if kind == "w8a8":  # int8 weights, smoothed, and no bf16 weight packed beside them
             assert layer.int8 is not None and layer.int8[2] is not None
             assert layer.packed is None and layer.quantized is None
+        elif kind == "int4-w8a8":  # both forms, the head's in int8; no bf16 weight packed
+            assert layer.int8[2] is not None and layer.quantized[2] == 32
+            assert head.int8 is not None and head.quantized[2] == 0
+            assert layer.packed is None and head.packed is None
         else:
             assert layer.quantized[2] == (0 if kind == "int8" else 32)
+        # a graph per class of step: one token, and (int4-w8a8) 2 to 8 apart from more;
+        # warm-up compiled each (0 recompilations above)
+        bounds = {"int8": [1], "int4": [1], "w8a8": [], "int4-w8a8": [1, QUANTIZED_MAX_ROWS]}
+        assert set(map(tuple, quantized.engine.executor.run_layer._row_bounds.values())) == {
+            tuple(bounds[kind])
+        }
     for a, b in zip(expected, got, strict=True):
         ours, theirs = a.outputs[0], b.outputs[0]
         for i, (x, y) in enumerate(zip(ours.token_ids, theirs.token_ids, strict=True)):

@@ -4,9 +4,10 @@ The model runs eagerly around one compiled `DecoderLayer.forward`. The layers di
 their tensors, which are graph inputs, so all of them share one graph per kind of layer
 (dense or mixture of experts), with the token count dynamic. Layers with quantized linears get
 a second graph for a decode of one token (every size static): their one-row kernel call is a
-trace-time branch. Tracing and compiling one layer instead of the whole model, and as few
-graphs as that, is what keeps start-up short (each graph is several g++ runs on a cold
-cache).
+trace-time branch; under int4-w8a8 a third, as their linears also branch at
+QUANTIZED_MAX_ROWS (a graph for 2 to 8 tokens, one for more). Tracing and compiling one
+layer instead of the whole model, and as few graphs as that, is what keeps start-up short
+(each graph is several g++ runs on a cold cache).
 
 Going through dynamo costs ~0.17 ms a call (its guards, the compiled region's wrappers), 5 ms
 a token over 30 layers. So the first call that compiles a graph also captures it: where each
@@ -266,11 +267,12 @@ class CompiledLayers:
     tensors)."""
 
     def __init__(self) -> None:
-        self.graphs: dict[tuple[type, type, bool], LayerGraph] = {}
-        """(kind of MLP, kind of KV attention, one token with a graph of its own?) -> its
+        self.graphs: dict[tuple[type, type, int], LayerGraph] = {}
+        """(kind of MLP, kind of KV attention, class of the step's token count) -> its
         captured graph."""
-        self._one_row_branch: dict[int, bool] = {}
-        """id(layer) -> whether its code branches on a step of one token when traced."""
+        self._row_bounds: dict[int, list[int]] = {}
+        """id(layer) -> the token counts at which its code branches when traced (its
+        linears' `row_bounds`): a step's class is how many of them its count exceeds."""
 
     def __call__(
         self,
@@ -280,12 +282,12 @@ class CompiledLayers:
         sin: torch.Tensor,
         kv: KVAttention,
     ) -> torch.Tensor:
-        if (branches := self._one_row_branch.get(id(layer))) is None:
-            branches = any(
-                isinstance(m, Linear) and m.quantized is not None for m in layer.modules()
+        if (bounds := self._row_bounds.get(id(layer))) is None:
+            bounds = sorted(
+                {b for m in layer.modules() if isinstance(m, Linear) for b in m.row_bounds}
             )
-            self._one_row_branch[id(layer)] = branches
-        key = (type(layer.mlp), type(kv), branches and len(x) == 1)
+            self._row_bounds[id(layer)] = bounds
+        key = (type(layer.mlp), type(kv), sum(len(x) > b for b in bounds))
         graph = self.graphs.get(key)
         if graph is not None and (out := graph(layer, x, cos, sin)) is not None:
             return out
@@ -297,7 +299,7 @@ class CompiledLayers:
         # can only be the one-token graph, never the shared one (that happens when another
         # engine's graph of this architecture served the larger steps from dynamo's cache)
         static = len(x) == 1
-        if graph is None and len(_captured) == 1 and static == key[2]:
+        if graph is None and len(_captured) == 1 and static == (1 in bounds and key[2] == 0):
             examples, fn = _captured[0]
             graph = LayerGraph.capture(fn, examples, layer, x, cos, sin)
             if graph is not None and torch.equal(graph(layer, x, cos, sin), out):

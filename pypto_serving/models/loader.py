@@ -226,7 +226,7 @@ def load_model(
 ) -> CausalLM:
     """Build our model for `model_dir` (this rank's share of it under tensor and pipeline
     parallelism) and fill it with the checkpoint's weights, quantized if asked (int8, int4,
-    w8a8: CPU and bfloat16 only)."""
+    w8a8, int4-w8a8: CPU and bfloat16 only)."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory not found: {model_dir}")
     if quantization is not None and (device.type != "cpu" or dtype != torch.bfloat16):
@@ -250,7 +250,7 @@ def load_model(
         load_weights(model, iter_checkpoint(files))
     model.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32, device=device)
     model = model.eval().requires_grad_(False)
-    if quantization == "w8a8":  # on one rank: EngineConfig.validate refuses TP and PP
+    if quantization in ("w8a8", "int4-w8a8"):  # one rank: EngineConfig.validate refuses TP, PP
         tokens = calibration_tokens(load_tokenizer(model_dir))
         pack_linears(model, quantization, smoothing_factors(model, tokens))
     elif quantization is not None:

@@ -21,6 +21,13 @@ input quantized to int8 when the matmul runs (`int8_linear`), so the matmul itse
 the CPU's int8 dot products (AVX512-VNNI), at about twice the bf16 rate: it speeds up the
 compute-bound batched steps (prefill, decodes of many). The inputs are first divided by
 SmoothQuant's per-channel factors, calibrated at load time (models/calibration.py).
+
+`int4-w8a8` keeps both forms of each weight and picks by the matmul's row count: int4 up to
+QUANTIZED_MAX_ROWS (decoding a few sequences: memory-bound, where int4's fewer bytes win),
+w8a8 above (prefill and batched decodes: compute-bound, where int8 dot products win). The
+choice is a branch taken when torch.compile traces the layer, so each side fuses into its
+graph (executor/compiled.py keeps a graph per side), and no bf16 weight is kept: 0.75x of
+bf16's weight bytes.
 """
 
 from __future__ import annotations
@@ -145,9 +152,22 @@ class Linear(nn.Linear):
         """Repack the (loaded) weight for oneDNN; the plain weight stays for tying/loading."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
 
+    @property
+    def row_bounds(self) -> tuple[int, ...]:
+        """Row counts at which `matmul`'s code branches (when traced): a step of at most
+        b rows runs other code than one of more, for each b."""
+        if self.quantized is None:
+            return ()
+        return (1,) if self.int8 is None else (1, QUANTIZED_MAX_ROWS)
+
     def quantize(self, kind: str, smooth: torch.Tensor | None = None) -> None:
         """Quantize the (loaded) weight; the plain weight stays for tying/loading. smooth:
-        w8a8's factors per input channel (models/calibration.py), None for none."""
+        w8a8's factors per input channel (models/calibration.py), None for none. A kind of
+        two (int4-w8a8) keeps both forms."""
+        if "-" in kind:
+            for part in kind.split("-"):
+                self.quantize(part, smooth)
+            return
         weight = self.weight.detach()
         if kind == "w8a8":
             q, scale = quantize_int8(weight.float() * (1 if smooth is None else smooth))
@@ -169,11 +189,12 @@ class Linear(nn.Linear):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ bias), through the quantized or packed weight when there is one."""
-        if self.int8 is not None:
+        few = x.shape[0] <= QUANTIZED_MAX_ROWS  # under torch.compile: a trace-time branch
+        if self.int8 is not None and not (few and self.quantized is not None):
             out = int8_linear(x, *self.int8)
             return out if bias is None else out + bias
         if self.quantized is not None:
-            if x.shape[0] == 1:  # a decode of one: the kernel itself, no custom op around it
+            if x.shape[0] == 1 or self.int8 is not None:  # the kernel itself, no custom op
                 out = dequantizing_matmul(x, *self.quantized)
             else:
                 out = quantized_linear(x, *self.quantized, self.out_features, self.packed)
@@ -227,16 +248,18 @@ def pack_linears(
 ) -> int:
     """Pack (and quantize) every `Linear` of the model; returns how many there were. Under
     int4 the LM head gets int8, as llama.cpp keeps its output tensor above 4 bits: the
-    logits are where small models lose most to quantization. w8a8 keeps no bf16 weight
-    packed (every matmul runs in int8), and takes each layer's smoothing factors."""
+    logits are where small models lose most to quantization. w8a8 and int4-w8a8 keep no
+    bf16 weight packed (their wide matmuls run in int8), and take each layer's smoothing
+    factors."""
     head = getattr(model, "lm_head", None)
     layers = [m for m in model.modules() if isinstance(m, Linear)]
+    int8_wide = quantization is not None and quantization.endswith("w8a8")
     for layer in layers:
-        if quantization is None or (
-            quantization != "w8a8" and torch.backends.mkldnn.is_available()
-        ):
+        if quantization is None or (not int8_wide and torch.backends.mkldnn.is_available()):
             layer.pack()  # quantized layers keep it for prefill-sized matmuls
         if quantization is not None:
-            kind = "int8" if layer is head and quantization == "int4" else quantization
+            kind = quantization
+            if layer is head and quantization.startswith("int4"):
+                kind = kind.replace("int4", "int8")  # int4-w8a8's head: int8 and w8a8
             layer.quantize(kind, (smooth or {}).get(layer))
     return len(layers)
