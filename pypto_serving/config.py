@@ -229,7 +229,9 @@ class EngineConfig:
     """Quantization of the linear layers (CPU, bfloat16). Weight-only: int8 (a scale per
     output row) or int4 (scale and minimum per 32 inputs, as llama.cpp's Q4_1): fewer bytes
     per decode step. w8a8: int8 weights and int8 activations (per token, smoothed), for
-    faster batched steps. None keeps the weights in dtype. Each costs some accuracy."""
+    faster batched steps. int4-w8a8: int4 for matmuls of up to 8 rows (decoding a few
+    sequences), w8a8 above (prefill, batched decodes). None keeps the weights in dtype. Each
+    costs some accuracy."""
     step_timeout_s: float = 60.0
     """A step (or a data-parallel replica's step) running longer is taken for a hang: the
     watchdog fails the requests it held and reports the engine (or replica) dead."""

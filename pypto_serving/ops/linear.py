@@ -27,7 +27,7 @@ QUANTIZED_MAX_ROWS (decoding a few sequences: memory-bound, where int4's fewer b
 w8a8 above (prefill and batched decodes: compute-bound, where int8 dot products win). The
 choice is a branch taken when torch.compile traces the layer, so each side fuses into its
 graph (executor/compiled.py keeps a graph per side), and no bf16 weight is kept: 0.75x of
-bf16's weight bytes.
+bf16's weight bytes. Its LM head is w8a8 alone.
 """
 
 from __future__ import annotations
@@ -247,10 +247,11 @@ def pack_linears(
     smooth: dict[Linear, torch.Tensor] | None = None,
 ) -> int:
     """Pack (and quantize) every `Linear` of the model; returns how many there were. Under
-    int4 the LM head gets int8, as llama.cpp keeps its output tensor above 4 bits: the
-    logits are where small models lose most to quantization. w8a8 and int4-w8a8 keep no
-    bf16 weight packed (their wide matmuls run in int8), and take each layer's smoothing
-    factors."""
+    int4 the LM head gets int8, as llama.cpp keeps its output tensor above 4 bits (Q8_0 in
+    SmolLM2's Q4_1 file): the logits are where small models lose most to quantization; under
+    int4-w8a8 it gets w8a8, whose one-row matmul is 1.4x the weight-only int8 kernel's (the
+    head is a fifth of SmolLM2's weights). w8a8 and int4-w8a8 keep no bf16 weight packed
+    (their wide matmuls run in int8), and take each layer's smoothing factors."""
     head = getattr(model, "lm_head", None)
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     int8_wide = quantization is not None and quantization.endswith("w8a8")
@@ -259,7 +260,9 @@ def pack_linears(
             layer.pack()  # quantized layers keep it for prefill-sized matmuls
         if quantization is not None:
             kind = quantization
-            if layer is head and quantization.startswith("int4"):
-                kind = kind.replace("int4", "int8")  # int4-w8a8's head: int8 and w8a8
+            if layer is head and quantization == "int4":
+                kind = "int8"
+            elif layer is head and quantization == "int4-w8a8":
+                kind = "w8a8"  # int8 too, and its GEMV beats the weight-only kernel's
             layer.quantize(kind, (smooth or {}).get(layer))
     return len(layers)
