@@ -18,6 +18,7 @@ LOAD_BALANCE = ("least_pending_tokens", "round_robin")
 BACKENDS = ("gloo", "nccl")
 PLACEMENTS = ("linear", "round_robin")
 QUANTIZATIONS = ("int8", "int4", "w8a8", "int4-w8a8")
+KV_CACHE_DTYPES = ("auto", "int8")
 SECTION_NAMES = ("scheduler", "cache", "parallel")
 """EngineConfig's sub-configs (and the JSON config file's sections of the same names)."""
 
@@ -56,8 +57,16 @@ class CacheConfig:
     """Directory of the SSD tier (None: no SSD tier); pages there survive restarts."""
     kv_ssd_bytes: int = 16 << 30
     """Byte budget of the SSD tier when kv_ssd_dir is set."""
+    kv_cache_dtype: str = "auto"
+    """How keys and values are stored: auto (the model's dtype) or int8 (each token's row of a
+    head quantized with its own scale: about half of bf16's bytes, so decode attention reads
+    half and twice the tokens fit; needs the native CPU attention kernels)."""
 
     def validate(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise PyptoError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise PyptoError(f"page_size must be an integer >= 1, got {self.page_size!r}")
         if self.num_kv_pages is not None and (

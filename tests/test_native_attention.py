@@ -191,3 +191,82 @@ def test_keys_laid_out_otherwise_are_left_to_the_caller():
     slots = torch.tensor([3, 5])
     assert not native_attention.store_kv(lib, k, k.contiguous(), cache, cache.clone(), slots)
     assert not cache.any()
+
+
+# --- int8 caches: rows of int8 values and their float32 scale ---------------------------------
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """What the kernels store for rows x [..., D]: D int8 values (x * 127 / max|x|, rounded to
+    nearest, halves away from zero), then the float32 scale max|x| / 127 as 4 bytes. (The
+    compiler may fuse the kernel's multiply and add, which moves a value lying within float32
+    rounding of a half by one: `assert_same_rows`.)"""
+    x = x.float()
+    amax = x.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    r = x * inv
+    values = torch.trunc(r + torch.where(r < 0, -0.5, 0.5)).to(torch.int8)
+    return torch.cat([values, (amax / 127).view(torch.int8)], -1)
+
+
+def assert_same_rows(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.equal(got[..., -4:], want[..., -4:])  # the scales, bit for bit
+    assert (got[..., :-4].int() - want[..., :-4].int()).abs().max() <= 1
+    assert (got != want).float().mean() < 0.01
+
+
+def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:
+    """[..., D + 4] int8 rows -> float32 [..., D]: values * scale."""
+    return rows[..., :-4].float() * rows[..., -4:].contiguous().view(torch.float32)
+
+
+def to_int8_caches(lib, k_cache, v_cache):
+    """The caches [Hkv, slots, D] quantized by the kernel's own store, all slots at once."""
+    heads, slots, dim = k_cache.shape
+    caches = [torch.zeros(heads, slots, dim + 4, dtype=torch.int8) for _ in range(2)]
+    k, v = k_cache.transpose(0, 1).contiguous(), v_cache.transpose(0, 1).contiguous()
+    assert native_attention.store_kv(lib, k, v, *caches, torch.arange(slots))
+    return caches
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    q_lens=st.lists(st.integers(1, 70), min_size=1, max_size=4),
+    decode=st.booleans(),
+    max_prefix=st.integers(0, 150),
+    **SHAPES,
+)
+def test_int8_caches_attend_as_their_dequantized_rows(
+    seed, q_lens, decode, kv_heads, group, head_dim, page_size, max_prefix, dtype
+):
+    """Decodes and prefill chunks over int8 caches equal float64 attention over the rows the
+    caches stand for; and those rows are each row's int8 rounding."""
+    q_lens = [1] * len(q_lens) if decode else q_lens
+    q, k_cache, v_cache, table, q_lens, ctx_lens = make_case(
+        seed, q_lens, kv_heads, group, head_dim, page_size, max_prefix, dtype
+    )
+    lib = native_attention.library(group, head_dim)
+    k8, v8 = to_int8_caches(lib, k_cache, v_cache)
+    assert_same_rows(k8, quantize_rows(k_cache))
+    assert_same_rows(v8, quantize_rows(v_cache))
+    keys, values = dequantize_rows(k8), dequantize_rows(v8)
+    assert (keys - k_cache.float()).abs().max() <= k_cache.float().abs().max() / 254 + 1e-6
+    got = native_attention.paged_attention(
+        lib, q, k8, v8, table, ctx_lens, page_size, None if decode else q_lens
+    )
+    want = reference(q, keys, values, table, q_lens, ctx_lens, page_size)
+    tol = TOLERANCE[q.dtype]
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def test_int8_rows_of_zeros_and_extremes():
+    lib = native_attention.library(1, 16)
+    rows = torch.zeros(4, 1, 16)
+    rows[1, 0, 3] = -2.5  # one value: it is the scale's 127
+    rows[2, 0] = torch.linspace(-1, 1, 16)
+    rows[3, 0] = 1e-30  # tiny but not zero
+    k8, _ = to_int8_caches(lib, rows.transpose(0, 1), rows.transpose(0, 1))
+    assert_same_rows(k8, quantize_rows(rows.transpose(0, 1)))
+    assert not k8[0, 0].any()  # zeros: values 0, scale 0.0
+    assert k8[0, 1, 3] == -127 and dequantize_rows(k8)[0, 1, 3] == -2.5
+    torch.testing.assert_close(dequantize_rows(k8)[0, 2], rows[2, 0], atol=1 / 254, rtol=0)

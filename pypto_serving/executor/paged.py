@@ -69,13 +69,16 @@ def build_kv_store(
     with the same page ids on every rank (the page count depends only on the config), and no
     tiers below the device yet (moving pages would need every rank to move its share)."""
     cfg, layers = model.cfg, model.num_local_layers
+    row = cfg.head_dim  # a cached token's values per KV head
+    if cache.kv_cache_dtype == "int8":  # int8 values and their float32 scale
+        row, dtype = cfg.head_dim + native_attention.INT8_SCALE_BYTES, torch.int8
     if model.groups.world_size > 1:
         if cache.kv_cpu_bytes:
             log.info(
                 "KV tiers below the device are off under tensor/pipeline parallelism (for now)"
             )
         cache = replace(cache, kv_cpu_bytes=0, kv_ssd_dir=None)
-    page_bytes = 2 * layers * cache.page_size * cfg.kv_size * dtype.itemsize
+    page_bytes = 2 * layers * cache.page_size * cfg.num_kv_heads * row * dtype.itemsize
     num_pages = num_pages_for(cache, page_bytes, -(-max_tokens_in_use // cache.page_size))
     ssd_dir = Path(cache.kv_ssd_dir).expanduser() if cache.kv_ssd_dir else None
     ssd_pages = cache.kv_ssd_bytes // (page_bytes + HEADER_BYTES)
@@ -88,7 +91,7 @@ def build_kv_store(
         store = PagedKVStore(
             layers,
             cfg.num_kv_heads,
-            cfg.head_dim,
+            row,
             num_pages,
             cache.page_size,
             dtype,
@@ -143,15 +146,21 @@ class PagedExecutor:
         """max_tokens_in_use: the most tokens all running sequences can hold at once; digest:
         identifies the checkpoint (keys the SSD tier's pages)."""
         self.model, self.device, self.groups = model, device, model.groups
-        self.kv = build_kv_store(model, device, dtype, cache, max_tokens_in_use, digest)
-        self.paged_kv = PagedKV()
-        self.run_layer = None if enforce_eager else CompiledLayers()
-        """How the model's decoder layers run: compiled, or eagerly (None)."""
         cfg = model.cfg
         self.attention_kernel = native_attention.library_for(
             device, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache.page_size
         )
         """The native paged attention library, or None for PyTorch's attention."""
+        if cache.kv_cache_dtype == "int8" and self.attention_kernel is None:
+            raise PyptoError(
+                "kv_cache_dtype int8 needs the native CPU attention kernels, which this engine "
+                f"does not have ({device.type}, {str(dtype).removeprefix('torch.')}, head_dim "
+                f"{cfg.head_dim}, or PYPTO_NATIVE_ATTENTION=0 / no C++ compiler: see the log)"
+            )
+        self.kv = build_kv_store(model, device, dtype, cache, max_tokens_in_use, digest)
+        self.paged_kv = PagedKV()
+        self.run_layer = None if enforce_eager else CompiledLayers()
+        """How the model's decoder layers run: compiled, or eagerly (None)."""
 
     @property
     def num_recompilations(self) -> int:

@@ -7,16 +7,21 @@
 // extensions: the compiler maps the 16-float vectors onto whatever the CPU has (one AVX-512
 // register, two AVX2 registers, four NEON registers).
 //
-// Layout, as the KV store holds it: the caches of one layer are [kv_heads, slots, dim] with
+// Layout, as the KV store holds it: the caches of one layer are [kv_heads, slots, row] with
 // slot = page * page_size + offset; q and out are [tokens, heads, dim], query head h reading
-// KV head h / GROUP (grouped-query attention without expanding K/V). Work is split over the
-// OpenMP team that torch itself uses. Inputs and outputs are float32 or bfloat16; all
-// arithmetic is float32.
+// KV head h / GROUP (grouped-query attention without expanding K/V). A cached row is the
+// token's dim values in the model's dtype, or (an int8 cache) dim int8 values followed by
+// their float32 scale: the row is value * scale, a quarter (bf16: half) of the bytes to read.
+// Work is split over the OpenMP team that torch itself uses. Inputs and outputs are float32
+// or bfloat16; all arithmetic is float32.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -26,6 +31,7 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
+typedef int8_t v16c __attribute__((vector_size(16)));
 
 // The library is built for one model's attention shape: query heads per KV head and head_dim.
 #if !defined(GROUP) || !defined(HEAD_DIM) || HEAD_DIM % 16 != 0
@@ -59,7 +65,12 @@ inline void store(uint16_t* p, v16f v) {  // float32 -> bfloat16, rounding to ne
     std::memcpy(p, &h, sizeof h);
 }
 
-inline float hsum(v16f a) {
+inline float hsum(v16f a) {  // in registers (through memory the halves' loads would stall)
+#if defined(__clang__) || __GNUC__ >= 12
+    v8f s8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+             __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4f s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+#else
     v8f lo, hi;
     std::memcpy(&lo, &a, sizeof lo);
     std::memcpy(&hi, reinterpret_cast<char*>(&a) + sizeof lo, sizeof hi);
@@ -68,8 +79,37 @@ inline float hsum(v16f a) {
     std::memcpy(&l4, &s8, sizeof l4);
     std::memcpy(&h4, reinterpret_cast<char*>(&s8) + sizeof l4, sizeof h4);
     v4f s4 = l4 + h4;
+#endif
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
+
+// How a cache row reads: 16 of its values from i, and the scale they are multiplied by.
+template <typename C>
+struct Row {  // the model's dtype
+    static constexpr int STRIDE = HEAD_DIM;  // elements from one row to the next
+    static v16f values(const C* row, int i) { return load(row + i); }
+    static float scale(const C*) { return 1.0f; }
+};
+
+template <>
+struct Row<int8_t> {  // int8 values, then their float32 scale
+    static constexpr int STRIDE = HEAD_DIM + 4;
+    static v16f values(const int8_t* row, int i) {
+#if defined(__AVX512F__)  // GCC turns the generic widening below into 16 scalar conversions
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i));
+        return v16f(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)));
+#else
+        v16c c;
+        std::memcpy(&c, row + i, sizeof c);
+        return __builtin_convertvector(c, v16f);
+#endif
+    }
+    static float scale(const int8_t* row) {
+        float s;
+        std::memcpy(&s, row + HEAD_DIM, sizeof s);
+        return s;
+    }
+};
 
 // e^x for x <= 0 (softmax after subtracting the max): 2^n * e^r with |r| <= ln2 / 2 and a
 // degree-6 Taylor polynomial for e^r (relative error < 2e-7); below -87 it flushes to ~0.
@@ -92,10 +132,11 @@ inline v16f vexp(v16f x) {
 // its tokens (a dot product and a horizontal sum each), an online-softmax update (running max
 // and sum) and the weighted sum of its values.
 
-template <typename T, int G, int NV>
-void decode_one(const T* q, const T* k, const T* v, const int64_t* pages, int64_t ctx, T* out,
+template <typename T, typename C, int G, int NV>
+void decode_one(const T* q, const C* k, const C* v, const int64_t* pages, int64_t ctx, T* out,
                 int page_size, float scale) {
-    constexpr int D = NV * 16;
+    using R = Row<C>;
+    constexpr int D = NV * 16, S = R::STRIDE;
     v16f qs[G][NV], acc[G][NV];
     float m[G], l[G];
     alignas(64) float s[G][MAX_PAGE];
@@ -109,15 +150,16 @@ void decode_one(const T* q, const T* k, const T* v, const int64_t* pages, int64_
     }
     for (int64_t start = 0, p = 0; start < ctx; start += page_size, ++p) {
         const int n = ctx - start < page_size ? int(ctx - start) : page_size;
-        const T* kp = k + pages[p] * page_size * D;
-        const T* vp = v + pages[p] * page_size * D;
+        const C* kp = k + pages[p] * page_size * S;
+        const C* vp = v + pages[p] * page_size * S;
         for (int t = 0; t < n; ++t) {  // scores of the page's tokens
             v16f row[NV];
-            for (int i = 0; i < NV; ++i) row[i] = load(kp + t * D + i * 16);
+            for (int i = 0; i < NV; ++i) row[i] = R::values(kp + t * S, i * 16);
+            const float ks = R::scale(kp + t * S);
             for (int g = 0; g < G; ++g) {
                 v16f d = qs[g][0] * row[0];
                 for (int i = 1; i < NV; ++i) d += qs[g][i] * row[i];
-                s[g][t] = hsum(d);
+                s[g][t] = hsum(d) * ks;
             }
         }
         for (int g = 0; g < G; ++g) {  // online softmax: new max, rescale what came before
@@ -137,9 +179,12 @@ void decode_one(const T* q, const T* k, const T* v, const int64_t* pages, int64_
         }
         for (int t = 0; t < n; ++t) {  // weighted values
             v16f row[NV];
-            for (int i = 0; i < NV; ++i) row[i] = load(vp + t * D + i * 16);
-            for (int g = 0; g < G; ++g)
-                for (int i = 0; i < NV; ++i) acc[g][i] += s[g][t] * row[i];
+            for (int i = 0; i < NV; ++i) row[i] = R::values(vp + t * S, i * 16);
+            const float vs = R::scale(vp + t * S);
+            for (int g = 0; g < G; ++g) {
+                const float w = s[g][t] * vs;
+                for (int i = 0; i < NV; ++i) acc[g][i] += w * row[i];
+            }
         }
     }
     for (int g = 0; g < G; ++g) {
@@ -148,15 +193,15 @@ void decode_one(const T* q, const T* k, const T* v, const int64_t* pages, int64_
     }
 }
 
-template <typename T>
-void decode(const T* q, const T* k, const T* v, const int64_t* block_table,
+template <typename T, typename C>
+void decode(const T* q, const C* k, const C* v, const int64_t* block_table,
             const int64_t* ctx_lens, T* out, int batch, int heads, int kv_heads, int width,
             int page_size, int64_t head_stride, float scale) {
 #pragma omp parallel for schedule(dynamic, 1)
     for (int item = 0; item < batch * kv_heads; ++item) {
         const int b = item / kv_heads, h = item % kv_heads;
         const int64_t at = (int64_t(b) * heads + int64_t(h) * GROUP) * HEAD_DIM;
-        decode_one<T, GROUP, HEAD_DIM / 16>(q + at, k + h * head_stride, v + h * head_stride,
+        decode_one<T, C, GROUP, HEAD_DIM / 16>(q + at, k + h * head_stride, v + h * head_stride,
                                             block_table + int64_t(b) * width, ctx_lens[b],
                                             out + at, page_size, scale);
     }
@@ -185,12 +230,22 @@ void to_float(const T* src, float* dst, int n) {  // n values, n a multiple of 1
     for (int i = 0; i < n; i += 16) store(dst + i, load(src + i));
 }
 
+template <typename C>
+void rows_to_float(const C* src, float* dst, int n) {  // n cache rows -> [n][HEAD_DIM]
+    using R = Row<C>;
+    for (int t = 0; t < n; ++t) {
+        const float scale = R::scale(src + t * R::STRIDE);
+        for (int i = 0; i < HEAD_DIM; i += 16)
+            store(dst + t * HEAD_DIM + i, R::values(src + t * R::STRIDE, i) * scale);
+    }
+}
+
 // Rows r = token * GROUP + g of `tokens` query tokens at positions first, first + 1, ...;
 // q and out point at the group's first query head of the tile's first token; consecutive
 // tokens are `token_stride` apart.
-template <typename T>
+template <typename T, typename C>
 void prefill_tile(Scratch& w, const T* q, T* out, int64_t token_stride, int tokens,
-                  int64_t first, const T* k, const T* v, const int64_t* pages, int page_size,
+                  int64_t first, const C* k, const C* v, const int64_t* pages, int page_size,
                   float scale) {
     constexpr int D = HEAD_DIM;
     const int rows = tokens * GROUP;
@@ -214,8 +269,8 @@ void prefill_tile(Scratch& w, const T* q, T* out, int64_t token_stride, int toke
     const int64_t last = first + tokens - 1;
     for (int64_t start = 0, p = 0; start <= last; start += page_size, ++p) {
         const int n = last + 1 - start < page_size ? int(last + 1 - start) : page_size;
-        to_float(k + pages[p] * page_size * D, &w.kf[0][0], n * D);
-        to_float(v + pages[p] * page_size * D, &w.vf[0][0], n * D);
+        rows_to_float(k + pages[p] * page_size * Row<C>::STRIDE, &w.kf[0][0], n);
+        rows_to_float(v + pages[p] * page_size * Row<C>::STRIDE, &w.vf[0][0], n);
         int t = 0;
         for (; t + 4 <= n; t += 4) {  // scores, four keys at a time
             v16f acc[4][RV] = {};
@@ -274,8 +329,8 @@ void prefill_tile(Scratch& w, const T* q, T* out, int64_t token_stride, int toke
     }
 }
 
-template <typename T>
-void prefill(const T* q, const T* k, const T* v, const int64_t* block_table,
+template <typename T, typename C>
+void prefill(const T* q, const C* k, const C* v, const int64_t* block_table,
              const int64_t* q_lens, const int64_t* ctx_lens, T* out, int batch, int heads,
              int kv_heads, int width, int page_size, int64_t head_stride, float scale) {
     constexpr int tile = ROWS / GROUP;  // query tokens a tile
@@ -309,15 +364,15 @@ void prefill(const T* q, const T* k, const T* v, const int64_t* block_table,
     }
 }
 
-template <typename T>
+template <typename T, typename C>
 int attend(const void* q, const void* k, const void* v, const int64_t* block_table,
            const int64_t* q_lens, const int64_t* ctx_lens, void* out, int batch, int heads,
            int kv_heads, int dim, int width, int page_size, int64_t head_stride, float scale) {
     if (kv_heads <= 0 || heads != kv_heads * GROUP || dim != HEAD_DIM || page_size <= 0 ||
         page_size > MAX_PAGE)
         return 1;
-    const T *qt = static_cast<const T*>(q), *kt = static_cast<const T*>(k),
-            *vt = static_cast<const T*>(v);
+    const T* qt = static_cast<const T*>(q);
+    const C *kt = static_cast<const C*>(k), *vt = static_cast<const C*>(v);
     if (q_lens == nullptr)
         decode(qt, kt, vt, block_table, ctx_lens, static_cast<T*>(out), batch, heads, kv_heads,
                width, page_size, head_stride, scale);
@@ -330,17 +385,20 @@ int attend(const void* q, const void* k, const void* v, const int64_t* block_tab
 }  // namespace
 
 // Attention of a step's sequences of one kind, over their pages in one layer's caches
-// [kv_heads, slots, dim] (head_stride = slots * dim apart), through block_table [batch, width].
-// q and out are [tokens, heads, dim], each sequence's tokens after the previous one's, the
-// last of them at position ctx_lens[b] - 1. q_lens null: decodes, one token per sequence;
-// else prefill chunks of q_lens[b] tokens. dtype: 0 float32, 1 bfloat16. Returns 0, or 1 for
-// a shape the library was not built for.
-extern "C" int pypto_paged_attention(int dtype, const void* q, const void* k, const void* v,
-                                     const int64_t* block_table, const int64_t* q_lens,
-                                     const int64_t* ctx_lens, void* out, int batch, int heads,
-                                     int kv_heads, int dim, int width, int page_size,
-                                     int64_t head_stride, float scale) {
-    auto run = dtype == 0 ? attend<float> : dtype == 1 ? attend<uint16_t> : nullptr;
+// [kv_heads, slots, row] (head_stride = slots * row elements apart), through block_table
+// [batch, width]. q and out are [tokens, heads, dim], each sequence's tokens after the
+// previous one's, the last of them at position ctx_lens[b] - 1. q_lens null: decodes, one
+// token per sequence; else prefill chunks of q_lens[b] tokens. dtype: 0 float32, 1 bfloat16;
+// kv_int8: the caches hold int8 rows (else rows of dtype). Returns 0, or 1 for a shape the
+// library was not built for.
+extern "C" int pypto_paged_attention(int dtype, int kv_int8, const void* q, const void* k,
+                                     const void* v, const int64_t* block_table,
+                                     const int64_t* q_lens, const int64_t* ctx_lens, void* out,
+                                     int batch, int heads, int kv_heads, int dim, int width,
+                                     int page_size, int64_t head_stride, float scale) {
+    auto run = dtype == 0 ? (kv_int8 ? attend<float, int8_t> : attend<float, float>)
+             : dtype == 1 ? (kv_int8 ? attend<uint16_t, int8_t> : attend<uint16_t, uint16_t>)
+                          : nullptr;
     if (run == nullptr) return 1;
     return run(q, k, v, block_table, q_lens, ctx_lens, out, batch, heads, kv_heads, dim, width,
                page_size, head_stride, scale);
@@ -361,5 +419,52 @@ extern "C" void pypto_store_kv(int element_size, const void* k, const void* v, v
             const int64_t dst = (h * head_stride + slots[t] * HEAD_DIM) * element_size;
             std::memcpy(kc + dst, ks + (t * k_stride + at) * element_size, row);
             std::memcpy(vc + dst, vs + (t * v_stride + at) * element_size, row);
+        }
+}
+
+// The same into int8 caches: each row is quantized to int8 with a scale of its largest
+// magnitude / 127 (stored after its values), rounding to nearest. dtype as above.
+template <typename T>
+void store_int8(const T* src, int8_t* dst) {
+    v16f x[HEAD_DIM / 16];
+    v16f top{};
+    for (int i = 0; i < HEAD_DIM / 16; ++i) {
+        x[i] = load(src + i * 16);
+        const v16f a = x[i] < 0 ? -x[i] : x[i];
+        top = a > top ? a : top;
+    }
+    float amax = 0.0f;
+    for (int i = 0; i < 16; ++i) amax = top[i] > amax ? top[i] : amax;
+    const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int i = 0; i < HEAD_DIM / 16; ++i) {
+        const v16f r = x[i] * inv;
+        const v16i n = __builtin_convertvector(r + (r < 0 ? v16f{} - 0.5f : v16f{} + 0.5f), v16i);
+#if defined(__AVX512F__)  // as in Row<int8_t>::values
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i * 16),
+                         _mm512_cvtepi32_epi8(reinterpret_cast<__m512i>(n)));
+#else
+        const v16c c = __builtin_convertvector(n, v16c);
+        std::memcpy(dst + i * 16, &c, sizeof c);
+#endif
+    }
+    std::memcpy(dst + HEAD_DIM, &scale, sizeof scale);
+}
+
+extern "C" void pypto_store_kv_int8(int dtype, const void* k, const void* v, void* k_cache,
+                                    void* v_cache, const int64_t* slots, int tokens,
+                                    int kv_heads, int64_t k_stride, int64_t v_stride,
+                                    int64_t head_stride) {
+    constexpr int64_t S = Row<int8_t>::STRIDE;
+    int8_t *kc = static_cast<int8_t*>(k_cache), *vc = static_cast<int8_t*>(v_cache);
+    for (int t = 0; t < tokens; ++t)
+        for (int h = 0; h < kv_heads; ++h) {
+            const int64_t dst = h * head_stride + slots[t] * S, at = int64_t(h) * HEAD_DIM;
+            if (dtype == 0) {
+                store_int8(static_cast<const float*>(k) + t * k_stride + at, kc + dst);
+                store_int8(static_cast<const float*>(v) + t * v_stride + at, vc + dst);
+            } else {
+                store_int8(static_cast<const uint16_t*>(k) + t * k_stride + at, kc + dst);
+                store_int8(static_cast<const uint16_t*>(v) + t * v_stride + at, vc + dst);
+            }
         }
 }

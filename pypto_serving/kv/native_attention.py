@@ -40,6 +40,8 @@ SOURCE = Path(__file__).with_name("native_attention.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM, MAX_GROUP, MAX_PAGE = 256, 16, 256
+INT8_SCALE_BYTES = 4
+"""An int8 cache row is head_dim int8 values, then their float32 scale."""
 
 
 def build(group: int, head_dim: int, out_dir: Path, compiler: str | None = None) -> Path | None:
@@ -95,12 +97,12 @@ def library(group: int, head_dim: int) -> ctypes.CDLL | None:
         return None
     fn = lib.pypto_paged_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 6, ctypes.c_int64]
-    fn.argtypes += [ctypes.c_float]
-    store = lib.pypto_store_kv
-    store.restype = None
-    store.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 5, ctypes.c_int, ctypes.c_int]
-    store.argtypes += [ctypes.c_int64] * 3
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 6]
+    fn.argtypes += [ctypes.c_int64, ctypes.c_float]
+    for store in (lib.pypto_store_kv, lib.pypto_store_kv_int8):
+        store.restype = None
+        store.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 5, ctypes.c_int, ctypes.c_int]
+        store.argtypes += [ctypes.c_int64] * 3
     return lib
 
 
@@ -150,15 +152,17 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of q [T, H, D]: sequence b's queries are the last q_lens[b] of its first
     ctx_lens[b] tokens (q_lens None: one query each, decodes), its tokens after the previous
-    sequence's; its pages are block_table [B, W] in one layer's caches [Hkv, slots, D]. Causal.
-    Returns [T, H, D]. `lib` must be the library built for these shapes; the tensors are on
-    the CPU, and the caches and int64 tables contiguous."""
+    sequence's; its pages are block_table [B, W] in one layer's caches [Hkv, slots, D] (int8
+    caches: [Hkv, slots, D + 4], see `store_kv`). Causal. Returns [T, H, D]. `lib` must be
+    the library built for these shapes; the tensors are on the CPU, and the caches and int64
+    tables contiguous."""
     q = q.contiguous()
     heads, dim = q.shape[1:]
-    kv_heads, slots, _ = k_cache.shape
+    kv_heads, slots, row = k_cache.shape
     out = torch.empty_like(q)
     failed = lib.pypto_paged_attention(
         DTYPES[q.dtype],
+        k_cache.dtype == torch.int8,
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
@@ -172,7 +176,7 @@ def paged_attention(
         dim,
         block_table.shape[1],
         page_size,
-        slots * dim,
+        slots * row,
         dim**-0.5,
     )
     if failed:
@@ -193,12 +197,17 @@ def store_kv(
 ) -> bool:
     """Write k, v [T, Hkv, D] of a step's new tokens into their slots (slot_mapping [T],
     int64, contiguous) of one layer's caches [Hkv, slots, D]; False (nothing written) where k
-    or v is not laid out as rows of contiguous heads, for the caller to write them itself."""
+    or v is not laid out as rows of contiguous heads, for the caller to write them itself.
+    Into int8 caches [Hkv, slots, D + 4] each row goes quantized: D int8 values, rounded to
+    nearest, then the float32 scale they are multiplied by (the row's largest magnitude / 127)
+    in its last 4 bytes."""
     tokens, kv_heads, dim = k.shape
-    if k.stride()[1:] != (dim, 1) or v.stride()[1:] != (dim, 1):
-        return False
-    lib.pypto_store_kv(
-        k.element_size(),
+    for t in (k, v):  # heads dim apart (a single head's stride is whatever), values adjacent
+        if t.stride(2) != 1 or (kv_heads > 1 and t.stride(1) != dim):
+            return False
+    int8 = k_cache.dtype == torch.int8
+    (lib.pypto_store_kv_int8 if int8 else lib.pypto_store_kv)(
+        DTYPES[k.dtype] if int8 else k.element_size(),
         k.data_ptr(),
         v.data_ptr(),
         k_cache.data_ptr(),
@@ -208,6 +217,6 @@ def store_kv(
         kv_heads,
         k.stride(0),
         v.stride(0),
-        k_cache.shape[1] * dim,
+        k_cache.shape[1] * k_cache.shape[2],
     )
     return True

@@ -173,8 +173,13 @@ class StepAttention:
         if self.kernel is None or not store_kv(
             self.kernel, k, v, k_cache, v_cache, self.slot_mapping
         ):
-            k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
-            v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
+            if k_cache.dtype == torch.int8:  # the kernel quantizes: give it contiguous rows
+                k, v = k.contiguous(), v.contiguous()
+                stored = store_kv(self.kernel, k, v, k_cache, v_cache, self.slot_mapping)
+                assert stored, "contiguous keys and values are always stored"
+            else:
+                k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
+                v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
         outs = [g.attend(q[g.tokens], k_cache, v_cache) for g in self.groups]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
