@@ -314,6 +314,7 @@ def run_ours(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     single |= {"output_tokens": lat["output_len"], "method": "engine step loop"}
     engine = off["engine"]
     kind = engine["dtype"] + (f", {q}" if (q := engine.get("quantization")) else "")
+    kind += f", KV {kv}" if (kv := engine.get("kv_cache_dtype", "auto")) != "auto" else ""
     figures = engine_result("pypto-serving", kind, engine["threads"], off["startup_s"], w1, single)
     return {**result, **figures, "peak_rss_mib": max(off["peak_rss_mib"], lat["peak_rss_mib"])}
 

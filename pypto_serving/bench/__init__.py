@@ -60,6 +60,7 @@ def engine_info(llm: LLM) -> dict[str, Any]:
         "model_dir": str(llm.model_dir),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "quantization": engine.config.quantization,
+        "kv_cache_dtype": engine.config.cache.kv_cache_dtype,
         "device": str(engine.device),
         "executor": engine.config.executor,
         "enforce_eager": engine.config.enforce_eager,

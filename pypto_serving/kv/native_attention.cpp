@@ -202,8 +202,8 @@ void decode(const T* q, const C* k, const C* v, const int64_t* block_table,
         const int b = item / kv_heads, h = item % kv_heads;
         const int64_t at = (int64_t(b) * heads + int64_t(h) * GROUP) * HEAD_DIM;
         decode_one<T, C, GROUP, HEAD_DIM / 16>(q + at, k + h * head_stride, v + h * head_stride,
-                                            block_table + int64_t(b) * width, ctx_lens[b],
-                                            out + at, page_size, scale);
+                                               block_table + int64_t(b) * width, ctx_lens[b],
+                                               out + at, page_size, scale);
     }
 }
 
