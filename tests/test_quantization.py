@@ -85,6 +85,28 @@ def test_int4_w8a8_decodes_a_few_rows_in_int4_and_multiplies_more_in_int8():
         assert not torch.equal(int4, int8)
 
 
+@pytest.mark.parametrize(("kind", "graphs"), [("w8a8", 1), ("int4-w8a8", 2)])
+def test_only_int4_w8a8_traces_a_graph_per_side_of_eight_rows(kind, graphs):
+    """A trace-time branch on the row count guards the graph on it: int4-w8a8 needs one graph
+    for up to 8 rows and one for more; a w8a8 layer, whose code is the same for any count,
+    must stay one graph (a second would be compiled, and cached, for nothing)."""
+    torch.manual_seed(5)
+    layer = Linear(64, 32, bias=False).to(torch.bfloat16)
+    layer.quantize(kind)
+    traced = []
+
+    def backend(gm, example_inputs):
+        traced.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    run = torch.compile(layer.forward, backend=backend, dynamic=True)
+    for rows in (5, 9, 40, 3):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        assert torch.equal(run(x), layer(x))
+    assert len(traced) == graphs
+
+
 def test_int8_linear_is_the_integer_product_of_the_quantized_rows():
     torch.manual_seed(3)
     x = torch.randn(7, 128, dtype=torch.bfloat16)

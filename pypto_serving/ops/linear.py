@@ -189,8 +189,9 @@ class Linear(nn.Linear):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ bias), through the quantized or packed weight when there is one."""
-        few = x.shape[0] <= QUANTIZED_MAX_ROWS  # under torch.compile: a trace-time branch
-        if self.int8 is not None and not (few and self.quantized is not None):
+        # int4-w8a8 picks by rows: under torch.compile a trace-time branch (and a guard, so
+        # only where both forms exist: a w8a8 layer must not get a graph per side)
+        if self.int8 is not None and (self.quantized is None or x.shape[0] > QUANTIZED_MAX_ROWS):
             out = int8_linear(x, *self.int8)
             return out if bias is None else out + bias
         if self.quantized is not None:
