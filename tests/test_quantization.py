@@ -163,6 +163,29 @@ def test_calibrated_factors_meet_activations_and_weights_halfway(tiny_model):
         torch.testing.assert_close(act / s, weight * s, rtol=1e-4, atol=1e-6)
 
 
+def test_calibration_is_kept_and_read_back_on_the_next_load(tiny_model, tmp_path, monkeypatch):
+    """The first w8a8 load calibrates and keeps the factors under the cache directory; the
+    next one reads them (no calibration forward) and quantizes to the same int8 weights. A
+    damaged file is calibrated again."""
+    from pypto_serving.models import calibration, loader
+
+    monkeypatch.setenv("PYPTO_CACHE_DIR", str(tmp_path))
+    path, cpu = tiny_model(MODEL), torch.device("cpu")
+    first = loader.load_model(path, torch.bfloat16, cpu, None, "w8a8")
+    (kept,) = (tmp_path / "calibration").glob("*.safetensors")
+    runs = []
+    real = calibration.smoothing_factors
+    monkeypatch.setattr(calibration, "smoothing_factors", lambda *a: runs.append(1) or real(*a))
+    again = loader.load_model(path, torch.bfloat16, cpu, None, "w8a8")
+    assert runs == []  # read back, not calibrated
+    for a, b in zip(first.modules(), again.modules(), strict=True):
+        if isinstance(a, Linear):
+            assert all(torch.equal(x, y) for x, y in zip(a.int8, b.int8, strict=True))
+    kept.write_bytes(b"not a safetensors file")
+    loader.load_model(path, torch.bfloat16, cpu, None, "w8a8")
+    assert runs == [1] and kept.stat().st_size > 100  # calibrated again, and rewritten
+
+
 def test_int4_groups_keep_each_group_in_range():
     torch.manual_seed(1)
     weight = torch.randn(64, 128, dtype=torch.bfloat16)

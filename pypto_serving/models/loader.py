@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,14 +18,18 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 
 from pypto_serving.device import use_packed_linear
 from pypto_serving.distributed import Group, ParallelGroups
 from pypto_serving.errors import ModelLoadError, PyptoError
-from pypto_serving.models.calibration import calibration_tokens, smoothing_factors
+from pypto_serving.models import calibration
 from pypto_serving.models.config import ModelConfig, load_model_config
 from pypto_serving.models.llama import CausalLM
-from pypto_serving.ops.linear import pack_linears
+from pypto_serving.ops.linear import Linear, pack_linears
+from pypto_serving.paths import cache_dir
+
+log = logging.getLogger(__name__)
 
 # HF projection name -> (our fused parameter, index of the slice it fills)
 FUSED = {
@@ -251,10 +257,42 @@ def load_model(
     model.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32, device=device)
     model = model.eval().requires_grad_(False)
     if quantization in ("w8a8", "int4-w8a8"):  # one rank: EngineConfig.validate refuses TP, PP
-        tokens = calibration_tokens(load_tokenizer(model_dir))
-        pack_linears(model, quantization, smoothing_factors(model, tokens))
+        pack_linears(model, quantization, cached_smoothing_factors(model, model_dir))
     elif quantization is not None:
         pack_linears(model, quantization)
     elif use_packed_linear(device, dtype):
         pack_linears(model)
     return model
+
+
+def cached_smoothing_factors(model: CausalLM, model_dir: Path) -> dict[Linear, torch.Tensor]:
+    """w8a8's smoothing factors (models/calibration.py) for this checkpoint, kept under
+    `cache_dir()/calibration` by the checkpoint's digest, the calibration text, alpha and the
+    dtype: a restart reads them instead of loading the tokenizer and running the model over
+    the text (~2 s of a start). A file that does not fit the model is computed again."""
+    key = hashlib.blake2b(digest_size=16)
+    key.update(checkpoint_digest(model_dir).encode())
+    key.update(calibration.TEXT.read_bytes())
+    key.update(f"{calibration.ALPHA}|{calibration.CHUNK}|{next(model.parameters()).dtype}".encode())
+    path = cache_dir() / "calibration" / f"{key.hexdigest()}.safetensors"
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    if path.is_file():
+        try:
+            saved = load_file(path)
+            if saved and all(
+                n in layers and t.shape == (layers[n].in_features,) for n, t in saved.items()
+            ):
+                return {layers[n]: t for n, t in saved.items()}
+        except (OSError, SafetensorError) as e:
+            log.warning("unreadable calibration file %s (%s): calibrating again", path, e)
+    tokens = calibration.calibration_tokens(load_tokenizer(model_dir))
+    factors = calibration.smoothing_factors(model, tokens)
+    names = {m: n for n, m in layers.items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(f".{os.getpid()}.part")
+        save_file({names[m]: f.contiguous() for m, f in factors.items()}, str(part))
+        os.replace(part, path)  # atomic: replicas calibrating at once never see half a file
+    except OSError as e:
+        log.warning("cannot keep the calibration in %s (%s): it runs again next start", path, e)
+    return factors
