@@ -18,6 +18,8 @@ LOAD_BALANCE = ("least_pending_tokens", "round_robin")
 BACKENDS = ("gloo", "nccl")
 PLACEMENTS = ("linear", "round_robin")
 QUANTIZATIONS = ("int8", "int4", "w8a8", "int4-w8a8")
+CALIBRATED_QUANTIZATIONS = ("w8a8", "int4-w8a8")
+"""Those with int8 activations, whose smoothing factors come from running the whole model."""
 KV_CACHE_DTYPES = ("auto", "int8")
 SECTION_NAMES = ("scheduler", "cache", "parallel")
 """EngineConfig's sub-configs (and the JSON config file's sections of the same names)."""
@@ -265,7 +267,7 @@ class EngineConfig:
         p = self.parallel
         if p.world_size > 1 and self.executor == "reference":
             raise PyptoError("data and tensor parallelism need the paged executor")
-        if p.ranks_per_engine > 1 and self.quantization in ("w8a8", "int4-w8a8"):
+        if p.ranks_per_engine > 1 and self.quantization in CALIBRATED_QUANTIZATIONS:
             raise PyptoError(
                 f"quantization {self.quantization} is not available with tensor or pipeline "
                 "parallelism yet (its calibration runs the whole model on one rank)"

@@ -38,6 +38,7 @@ from pypto_serving.kv import native_attention
 from pypto_serving.kv.disk_tier import HEADER_BYTES
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, active_step
 from pypto_serving.kv.store import PagedKVStore
+from pypto_serving.kv.tier import page_bytes as kv_page_bytes
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.models.loader import checkpoint_digest
 from pypto_serving.ops.sampler import Sampled, SamplingRow, sample
@@ -78,7 +79,7 @@ def build_kv_store(
                 "KV tiers below the device are off under tensor/pipeline parallelism (for now)"
             )
         cache = replace(cache, kv_cpu_bytes=0, kv_ssd_dir=None)
-    page_bytes = 2 * layers * cache.page_size * cfg.num_kv_heads * row * dtype.itemsize
+    page_bytes = kv_page_bytes((layers, cfg.num_kv_heads, cache.page_size, row), dtype)
     num_pages = num_pages_for(cache, page_bytes, -(-max_tokens_in_use // cache.page_size))
     ssd_dir = Path(cache.kv_ssd_dir).expanduser() if cache.kv_ssd_dir else None
     ssd_pages = cache.kv_ssd_bytes // (page_bytes + HEADER_BYTES)

@@ -33,7 +33,7 @@ from typing import BinaryIO
 
 import torch
 
-from pypto_serving.kv.tier import PageKV, PageTier
+from pypto_serving.kv.tier import PageKV, PageTier, page_bytes
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class DiskTier(PageTier):
         self.digest = digest
         self.dir = Path(directory) / digest[:16]
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.payload_bytes = 2 * torch.Size(page_shape).numel() * dtype.itemsize
+        self.payload_bytes = page_bytes(page_shape, dtype)
         self.num_unreadable = 0
         """Files found truncated, corrupted or foreign (each deleted)."""
         self.num_write_errors = 0

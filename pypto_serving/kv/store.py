@@ -42,7 +42,7 @@ from pypto_serving.device import pin_host_memory
 from pypto_serving.kv.disk_tier import DiskTier
 from pypto_serving.kv.host_tier import HostTier
 from pypto_serving.kv.page_pool import PagePool, hash_page
-from pypto_serving.kv.tier import PageKV, PageTier, TierStats
+from pypto_serving.kv.tier import PageKV, PageTier, TierStats, page_bytes
 from pypto_serving.request import Request
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class PagedKVStore:
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.tables: dict[str, PageTable] = {}
         page_shape = (num_layers, num_kv_heads, page_size, head_dim)
-        self.page_bytes = 2 * torch.Size(page_shape).numel() * dtype.itemsize
+        self.page_bytes = page_bytes(page_shape, dtype)
         pin = pin_host_memory(device)
         self.cpu = HostTier(cpu_pages, page_shape, dtype, pin) if cpu_pages > 0 else None
         self.ssd = None

@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from pypto_serving.config import CALIBRATED_QUANTIZATIONS
 from pypto_serving.device import use_packed_linear
 from pypto_serving.distributed import Group, ParallelGroups
 from pypto_serving.errors import ModelLoadError, PyptoError
@@ -256,7 +257,7 @@ def load_model(
         load_weights(model, iter_checkpoint(files))
     model.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32, device=device)
     model = model.eval().requires_grad_(False)
-    if quantization in ("w8a8", "int4-w8a8"):  # one rank: EngineConfig.validate refuses TP, PP
+    if quantization in CALIBRATED_QUANTIZATIONS:  # one rank: EngineConfig.validate refuses TP/PP
         pack_linears(model, quantization, cached_smoothing_factors(model, model_dir))
     elif quantization is not None:
         pack_linears(model, quantization)
