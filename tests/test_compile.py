@@ -59,40 +59,81 @@ def test_eager_and_compiled_paths_agree(tiny_model):
     prompts = [[3 + i] * (5 + 7 * i) for i in range(6)]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     eager = LLM(path, dtype="float32", enforce_eager=True).generate(prompts, greedy)
-    torch._dynamo.reset()  # so that this engine compiles, and captures, its own layer graphs
     llm = LLM(path, dtype="float32")
     # one graph for every step, captured: the layers call it directly
-    assert set(llm.engine.executor.run_layer.graphs) == {(MLP, PagedKV, False)}
+    assert set(llm.engine.executor.run_layer.graphs) == {(MLP, PagedKV, 0)}
     compiled = llm.generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in eager] == [o.outputs[0].token_ids for o in compiled]
 
 
 def test_a_second_engine_of_an_architecture_serves_every_step(tiny_model):
-    """The second engine's larger steps hit the first one's graph in dynamo's cache and
-    compile nothing to capture; its decode of one compiles a static graph, which must not
-    become the graph for every step."""
+    """The second engine finds the first one's graph kept on disk: it compiles nothing, and
+    its layers call the graph directly for every step, a decode of one too."""
     path = str(tiny_model("llama-gqa4-tied"))
     prompts = [[3 + i] * (5 + 7 * i) for i in range(6)]
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    torch._dynamo.reset()
     first = LLM(path, dtype="float32")
     expected = first.generate(prompts, greedy, use_tqdm=False)
+    compiles = COUNTER.num_compiles
     second = LLM(path, dtype="float32")
-    assert (MLP, PagedKV, False) not in second.engine.executor.run_layer.graphs
+    assert COUNTER.num_compiles == compiles
+    assert set(second.engine.executor.run_layer.graphs) == {(MLP, PagedKV, 0)}
     got = second.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     assert second.engine.executor.num_recompilations == 0
 
 
+def test_kept_graphs_are_loaded_and_a_damaged_one_compiled_again(tiny_model, tmp_path, monkeypatch):
+    """A fresh cache directory: the first engine compiles and keeps its graph, a restart
+    loads it (0 compilations) and generates the same tokens; a damaged file is compiled
+    again, and replaced."""
+    monkeypatch.setenv("PYPTO_CACHE_DIR", str(tmp_path))
+    path = str(tiny_model("qwen3-hd32-gqa4"))
+    prompts = [[4 + i] * (3 + 11 * i) for i in range(5)]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    compiles = COUNTER.num_compiles
+    expected = LLM(path, dtype="float32").generate(prompts, greedy, use_tqdm=False)
+    assert COUNTER.num_compiles == compiles + 1
+    (kept,) = (tmp_path / "graphs").glob("*.bin")
+    for damage in (None, b"not a graph"):
+        if damage is not None:
+            kept.write_bytes(damage)
+        compiles = COUNTER.num_compiles
+        llm = LLM(path, dtype="float32")
+        assert COUNTER.num_compiles == compiles + (damage is not None)
+        assert set(llm.engine.executor.run_layer.graphs) == {(MLP, PagedKV, 0)}
+        got = llm.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert kept.stat().st_size > 1000  # rewritten
+
+
+def test_kept_graphs_are_keyed_by_what_they_are_made_of(tiny_model):
+    """Layers whose tensors differ (another dtype), or steps of another class, get other
+    files; the same layer and class, the same file."""
+    from pypto_serving.executor.compiled import graph_path
+
+    path = tiny_model("llama-gqa4-tied")
+    paths = []
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(str(path), dtype=dtype, enforce_eager=True)
+        layer = llm.engine.model.model.layers[0]
+        width = llm.engine.model_config.hidden_size
+        x = torch.zeros(3, width)
+        half = torch.zeros(3, llm.engine.model_config.head_dim, dtype=llm.engine.dtype)
+        kv = PagedKV()
+        paths += [graph_path(layer, x, half, half, kv, c) for c in (0, 1)]
+        assert graph_path(layer, x, half, half, kv, 0) == paths[-2]
+    assert len(set(paths)) == 4
+
+
 def test_quantized_layers_get_a_graph_of_their_own_for_a_decode_of_one(tiny_model):
     """A quantized linear calls its one-row kernel directly, a branch taken when traced, so
     quantized layers get a second graph, static, for a decode of one token."""
-    torch._dynamo.reset()  # so that this engine compiles, and captures, its own layer graphs
     knobs = {"dtype": "bfloat16", "quantization": "int8", "enforce_eager": False}
     with tiny_llm(tiny_model("llama-gqa4-tied"), **knobs) as llm:
         assert set(llm.engine.executor.run_layer.graphs) == {
-            (MLP, PagedKV, True),
-            (MLP, PagedKV, False),
+            (MLP, PagedKV, 1),
+            (MLP, PagedKV, 0),
         }
         greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         llm.generate([[5, 6, 7], [8] * 20], greedy, use_tqdm=False)
@@ -129,8 +170,8 @@ def test_a_captured_layer_graph_is_checked_against_each_layer():
     given the graph: its inputs are checked once, and it goes through dynamo instead."""
     graph = LayerGraph(
         fn=lambda *args: (args[0],),
-        examples=[torch.zeros(2, 4), torch.zeros(4)],
         plan=["x", ("input_layernorm", "_parameters", "weight")],
+        metas=[None, ((4,), (1,), "torch.float32", "cpu")],
     )
     cfg_layer = torch.nn.Module()
     cfg_layer.input_layernorm = torch.nn.Module()

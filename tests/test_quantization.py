@@ -163,27 +163,38 @@ def test_calibrated_factors_meet_activations_and_weights_halfway(tiny_model):
         torch.testing.assert_close(act / s, weight * s, rtol=1e-4, atol=1e-6)
 
 
-def test_calibration_is_kept_and_read_back_on_the_next_load(tiny_model, tmp_path, monkeypatch):
-    """The first w8a8 load calibrates and keeps the factors under the cache directory; the
-    next one reads them (no calibration forward) and quantizes to the same int8 weights. A
-    damaged file is calibrated again."""
+@pytest.mark.parametrize("kind", ["int4", "int4-w8a8"])
+def test_quantized_weights_are_kept_and_read_back_on_the_next_load(
+    tiny_model, tmp_path, monkeypatch, kind
+):
+    """The first load quantizes (and calibrates, for w8a8) and keeps the result under the
+    cache directory; the next one reads it back (no calibration, no quantizing) with every
+    quantized tensor identical. A damaged file is made again."""
     from pypto_serving.models import calibration, loader
+    from pypto_serving.ops import linear
 
     monkeypatch.setenv("PYPTO_CACHE_DIR", str(tmp_path))
     path, cpu = tiny_model(MODEL), torch.device("cpu")
-    first = loader.load_model(path, torch.bfloat16, cpu, None, "w8a8")
-    (kept,) = (tmp_path / "calibration").glob("*.safetensors")
+    first = loader.load_model(path, torch.bfloat16, cpu, None, kind)
+    (kept,) = (tmp_path / "quantized").glob("*.safetensors")
     runs = []
-    real = calibration.smoothing_factors
-    monkeypatch.setattr(calibration, "smoothing_factors", lambda *a: runs.append(1) or real(*a))
-    again = loader.load_model(path, torch.bfloat16, cpu, None, "w8a8")
-    assert runs == []  # read back, not calibrated
-    for a, b in zip(first.modules(), again.modules(), strict=True):
-        if isinstance(a, Linear):
-            assert all(torch.equal(x, y) for x, y in zip(a.int8, b.int8, strict=True))
+    for module, name in ((calibration, "smoothing_factors"), (linear.Linear, "quantize")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real: runs.append(1) or real(*a))
+    again = loader.load_model(path, torch.bfloat16, cpu, None, kind)
+    assert runs == []  # read back
+    pairs = [(a, b) for a, b in zip(first.modules(), again.modules(), strict=True)]
+    linears = [(a, b) for a, b in pairs if isinstance(a, Linear)]
+    for a, b in linears:
+        ta, tb = a.quantized_tensors(), b.quantized_tensors()
+        assert ta.keys() == tb.keys() and ta
+        assert all(torch.equal(ta[k], tb[k]) for k in ta)
+        assert (a.quantized is None or a.quantized[2] == b.quantized[2]) and (a.packed is None) == (
+            b.packed is None
+        )
     kept.write_bytes(b"not a safetensors file")
-    loader.load_model(path, torch.bfloat16, cpu, None, "w8a8")
-    assert runs == [1] and kept.stat().st_size > 100  # calibrated again, and rewritten
+    loader.load_model(path, torch.bfloat16, cpu, None, kind)
+    assert len(runs) >= len(linears) and kept.stat().st_size > 100  # made again, rewritten
 
 
 def test_int4_groups_keep_each_group_in_range():

@@ -15,6 +15,7 @@ from pypto_serving.distributed import init_distributed, resolve_groups, shutdown
 from pypto_serving.engine.process import ChildProcess
 from pypto_serving.engine.ranks import backend_for, plan_ranks, start_workers
 from pypto_serving.errors import EngineDeadError, PyptoError
+from pypto_serving.executor.compiled import trust_cpu_vector_isa_soon
 from pypto_serving.executor.paged import PagedExecutor, build_paged_executor
 from pypto_serving.executor.reference import ReferenceExecutor
 from pypto_serving.kv.store import PagedKVStore
@@ -150,6 +151,8 @@ class EngineCore:
             p.enable_expert_parallel,
             p.expert_placement_strategy,
         )
+        if config.executor == "paged" and not config.enforce_eager and self.device.type == "cpu":
+            trust_cpu_vector_isa_soon()  # while the model loads; warm-up compiles for it
         self.model = load_model(
             self.model_dir, self.dtype, self.device, groups, config.quantization
         )

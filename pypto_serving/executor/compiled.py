@@ -1,4 +1,5 @@
-"""Compile once, execute many: decoder layers under torch.compile, with a compile counter.
+"""Compile once, execute many: decoder layers under torch.compile, kept across restarts,
+with a compile counter.
 
 The model runs eagerly around one compiled `DecoderLayer.forward`. The layers differ only in
 their tensors, which are graph inputs, so all of them share one graph per kind of layer
@@ -10,35 +11,48 @@ layer instead of the whole model, and as few graphs as that, is what keeps start
 (each graph is several g++ runs on a cold cache).
 
 Going through dynamo costs ~0.17 ms a call (its guards, the compiled region's wrappers), 5 ms
-a token over 30 layers. So the first call that compiles a graph also captures it: where each
-of the graph's inputs comes from (the layer's hidden states, cos, sin, the token count, or a
-tensor of the layer, found by identity), checked by calling it directly on the same inputs
-and comparing with dynamo's result. Later calls with the same kind of layer and step build
-the inputs from the layer's own tensors (checked once per layer against the captured ones'
-shapes, strides and dtypes) and call the compiled graph directly, as vLLM does. Anything that
-does not fit the capture (a graph break, a layer whose tensors differ) goes through dynamo.
+a token over 30 layers, so layers call their graph directly, as vLLM does. A graph is
+compiled ahead of time (dynamo's `aot_compile`, whole graph) and captured: where each of its
+inputs comes from (the layer's hidden states, cos, sin, the token count, or a tensor of the
+layer, found by identity), checked by calling it directly and comparing with the compiled
+function's own result. Later calls build the inputs from each layer's own tensors (checked
+once per layer against the captured ones' shapes, strides and dtypes).
 
-The compiled function takes the layer as an argument, so engines of the same architecture in
-one process share graphs (the second engine's calls go through dynamo: its cache hits compile
-nothing to capture), and Inductor's caches live in the project's cache directory, so a
-restart reuses the compiled code. Every compilation is counted; one after warm-up is a
-recompilation, logged and exposed as a metric.
+The compiled graph and its capture are kept in `cache_dir()/graphs`, keyed by what the graph
+is made of (`graph_path`), so a restart, or a second engine in the process, loads them
+(~0.03 s a graph once Inductor is imported) instead of tracing and looking up Inductor's
+caches (~1 s a graph). A loaded graph is checked with its guards and against its own
+compiled function's result. Anything that cannot take this path (a graph break, a graph
+whose inputs cannot be told) goes through dynamo, and is captured there where it can be.
+Every compilation is counted; one after warm-up is a recompilation, logged and exposed as a
+metric.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import io
 import logging
+import os
+import pickle
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.exc import BackendCompilerFailed, Unsupported
+from torch._inductor.exc import InductorError
 
 from pypto_serving.models.llama import CausalLM, DecoderLayer
 from pypto_serving.ops.attention import KVAttention
 from pypto_serving.ops.linear import Linear
+from pypto_serving.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +134,16 @@ int pypto_isa_check() { return 0; }
 """
 
 
+_isa_lock = threading.Lock()
+
+
+def trust_cpu_vector_isa_soon() -> None:
+    """Start `trust_cpu_vector_isa` in a background thread: its compiler run and Inductor's
+    own load probes (~0.7 s of a start, spent waiting on child processes) then overlap the
+    model's loading. Warm-up's own call waits for it."""
+    threading.Thread(target=trust_cpu_vector_isa, name="pypto-isa", daemon=True).start()
+
+
 def trust_cpu_vector_isa() -> bool:
     """Let Inductor use the widest SIMD ISA the CPU reports without its own probes.
 
@@ -129,6 +153,11 @@ def trust_cpu_vector_isa() -> bool:
     check is that the compiler takes the ISA's flags, which a few lines of intrinsics show in
     ~50 ms. Returns whether the ISA is trusted; where the quick check fails (or the user set
     TORCHINDUCTOR_VEC_ISA_OK), Inductor decides as it would have."""
+    with _isa_lock:
+        return _trust_cpu_vector_isa()
+
+
+def _trust_cpu_vector_isa() -> bool:
     from torch._inductor import config, cpp_builder, cpu_vec_isa
 
     if config.cpp.vec_isa_ok is not None:
@@ -188,12 +217,14 @@ def _fetch(layer: nn.Module, where: Where) -> object:
     return value if key is None or value is None else value[key]  # type: ignore[index]
 
 
-def _same_meta(a: object, b: object) -> bool:
-    return (
-        isinstance(a, torch.Tensor)
-        and isinstance(b, torch.Tensor)
-        and (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
-    )
+Meta = tuple[tuple[int, ...], tuple[int, ...], str, str]
+"""A tensor's shape, strides, dtype and device type: what a graph input must match."""
+
+
+def _meta(t: object) -> Meta | None:
+    if not isinstance(t, torch.Tensor):
+        return None
+    return tuple(t.shape), tuple(t.stride()), str(t.dtype), t.device.type
 
 
 @dataclass
@@ -201,9 +232,10 @@ class LayerGraph:
     """One compiled graph of `DecoderLayer.forward`, called without dynamo."""
 
     fn: Callable[..., Sequence[torch.Tensor]]
-    examples: list[object]
     plan: list[str | Where]
     """Per graph input: "x", "cos", "sin", "tokens" (the token count), or a layer tensor's place."""
+    metas: list[Meta | None]
+    """Per graph input: what the layer's tensor there must be like (None for the step's)."""
     _bound: dict[int, list[object] | None] = field(default_factory=dict)
 
     @classmethod
@@ -230,18 +262,24 @@ class LayerGraph:
             if name is None and id(e) not in places:
                 return None
             plan.append(name if name is not None else places[id(e)])
-        return cls(fn, examples, plan)
+        metas = [
+            None if isinstance(w, str) else _meta(e) for w, e in zip(plan, examples, strict=True)
+        ]
+        return cls(fn, plan, metas)
 
     def _bind(self, layer: DecoderLayer) -> list[object] | None:
         """The layer's constant inputs (None in the slots a call fills), or None where its
         tensors do not match the captured ones."""
         inputs: list[object] = []
-        for where, example in zip(self.plan, self.examples, strict=True):
+        for where, meta in zip(self.plan, self.metas, strict=True):
             if isinstance(where, str):
                 inputs.append(None)
                 continue
-            value = _fetch(layer, where)
-            if not _same_meta(value, example):
+            try:
+                value = _fetch(layer, where)
+            except (AttributeError, KeyError, IndexError, TypeError):  # a layer of another kind
+                return None
+            if meta is None or _meta(value) != meta:
                 return None
             inputs.append(value)
         return inputs
@@ -261,10 +299,154 @@ class LayerGraph:
         return out
 
 
+GRAPH_FORMAT = 1
+"""Bumped when what a kept graph file holds changes meaning."""
+
+
+@functools.cache
+def _code_digest() -> str:
+    """The package's source: a traced graph is its code's, so kept graphs are keyed by it."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.blake2b(digest_size=16)
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def graph_path(
+    layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: object, cls: int
+) -> Path | None:
+    """Where the graph for steps of class `cls` of layers like this one is kept across
+    restarts: keyed by everything the graph is made of (the code, the layer's configuration
+    and tensors, the inputs' dtypes, torch, the CPU's ISA, the thread count Inductor's loops
+    are written for). None where graphs are not kept: the ranks of a parallel group, whose
+    graphs hold its collectives."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return None
+    tensors = sorted((repr(w), _meta(_fetch(layer, w))) for w in _places(layer).values())
+    parts = [
+        GRAPH_FORMAT,
+        torch.__version__,
+        torch.backends.cpu.get_cpu_capability(),
+        torch.get_num_threads(),
+        _code_digest(),
+        type(layer.mlp).__qualname__,
+        type(kv).__qualname__,
+        cls,
+        len(x) == 1,
+        repr(layer.self_attn.cfg),
+        [(t.dtype, t.shape[1:], t.device.type) for t in (x, cos, sin)],
+        tensors,
+    ]
+    key = hashlib.blake2b(repr(parts).encode(), digest_size=16).hexdigest()
+    return cache_dir() / "graphs" / f"{key}.bin"
+
+
+def _load_graph(
+    path: Path,
+    layer: DecoderLayer,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: object,
+) -> tuple[LayerGraph, torch.Tensor] | None:
+    """A kept graph and its output for this step, or None where it cannot be used (it is then
+    compiled again, and the file replaced)."""
+    try:
+        saved = pickle.loads(path.read_bytes())
+        aot = torch.compiler.load_compiled_function(io.BytesIO(saved["artifact"]))
+        # its guards check tensors as dynamo saw them when compiling: not marked dynamic
+        args = (layer, *(t.view_as(t) for t in (x, cos, sin)), kv)
+        if not aot.guard_check(*args):
+            log.info("the kept layer graph %s does not fit this layer: compiling it", path)
+            return None
+        # the graph Inductor compiled (what the dynamo-made code around it calls)
+        graph = LayerGraph(aot._artifacts.compiled_fn, saved["plan"], saved["metas"])
+        out, direct = aot(*args), graph(layer, x, cos, sin)
+    except Exception as e:  # a damaged or stale file of a cache: compile instead
+        log.info("the kept layer graph %s cannot be loaded (%s): compiling it", path, e)
+        return None
+    return (graph, out) if direct is not None and torch.equal(direct, out) else None
+
+
+def _keep_graph(path: Path, aot: Any, graph: LayerGraph) -> None:
+    """Write a compiled graph where `graph_path` says (atomically: replicas starting at once
+    never read half a file). Best effort: a graph not kept is compiled at the next start."""
+    try:
+        artifact = type(aot).serialize(aot).serialized_data
+        data = pickle.dumps({"artifact": artifact, "plan": graph.plan, "metas": graph.metas})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(f".{os.getpid()}.part")
+        part.write_bytes(data)
+        os.replace(part, path)
+    except Exception as e:  # serialization refusing a graph, a full disk: serve on
+        log.info("a compiled layer graph cannot be kept in %s (%s)", path, e)
+
+
+_aot: Any = None
+
+
+def _kept_guards(entries: Sequence[Any]) -> list[bool]:
+    """The guards a kept graph checks: dynamo's choice for saved graphs (no globals, none
+    that cannot be serialized), less those on oneDNN-packed weights, which cannot be (the
+    graph's own check of each layer's tensors covers them)."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    return [
+        not (
+            e.is_global
+            or e.guard_type in unsupported
+            or (e.has_value and isinstance(e.value, torch.Tensor) and e.value.is_mkldnn)
+        )
+        for e in entries
+    ]
+
+
+def _compile_graph(
+    layer: DecoderLayer,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: object,
+    path: Path | None,
+) -> tuple[LayerGraph, torch.Tensor] | None:
+    """Compile the layer's graph for this step ahead of time (dynamo's `aot_compile`, whole
+    graph), capture it, keep it at `path`; None where that cannot be done (a graph break,
+    Inductor's caches disabled, an input whose origin cannot be told)."""
+    global _aot
+    if _aot is None:
+        options = {"guard_filter_fn": _kept_guards}
+        _aot = torch.compile(
+            DecoderLayer.forward, fullgraph=True, backend=_capturing_backend, options=options
+        )
+    _captured.clear()
+    try:
+        aot = _aot.aot_compile(((layer, x, cos, sin, kv), {}))
+    except (BackendCompilerFailed, InductorError):
+        raise  # no compiler: the executor serves eagerly
+    except (Unsupported, RuntimeError) as e:
+        log.info("a layer graph cannot be compiled ahead of time (%s): dynamo runs it", e)
+        return None
+    finally:
+        captured, _captured[:] = list(_captured), []
+    out = aot(layer, x, cos, sin, kv)
+    graph = LayerGraph.capture(captured[0][1], captured[0][0], layer, x, cos, sin)
+    if graph is None or not torch.equal(graph(layer, x, cos, sin), out):
+        log.info("a compiled layer graph could not be captured; it runs through dynamo")
+        return None
+    if path is not None:
+        _keep_graph(path, aot, graph)
+    return graph, out
+
+
 class CompiledLayers:
-    """Runs decoder layers through the compiled graph they share (`forward_logits`'s
-    `run_layer`) and, once captured, directly. One per model (the captured graphs hold its
-    tensors)."""
+    """Runs decoder layers through the compiled graphs they share (`forward_logits`'s
+    `run_layer`), called directly: each is loaded from the cache directory, or compiled ahead
+    of time and kept there, the first time a step needs it. One per model (the captured
+    graphs hold its tensors)."""
 
     def __init__(self) -> None:
         self.graphs: dict[tuple[type, type, int], LayerGraph] = {}
@@ -273,6 +455,8 @@ class CompiledLayers:
         self._row_bounds: dict[int, list[int]] = {}
         """id(layer) -> the token counts at which its code branches when traced (its
         linears' `row_bounds`): a step's class is how many of them its count exceeds."""
+        self._through_dynamo: set[tuple[type, type, int]] = set()
+        """Classes whose graph could not be compiled ahead of time or captured."""
 
     def __call__(
         self,
@@ -293,13 +477,24 @@ class CompiledLayers:
             return out
         for t in (x, cos, sin):
             torch._dynamo.maybe_mark_dynamic(t, 0)
+        # dynamo specialises a size of 1, so a graph made for one token is static: it can
+        # only be the one-token graph of quantized layers, never the one for every count
+        fits = (len(x) == 1) == (1 in bounds and key[2] == 0)
+        if graph is None and fits and key not in self._through_dynamo:
+            path = graph_path(layer, x, cos, sin, kv, key[2])
+            made = (
+                None
+                if path is None or not path.is_file()
+                else _load_graph(path, layer, x, cos, sin, kv)
+            )
+            made = made or _compile_graph(layer, x, cos, sin, kv, path)
+            if made is not None:
+                self.graphs[key], out = made
+                return out
+            self._through_dynamo.add(key)
         _captured.clear()
         out = _compiled_layer()(layer, x, cos, sin, kv)
-        # dynamo specialises a size of 1, so a graph compiled for one token is static: it
-        # can only be the one-token graph, never the shared one (that happens when another
-        # engine's graph of this architecture served the larger steps from dynamo's cache)
-        static = len(x) == 1
-        if graph is None and len(_captured) == 1 and static == (1 in bounds and key[2] == 0):
+        if graph is None and fits and len(_captured) == 1:
             examples, fn = _captured[0]
             graph = LayerGraph.capture(fn, examples, layer, x, cos, sin)
             if graph is not None and torch.equal(graph(layer, x, cos, sin), out):

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from pypto_serving.device import pin_host_memory
+from pypto_serving.device import pin_host_memory, zeros
 from pypto_serving.kv.disk_tier import DiskTier
 from pypto_serving.kv.host_tier import HostTier
 from pypto_serving.kv.page_pool import PagePool, hash_page
@@ -120,8 +120,8 @@ class PagedKVStore:
         # head-major: a page of one head is a contiguous [page_size, head_dim] block, so a
         # sequence's keys gather page by page straight into the layout attention reads
         shape = (num_layers, num_kv_heads, num_pages * page_size, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_cache = zeros(shape, dtype, device)
+        self.v_cache = zeros(shape, dtype, device)
         self.tables: dict[str, PageTable] = {}
         page_shape = (num_layers, num_kv_heads, page_size, head_dim)
         self.page_bytes = page_bytes(page_shape, dtype)

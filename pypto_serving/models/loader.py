@@ -257,43 +257,79 @@ def load_model(
         load_weights(model, iter_checkpoint(files))
     model.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32, device=device)
     model = model.eval().requires_grad_(False)
-    if quantization in CALIBRATED_QUANTIZATIONS:  # one rank: EngineConfig.validate refuses TP/PP
-        pack_linears(model, quantization, cached_smoothing_factors(model, model_dir))
-    elif quantization is not None:
-        pack_linears(model, quantization)
+    if quantization is not None:
+        quantize_cached(model, model_dir, quantization, groups)
     elif use_packed_linear(device, dtype):
         pack_linears(model)
     return model
 
 
-def cached_smoothing_factors(model: CausalLM, model_dir: Path) -> dict[Linear, torch.Tensor]:
-    """w8a8's smoothing factors (models/calibration.py) for this checkpoint, kept under
-    `cache_dir()/calibration` by the checkpoint's digest, the calibration text, alpha and the
-    dtype: a restart reads them instead of loading the tokenizer and running the model over
-    the text (~2 s of a start). A file that does not fit the model is computed again."""
+QUANTIZED_FORMAT = 1
+"""Bumped when what `Linear.quantized_tensors` keeps changes meaning."""
+
+
+def quantized_cache_path(
+    model: CausalLM, model_dir: Path, quantization: str, groups: ParallelGroups
+) -> Path:
+    """Where `quantize_cached` keeps a model's quantized weights: keyed by the checkpoint's
+    digest, this rank's share of it, the quantization, the code that quantizes (ops/linear.py,
+    models/calibration.py and its text) and the torch version and CPU that packed them."""
     key = hashlib.blake2b(digest_size=16)
     key.update(checkpoint_digest(model_dir).encode())
+    for source in (Path(pack_linears.__code__.co_filename), Path(calibration.__file__)):
+        key.update(source.read_bytes())
     key.update(calibration.TEXT.read_bytes())
-    key.update(f"{calibration.ALPHA}|{calibration.CHUNK}|{next(model.parameters()).dtype}".encode())
-    path = cache_dir() / "calibration" / f"{key.hexdigest()}.safetensors"
+    ranks = [(g.rank, g.size) for g in (groups.tp, groups.pp, groups.ep)]
+    key.update(
+        f"{QUANTIZED_FORMAT}|{quantization}|{model.cfg!r}|{ranks}|{torch.__version__}|"
+        f"{torch.backends.cpu.get_cpu_capability()}|{next(model.parameters()).dtype}".encode()
+    )
+    return cache_dir() / "quantized" / f"{key.hexdigest()}.safetensors"
+
+
+def quantize_cached(
+    model: CausalLM, model_dir: Path, quantization: str, groups: ParallelGroups
+) -> None:
+    """Quantize the model's linear layers (`pack_linears`, after w8a8's calibration), or take
+    the result of an earlier start from `cache_dir()/quantized`: reading it back is ~0.2 s
+    where quantizing SmolLM2 is 1-2 s and calibrating ~2 s more. A file that does not fit the
+    model (or cannot be read) is made again."""
+    path = quantized_cache_path(model, model_dir, quantization, groups)
     layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     if path.is_file():
         try:
-            saved = load_file(path)
-            if saved and all(
-                n in layers and t.shape == (layers[n].in_features,) for n, t in saved.items()
-            ):
-                return {layers[n]: t for n, t in saved.items()}
-        except (OSError, SafetensorError) as e:
-            log.warning("unreadable calibration file %s (%s): calibrating again", path, e)
-    tokens = calibration.calibration_tokens(load_tokenizer(model_dir))
-    factors = calibration.smoothing_factors(model, tokens)
-    names = {m: n for n, m in layers.items()}
+            saved: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layers}
+            # copied out of the file's mapping: tensors on a shared mapping of a cache file
+            # that another start may rewrite are not safe to keep (and crashed here)
+            for key, tensor in load_file(path).items():
+                name, _, part = key.partition("/")
+                saved[name][part] = tensor.clone()
+            rows = {
+                n: [t.shape[0] for k, t in parts.items() if "weight" in k]
+                for n, parts in saved.items()
+            }
+            if all(r and set(r) == {layers[n].out_features} for n, r in rows.items()):
+                pack_linears(model, quantization, saved=saved)
+                return
+            log.warning("the quantized weights in %s do not fit the model: quantizing", path)
+        except (OSError, SafetensorError, KeyError) as e:
+            log.warning("unreadable quantized weights %s (%s): quantizing again", path, e)
+    smooth = None
+    if quantization in CALIBRATED_QUANTIZATIONS:  # one rank: EngineConfig.validate refuses TP/PP
+        tokens = calibration.calibration_tokens(load_tokenizer(model_dir))
+        smooth = calibration.smoothing_factors(model, tokens)
+    pack_linears(model, quantization, smooth)
+    tensors = {
+        f"{name}/{part}": t.contiguous()
+        for name, m in layers.items()
+        for part, t in m.quantized_tensors().items()
+    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_suffix(f".{os.getpid()}.part")
-        save_file({names[m]: f.contiguous() for m, f in factors.items()}, str(part))
-        os.replace(part, path)  # atomic: replicas calibrating at once never see half a file
+        save_file(tensors, str(part))
+        os.replace(part, path)  # atomic: replicas quantizing at once never see half a file
     except OSError as e:
-        log.warning("cannot keep the calibration in %s (%s): it runs again next start", path, e)
-    return factors
+        log.warning(
+            "cannot keep the quantized weights in %s (%s): quantizing again next start", path, e
+        )

@@ -184,6 +184,30 @@ class Linear(nn.Linear):
             )
         self.quantized = (*quantize_int4(weight), INT4_GROUP)
 
+    def quantized_tensors(self) -> dict[str, torch.Tensor]:
+        """The quantized forms as named tensors, to be kept on disk (`load_quantized` takes
+        them back)."""
+        out: dict[str, torch.Tensor] = {}
+        if self.quantized is not None:
+            out["quantized.weight"], out["quantized.scales"], _ = self.quantized
+        if self.int8 is not None:
+            q, scale, smooth = self.int8
+            out |= {"int8.weight": q, "int8.scale": scale}
+            if smooth is not None:
+                out["int8.smooth"] = smooth
+        return out
+
+    def load_quantized(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take back what `quantized_tensors` gave (the group size follows from the scales:
+        one per output row is int8, groups of inputs int4)."""
+        if "quantized.weight" in tensors:
+            scales = tensors["quantized.scales"]
+            group = 0 if scales.dim() == 1 else self.in_features // scales.shape[0]
+            self.quantized = (tensors["quantized.weight"], scales, group)
+        if "int8.weight" in tensors:
+            smooth = tensors.get("int8.smooth")
+            self.int8 = (tensors["int8.weight"], tensors["int8.scale"], smooth)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
@@ -246,24 +270,31 @@ def pack_linears(
     model: nn.Module,
     quantization: str | None = None,
     smooth: dict[Linear, torch.Tensor] | None = None,
+    saved: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> int:
     """Pack (and quantize) every `Linear` of the model; returns how many there were. Under
     int4 the LM head gets int8, as llama.cpp keeps its output tensor above 4 bits (Q8_0 in
     SmolLM2's Q4_1 file): the logits are where small models lose most to quantization; under
     int4-w8a8 it gets w8a8, whose one-row matmul is 1.4x the weight-only int8 kernel's (the
     head is a fifth of SmolLM2's weights). w8a8 and int4-w8a8 keep no bf16 weight packed
-    (their wide matmuls run in int8), and take each layer's smoothing factors."""
+    (their wide matmuls run in int8), and take each layer's smoothing factors. saved: each
+    layer's `quantized_tensors` by module name, from an earlier load, taken instead of
+    quantizing."""
     head = getattr(model, "lm_head", None)
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
     int8_wide = quantization is not None and quantization.endswith("w8a8")
-    for layer in layers:
+    for name, layer in layers:
         if quantization is None or (not int8_wide and torch.backends.mkldnn.is_available()):
             layer.pack()  # quantized layers keep it for prefill-sized matmuls
-        if quantization is not None:
-            kind = quantization
-            if layer is head and quantization == "int4":
-                kind = "int8"
-            elif layer is head and quantization == "int4-w8a8":
-                kind = "w8a8"  # int8 too, and its GEMV beats the weight-only kernel's
-            layer.quantize(kind, (smooth or {}).get(layer))
+        if quantization is None:
+            continue
+        if saved is not None:
+            layer.load_quantized(saved[name])
+            continue
+        kind = quantization
+        if layer is head and quantization == "int4":
+            kind = "int8"
+        elif layer is head and quantization == "int4-w8a8":
+            kind = "w8a8"  # int8 too, and its GEMV beats the weight-only kernel's
+        layer.quantize(kind, (smooth or {}).get(layer))
     return len(layers)
