@@ -433,6 +433,8 @@ def _compile_graph(
     finally:
         captured, _captured[:] = list(_captured), []
     out = aot(layer, x, cos, sin, kv)
+    if len(captured) != 1:  # a whole graph is one backend call; anything else is not ours
+        return None
     graph = LayerGraph.capture(captured[0][1], captured[0][0], layer, x, cos, sin)
     if graph is None or not torch.equal(graph(layer, x, cos, sin), out):
         log.info("a compiled layer graph could not be captured; it runs through dynamo")
