@@ -89,7 +89,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     zeroed pages as they are first written, so a KV cache of gigabytes is allocated at once
     (torch.zeros writes every byte first: ~0.5 s for 2 GB here) and resident memory grows
     with what is used."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)

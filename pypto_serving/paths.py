@@ -1,5 +1,6 @@
 """Where PyPTO Serving keeps files: converted models and the compile cache (no torch import,
-so the package can point Inductor at its cache before torch is loaded)."""
+so the package can point Inductor at its cache before torch is loaded), and how it writes
+them."""
 
 from __future__ import annotations
 
@@ -17,3 +18,17 @@ def use_compile_cache() -> None:
     """Keep torch.compile's on-disk caches in `cache_dir()/inductor` (unless the user set
     TORCHINDUCTOR_CACHE_DIR). Must run before torch resolves its cache directory."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file (`<name>.<pid>.tmp`) renamed into place:
+    a reader (another process starting at once, a start after a crash) sees the old file or
+    the whole new one, never half of one. Raises OSError, the temporary file removed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -34,7 +34,6 @@ import functools
 import hashlib
 import io
 import logging
-import os
 import pickle
 import subprocess
 import tempfile
@@ -52,7 +51,7 @@ from torch._inductor.exc import InductorError
 from pypto_serving.models.llama import CausalLM, DecoderLayer
 from pypto_serving.ops.attention import KVAttention
 from pypto_serving.ops.linear import Linear
-from pypto_serving.paths import cache_dir
+from pypto_serving.paths import cache_dir, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -377,10 +376,7 @@ def _keep_graph(path: Path, aot: Any, graph: LayerGraph) -> None:
     try:
         artifact = type(aot).serialize(aot).serialized_data
         data = pickle.dumps({"artifact": artifact, "plan": graph.plan, "metas": graph.metas})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_suffix(f".{os.getpid()}.part")
-        part.write_bytes(data)
-        os.replace(part, path)
+        write_atomically(path, data)
     except Exception as e:  # serialization refusing a graph, a full disk: serve on
         log.info("a compiled layer graph cannot be kept in %s (%s)", path, e)
 

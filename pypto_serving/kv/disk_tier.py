@@ -13,7 +13,7 @@ folder is scanned (headers only) so pages written by an earlier run of the same 
 configuration are found again; the oldest beyond the budget are deleted.
 
 Writes never block the engine: `store` keeps the page in memory and queues it; the writer
-thread writes `<name>.tmp` and renames it into place. A page loaded while still queued is
+thread writes `<name>.<pid>.tmp` and renames it into place. A page loaded while still queued is
 served from memory. All index changes happen under one lock.
 """
 
@@ -23,7 +23,6 @@ import atexit
 import hashlib
 import json
 import logging
-import os
 import queue
 import struct
 import threading
@@ -34,6 +33,7 @@ from typing import BinaryIO
 import torch
 
 from pypto_serving.kv.tier import PageKV, PageTier, page_bytes
+from pypto_serving.paths import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -264,14 +264,11 @@ class DiskTier(PageTier):
         if kv is None or token_ids is None:
             return  # loaded or dropped before its turn came
         path = self._path(page_hash)
-        tmp = path.with_suffix(".tmp")
         try:
-            tmp.write_bytes(self._encode(page_hash, token_ids, kv))
-            os.replace(tmp, path)
+            write_atomically(path, self._encode(page_hash, token_ids, kv))
         except OSError as e:
             log.warning("SSD KV tier: cannot write %s (%s); page dropped", path, e)
             self.num_write_errors += 1
-            tmp.unlink(missing_ok=True)
             with self._lock:
                 if self._pending.get(page_hash) is kv:
                     del self._pending[page_hash]

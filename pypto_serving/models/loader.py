@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from pypto_serving.config import CALIBRATED_QUANTIZATIONS
 from pypto_serving.device import use_packed_linear
@@ -28,7 +27,7 @@ from pypto_serving.models import calibration
 from pypto_serving.models.config import ModelConfig, load_model_config
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.ops.linear import Linear, pack_linears
-from pypto_serving.paths import cache_dir
+from pypto_serving.paths import cache_dir, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -325,10 +324,7 @@ def quantize_cached(
         for part, t in m.quantized_tensors().items()
     }
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_suffix(f".{os.getpid()}.part")
-        save_file(tensors, str(part))
-        os.replace(part, path)  # atomic: replicas quantizing at once never see half a file
+        write_atomically(path, save(tensors))  # replicas quantizing at once: a whole file
     except OSError as e:
         log.warning(
             "cannot keep the quantized weights in %s (%s): quantizing again next start", path, e
