@@ -51,17 +51,22 @@ def test_offline_prompts_file_takes_the_first_prompts(tiny_model, tmp_path):
     assert r["prompt_tokens"] >= 2 and r["output_tok_per_s"] > 0
 
 
-def test_latency(tiny_model, tmp_path, capsys):
+@pytest.mark.parametrize("compile_flags", [(), ("--no-enforce-eager", "--background-compile")])
+def test_latency(tiny_model, tmp_path, capsys, compile_flags):
+    """Eager, and compiled in the background: the timed requests wait for the graphs."""
     r = bench(
         "latency",
         tiny_model("llama-gqa4-tied"),
         tmp_path / "r.json",
-        *("--input-len", "6", "--output-len", "5", "--iters", "2"),
+        *("--input-len", "6", "--output-len", "5", "--iters", "2", *compile_flags),
     )
+    assert r["engine"]["enforce_eager"] == (not compile_flags)
+    assert r["engine"]["background_compile"] == bool(compile_flags)
     assert (r["input_len"], r["output_len"], r["iters"]) == (6, 5, 2)
     assert len(r["ttft_ms_all"]) == 2 and len(r["decode_tok_per_s_all"]) == 2
     assert r["ttft_ms"] > 0 and r["decode_tok_per_s"] > 0 and r["tpot_ms"] > 0
     assert r["e2e_s"] * 1000 > r["ttft_ms"] and r["startup_s"] > 0
+    assert r["first_token_s"] > r["startup_s"]
     assert "TTFT median (ms)" in capsys.readouterr().out
 
 

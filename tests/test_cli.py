@@ -205,7 +205,8 @@ def test_serve_config_file_and_flags(tmp_path, monkeypatch):
         "dtype": "float32",
         "max_num_seqs": 4,
         "page_size": 16,
-        "max_num_batched_tokens": 1024,  # serve's own default
+        "max_num_batched_tokens": 1024,  # serve's own defaults
+        "background_compile": True,
     }
     assert (seen["s"].port, seen["s"].api_key, seen["s"].host) == (9002, "k", "127.0.0.1")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import torch
 from live_server import tiny_llm
@@ -105,6 +106,59 @@ def test_kept_graphs_are_loaded_and_a_damaged_one_compiled_again(tiny_model, tmp
         got = llm.generate(prompts, greedy, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     assert kept.stat().st_size > 1000  # rewritten
+
+
+def test_a_background_compile_serves_eagerly_until_its_graph_is_ready(
+    tiny_model, tmp_path, monkeypatch
+):
+    """With background_compile the engine is ready before its graph: while the compile is
+    held back, requests are served eagerly (no graph, the tokens of an eager engine) beside
+    it; once it is done the graph serves, with the same tokens and no recompilation. A
+    graph compiled by the warm-up's thread never runs the serving thread's attention."""
+    from pypto_serving.executor import compiled
+
+    monkeypatch.setenv("PYPTO_CACHE_DIR", str(tmp_path))  # nothing kept: it must compile
+    path = str(tiny_model("llama-gqa4-tied"))
+    prompts = [[4 + i] * (3 + 9 * i) for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    eager = LLM(path, dtype="float32", enforce_eager=True).generate(prompts, greedy)
+    tokens = [o.outputs[0].token_ids for o in eager]
+    release, graph_path = threading.Event(), compiled.graph_path
+
+    def held(*args: object) -> object:
+        assert threading.current_thread().name == "pypto-compile"
+        assert release.wait(120)
+        return graph_path(*args)
+
+    monkeypatch.setattr(compiled, "graph_path", held)
+    compiles = COUNTER.num_compiles
+    llm = LLM(path, dtype="float32", background_compile=True)
+    executor = llm.engine.executor
+    try:
+        assert llm.engine.stats().compiling and not executor.run_layer.graphs
+        got = llm.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == tokens
+        assert llm.engine.stats().compiling and COUNTER.num_compiles == compiles
+    finally:
+        release.set()
+    assert executor.wait_compiled(120)
+    assert not llm.engine.stats().compiling and executor.run_layer.compiler is None
+    assert set(executor.run_layer.graphs) == {(MLP, PagedKV, 0)}
+    assert COUNTER.num_compiles == compiles + 1
+    got = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == tokens
+    assert llm.engine.stats().num_recompilations == 0
+    llm.close()
+
+
+def test_closing_an_engine_stops_its_background_compile(tiny_model, tmp_path, monkeypatch):
+    """close() while the warm-up compiles in the background: it stops after the graph at
+    hand and close returns, with nothing left running."""
+    monkeypatch.setenv("PYPTO_CACHE_DIR", str(tmp_path))
+    llm = LLM(str(tiny_model("qwen3-hd32-gqa4")), dtype="float32", background_compile=True)
+    executor = llm.engine.executor
+    llm.close()
+    assert not executor.compiling
 
 
 def test_kept_graphs_are_keyed_by_what_they_are_made_of(tiny_model):

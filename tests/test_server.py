@@ -337,6 +337,7 @@ def test_metrics(live, client):
         "pypto_recompilations_total",
     ):
         assert f'{name}{{model_name="tiny"}}' in text, name
+    assert 'pypto_compiling{model_name="tiny"} 0.0' in text  # eager: nothing compiles
     value = next(ln for ln in text.splitlines() if ln.startswith("pypto_generation_tokens_total"))
     assert float(value.split()[-1]) == live.llm.engine.stats().generation_tokens > 0
 

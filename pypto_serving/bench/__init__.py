@@ -64,6 +64,7 @@ def engine_info(llm: LLM) -> dict[str, Any]:
         "device": str(engine.device),
         "executor": engine.config.executor,
         "enforce_eager": engine.config.enforce_eager,
+        "background_compile": engine.config.background_compile,
         "threads": getattr(engine, "num_threads", None) or torch.get_num_threads(),
         "data_parallel_size": engine.config.parallel.data_parallel_size,
     }

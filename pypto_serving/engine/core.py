@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from pypto_serving.errors import EngineDeadError, PyptoError
 from pypto_serving.executor.compiled import trust_cpu_vector_isa_soon
 from pypto_serving.executor.paged import PagedExecutor, build_paged_executor
 from pypto_serving.executor.reference import ReferenceExecutor
+from pypto_serving.kv import native_attention
 from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.kv.tier import TierStats, merge_tier_stats
 from pypto_serving.models.config import load_model_config
@@ -45,6 +47,8 @@ class EngineStats:
     num_swapped: int
     """Of those, preemptions whose KV was swapped out instead of dropped."""
     num_recompilations: int
+    compiling: bool
+    """Whether warm-up is still compiling in the background (steps partly eager)."""
     prompt_tokens: int
     """Prompt tokens computed (prefix-cache hits excluded, recomputation included)."""
     generation_tokens: int
@@ -67,6 +71,7 @@ def combine_stats(parts: list[EngineStats]) -> EngineStats:
         sum(p.num_preemptions for p in parts),
         sum(p.num_swapped for p in parts),
         max((p.num_recompilations for p in parts), default=0),
+        any(p.compiling for p in parts),
         sum(p.prompt_tokens for p in parts),
         sum(p.generation_tokens for p in parts),
         tuple(tiers.values()),
@@ -151,8 +156,10 @@ class EngineCore:
             p.enable_expert_parallel,
             p.expert_placement_strategy,
         )
-        if config.executor == "paged" and not config.enforce_eager and self.device.type == "cpu":
-            trust_cpu_vector_isa_soon()  # while the model loads; warm-up compiles for it
+        if config.executor == "paged" and self.device.type == "cpu":
+            self._build_attention_soon()
+            if not config.enforce_eager:
+                trust_cpu_vector_isa_soon()  # while the model loads; warm-up compiles for it
         self.model = load_model(
             self.model_dir, self.dtype, self.device, groups, config.quantization
         )
@@ -175,13 +182,29 @@ class EngineCore:
             describe_ranks(p.tensor_parallel_size, p.pipeline_parallel_size),
         )
 
+    def _build_attention_soon(self) -> None:
+        """Build (or load) the native attention kernels in a background thread while the
+        model loads: ~3 s of g++ on a cold start, overlapping the loading's single-threaded
+        part. The executor's own call waits for it (`native_attention.library` takes a
+        lock); a failure is met there again, and said."""
+        cfg = load_model_config(self.model_dir)
+        shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.config.cache.page_size)
+
+        def build() -> None:
+            try:
+                native_attention.library_for(self.device, self.dtype, *shape)
+            except Exception:
+                log.debug("building the attention kernels ahead failed", exc_info=True)
+
+        threading.Thread(target=build, name="pypto-attention", daemon=True).start()
+
     def _make_executor(self) -> ReferenceExecutor | PagedExecutor:
         if self.config.executor == "reference":
             return ReferenceExecutor(self.model, self.device)
         executor = build_paged_executor(
             self.config, self.model, self.device, self.dtype, self.model_dir
         )
-        executor.warmup()
+        executor.warmup(self.config.background_compile)
         return executor
 
     def _ranks(self) -> str:
@@ -230,6 +253,7 @@ class EngineCore:
             s.num_preemptions,
             s.num_swapped,
             self.executor.num_recompilations,
+            isinstance(self.executor, PagedExecutor) and self.executor.compiling,
             self.prompt_tokens,
             self.generation_tokens,
             tuple(kv.tier_stats()) if isinstance(kv := self.executor.kv, PagedKVStore) else (),

@@ -35,6 +35,10 @@ class _EngineCollector(Collector):
             "num_requests_running": ("Requests being computed", s.num_running),
             "num_requests_waiting": ("Requests queued (new or preempted)", s.num_waiting),
             "kv_cache_usage_perc": ("Fraction of KV pages held by requests (0-1)", s.kv_usage),
+            "compiling": (
+                "1 while warm-up compiles in the background (steps partly eager), else 0",
+                int(s.compiling),
+            ),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])

@@ -45,8 +45,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._dynamo.exc import BackendCompilerFailed, Unsupported
-from torch._inductor.exc import InductorError
 
 from pypto_serving.models.llama import CausalLM, DecoderLayer
 from pypto_serving.ops.attention import KVAttention
@@ -412,6 +410,9 @@ def _compile_graph(
     """Compile the layer's graph for this step ahead of time (dynamo's `aot_compile`, whole
     graph), capture it, keep it at `path`; None where that cannot be done (a graph break,
     Inductor's caches disabled, an input whose origin cannot be told)."""
+    from torch._dynamo.exc import BackendCompilerFailed, Unsupported
+    from torch._inductor.exc import InductorError
+
     global _aot
     if _aot is None:
         options = {"guard_filter_fn": _kept_guards}
@@ -455,6 +456,9 @@ class CompiledLayers:
         linears' `row_bounds`): a step's class is how many of them its count exceeds."""
         self._through_dynamo: set[tuple[type, type, int]] = set()
         """Classes whose graph could not be compiled ahead of time or captured."""
+        self.compiler: threading.Thread | None = None
+        """While warm-up compiles in a background thread (this one): the other threads run a
+        layer whose graph is not there yet eagerly, and never compile."""
 
     def __call__(
         self,
@@ -473,6 +477,8 @@ class CompiledLayers:
         graph = self.graphs.get(key)
         if graph is not None and (out := graph(layer, x, cos, sin)) is not None:
             return out
+        if (compiler := self.compiler) is not None and compiler is not threading.current_thread():
+            return layer(x, cos, sin, kv)  # until the background warm-up has made its graph
         for t in (x, cos, sin):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         # dynamo specialises a size of 1, so a graph made for one token is static: it can

@@ -8,14 +8,14 @@ compiled once at start-up (warm-up covers every graph shape) unless `enforce_eag
 
 from __future__ import annotations
 
+import copy
 import logging
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch._dynamo.exc import BackendCompilerFailed
-from torch._inductor.exc import InductorError
 from tqdm import tqdm
 
 from pypto_serving.config import CacheConfig, EngineConfig
@@ -64,6 +64,7 @@ def build_kv_store(
     cache: CacheConfig,
     max_tokens_in_use: int,
     digest: str,
+    describe: bool = True,
 ) -> PagedKVStore:
     """The KV store with its tiers sized from the cache config's byte budgets. Under tensor
     parallelism it holds this rank's KV heads, under pipeline parallelism its stage's layers,
@@ -105,7 +106,8 @@ def build_kv_store(
         )
     except OSError as e:
         raise PyptoError(f"cannot use kv_ssd_dir {ssd_dir}: {e}") from None
-    log.info(store.describe())
+    if describe:
+        log.info(store.describe())
     return store
 
 
@@ -146,7 +148,7 @@ class PagedExecutor:
     ) -> None:
         """max_tokens_in_use: the most tokens all running sequences can hold at once; digest:
         identifies the checkpoint (keys the SSD tier's pages)."""
-        self.model, self.device, self.groups = model, device, model.groups
+        self.model, self.device, self.dtype, self.groups = model, device, dtype, model.groups
         cfg = model.cfg
         self.attention_kernel = native_attention.library_for(
             device, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache.page_size
@@ -162,10 +164,25 @@ class PagedExecutor:
         self.paged_kv = PagedKV()
         self.run_layer = None if enforce_eager else CompiledLayers()
         """How the model's decoder layers run: compiled, or eagerly (None)."""
+        self._warming: threading.Thread | None = None
+        """The warm-up compiling in the background (`warmup(background=True)`), if any."""
+        self._stop_warming = threading.Event()
 
     @property
     def num_recompilations(self) -> int:
         return COUNTER.num_recompilations
+
+    @property
+    def compiling(self) -> bool:
+        """Whether warm-up is still compiling in the background (steps run eagerly where a
+        graph is missing)."""
+        return self._warming is not None and self._warming.is_alive()
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for a background warm-up to finish; whether it has."""
+        if self._warming is not None:
+            self._warming.join(timeout)
+        return not self.compiling
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, Sampled]:
@@ -270,7 +287,12 @@ class PagedExecutor:
             self.run(step)
 
     def close(self) -> None:
-        """Tell the other ranks to stop (rank 0), finish the KV store's background work."""
+        """Tell the other ranks to stop (rank 0), finish the KV store's background work and
+        a background warm-up (after the graph it is compiling)."""
+        if self.compiling:
+            self._stop_warming.set()
+            log.info("waiting for the background compile to finish its graph")
+            self.wait_compiled()
         if self.groups.world_size > 1 and self.groups.rank == 0:
             try:
                 broadcast_step(None, self.device)
@@ -288,10 +310,52 @@ class PagedExecutor:
         for r, n in plan:
             r.num_computed_tokens += n
 
-    def warmup(self) -> None:
-        """Compile every graph shape serving can meet: decode of one, of many, prefill, mixed."""
+    def warmup(self, background: bool = False) -> None:
+        """Compile every graph shape serving can meet: decode of one, of many, prefill, mixed.
+
+        background: return at once and compile in a thread, over a small KV store of its own,
+        while steps run eagerly wherever a graph is not there yet (each is used as soon as it
+        is): the first token of a cold start then waits for the model, not for g++. Not
+        under tensor or pipeline parallelism, whose warm-up steps are collective."""
         if self.run_layer is None:
             return
+        if not background or self.groups.world_size > 1:
+            self._compile_shapes(self, progress=True)
+            return
+        cache = CacheConfig(
+            page_size=self.kv.page_size,
+            num_kv_pages=2 * -(-9 // self.kv.page_size),  # the warm-up's requests: 8, 9 tokens
+            kv_cpu_bytes=0,
+            enable_prefix_caching=False,
+            kv_cache_dtype="int8" if self.kv.k_cache.dtype == torch.int8 else "auto",
+        )
+        scratch = copy.copy(self)  # the same model and graphs; its own pages
+        scratch.kv = build_kv_store(self.model, self.device, self.dtype, cache, 0, "", False)
+        self.run_layer.compiler = self._warming = threading.Thread(
+            target=self._compile_beside, args=(scratch,), name="pypto-compile", daemon=True
+        )
+        log.info("compiling in the background; serving eagerly until each graph is ready")
+        self._warming.start()
+
+    def _compile_beside(self, scratch: PagedExecutor) -> None:
+        try:
+            self._compile_shapes(scratch, progress=False)
+        except Exception:  # a bug, not a missing compiler: serve on, eagerly
+            log.exception("the background compile failed; serving eagerly")
+            self.run_layer = None
+        finally:
+            scratch.kv.close()
+            if self.run_layer is not None:
+                self.run_layer.compiler = None
+
+    def _compile_shapes(self, runner: PagedExecutor, progress: bool) -> None:
+        """Run warm-up steps on `runner` (this executor, or one sharing its model over a KV
+        store of its own) until every graph is compiled, then count what follows as
+        recompilations."""
+        from torch._dynamo.exc import BackendCompilerFailed  # torch.compile's (~2 s) imports
+        from torch._inductor.exc import InductorError
+
+        assert self.run_layer is not None
         start, compiles = time.perf_counter(), COUNTER.num_compiles
         if self.device.type == "cpu":
             trust_cpu_vector_isa()
@@ -304,8 +368,10 @@ class PagedExecutor:
             [(reqs[0], 1), (reqs[1], 1)],
         ]
         try:
-            for plan in tqdm(plans, desc="compiling (once; cached on disk)"):
-                self._warmup_step(plan, reqs)
+            for plan in tqdm(plans, desc="compiling (once; cached on disk)", disable=not progress):
+                if self._stop_warming.is_set():
+                    return
+                runner._warmup_step(plan, reqs)
         except (BackendCompilerFailed, InductorError) as e:  # e.g. no C++ compiler here
             log.warning(
                 "torch.compile failed, serving eagerly (as --enforce-eager): %s",
@@ -314,10 +380,11 @@ class PagedExecutor:
             self.run_layer = None
         finally:
             for r in reqs:
-                self.kv.free(r)
+                runner.kv.free(r)
         COUNTER.mark_warm()
         log.info(
-            "warm-up compiled %d graphs in %.1fs",
+            "warm-up compiled %d graphs in %.1fs%s",
             COUNTER.num_compiles - compiles,
             time.perf_counter() - start,
+            "" if progress else " in the background; serving on them now",
         )

@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from functools import cache
 from pathlib import Path
@@ -84,9 +85,18 @@ def build(group: int, head_dim: int, out_dir: Path, compiler: str | None = None)
     return target
 
 
-@cache
+_library_lock = threading.Lock()
+
+
 def library(group: int, head_dim: int) -> ctypes.CDLL | None:
-    """The loaded library for this attention shape (built on first need), or None."""
+    """The loaded library for this attention shape (built on first need), or None. Takes a
+    lock: the engine starts the build in a background thread while it loads the model."""
+    with _library_lock:
+        return _library(group, head_dim)
+
+
+@cache
+def _library(group: int, head_dim: int) -> ctypes.CDLL | None:
     path = build(group, head_dim, cache_dir() / "kernels")
     if path is None:
         return None

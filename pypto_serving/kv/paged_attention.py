@@ -17,6 +17,7 @@ the per-step shapes of the metadata (the vLLM "forward context" pattern).
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -27,7 +28,16 @@ from pypto_serving.kv.native_attention import paged_attention as native_attentio
 from pypto_serving.kv.native_attention import store_kv
 from pypto_serving.kv.store import PagedKVStore
 
-_active: list[StepAttention] = []
+
+class _ActiveSteps(threading.local):
+    """Per thread: the steps whose attention metadata the attention op reads (a warm-up
+    compiling in the background runs its own steps beside the serving thread's)."""
+
+    def __init__(self) -> None:
+        self.steps: list[StepAttention] = []
+
+
+_active = _ActiveSteps()
 
 
 class _Group:
@@ -187,18 +197,18 @@ class StepAttention:
 @contextmanager
 def active_step(step: StepAttention) -> Iterator[None]:
     """Make `step` the attention metadata the model's attention layers use."""
-    _active.append(step)
+    _active.steps.append(step)
     try:
         yield
     finally:
-        _active.pop()
+        _active.steps.pop()
 
 
 @torch.library.custom_op("pypto::paged_attention", mutates_args=())
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor
 ) -> torch.Tensor:
-    return _active[-1].attend(int(layer), q, k, v)
+    return _active.steps[-1].attend(int(layer), q, k, v)
 
 
 @paged_attention.register_fake
