@@ -151,6 +151,38 @@ def test_a_background_compile_serves_eagerly_until_its_graph_is_ready(
     llm.close()
 
 
+def test_the_active_step_is_per_thread():
+    """The attention op reads the step its own thread made active: a background warm-up's
+    steps and the serving thread's never see each other's metadata."""
+    from pypto_serving.kv import paged_attention as pa
+
+    class Marked:
+        def __init__(self, value: float) -> None:
+            self.value = value
+
+        def attend(self, layer: int, q: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+            return torch.full_like(q, self.value)
+
+    q, kv, layer = torch.zeros(1, 2, 4), torch.zeros(1, 1, 4), torch.tensor(0)
+    inside, read = threading.Event(), threading.Event()
+    seen: list[torch.Tensor] = []
+
+    def other() -> None:
+        with pa.active_step(Marked(2.0)):  # type: ignore[arg-type]
+            inside.set()
+            assert read.wait(30)
+            seen.append(pa.paged_attention(q, kv, kv, layer))
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert inside.wait(30)
+    with pa.active_step(Marked(1.0)):  # type: ignore[arg-type]
+        mine = pa.paged_attention(q, kv, kv, layer)
+        read.set()
+        thread.join(30)
+    assert mine.eq(1).all() and seen[0].eq(2).all()
+
+
 def test_closing_an_engine_stops_its_background_compile(tiny_model, tmp_path, monkeypatch):
     """close() while the warm-up compiles in the background: it stops after the graph at
     hand and close returns, with nothing left running."""
