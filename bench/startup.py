@@ -117,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     ]
     report = report_of({"runs": runs}, serve_command=shlex.join(cmd))
-    text = "\n".join(
-        [f"`{shlex.join(cmd)}`, timed from the process's start", "", *lines, ""]
-    )
+    text = "\n".join([f"`{shlex.join(cmd)}`, timed from the process's start", "", *lines, ""])
     emit(text, report, args)
     return 0
 

@@ -2,7 +2,8 @@
 client that loads a running OpenAI-compatible server (`serve`, see serve.py).
 
 `offline` and `latency` load the engine once (its construction is reported as start-up time),
-warm it up with an untimed run, then time the workload; the result is printed as a table and,
+warm it up with an untimed run (and, compiling in the background, wait for the graphs), then
+time the workload; the result is printed as a table and,
 with `--json FILE`, written as JSON with the same numbers.
 """
 
@@ -50,6 +51,18 @@ def start_engine(knobs: dict[str, Any]) -> tuple[LLM, float]:
     start = time.perf_counter()
     llm = LLM(**knobs)
     return llm, time.perf_counter() - start
+
+
+def wait_compiled(llm: LLM, prompt: list[int]) -> None:
+    """With --background-compile: until the engine's graphs are all compiled, send a short
+    warm-up request every half second (replicas report their state as they step), so that
+    what is timed next runs at full speed."""
+    from pypto_serving.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    while llm.engine.stats().compiling:
+        time.sleep(0.5)
+        llm.generate([prompt], params, use_tqdm=False)
 
 
 def engine_info(llm: LLM) -> dict[str, Any]:

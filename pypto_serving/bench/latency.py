@@ -17,7 +17,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pypto_serving.bench import add_report_flags, engine_info, peak_rss_mib, report, start_engine
+from pypto_serving.bench import (
+    add_report_flags,
+    engine_info,
+    peak_rss_mib,
+    report,
+    start_engine,
+    wait_compiled,
+)
 from pypto_serving.bench.datasets import random_prompts, sampling_vocab
 from pypto_serving.cli import add_engine_flags, engine_knobs, positive_int
 from pypto_serving.errors import PyptoError
@@ -92,9 +99,7 @@ def run(args: argparse.Namespace) -> int:
     vocab = sampling_vocab(llm.tokenizer, llm.engine.model_config.vocab_size)
     warm = random_prompts(vocab, 1, args.input_len, args.seed + WARMUP_SEED_OFFSET)[0]
     first = startup + time_request(llm, warm, min(args.output_len, WARMUP_TOKENS)).ttft_s
-    while llm.engine.stats().compiling:  # steady state: wait for the background compile
-        time.sleep(0.5)
-        time_request(llm, warm, WARMUP_TOKENS)  # (replicas report their state as they step)
+    wait_compiled(llm, warm)
     timings = [
         time_request(
             llm, random_prompts(vocab, 1, args.input_len, args.seed + i)[0], args.output_len

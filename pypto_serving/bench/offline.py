@@ -2,7 +2,8 @@
 
 Greedy, EOS ignored, so every request yields exactly `--output-len` tokens. Prompts are
 tokenized before the clock starts; an untimed warm-up on other prompts runs first (other
-token ids, so the prefix cache cannot help the timed run).
+token ids, so the prefix cache cannot help the timed run) and, with `--background-compile`,
+until the graphs are ready.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pypto_serving.bench import add_report_flags, engine_info, peak_rss_mib, report, start_engine
+from pypto_serving.bench import (
+    add_report_flags,
+    engine_info,
+    peak_rss_mib,
+    report,
+    start_engine,
+    wait_compiled,
+)
 from pypto_serving.bench.datasets import file_prompts, random_prompts, sampling_vocab
 from pypto_serving.cli import add_engine_flags, engine_knobs, positive_int
 from pypto_serving.errors import PyptoError
@@ -102,6 +110,7 @@ def warm_up(llm: LLM, vocab: list[int], prompts: list[list[int]], seed: int) -> 
     n = min(len(prompts), WARMUP_PROMPTS)
     warm = random_prompts(vocab, n, mean_len, seed + 1_000_003)
     llm.generate(warm, greedy(WARMUP_TOKENS), use_tqdm=False)
+    wait_compiled(llm, warm[0])
 
 
 def measure(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
