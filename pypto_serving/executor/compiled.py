@@ -25,7 +25,8 @@ caches (~1 s a graph). A loaded graph is checked with its guards and against its
 compiled function's result. Anything that cannot take this path (a graph break, a graph
 whose inputs cannot be told) goes through dynamo, and is captured there where it can be.
 Every compilation is counted; one after warm-up is a recompilation, logged and exposed as a
-metric.
+metric. Warm-up may compile in a background thread (`CompiledLayers.compiler`) while other
+threads serve: they run a layer whose graph is not there yet eagerly, and never compile.
 """
 
 from __future__ import annotations
