@@ -67,7 +67,8 @@ def server_command(engine: str, model: Path, extra: str) -> tuple[list[str], dic
     return [*cmd, "--dtype", "bfloat16", *shlex.split(extra)], VLLM_ENV
 
 
-def wait_healthy(proc: subprocess.Popen[bytes], timeout: float) -> float:
+def wait_healthy(proc: subprocess.Popen[bytes], timeout: float, poll: float = 1.0) -> float:
+    """Seconds until the server's /health answers, asked every `poll` seconds."""
     start = time.monotonic()
     while time.monotonic() - start < timeout:
         if proc.poll() is not None:
@@ -77,8 +78,17 @@ def wait_healthy(proc: subprocess.Popen[bytes], timeout: float) -> float:
                 if r.status == 200:
                     return time.monotonic() - start
         except OSError:
-            time.sleep(1)
+            time.sleep(poll)
     raise RuntimeError(f"the server was not healthy after {timeout:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """SIGINT (the server drains and exits), then a kill after a minute."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def bench(args: argparse.Namespace, concurrency: int, prompts: int, out: Path | None) -> Any:
@@ -108,11 +118,7 @@ def serving(
     except (RuntimeError, subprocess.SubprocessError) as e:
         result["error"] = str(e)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:

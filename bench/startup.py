@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,16 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_side_by_side import NAME, PORT, add_output_args, emit, model_dir, report_of
+from serve_side_by_side import (
+    NAME,
+    PORT,
+    add_output_args,
+    emit,
+    model_dir,
+    report_of,
+    stop_server,
+    wait_healthy,
+)
 
 POLL_S = 0.1
 
@@ -61,29 +69,18 @@ def first_token_s(start: float) -> float:
 
 def one_run(cmd: list[str], env: dict[str, str], timeout: float) -> dict[str, float]:
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        while True:
-            if proc.poll() is not None:
-                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                raise RuntimeError(f"the server exited ({proc.returncode}):\n{err[-2000:]}")
-            if time.monotonic() - start > timeout:
-                raise RuntimeError(f"the server was not healthy after {timeout:.0f} s")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            time.sleep(POLL_S)
-        healthy = time.monotonic() - start
-        return {"healthy_s": healthy, "first_token_s": first_token_s(start)}
-    finally:
-        proc.send_signal(signal.SIGINT)
+    with tempfile.TemporaryFile() as log:  # a file, not a pipe: a full pipe would stall it
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
         try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            wait_healthy(proc, timeout, POLL_S)
+            healthy = time.monotonic() - start
+            return {"healthy_s": healthy, "first_token_s": first_token_s(start)}
+        except RuntimeError as e:
+            log.seek(0)
+            tail = log.read().decode(errors="replace")[-2000:]
+            raise RuntimeError(f"{e}; its log ends:\n{tail}") from None
+        finally:
+            stop_server(proc)
 
 
 def main(argv: list[str] | None = None) -> int:
