@@ -8,7 +8,10 @@ reported: how often each variant's top-1 token agrees with float32's.
 
 The weight-only kinds (int8, int4) use their quantized kernels only for matmuls of a few rows
 (decoding); here they are forced onto every row, so the figure is what decoding sees. w8a8
-runs the same way in a forward of any size.
+runs the same way in a forward of any size. `int4-native` scores through the native decode
+step (executor/native_decode.py, what int4 and int4-w8a8 decode with on the CPU), one token
+at a time over the paged KV cache, as a decode would see each: its Q4_1 layers, Q8_0 head
+and int8 activations.
 
     python bench/perplexity.py --text /usr/share/common-licenses/GPL-3 \\
         --quantization none,w8a8,int8,int4
@@ -24,10 +27,12 @@ from pathlib import Path
 
 import torch
 
+from pypto_serving import LLM, SamplingParams
 from pypto_serving.models.default_model import resolve_model_path
 from pypto_serving.models.loader import load_model, load_tokenizer
 from pypto_serving.ops import linear
 from pypto_serving.ops.attention import DenseKV
+from pypto_serving.request import Request
 
 
 def score(model: torch.nn.Module, chunks: list[list[int]]) -> tuple[float, int, torch.Tensor]:
@@ -45,11 +50,37 @@ def score(model: torch.nn.Module, chunks: list[list[int]]) -> tuple[float, int, 
     return nll, count, torch.cat(tops)
 
 
+def score_native(llm: LLM, chunks: list[list[int]]) -> tuple[float, int, torch.Tensor]:
+    """`score`, each token a step of the native decode step over the engine's KV store."""
+    executor = llm.engine.executor
+    assert executor.native is not None, "the native decode step does not apply here"
+    kv, page, nll, count, tops = executor.kv, executor.kv.page_size, 0.0, 0, []
+    with torch.inference_mode():
+        for chunk in chunks:
+            request = Request("perplexity", chunk, SamplingParams(max_tokens=1))
+            assert kv.allocate(request, len(chunk)), "a chunk must fit the KV cache"
+            table = kv.block_table([request.request_id])
+            for t in range(len(chunk)):
+                slot = table[0, t // page] * page + t % page
+                one = torch.tensor([t])
+                logits = executor.native.logits(
+                    torch.tensor([chunk[t]]), one, slot.view(1), table, one + 1
+                )
+                if t + 1 < len(chunk):
+                    nll -= torch.log_softmax(logits[0], -1)[chunk[t + 1]].item()
+                tops.append(logits[0].argmax().view(1))
+            count += len(chunk) - 1
+            kv.free(request)
+    return nll, count, torch.cat(tops)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default")
     p.add_argument("--text", action="append", required=True, help="a text file (repeatable)")
-    p.add_argument("--quantization", default="none,w8a8,int8,int4", help="comma-separated")
+    p.add_argument(
+        "--quantization", default="none,w8a8,int8,int4,int4-native", help="comma-separated"
+    )
     p.add_argument("--chunk", type=int, default=1024, help="tokens per forward")
     p.add_argument("--max-chunks", type=int, default=6, help="per text file")
     p.add_argument("--json", type=Path, help="write the results here too")
@@ -68,9 +99,12 @@ def main() -> int:
     for variant in variants:
         dtype = torch.float32 if variant == "float32" else torch.bfloat16
         quantization = None if variant in ("float32", "none") else variant
-        model = load_model(model_dir, dtype, torch.device("cpu"), None, quantization)
+        if variant == "int4-native":
+            model = LLM(str(model_dir), quantization="int4", enforce_eager=True)
+        else:
+            model = load_model(model_dir, dtype, torch.device("cpu"), None, quantization)
         for name, chunks in texts.items():
-            nll, count, top = score(model, chunks)
+            nll, count, top = (score_native if variant == "int4-native" else score)(model, chunks)
             reference.setdefault(name, top)
             row = {
                 "variant": "bfloat16" if variant == "none" else variant,
@@ -86,6 +120,8 @@ def main() -> int:
                 f"({count} tokens)",
                 flush=True,
             )
+        if isinstance(model, LLM):
+            model.close()
         del model
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -73,9 +73,15 @@ def use_packed_linear(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def use_native_attention(device: torch.device) -> bool:
-    """Paged attention through the native CPU kernels (kv/native_attention.cpp): on the CPU,
+    """Paged attention through the native CPU kernels (native/attention.cpp): on the CPU,
     unless PYPTO_NATIVE_ATTENTION=0. Elsewhere attention is PyTorch's."""
     return device.type == "cpu" and os.environ.get("PYPTO_NATIVE_ATTENTION", "1") != "0"
+
+
+def use_native_decode(device: torch.device) -> bool:
+    """Decode steps of a few sequences through the native CPU step (native/decode.cpp), for
+    the models it takes: on the CPU with native attention, unless PYPTO_NATIVE_DECODE=0."""
+    return use_native_attention(device) and os.environ.get("PYPTO_NATIVE_DECODE", "1") != "0"
 
 
 def pin_host_memory(device: torch.device) -> bool:

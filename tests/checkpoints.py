@@ -64,8 +64,10 @@ BASE = dict(
 )
 
 
-def build_checkpoint(name: str, out: Path, seed: int = 0) -> Path:
-    """Write a random checkpoint `name` (a key of TINY) into `out` (config + safetensors)."""
+def build_checkpoint(name: str, out: Path, seed: int = 0, grid: bool = False) -> Path:
+    """Write a random checkpoint `name` (a key of TINY) into `out` (config + safetensors).
+    grid: its matrices (embeddings, projections) hold values (q - 8) / 64 for q in 0..15,
+    each group of 32 inputs spanning 0 to 15, which int4 quantization keeps exactly."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     family, overrides = TINY[name]
@@ -76,6 +78,10 @@ def build_checkpoint(name: str, out: Path, seed: int = 0) -> Path:
         for pname, p in model.named_parameters():
             if pname.endswith("bias") or "norm" in pname:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif grid and p.dim() == 2 and p.shape[1] % 32 == 0:
+                q = torch.randint(0, 16, p.shape)
+                q[:, ::32], q[:, 1::32] = 0, 15
+                p.copy_((q - 8) / 64)
     model.save_pretrained(out)
     return out
 

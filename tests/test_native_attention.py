@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pypto_serving import native
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.paged_attention import _Group
 
@@ -70,12 +71,12 @@ SHAPES = dict(
 
 
 def check(q, k_cache, v_cache, block_table, q_lens, ctx_lens, page_size, group, head_dim):
-    lib = native_attention.library(group, head_dim)
+    lib = native.library(group, head_dim)
     assert lib is not None, "the kernels must build here (g++ is what Inductor uses too)"
     tokens, max_q = slice(0, len(q)), int(q_lens.max())
-    native = _Group(page_size, k_cache.shape[0], block_table, q_lens, ctx_lens, tokens, max_q, lib)
+    kernel = _Group(page_size, k_cache.shape[0], block_table, q_lens, ctx_lens, tokens, max_q, lib)
     plain = _Group(page_size, k_cache.shape[0], block_table, q_lens, ctx_lens, tokens, max_q)
-    got = native.attend(q, k_cache, v_cache)
+    got = kernel.attend(q, k_cache, v_cache)
     want = reference(q, k_cache, v_cache, block_table, q_lens, ctx_lens, page_size)
     assert got.dtype == q.dtype and got.shape == q.shape
     tol = TOLERANCE[q.dtype]
@@ -110,7 +111,7 @@ def test_a_library_refuses_shapes_it_was_not_built_for():
     q, k_cache, v_cache, table, q_lens, ctx_lens = make_case(
         0, [1, 1], 2, 2, 64, 16, 40, torch.float32
     )
-    lib = native_attention.library(4, 64)  # built for 4 query heads per KV head, not 2
+    lib = native.library(4, 64)  # built for 4 query heads per KV head, not 2
     with pytest.raises(ValueError, match="not built for"):
         native_attention.paged_attention(lib, q, k_cache, v_cache, table, ctx_lens, 16)
     with pytest.raises(ValueError, match="not built for"):
@@ -118,18 +119,18 @@ def test_a_library_refuses_shapes_it_was_not_built_for():
 
 
 def test_the_library_is_built_once_then_reused(tmp_path: Path):
-    first = native_attention.build(2, 32, tmp_path)
+    first = native.build(2, 32, tmp_path)
     assert first is not None and first.exists()
     stamp = first.stat().st_mtime_ns
-    assert native_attention.build(2, 32, tmp_path) == first
+    assert native.build(2, 32, tmp_path) == first
     assert first.stat().st_mtime_ns == stamp
-    assert native_attention.build(2, 64, tmp_path) != first  # another shape, another library
+    assert native.build(2, 64, tmp_path) != first  # another shape, another library
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".so")] == []
 
 
-def test_without_a_working_compiler_attention_stays_on_pytorch(tmp_path: Path, caplog):
+def test_without_a_working_compiler_the_native_kernels_are_off(tmp_path: Path, caplog):
     with caplog.at_level(logging.WARNING):
-        assert native_attention.build(3, 64, tmp_path, compiler="no-such-compiler-here") is None
+        assert native.build(3, 64, tmp_path, compiler="no-such-compiler-here") is None
         assert "no C++ compiler" in caplog.text
         broken = tmp_path / "cxx"
         broken.write_text(
@@ -137,7 +138,7 @@ def test_without_a_working_compiler_attention_stays_on_pytorch(tmp_path: Path, c
             "echo 'cxx: cannot compile' >&2\nexit 1\n"
         )
         broken.chmod(0o755)
-        assert native_attention.build(3, 64, tmp_path / "out", compiler=str(broken)) is None
+        assert native.build(3, 64, tmp_path / "out", compiler=str(broken)) is None
         assert "cannot compile" in caplog.text
     assert not list((tmp_path / "out").glob("*.so"))
 
@@ -177,7 +178,7 @@ def test_storing_new_keys_and_values_matches_index_copy(
     slots = torch.randperm(64, generator=g)[:tokens]
     caches = [torch.randn(kv_heads, 64, head_dim, generator=g).to(dtype) for _ in range(2)]
     caches += [c.clone() for c in caches]
-    lib = native_attention.library(1, head_dim)
+    lib = native.library(1, head_dim)
     assert native_attention.store_kv(lib, k, v, caches[0], caches[1], slots)
     caches[2].index_copy_(1, slots, k.transpose(0, 1))
     caches[3].index_copy_(1, slots, v.transpose(0, 1))
@@ -185,7 +186,7 @@ def test_storing_new_keys_and_values_matches_index_copy(
 
 
 def test_keys_laid_out_otherwise_are_left_to_the_caller():
-    lib = native_attention.library(1, 16)
+    lib = native.library(1, 16)
     k = torch.randn(16, 4, 2).transpose(0, 2)  # [2, 4, 16], heads not 16 apart
     cache = torch.zeros(4, 8, 16)
     slots = torch.tensor([3, 5])
@@ -245,7 +246,7 @@ def test_int8_caches_attend_as_their_dequantized_rows(
     q, k_cache, v_cache, table, q_lens, ctx_lens = make_case(
         seed, q_lens, kv_heads, group, head_dim, page_size, max_prefix, dtype
     )
-    lib = native_attention.library(group, head_dim)
+    lib = native.library(group, head_dim)
     k8, v8 = to_int8_caches(lib, k_cache, v_cache)
     assert_same_rows(k8, quantize_rows(k_cache))
     assert_same_rows(v8, quantize_rows(v_cache))
@@ -260,7 +261,7 @@ def test_int8_caches_attend_as_their_dequantized_rows(
 
 
 def test_int8_rows_of_zeros_and_extremes():
-    lib = native_attention.library(1, 16)
+    lib = native.library(1, 16)
     rows = torch.zeros(4, 1, 16)
     rows[1, 0, 3] = -2.5  # one value: it is the scale's 127
     rows[2, 0] = torch.linspace(-1, 1, 16)

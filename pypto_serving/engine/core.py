@@ -16,13 +16,14 @@ from pypto_serving.distributed import init_distributed, resolve_groups, shutdown
 from pypto_serving.engine.process import ChildProcess
 from pypto_serving.engine.ranks import backend_for, plan_ranks, start_workers
 from pypto_serving.errors import EngineDeadError, PyptoError
+from pypto_serving.executor import native_decode
 from pypto_serving.executor.compiled import trust_cpu_vector_isa_soon
 from pypto_serving.executor.paged import PagedExecutor, build_paged_executor
 from pypto_serving.executor.reference import ReferenceExecutor
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.kv.tier import TierStats, merge_tier_stats
-from pypto_serving.models.config import load_model_config
+from pypto_serving.models.config import ModelConfig, load_model_config
 from pypto_serving.models.loader import load_model
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
@@ -156,12 +157,16 @@ class EngineCore:
             p.enable_expert_parallel,
             p.expert_placement_strategy,
         )
+        cfg = load_model_config(self.model_dir)
         if config.executor == "paged" and self.device.type == "cpu":
-            self._build_attention_soon()
+            self._build_kernels_soon(cfg)
             if not config.enforce_eager:
                 trust_cpu_vector_isa_soon()  # while the model loads; warm-up compiles for it
+        native = config.executor == "paged" and native_decode.applies(
+            cfg, config.quantization, self.device, self.dtype, groups, config.cache.page_size
+        )
         self.model = load_model(
-            self.model_dir, self.dtype, self.device, groups, config.quantization
+            self.model_dir, self.dtype, self.device, groups, config.quantization, native
         )
         self.model_config = cfg = self.model.cfg
         limits = [cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings]
@@ -182,12 +187,11 @@ class EngineCore:
             describe_ranks(p.tensor_parallel_size, p.pipeline_parallel_size),
         )
 
-    def _build_attention_soon(self) -> None:
-        """Build (or load) the native attention kernels in a background thread while the
-        model loads: ~3 s of g++ on a cold start, overlapping the loading's single-threaded
-        part. The executor's own call waits for it (`native_attention.library` takes a
-        lock); a failure is met there again, and said."""
-        cfg = load_model_config(self.model_dir)
+    def _build_kernels_soon(self, cfg: ModelConfig) -> None:
+        """Build (or load) the native kernels in a background thread while the model loads:
+        ~5 s of g++ on a cold start, overlapping the loading's single-threaded part. The
+        executor's own call waits for it (`native.library` takes a lock); a failure is met
+        there again, and said."""
         shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.config.cache.page_size)
 
         def build() -> None:

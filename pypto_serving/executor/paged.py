@@ -34,6 +34,8 @@ from pypto_serving.executor.compiled import (
     forward_logits,
     trust_cpu_vector_isa,
 )
+from pypto_serving.executor.native_decode import MAX_ROWS as NATIVE_MAX_ROWS
+from pypto_serving.executor.native_decode import NativeDecoder
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.disk_tier import HEADER_BYTES
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, active_step
@@ -162,6 +164,14 @@ class PagedExecutor:
             )
         self.kv = build_kv_store(model, device, dtype, cache, max_tokens_in_use, digest)
         self.paged_kv = PagedKV()
+        self.native: NativeDecoder | None = None
+        """Runs steps of up to NATIVE_MAX_ROWS decodes in one native call, where the loader
+        packed the model for it (`native_decode.applies`); other steps run on the graphs."""
+        if model.lm_head is not None and model.lm_head.native is not None:
+            if self.attention_kernel is not None:
+                self.native = NativeDecoder(model, self.kv, self.attention_kernel)
+            else:
+                log.warning("no native kernels: int4 decodes run on the compiled bf16/w8a8 forms")
         self.run_layer = None if enforce_eager else CompiledLayers()
         """How the model's decoder layers run: compiled, or eagerly (None)."""
         self._warming: threading.Thread | None = None
@@ -243,6 +253,11 @@ class PagedExecutor:
         stage receives the previous stage's hidden states and sends its own to the next, and
         the last stage's logits go back to rank 0, which samples."""
         g = self.groups
+        if self.native is not None and step.max_q == 1 and len(step.q_lens) <= NATIVE_MAX_ROWS:
+            logits = self.native.logits(
+                step.input_ids, step.positions, step.slot_mapping, step.block_table, step.ctx_lens
+            )  # every row's; the step samples those that caught up (all, unless a 1-token chunk)
+            return logits if len(step.logits_index) == len(logits) else logits[step.logits_index]
         if g.world_size > 1 and g.rank == 0:
             broadcast_step(step, self.device)
         hidden = None
@@ -331,6 +346,7 @@ class PagedExecutor:
         )
         scratch = copy.copy(self)  # the same model and graphs; its own pages
         scratch.kv = build_kv_store(self.model, self.device, self.dtype, cache, 0, "", False)
+        scratch.native = None  # it writes the serving store's pages, and compiles nothing
         self.run_layer.compiler = self._warming = threading.Thread(
             target=self._compile_beside, args=(scratch,), name="pypto-compile", daemon=True
         )

@@ -229,10 +229,12 @@ def load_model(
     device: torch.device,
     groups: ParallelGroups | None = None,
     quantization: str | None = None,
+    native: bool = False,
 ) -> CausalLM:
     """Build our model for `model_dir` (this rank's share of it under tensor and pipeline
     parallelism) and fill it with the checkpoint's weights, quantized if asked (int8, int4,
-    w8a8, int4-w8a8: CPU and bfloat16 only)."""
+    w8a8, int4-w8a8: CPU and bfloat16 only). native: its few decodes run through the native
+    decode step, which takes int4's weights in its own packing (`pack_linears`)."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory not found: {model_dir}")
     if quantization is not None and (device.type != "cpu" or dtype != torch.bfloat16):
@@ -257,7 +259,7 @@ def load_model(
     model.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32, device=device)
     model = model.eval().requires_grad_(False)
     if quantization is not None:
-        quantize_cached(model, model_dir, quantization, groups)
+        quantize_cached(model, model_dir, quantization, groups, native)
     elif use_packed_linear(device, dtype):
         pack_linears(model)
     return model
@@ -268,7 +270,7 @@ QUANTIZED_FORMAT = 1
 
 
 def quantized_cache_path(
-    model: CausalLM, model_dir: Path, quantization: str, groups: ParallelGroups
+    model: CausalLM, model_dir: Path, quantization: str, groups: ParallelGroups, native: bool
 ) -> Path:
     """Where `quantize_cached` keeps a model's quantized weights: keyed by the checkpoint's
     digest, this rank's share of it, the quantization, the code that quantizes (ops/linear.py,
@@ -280,20 +282,24 @@ def quantized_cache_path(
     key.update(calibration.TEXT.read_bytes())
     ranks = [(g.rank, g.size) for g in (groups.tp, groups.pp, groups.ep)]
     key.update(
-        f"{QUANTIZED_FORMAT}|{quantization}|{model.cfg!r}|{ranks}|{torch.__version__}|"
+        f"{QUANTIZED_FORMAT}|{quantization}|{native}|{model.cfg!r}|{ranks}|{torch.__version__}|"
         f"{torch.backends.cpu.get_cpu_capability()}|{next(model.parameters()).dtype}".encode()
     )
     return cache_dir() / "quantized" / f"{key.hexdigest()}.safetensors"
 
 
 def quantize_cached(
-    model: CausalLM, model_dir: Path, quantization: str, groups: ParallelGroups
+    model: CausalLM,
+    model_dir: Path,
+    quantization: str,
+    groups: ParallelGroups,
+    native: bool = False,
 ) -> None:
     """Quantize the model's linear layers (`pack_linears`, after w8a8's calibration), or take
     the result of an earlier start from `cache_dir()/quantized`: reading it back is ~0.2 s
     where quantizing SmolLM2 is 1-2 s and calibrating ~2 s more. A file that does not fit the
     model (or cannot be read) is made again."""
-    path = quantized_cache_path(model, model_dir, quantization, groups)
+    path = quantized_cache_path(model, model_dir, quantization, groups, native)
     layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     if path.is_file():
         try:
@@ -308,7 +314,7 @@ def quantize_cached(
                 for n, parts in saved.items()
             }
             if all(r and set(r) == {layers[n].out_features} for n, r in rows.items()):
-                pack_linears(model, quantization, saved=saved)
+                pack_linears(model, quantization, saved=saved, native=native)
                 return
             log.warning("the quantized weights in %s do not fit the model: quantizing", path)
         except (OSError, SafetensorError, KeyError) as e:
@@ -317,7 +323,7 @@ def quantize_cached(
     if quantization in CALIBRATED_QUANTIZATIONS:  # one rank: EngineConfig.validate refuses TP/PP
         tokens = calibration.calibration_tokens(load_tokenizer(model_dir))
         smooth = calibration.smoothing_factors(model, tokens)
-    pack_linears(model, quantization, smooth)
+    pack_linears(model, quantization, smooth, native=native)
     tensors = {
         f"{name}/{part}": t.contiguous()
         for name, m in layers.items()

@@ -137,6 +137,54 @@ def quantize_int4(
     return packed, scales
 
 
+NATIVE_Q4, NATIVE_Q8 = 1, 2
+"""The native decode step's weight formats (native/decode.cpp): 4-bit values with a scale and
+a minimum per 32 inputs (llama.cpp's Q4_1), or 8-bit values with a scale per 32 (Q8_0)."""
+
+
+def _records(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in float32 as [blocks of 16 rows, 16, groups of 32 inputs, 32], its rows
+    padded with zeros to a multiple of 16."""
+    n, k = weight.shape
+    w = F.pad(weight.detach().float(), (0, 0, 0, -n % 16))
+    return w.reshape(-1, 16, k // INT4_GROUP, INT4_GROUP)
+
+
+def _fp16_bytes(t: torch.Tensor) -> torch.Tensor:
+    """[blocks, 16, groups] -> fp16 bytes [blocks, groups, 32]: a group's 16 rows together."""
+    half = t.clamp(-65504, 65504).half().permute(0, 2, 1).contiguous()
+    return half.view(torch.uint8).reshape(*half.shape[:2], 32)
+
+
+def pack_q4(weight: torch.Tensor) -> torch.Tensor:
+    """The weight [N, K] (K a multiple of 32) as the native step's Q4 records: per block of 16
+    rows and group of 32 inputs, 4 x 64 bytes of 4-bit values (lane r, byte j: inputs 8c + j
+    and 8c + 4 + j of row r, low and high nibble), then the 16 rows' fp16 scales and fp16
+    minimums (weight = q * scale + minimum). Flat uint8, 320 bytes a record."""
+    w = _records(weight)
+    blocks, _, groups, _ = w.shape
+    low = w.amin(-1).clamp(-65504, 65504).half().float()
+    scale = ((w.amax(-1) - low) / 15).clamp(max=65504).half().float()
+    q = torch.where(scale[..., None] > 0, (w - low[..., None]) / scale[..., None], 0)
+    q = q.round().clamp(0, 15).to(torch.uint8).reshape(blocks, 16, groups, 4, 8)
+    nibbles = (q[..., :4] | (q[..., 4:] << 4)).permute(0, 2, 3, 1, 4)  # [B, G, c, 16, 4]
+    nibbles = nibbles.reshape(blocks, groups, 256)
+    return torch.cat([nibbles, _fp16_bytes(scale), _fp16_bytes(low)], -1).flatten()
+
+
+def pack_q8(weight: torch.Tensor) -> torch.Tensor:
+    """The weight [N, K] (K a multiple of 32) as the native step's Q8 records: per block of 16
+    rows and group of 32 inputs, 8 x 64 bytes of int8 values + 128 (lane r: inputs 4c to
+    4c + 3 of row r), then the 16 rows' fp16 scales (weight = (u - 128) * scale). Flat uint8,
+    544 bytes a record."""
+    w = _records(weight)
+    blocks, _, groups, _ = w.shape
+    scale = (w.abs().amax(-1) / 127).clamp(max=65504).half().float()
+    q = torch.where(scale[..., None] > 0, w / scale[..., None], 0).round().clamp(-127, 127)
+    q = (q + 128).to(torch.uint8).reshape(blocks, 16, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    return torch.cat([q.reshape(blocks, groups, 512), _fp16_bytes(scale)], -1).flatten()
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same checkpoint names) with optional oneDNN packing or
     weight-only quantization."""
@@ -147,6 +195,9 @@ class Linear(nn.Linear):
     int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
     """w8a8: (int8 weight [out, in], float32 scale per output row, smoothing factors per input
     channel or None), for `int8_linear`."""
+    native: tuple[torch.Tensor, int] | None = None
+    """(records, NATIVE_Q4 or NATIVE_Q8): the weight packed for the native decode step
+    (`pack_q4`, `pack_q8`), which alone reads it."""
 
     def pack(self) -> None:
         """Repack the (loaded) weight for oneDNN; the plain weight stays for tying/loading."""
@@ -176,13 +227,19 @@ class Linear(nn.Linear):
         if kind == "int8":
             self.quantized = (*quantize_int8(weight), 0)
             return
-        if self.in_features % (INT4_GROUP * INT4_INNER_K_TILES):
+        multiple = INT4_GROUP if kind in ("q4", "q8") else INT4_GROUP * INT4_INNER_K_TILES
+        if self.in_features % multiple:
             raise PyptoError(
-                f"int4 quantization needs input sizes divisible by "
-                f"{INT4_GROUP * INT4_INNER_K_TILES}; a layer has {self.in_features}",
+                f"{kind} quantization needs input sizes divisible by {multiple}; a layer has "
+                f"{self.in_features}",
                 "quantization",
             )
-        self.quantized = (*quantize_int4(weight), INT4_GROUP)
+        if kind == "q4":  # the native decode step's forms
+            self.native = (pack_q4(weight), NATIVE_Q4)
+        elif kind == "q8":
+            self.native = (pack_q8(weight), NATIVE_Q8)
+        else:
+            self.quantized = (*quantize_int4(weight), INT4_GROUP)
 
     def quantized_tensors(self) -> dict[str, torch.Tensor]:
         """The quantized forms as named tensors, to be kept on disk (`load_quantized` takes
@@ -195,6 +252,8 @@ class Linear(nn.Linear):
             out |= {"int8.weight": q, "int8.scale": scale}
             if smooth is not None:
                 out["int8.smooth"] = smooth
+        if self.native is not None:
+            out[f"native.{self.native[1]}"] = self.native[0]
         return out
 
     def load_quantized(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -207,6 +266,9 @@ class Linear(nn.Linear):
         if "int8.weight" in tensors:
             smooth = tensors.get("int8.smooth")
             self.int8 = (tensors["int8.weight"], tensors["int8.scale"], smooth)
+        for fmt in (NATIVE_Q4, NATIVE_Q8):
+            if f"native.{fmt}" in tensors:
+                self.native = (tensors[f"native.{fmt}"], fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -271,6 +333,7 @@ def pack_linears(
     quantization: str | None = None,
     smooth: dict[Linear, torch.Tensor] | None = None,
     saved: dict[str, dict[str, torch.Tensor]] | None = None,
+    native: bool = False,
 ) -> int:
     """Pack (and quantize) every `Linear` of the model; returns how many there were. Under
     int4 the LM head gets int8, as llama.cpp keeps its output tensor above 4 bits (Q8_0 in
@@ -279,7 +342,10 @@ def pack_linears(
     head is a fifth of SmolLM2's weights). w8a8 and int4-w8a8 keep no bf16 weight packed
     (their wide matmuls run in int8), and take each layer's smoothing factors. saved: each
     layer's `quantized_tensors` by module name, from an earlier load, taken instead of
-    quantizing."""
+    quantizing. native: the model's decodes of a few run through the native decode step
+    (executor/native_decode.py), so the int4 of int4 and int4-w8a8 is its Q4 (`pack_q4`) and
+    the head gets its Q8 too: the compiled graphs then never meet int4, and their wide form
+    (the packed bf16 weight, or w8a8) serves every step they run."""
     head = getattr(model, "lm_head", None)
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
     int8_wide = quantization is not None and quantization.endswith("w8a8")
@@ -293,8 +359,10 @@ def pack_linears(
             continue
         kind = quantization
         if layer is head and quantization == "int4":
-            kind = "int8"
+            kind = "q8" if native else "int8"
         elif layer is head and quantization == "int4-w8a8":
-            kind = "w8a8"  # int8 too, and its GEMV beats the weight-only kernel's
+            kind = "w8a8-q8" if native else "w8a8"  # int8, and its GEMV beats the int8 kernel's
+        elif native:
+            kind = kind.replace("int4", "q4")
         layer.quantize(kind, (smooth or {}).get(layer))
     return len(layers)

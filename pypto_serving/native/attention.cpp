@@ -468,3 +468,41 @@ extern "C" void pypto_store_kv_int8(int dtype, const void* k, const void* v, voi
             }
         }
 }
+
+// ---- for the fused decode step (decode.cpp): one KV head of one sequence at a time ----
+
+// Write one token's key and value (float32, HEAD_DIM each) of one KV head into `slot` of
+// that head's caches [slots][row]: bfloat16 rows rounded to nearest even, or int8 rows
+// quantized as pypto_store_kv_int8 does.
+extern "C" void pypto_store_kv_head(int kv_int8, const float* k, const float* v, void* k_cache,
+                                    void* v_cache, int64_t slot) {
+    if (kv_int8) {
+        constexpr int64_t S = Row<int8_t>::STRIDE;
+        store_int8(k, static_cast<int8_t*>(k_cache) + slot * S);
+        store_int8(v, static_cast<int8_t*>(v_cache) + slot * S);
+        return;
+    }
+    uint16_t *kc = static_cast<uint16_t*>(k_cache) + slot * HEAD_DIM;
+    uint16_t *vc = static_cast<uint16_t*>(v_cache) + slot * HEAD_DIM;
+    for (int i = 0; i < HEAD_DIM; i += 16) {
+        store(kc + i, load(k + i));
+        store(vc + i, load(v + i));
+    }
+}
+
+// One decode's attention for the GROUP query heads of one KV head: q and out [GROUP][HEAD_DIM]
+// float32, k and v that head's bfloat16 or int8 caches [slots][row], the sequence's pages
+// and its context length (the new token included).
+extern "C" void pypto_decode_attention_head(int kv_int8, const float* q, const void* k,
+                                            const void* v, const int64_t* pages, int64_t ctx,
+                                            float* out, int page_size, float scale) {
+    constexpr int NV = HEAD_DIM / 16;
+    if (kv_int8)
+        decode_one<float, int8_t, GROUP, NV>(q, static_cast<const int8_t*>(k),
+                                             static_cast<const int8_t*>(v), pages, ctx, out,
+                                             page_size, scale);
+    else
+        decode_one<float, uint16_t, GROUP, NV>(q, static_cast<const uint16_t*>(k),
+                                               static_cast<const uint16_t*>(v), pages, ctx, out,
+                                               page_size, scale);
+}

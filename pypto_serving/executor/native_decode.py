@@ -1,0 +1,206 @@
+"""The native decode step: a step of a few decodes as one C++ call (native/decode.cpp).
+
+Decoding one or a few sequences is memory-bound: a token reads every weight once. Through the
+compiled layer graphs each of SmolLM2's 30 layers still costs a dozen kernel launches, the
+attention op's dispatch and Python around each, about as much as its matmuls; one C++ call
+for the whole forward (embedding, every layer, the final norm and the LM head) leaves only
+the reading of the weights, in llama.cpp's formats (Q4_1 layers, a Q8_0 head: `pack_q4`,
+`pack_q8`) with int8 dot products over activations quantized per 32 (Q8_1). Steps of more
+than MAX_ROWS tokens, or with a prefill chunk, run on the compiled graphs as before.
+
+It applies (`applies`) to int4 and int4-w8a8 models on the CPU, one rank, dense layers, and
+attention shapes the native kernels take; the model's Linears then hold the packed forms
+(`Linear.native`), built by the loader. The structures below mirror decode.cpp's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from ctypes import POINTER, c_float, c_int32, c_int64, c_void_p
+
+import torch
+
+from pypto_serving.device import use_native_decode
+from pypto_serving.distributed import ParallelGroups
+from pypto_serving.kv import native_attention
+from pypto_serving.kv.store import PagedKVStore
+from pypto_serving.models.config import ModelConfig
+from pypto_serving.models.llama import MLP, CausalLM
+from pypto_serving.ops.linear import INT4_GROUP, Linear
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 8
+"""Sequences a native step takes (decode.cpp's MAX_ROWS): up to here the weights' bytes
+dominate; wider steps are compute-bound and run on the compiled w8a8 or bf16 graphs."""
+QUANTIZATIONS = ("int4", "int4-w8a8")
+
+
+class Matrix(ctypes.Structure):
+    _fields_ = [
+        ("data", c_void_p),
+        ("bias", c_void_p),
+        ("rows", c_int64),
+        ("cols", c_int64),
+        ("format", c_int32),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        *[(name, c_void_p) for name in ("input_norm", "post_norm", "q_norm", "k_norm")],
+        *[(name, Matrix) for name in ("qkv", "o", "gate_up", "down")],
+        ("k_cache", c_void_p),
+        ("v_cache", c_void_p),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *[
+            (name, c_int32)
+            for name in (
+                "num_layers",
+                "hidden",
+                "heads",
+                "kv_heads",
+                "head_dim",
+                "intermediate",
+                "vocab",
+                "kv_int8",
+                "page_size",
+            )
+        ],
+        ("eps", c_float),
+        ("rope_scaling", c_float),
+        ("head_stride", c_int64),
+        *[(name, c_void_p) for name in ("inv_freq", "embed", "final_norm")],
+        ("lm_head", Matrix),
+        ("layers", POINTER(_Layer)),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("rows", c_int32),
+        ("width", c_int32),
+        ("threads", c_int32),
+        *[
+            (name, c_void_p)
+            for name in ("tokens", "positions", "slots", "block_table", "ctx_lens", "logits")
+        ],
+    ]
+
+
+def applies(
+    cfg: ModelConfig,
+    quantization: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    groups: ParallelGroups,
+    page_size: int,
+) -> bool:
+    """Whether an engine's decodes of a few run through the native step: int4 weights on the
+    CPU (bf16), one rank, no mixture-of-experts layer, sizes in whole groups of 32 and an
+    attention shape the native kernels take (PYPTO_NATIVE_DECODE=0 turns it off)."""
+    return (
+        quantization in QUANTIZATIONS
+        and use_native_decode(device)
+        and dtype == torch.bfloat16
+        and groups.world_size == 1
+        and not cfg.moe_layers
+        and all(n % INT4_GROUP == 0 for n in (cfg.hidden_size, cfg.intermediate_size, cfg.q_size))
+        and native_attention.applies(
+            device, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size
+        )
+    )
+
+
+def matrix(layer: Linear) -> Matrix:
+    """A Linear's packed weight (and bias) as decode.cpp reads it."""
+    assert layer.native is not None, "the loader packs every Linear of a native model"
+    records, fmt = layer.native
+    bias = None if layer.bias is None else layer.bias.data_ptr()
+    return Matrix(records.data_ptr(), bias, layer.out_features, layer.in_features, fmt)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeDecoder:
+    """Runs decode steps of up to MAX_ROWS sequences of `model` over `kv` through `lib`. The
+    structures it hands decode.cpp point into the model's and the KV store's tensors, which
+    live as long as it does."""
+
+    def __init__(self, model: CausalLM, kv: PagedKVStore, lib: ctypes.CDLL) -> None:
+        cfg, decoder = model.cfg, model.model
+        assert model.lm_head is not None and decoder.embed_tokens is not None
+        assert decoder.norm is not None
+        self.lib, self.vocab = lib, cfg.vocab_size
+        layers = []
+        for i, layer in enumerate(decoder.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            assert isinstance(mlp, MLP)
+            layers.append(
+                _Layer(
+                    layer.input_layernorm.weight.data_ptr(),
+                    layer.post_attention_layernorm.weight.data_ptr(),
+                    _ptr(attn.q_norm.weight) if cfg.qk_norm else None,
+                    _ptr(attn.k_norm.weight) if cfg.qk_norm else None,
+                    matrix(attn.qkv_proj),
+                    matrix(attn.o_proj),
+                    matrix(mlp.gate_up_proj),
+                    matrix(mlp.down_proj),
+                    kv.k_cache[i].data_ptr(),
+                    kv.v_cache[i].data_ptr(),
+                )
+            )
+        self._layers = (_Layer * len(layers))(*layers)
+        self._inv_freq = model.inv_freq.float().contiguous()
+        slots, row = kv.k_cache.shape[2:]
+        self._model = _Model(
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.vocab_size,
+            kv.k_cache.dtype == torch.int8,
+            kv.page_size,
+            cfg.rms_norm_eps,
+            cfg.rope_scaling,
+            slots * row,
+            self._inv_freq.data_ptr(),
+            decoder.embed_tokens.weight.data_ptr(),
+            decoder.norm.weight.data_ptr(),
+            matrix(model.lm_head),
+            self._layers,
+        )
+
+    def logits(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_table: torch.Tensor,
+        ctx_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Float32 logits [B, vocab] of B <= MAX_ROWS decodes (one new token each: tokens,
+        positions, their KV slots, block_table [B, W] and context lengths, the new token
+        included, all int64), whose keys and values it writes into the KV cache."""
+        rows = len(tokens)
+        tables = [t.contiguous() for t in (tokens, positions, slots, block_table, ctx_lens)]
+        out = torch.empty(rows, self.vocab)
+        step = _Step(
+            rows,
+            block_table.shape[1],
+            torch.get_num_threads(),
+            *(t.data_ptr() for t in tables),
+            out.data_ptr(),
+        )
+        if self.lib.pypto_decode_step(ctypes.byref(self._model), ctypes.byref(step)):
+            raise ValueError(f"the native decode step does not take {rows} rows")
+        return out

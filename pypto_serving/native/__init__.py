@@ -1,0 +1,128 @@
+"""The native CPU kernels: one C++ library, built once per machine and loaded with ctypes.
+
+- `attention.cpp`: paged attention over the KV pages in place (decodes, prefill chunks) and
+  the K/V writes; called by the attention operator (`kv/native_attention.py`).
+- `decode.cpp`: the fused decode step, the whole forward of a step of a few decodes in one
+  call over weights packed by `ops/linear.py` (4-bit and 8-bit records, AVX512-VNNI dot
+  products); called by `executor/native_decode.py`.
+
+The library is compiled on first use with the C++ compiler Inductor also uses (`$CXX`, else
+g++), for this CPU (-march=native) and for one attention shape (query heads per KV head and
+head_dim as constants, so loops unroll and the decode queries stay in registers; a few
+seconds of compiling). It is cached under `cache_dir()/kernels` by a key of the sources,
+flags, compiler and the CPU's flags, so a restart only loads it. Without a compiler, or when
+the build fails, `library()` is None (said once in the log) and attention stays on PyTorch's
+path, the decode steps on the compiled graphs. Work is split over the OpenMP team that torch
+itself uses (the library links the libgomp torch has loaded).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from functools import cache
+from pathlib import Path
+
+from pypto_serving.device import cpu_flags
+from pypto_serving.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.cpp", "decode.cpp"))
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+def build(
+    group: int,
+    head_dim: int,
+    out_dir: Path,
+    compiler: str | None = None,
+    extra_flags: tuple[str, ...] = (),
+) -> Path | None:
+    """The library for `group` query heads per KV head and `head_dim`, in `out_dir` (built now
+    unless already there), or None when there is no compiler or the build fails (logged).
+    extra_flags: appended to the compiler's (tests build the portable code paths with
+    `-mno-avx512vnni`)."""
+    compiler = compiler or os.environ.get("CXX", "g++")
+    found = shutil.which(compiler)
+    if found is None:
+        log.warning("no C++ compiler %r: the native kernels are off", compiler)
+        return None
+    try:
+        version = subprocess.run(
+            [found, "--version"], capture_output=True, text=True, check=True, timeout=60
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("C++ compiler %s unusable (%s): the native kernels are off", found, e)
+        return None
+    flags = (*FLAGS, *extra_flags, f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}")
+    key = hashlib.sha256()
+    for part in (*(s.read_bytes() for s in SOURCES), " ".join(flags), found, version):
+        key.update(part.encode() if isinstance(part, str) else part)
+    for flag in sorted(cpu_flags()):
+        key.update(flag.encode())
+    target = out_dir / f"kernels-g{group}-d{head_dim}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        built = Path(tmp) / target.name
+        run = subprocess.run(
+            [found, *flags, "-o", str(built), *map(str, SOURCES)], capture_output=True, text=True
+        )
+        if run.returncode != 0:
+            log.warning(
+                "building the native kernels failed; they are off:\n%s",
+                run.stderr.strip()[-2000:],
+            )
+            return None
+        os.replace(built, target)  # atomic: processes building at once never see half a file
+    log.info("built the native kernels in %.1f s: %s", time.perf_counter() - start, target)
+    return target
+
+
+def load(path: Path) -> ctypes.CDLL | None:
+    """The library at `path` with its entry points' signatures, or None (logged)."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        log.warning("cannot load %s (%s): the native kernels are off", path, e)
+        return None
+    c_int, c_int64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    fn = lib.pypto_paged_attention
+    fn.restype = c_int
+    fn.argtypes = [c_int, c_int, *[ptr] * 7, *[c_int] * 6, c_int64, ctypes.c_float]
+    for store in (lib.pypto_store_kv, lib.pypto_store_kv_int8):
+        store.restype = None
+        store.argtypes = [c_int, *[ptr] * 5, c_int, c_int, *[c_int64] * 3]
+    lib.pypto_decode_step.restype = c_int
+    lib.pypto_decode_step.argtypes = [ptr, ptr]
+    lib.pypto_packed_product.restype = c_int
+    lib.pypto_packed_product.argtypes = [ptr, ptr, c_int, ptr, c_int]
+    lib.pypto_native_max_rows.restype = c_int
+    lib.pypto_native_max_rows.argtypes = []
+    return lib
+
+
+_library_lock = threading.Lock()
+
+
+def library(group: int, head_dim: int) -> ctypes.CDLL | None:
+    """The loaded library for this attention shape (built on first need), or None. Takes a
+    lock: the engine starts the build in a background thread while it loads the model."""
+    with _library_lock:
+        return _library(group, head_dim)
+
+
+@cache
+def _library(group: int, head_dim: int) -> ctypes.CDLL | None:
+    path = build(group, head_dim, cache_dir() / "kernels")
+    return None if path is None else load(path)

@@ -1,0 +1,394 @@
+// The fused decode step for the CPU: the whole forward of a step of a few decodes (one new
+// token per sequence, up to MAX_ROWS sequences) in one call, the way llama.cpp runs a token:
+// the embedding, every decoder layer (RMSNorm, q/k/v, q/k norm, RoPE, the KV write, paged
+// attention, the output projection, RMSNorm, SwiGLU) and the final norm and LM head.
+//
+// Decoding a few sequences is memory-bound: each weight is read once per step and used for a
+// few rows. The matmuls read weights packed by ops/linear.py (`pack_native`) in records of 16
+// output rows by 32 inputs, the rows across the vector lanes:
+//   Q4: 4 x 64 bytes of 4-bit values (lane r: byte j holds inputs 8c + j in its low nibble
+//       and 8c + 4 + j in its high one, for c = 0..3), then 16 fp16 scales and 16 fp16
+//       minimums: the weight is q * scale + minimum (llama.cpp's Q4_1), 320 bytes;
+//   Q8: 8 x 64 bytes of int8 values + 128 (lane r: inputs 4c .. 4c + 3), then 16 fp16
+//       scales: the weight is (u - 128) * scale (Q8_0), 544 bytes.
+// A row's records follow each other along its inputs, and a block of 16 rows' records lie
+// together, so each thread streams its blocks once. The activations are quantized to int8
+// per group of 32 (a scale each: llama.cpp's Q8_1), and the products summed in int32 with
+// AVX512-VNNI dot products (u8 x s8); without VNNI the same layout is read by plain loops.
+//
+// Everything else is float32: the residual stream, norms, RoPE and the attention's queries;
+// keys and values go into the bfloat16 or int8 KV cache through attention.cpp. The work is
+// shared by one OpenMP team for the whole step: matmuls split their 16-row blocks, attention
+// its (sequence, KV head) pairs, and the small per-row work runs on one thread.
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
+#define PYPTO_VNNI 1
+#endif
+
+extern "C" void pypto_store_kv_head(int kv_int8, const float* k, const float* v, void* k_cache,
+                                    void* v_cache, int64_t slot);
+extern "C" void pypto_decode_attention_head(int kv_int8, const float* q, const void* k,
+                                            const void* v, const int64_t* pages, int64_t ctx,
+                                            float* out, int page_size, float scale);
+
+namespace {
+
+constexpr int MAX_ROWS = 8;  // sequences in a step
+constexpr int GROUP_K = 32;  // inputs per quantization group
+constexpr int Q4 = 1, Q8 = 2;
+constexpr int RECORD[] = {0, 320, 544};  // bytes of a 16-row x 32-input record, by format
+
+struct Matrix {   // a packed weight [rows, cols] (rows padded to 16 in the records)
+    const uint8_t* data;
+    const uint16_t* bias;  // bfloat16 [rows], or null
+    int64_t rows, cols;
+    int32_t format;        // Q4 or Q8
+};
+
+struct Layer {
+    const uint16_t *input_norm, *post_norm;  // bfloat16 [hidden]
+    const uint16_t *q_norm, *k_norm;         // bfloat16 [head_dim], or null
+    Matrix qkv, o, gate_up, down;
+    void *k_cache, *v_cache;                 // this layer's [kv_heads, slots, row]
+};
+
+struct Model {
+    int32_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, kv_int8;
+    int32_t page_size;
+    float eps, rope_scaling;
+    int64_t head_stride;           // cache elements from one KV head to the next
+    const float* inv_freq;         // [head_dim / 2]
+    const uint16_t* embed;         // bfloat16 [vocab, hidden]
+    const uint16_t* final_norm;    // bfloat16 [hidden]
+    Matrix lm_head;
+    const Layer* layers;
+};
+
+struct Step {
+    int32_t rows, width, threads;
+    const int64_t *tokens, *positions, *slots, *block_table, *ctx_lens;  // block_table [rows, width]
+    float* logits;                 // [rows, vocab]
+};
+
+inline float bf16(uint16_t h) {
+    const uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+inline float fp16(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    float f;
+    if (exp == 0) {
+        f = std::ldexp(float(man), -24);
+    } else if (exp == 31) {
+        f = man ? NAN : INFINITY;
+    } else {
+        const uint32_t u = ((exp + 112) << 23) | (man << 13);
+        std::memcpy(&f, &u, sizeof f);
+    }
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    u |= sign;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+#endif
+}
+
+// Activations of up to MAX_ROWS rows, quantized per group of 32: q [rows][k], and per group
+// its scale and the sum of its values.
+struct Quantized {
+    std::vector<int8_t> q;
+    std::vector<float> scale;
+    std::vector<int32_t> sum;
+    int k = 0, groups = 0;
+
+    void resize(int cols) {
+        k = cols;
+        groups = cols / GROUP_K;
+        q.resize(size_t(MAX_ROWS) * cols);
+        scale.resize(size_t(MAX_ROWS) * groups);
+        sum.resize(size_t(MAX_ROWS) * groups);
+    }
+};
+
+void quantize(const float* x, int rows, int cols, Quantized& out) {
+    out.resize(cols);
+    for (int m = 0; m < rows; ++m)
+        for (int g = 0; g < out.groups; ++g) {
+            const float* v = x + int64_t(m) * cols + g * GROUP_K;
+            float amax = 0.0f;
+            for (int i = 0; i < GROUP_K; ++i) amax = std::fmax(amax, std::fabs(v[i]));
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t* q = out.q.data() + int64_t(m) * cols + g * GROUP_K;
+            int32_t s = 0;
+            for (int i = 0; i < GROUP_K; ++i) {
+                q[i] = int8_t(std::nearbyint(v[i] * inv));
+                s += q[i];
+            }
+            out.scale[m * out.groups + g] = amax / 127.0f;
+            out.sum[m * out.groups + g] = s;
+        }
+}
+
+// out[m][n] (=|+=) x[m] . weight[n] (+ bias[n]) for the 16 rows of block b.
+template <int M>
+void block_product(const Matrix& w, int64_t b, const Quantized& x, float* out, int64_t ldo,
+                   bool add) {
+    const uint8_t* rec = w.data + b * (w.cols / GROUP_K) * RECORD[w.format];
+    const int groups = x.groups;
+    float acc[M][16] = {};
+#if defined(PYPTO_VNNI)
+    __m512 facc[M];
+    for (int m = 0; m < M; ++m) facc[m] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int g = 0; g < groups; ++g, rec += RECORD[w.format]) {
+        __m512i a0[M], a1[M];
+        for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_si512();
+        const int8_t* xg = x.q.data() + g * GROUP_K;
+        if (w.format == Q4) {
+            for (int c = 0; c < 4; ++c) {
+                const __m512i v = _mm512_loadu_si512(rec + 64 * c);
+                const __m512i lo = _mm512_and_si512(v, low);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                for (int m = 0; m < M; ++m) {
+                    int32_t x0, x1;
+                    std::memcpy(&x0, xg + int64_t(m) * x.k + 8 * c, 4);
+                    std::memcpy(&x1, xg + int64_t(m) * x.k + 8 * c + 4, 4);
+                    a0[m] = _mm512_dpbusd_epi32(a0[m], lo, _mm512_set1_epi32(x0));
+                    a1[m] = _mm512_dpbusd_epi32(a1[m], hi, _mm512_set1_epi32(x1));
+                }
+            }
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 256)));
+            const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 288)));
+            for (int m = 0; m < M; ++m) {
+                const float sx = x.scale[m * groups + g];
+                const __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(a0[m], a1[m]));
+                facc[m] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(sx)), facc[m]);
+                const float xs = sx * float(x.sum[m * groups + g]);
+                facc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs), facc[m]);
+            }
+        } else {
+            for (int c = 0; c < 8; c += 2) {
+                const __m512i v0 = _mm512_loadu_si512(rec + 64 * c);
+                const __m512i v1 = _mm512_loadu_si512(rec + 64 * c + 64);
+                for (int m = 0; m < M; ++m) {
+                    int32_t x0, x1;
+                    std::memcpy(&x0, xg + int64_t(m) * x.k + 4 * c, 4);
+                    std::memcpy(&x1, xg + int64_t(m) * x.k + 4 * c + 4, 4);
+                    a0[m] = _mm512_dpbusd_epi32(a0[m], v0, _mm512_set1_epi32(x0));
+                    a1[m] = _mm512_dpbusd_epi32(a1[m], v1, _mm512_set1_epi32(x1));
+                }
+            }
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 512)));
+            for (int m = 0; m < M; ++m) {
+                const __m512i bias = _mm512_set1_epi32(128 * x.sum[m * groups + g]);
+                const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(a0[m], a1[m]), bias);
+                const __m512 sx = _mm512_set1_ps(x.scale[m * groups + g]);
+                facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, sx), facc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < M; ++m) _mm512_storeu_ps(acc[m], facc[m]);
+#else
+    for (int g = 0; g < groups; ++g, rec += RECORD[w.format]) {
+        const uint16_t* scales = reinterpret_cast<const uint16_t*>(rec + (w.format == Q4 ? 256 : 512));
+        for (int m = 0; m < M; ++m) {
+            const int8_t* xg = x.q.data() + int64_t(m) * x.k + g * GROUP_K;
+            const float sx = x.scale[m * groups + g];
+            for (int r = 0; r < 16; ++r) {
+                int32_t s = 0;
+                if (w.format == Q4) {
+                    for (int c = 0; c < 4; ++c)
+                        for (int j = 0; j < 4; ++j) {
+                            const uint8_t byte = rec[64 * c + 4 * r + j];
+                            s += (byte & 0x0F) * xg[8 * c + j] + (byte >> 4) * xg[8 * c + 4 + j];
+                        }
+                    acc[m][r] += float(s) * fp16(scales[r]) * sx +
+                                 fp16(scales[16 + r]) * sx * float(x.sum[m * groups + g]);
+                } else {
+                    for (int c = 0; c < 8; ++c)
+                        for (int j = 0; j < 4; ++j)
+                            s += (int(rec[64 * c + 4 * r + j]) - 128) * xg[4 * c + j];
+                    acc[m][r] += float(s) * fp16(scales[r]) * sx;
+                }
+            }
+        }
+    }
+#endif
+    const int64_t n0 = b * 16, n = w.rows - n0 < 16 ? w.rows - n0 : 16;
+    for (int m = 0; m < M; ++m)
+        for (int r = 0; r < n; ++r) {
+            const float v = acc[m][r] + (w.bias ? bf16(w.bias[n0 + r]) : 0.0f);
+            float* o = out + m * ldo + n0 + r;
+            *o = add ? *o + v : v;
+        }
+}
+
+// out [rows][w.rows] (=|+=) x @ w.T (+ bias), sharing the blocks among the calling team (an
+// orphaned worksharing loop: call it from every thread of a parallel region).
+void product(const Matrix& w, const Quantized& x, int rows, float* out, int64_t ldo, bool add) {
+    const int64_t blocks = (w.rows + 15) / 16;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        switch (rows) {
+            case 1: block_product<1>(w, b, x, out, ldo, add); break;
+            case 2: block_product<2>(w, b, x, out, ldo, add); break;
+            case 3: block_product<3>(w, b, x, out, ldo, add); break;
+            case 4: block_product<4>(w, b, x, out, ldo, add); break;
+            case 5: block_product<5>(w, b, x, out, ldo, add); break;
+            case 6: block_product<6>(w, b, x, out, ldo, add); break;
+            case 7: block_product<7>(w, b, x, out, ldo, add); break;
+            default: block_product<8>(w, b, x, out, ldo, add); break;
+        }
+    }
+}
+
+// out = RMSNorm(x) * weight, per row of `size` values.
+void rms_norm(const float* x, const uint16_t* weight, int size, float eps, float* out) {
+    float ss = 0.0f;
+    for (int i = 0; i < size; ++i) ss += x[i] * x[i];
+    const float inv = 1.0f / std::sqrt(ss / float(size) + eps);
+    for (int i = 0; i < size; ++i) out[i] = x[i] * inv * bf16(weight[i]);
+}
+
+// Rotate one head's half-split ("NeoX") pairs by the row's angles.
+void rope(float* x, const float* cos, const float* sin, int half) {
+    for (int i = 0; i < half; ++i) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i] + a * sin[i];
+    }
+}
+
+struct Scratch {
+    std::vector<float> x, h, qkv, attn, gate_up, cos, sin;
+    Quantized qx;
+};
+
+// One decoder layer over s.rows rows of the residual stream x (called by every thread).
+void layer(const Model& md, const Layer& ly, const Step& s, Scratch& w) {
+    const int rows = s.rows, hidden = md.hidden, dim = md.head_dim, half = dim / 2;
+    const int group = md.heads / md.kv_heads, inter = md.intermediate;
+    const int q_size = md.heads * dim, kv_size = md.kv_heads * dim;
+    const int qkv_size = q_size + 2 * kv_size;
+#pragma omp single
+    {
+        for (int m = 0; m < rows; ++m)
+            rms_norm(&w.x[m * hidden], ly.input_norm, hidden, md.eps, &w.h[m * hidden]);
+        quantize(w.h.data(), rows, hidden, w.qx);
+    }
+    product(ly.qkv, w.qx, rows, w.qkv.data(), qkv_size, false);
+    const float scale = 1.0f / std::sqrt(float(dim));
+#pragma omp for schedule(dynamic, 1)
+    for (int item = 0; item < rows * md.kv_heads; ++item) {
+        const int m = item / md.kv_heads, kvh = item % md.kv_heads;
+        float* row = &w.qkv[int64_t(m) * qkv_size];
+        const float *cos = &w.cos[m * half], *sin = &w.sin[m * half];
+        float* q = row + kvh * group * dim;
+        float* k = row + q_size + kvh * dim;
+        const float* v = row + q_size + kv_size + kvh * dim;
+        for (int h = 0; h < group; ++h) {
+            if (ly.q_norm) rms_norm(q + h * dim, ly.q_norm, dim, md.eps, q + h * dim);
+            rope(q + h * dim, cos, sin, half);
+        }
+        if (ly.k_norm) rms_norm(k, ly.k_norm, dim, md.eps, k);
+        rope(k, cos, sin, half);
+        const size_t elem = md.kv_int8 ? 1 : 2;
+        char* kc = static_cast<char*>(ly.k_cache) + kvh * md.head_stride * elem;
+        char* vc = static_cast<char*>(ly.v_cache) + kvh * md.head_stride * elem;
+        pypto_store_kv_head(md.kv_int8, k, v, kc, vc, s.slots[m]);
+        pypto_decode_attention_head(md.kv_int8, q, kc, vc, s.block_table + int64_t(m) * s.width,
+                                    s.ctx_lens[m], &w.attn[(int64_t(m) * md.heads + kvh * group) * dim],
+                                    md.page_size, scale);
+    }
+#pragma omp single
+    quantize(w.attn.data(), rows, q_size, w.qx);
+    product(ly.o, w.qx, rows, w.x.data(), hidden, true);
+#pragma omp single
+    {
+        for (int m = 0; m < rows; ++m)
+            rms_norm(&w.x[m * hidden], ly.post_norm, hidden, md.eps, &w.h[m * hidden]);
+        quantize(w.h.data(), rows, hidden, w.qx);
+    }
+    product(ly.gate_up, w.qx, rows, w.gate_up.data(), 2 * inter, false);
+#pragma omp single
+    {
+        for (int m = 0; m < rows; ++m) {  // SwiGLU: silu(gate) * up
+            const float* gu = &w.gate_up[int64_t(m) * 2 * inter];
+            float* a = &w.h[int64_t(m) * inter];
+            for (int i = 0; i < inter; ++i) a[i] = gu[i] / (1.0f + std::exp(-gu[i])) * gu[inter + i];
+        }
+        quantize(w.h.data(), rows, inter, w.qx);
+    }
+    product(ly.down, w.qx, rows, w.x.data(), hidden, true);
+}
+
+}  // namespace
+
+extern "C" int pypto_native_max_rows() { return MAX_ROWS; }
+
+// out [rows][w.rows] = x [rows][w.cols] @ w.T (+ bias), x quantized as the step quantizes it:
+// one packed matmul on its own (tests, and what a step's matmuls compute).
+extern "C" int pypto_packed_product(const Matrix* w, const float* x, int rows, float* out,
+                                    int threads) {
+    if (rows < 1 || rows > MAX_ROWS || w->cols % GROUP_K) return 1;
+    Quantized qx;
+    quantize(x, rows, int(w->cols), qx);
+#pragma omp parallel num_threads(threads)
+    product(*w, qx, rows, out, w->rows, false);
+    return 0;
+}
+
+// The forward of a step of s.rows decodes (1 to MAX_ROWS): logits [rows, vocab] of each
+// sequence's new token, its key and value written into the KV cache. Returns 0, or 1 for a
+// step or model it does not take.
+extern "C" int pypto_decode_step(const Model* model, const Step* step) {
+    const Model& md = *model;
+    const Step& s = *step;
+    if (s.rows < 1 || s.rows > MAX_ROWS || md.hidden % GROUP_K || md.intermediate % GROUP_K ||
+        (md.heads * md.head_dim) % GROUP_K || md.head_dim % 2)
+        return 1;
+    const int rows = s.rows, hidden = md.hidden, half = md.head_dim / 2;
+    Scratch w;
+    w.x.resize(size_t(rows) * hidden);
+    w.h.resize(size_t(rows) * (hidden > md.intermediate ? hidden : md.intermediate));
+    w.qkv.resize(size_t(rows) * (md.heads + 2 * md.kv_heads) * md.head_dim);
+    w.attn.resize(size_t(rows) * md.heads * md.head_dim);
+    w.gate_up.resize(size_t(rows) * 2 * md.intermediate);
+    w.cos.resize(size_t(rows) * half);
+    w.sin.resize(size_t(rows) * half);
+    for (int m = 0; m < rows; ++m) {
+        const uint16_t* e = md.embed + s.tokens[m] * hidden;
+        for (int i = 0; i < hidden; ++i) w.x[m * hidden + i] = bf16(e[i]);
+        for (int i = 0; i < half; ++i) {
+            const float angle = float(s.positions[m]) * md.inv_freq[i];
+            w.cos[m * half + i] = std::cos(angle) * md.rope_scaling;
+            w.sin[m * half + i] = std::sin(angle) * md.rope_scaling;
+        }
+    }
+#pragma omp parallel num_threads(s.threads)
+    {
+        for (int l = 0; l < md.num_layers; ++l) layer(md, md.layers[l], s, w);
+#pragma omp single
+        {
+            for (int m = 0; m < rows; ++m)
+                rms_norm(&w.x[m * hidden], md.final_norm, hidden, md.eps, &w.h[m * hidden]);
+            quantize(w.h.data(), rows, hidden, w.qx);
+        }
+        product(md.lm_head, w.qx, rows, s.logits, md.vocab, false);
+    }
+    return 0;
+}

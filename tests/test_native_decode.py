@@ -1,0 +1,235 @@
+"""The native decode step (native/decode.cpp, executor/native_decode.py).
+
+The packed matmuls are held to the exact product of the quantized activations and the
+dequantized weights, in the AVX512-VNNI build and the portable one. The whole step is held to
+the compiled graphs of the same engine, step by step: on a checkpoint whose weights lie on
+int4's grid the Q4 records hold them exactly, so the two paths differ only by the step's int8
+activations. Then the engine against its bf16 self (the equality rule of the bf16 tests), and
+where the step applies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from checkpoints import build_checkpoint, build_tokenizer
+from live_server import tiny_llm
+
+from pypto_serving import native
+from pypto_serving.device import cpu_flags
+from pypto_serving.distributed import ParallelGroups
+from pypto_serving.executor import native_decode
+from pypto_serving.executor.native_decode import Matrix
+from pypto_serving.models.config import load_model_config
+from pypto_serving.ops.linear import NATIVE_Q4, NATIVE_Q8, Linear, pack_q4, pack_q8
+from pypto_serving.sampling import SamplingParams
+
+ELIGIBLE = ["llama-mha-untied", "qwen2-gqa2", "qwen3-hd32-gqa4"]
+"""Tiny checkpoints the step takes (head_dim a multiple of 16): linear RoPE scaling and an
+untied head, q/k/v biases, q/k norms and a tied head."""
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def dequantize(records: torch.Tensor, fmt: int, rows: int, cols: int) -> torch.Tensor:
+    """The weight [rows, cols] the records hold, in float64 (their layout read back)."""
+    groups, blocks = cols // 32, -(-rows // 16)
+    if fmt == NATIVE_Q4:
+        rec = records.view(blocks, groups, 320)
+        nib = rec[..., :256].reshape(blocks, groups, 4, 16, 4).long()
+        q = torch.cat([nib & 15, nib >> 4], -1)  # [B, G, c, 16, 8]: inputs 8c .. 8c + 7
+        q = q.permute(0, 3, 1, 2, 4).reshape(blocks * 16, groups, 32)
+        scale, low = (
+            rec[..., 256 + 32 * i : 288 + 32 * i].contiguous().view(torch.float16) for i in range(2)
+        )
+        scale, low = (t.permute(0, 2, 1).reshape(-1, groups, 1).double() for t in (scale, low))
+        return (q * scale + low).reshape(-1, cols)[:rows]
+    rec = records.view(blocks, groups, 544)
+    q = rec[..., :512].reshape(blocks, groups, 8, 16, 4).long() - 128
+    q = q.permute(0, 3, 1, 2, 4).reshape(blocks * 16, groups, 32)
+    scale = rec[..., 512:].contiguous().view(torch.float16).permute(0, 2, 1)
+    return (q * scale.reshape(-1, groups, 1).double()).reshape(-1, cols)[:rows]
+
+
+def quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the step quantizes it: int8 per group of 32 with a scale of its largest / 127."""
+    g = x.double().reshape(len(x), -1, 32)
+    scale = g.abs().amax(-1, keepdim=True) / 127
+    return (torch.where(scale > 0, g / scale, 0).round() * scale).reshape(x.shape)
+
+
+@pytest.fixture(scope="module", params=["vnni", "portable"])
+def kernels(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    if request.param == "vnni" and "avx512_vnni" not in cpu_flags():
+        pytest.skip("this CPU has no AVX512-VNNI")  # the portable build still runs
+    flags = () if request.param == "vnni" else ("-mno-avx512vnni",)
+    path = native.build(2, 16, tmp_path_factory.mktemp("kernels"), extra_flags=flags)
+    assert path is not None, "the kernels must build here (g++ is what Inductor uses too)"
+    lib = native.load(path)
+    assert lib is not None
+    return lib
+
+
+@pytest.mark.parametrize("fmt", [NATIVE_Q4, NATIVE_Q8])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_packed_products_are_the_quantized_products(kernels, fmt, rows):
+    torch.manual_seed(rows)
+    n, k = 40, 96  # a block of 16 rows cut short, three groups of inputs
+    weight = torch.randn(n, k) * torch.rand(n, 1) * 3
+    weight[:, :32] *= 50  # a loud group must not cost the others their precision
+    bias = torch.randn(n).to(torch.bfloat16)
+    records = (pack_q4 if fmt == NATIVE_Q4 else pack_q8)(weight)
+    x = torch.randn(rows, k)
+    out = torch.empty(rows, n)
+    w = Matrix(records.data_ptr(), bias.data_ptr(), n, k, fmt)
+    assert kernels.pypto_packed_product(ctypes.byref(w), x.data_ptr(), rows, out.data_ptr(), 2) == 0
+    dequantized = dequantize(records, fmt, n, k)
+    expected = quantized_rows(x) @ dequantized.T + bias.double()
+    assert relative_error(out, expected) < 1e-5
+    # and the formats are what they say: 4 bits cost ~10 % of a gaussian, 8 bits under 1 %
+    exact = x.double() @ weight.double().T + bias.double()
+    assert relative_error(out, exact) < (0.15 if fmt == NATIVE_Q4 else 0.01)
+    assert relative_error(dequantized, weight) < (0.15 if fmt == NATIVE_Q4 else 0.01)
+
+
+def test_packing_keeps_values_on_the_int4_grid_exactly():
+    step = 2.0**-6  # q * step - 8 * step: exact in bf16, fp16 and float32
+    q = torch.randint(0, 16, (32, 64))
+    q[:, ::32], q[:, 1::32] = 0, 15  # each group spans the grid
+    weight = (q - 8) * step
+    assert torch.equal(dequantize(pack_q4(weight), NATIVE_Q4, 32, 64), weight.double())
+
+
+def test_products_outside_the_step_are_refused(kernels):
+    records = pack_q4(torch.randn(16, 32))
+    w = Matrix(records.data_ptr(), None, 16, 32, NATIVE_Q4)
+    x, out = torch.randn(9, 32), torch.empty(9, 16)
+    assert kernels.pypto_packed_product(ctypes.byref(w), x.data_ptr(), 9, out.data_ptr(), 1) == 1
+    assert kernels.pypto_native_max_rows() == native_decode.MAX_ROWS
+
+
+@pytest.fixture(scope="module")
+def grid_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """grid_model(name): a tiny checkpoint whose matrices (not the norms and biases) lie on
+    the int4 grid of their groups of 32, each group spanning it: Q4 holds them exactly."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            out = tmp_path_factory.mktemp(f"grid-{name}")
+            build_checkpoint(name, out, grid=True)
+            build_tokenizer(out)
+            made[name] = out
+        return made[name]
+
+    return get
+
+
+def compare_paths(executor: Any) -> list[float]:
+    """Make every step the native step takes run the graphs first, then the native step over
+    the same KV (each writes the new token's K/V); returns each step's relative difference."""
+    diffs: list[float] = []
+    run, decoder = executor.run, executor.native
+
+    def both(step: Any) -> torch.Tensor:
+        if step.max_q > 1 or len(step.q_lens) > native_decode.MAX_ROWS:
+            return run(step)
+        executor.native = None
+        graph = run(step)
+        executor.native = decoder
+        out = run(step)
+        diffs.append(relative_error(out, graph))
+        return out
+
+    executor.run = both
+    return diffs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "kv_cache_dtype"),
+    [(n, "auto") for n in ELIGIBLE] + [("qwen3-hd32-gqa4", "int8")],
+)
+def test_the_native_step_computes_what_the_graphs_do(grid_model, name, kv_cache_dtype):
+    """int4: the graphs multiply by the bf16 weights, the step by its Q4 records of them
+    (equal here); decodes of one to five sequences, a one-token prefill chunk among them."""
+    knobs = {"dtype": "bfloat16", "quantization": "int4", "enforce_eager": False}
+    with tiny_llm(grid_model(name), kv_cache_dtype=kv_cache_dtype, **knobs) as llm:
+        executor = llm.engine.executor
+        assert executor.native is not None
+        diffs = compare_paths(executor)
+        prompts = [[(7 * i + 3 * j) % 300 + 3 for j in range(2 + 9 * i)] for i in range(5)]
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        llm.generate(prompts, params, use_tqdm=False)
+        # two decodes leave one token of a budget of three to a prompt: a step of one-token
+        # rows of which one is a prefill chunk (computed, not sampled)
+        llm.engine.scheduler.config.max_num_batched_tokens = 3
+        llm.generate(prompts[2:5], params, use_tqdm=False)
+    assert len(diffs) > 20
+    assert max(diffs) < 0.03, diffs  # int8 activations, bf16 roundings; a wrong wire is ~1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["int4", "int4-w8a8"])
+def test_the_native_engine_follows_the_bf16_one(tiny_model, kind):
+    """Greedy tokens where each side's token is in the other's top-5 (the rule of the bf16
+    equality tests); the graphs, which the step spares int4, are one per layer kind."""
+    name = "qwen3-hd32-gqa4"
+    prompts = [[(11 * i + 5 * j) % 300 + 3 for j in range(4 + 9 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    with tiny_llm(tiny_model(name), dtype="bfloat16") as plain:
+        expected = plain.generate(prompts, params, use_tqdm=False)
+    knobs = {"dtype": "bfloat16", "quantization": kind, "enforce_eager": False}
+    with tiny_llm(tiny_model(name), **knobs) as quantized:
+        executor = quantized.engine.executor
+        calls = []
+        logits = executor.native.logits
+        executor.native.logits = lambda *a: calls.append(len(a[0])) or logits(*a)
+        got = quantized.generate(prompts, params, use_tqdm=False)
+        assert quantized.engine.stats().num_recompilations == 0
+        assert 5 in calls and max(calls) <= native_decode.MAX_ROWS  # the five decode together
+        assert set(map(tuple, executor.run_layer._row_bounds.values())) == {()}
+        layer = quantized.engine.model.model.layers[0].mlp.down_proj
+        assert layer.native is not None and layer.native[1] == NATIVE_Q4
+        assert layer.quantized is None  # no PyTorch int4 beside it
+        assert quantized.engine.model.lm_head.native[1] == NATIVE_Q8
+    for a, b in zip(expected, got, strict=True):
+        ours, theirs = a.outputs[0], b.outputs[0]
+        for i, (x, y) in enumerate(zip(ours.token_ids, theirs.token_ids, strict=True)):
+            if x != y:
+                assert y in ours.logprobs[i].top_logprobs and x in theirs.logprobs[i].top_logprobs
+                break  # after a divergence the contexts differ
+
+
+def test_where_the_step_applies(tiny_model, monkeypatch):
+    cpu, bf16, one = torch.device("cpu"), torch.bfloat16, ParallelGroups()
+    qwen3, gqa8 = (load_model_config(tiny_model(n)) for n in ("qwen3-hd32-gqa4", "llama-gqa4-tied"))
+    moe = load_model_config(tiny_model("qwen3moe-e4-top2"))
+    applies = native_decode.applies
+    assert applies(qwen3, "int4", cpu, bf16, one, 16)
+    assert applies(qwen3, "int4-w8a8", cpu, bf16, one, 16)
+    assert not applies(qwen3, None, cpu, bf16, one, 16)  # bf16 weights: the graphs
+    assert not applies(qwen3, "w8a8", cpu, bf16, one, 16)
+    assert not applies(gqa8, "int4", cpu, bf16, one, 16)  # head_dim 8: no native attention
+    assert not applies(moe, "int4", cpu, bf16, one, 16)
+    assert not applies(qwen3, "int4", torch.device("meta"), bf16, one, 16)
+    monkeypatch.setenv("PYPTO_NATIVE_DECODE", "0")
+    assert not applies(qwen3, "int4", cpu, bf16, one, 16)
+
+
+def test_linear_keeps_and_takes_back_its_native_form():
+    torch.manual_seed(0)
+    layer = Linear(64, 48, bias=False).to(torch.bfloat16)
+    layer.quantize("q4-w8a8")
+    kept = layer.quantized_tensors()
+    again = Linear(64, 48, bias=False).to(torch.bfloat16)
+    again.load_quantized(kept)
+    assert again.native is not None and again.native[1] == NATIVE_Q4
+    assert torch.equal(again.native[0], layer.native[0]) and again.int8 is not None
+    assert again.row_bounds == ()  # the graphs never branch on int4
