@@ -25,7 +25,14 @@ from pypto_serving.distributed import ParallelGroups
 from pypto_serving.executor import native_decode
 from pypto_serving.executor.native_decode import Matrix
 from pypto_serving.models.config import load_model_config
-from pypto_serving.ops.linear import NATIVE_Q4, NATIVE_Q8, Linear, pack_q4, pack_q8
+from pypto_serving.ops.linear import (
+    NATIVE_BF16,
+    NATIVE_Q4,
+    NATIVE_Q8,
+    Linear,
+    pack_q4,
+    pack_q8,
+)
 from pypto_serving.sampling import SamplingParams
 
 ELIGIBLE = ["llama-mha-untied", "qwen2-gqa2", "qwen3-hd32-gqa4"]
@@ -64,16 +71,29 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
     return (torch.where(scale > 0, g / scale, 0).round() * scale).reshape(x.shape)
 
 
-@pytest.fixture(scope="module", params=["vnni", "portable"])
+@pytest.fixture(scope="module", params=["vnni", "portable"])  # VNNI and BF16 dot products
 def kernels(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     if request.param == "vnni" and "avx512_vnni" not in cpu_flags():
         pytest.skip("this CPU has no AVX512-VNNI")  # the portable build still runs
-    flags = () if request.param == "vnni" else ("-mno-avx512vnni",)
+    flags = () if request.param == "vnni" else ("-mno-avx512vnni", "-mno-avx512bf16")
     path = native.build(2, 16, tmp_path_factory.mktemp("kernels"), extra_flags=flags)
     assert path is not None, "the kernels must build here (g++ is what Inductor uses too)"
     lib = native.load(path)
     assert lib is not None
     return lib
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_bf16_products_are_exact_over_the_bf16_operands(kernels, rows):
+    torch.manual_seed(rows)
+    n, k = 40, 96
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    x, out = torch.randn(rows, k), torch.empty(rows, n)
+    w = Matrix(weight.data_ptr(), bias.data_ptr(), n, k, NATIVE_BF16)
+    assert kernels.pypto_packed_product(ctypes.byref(w), x.data_ptr(), rows, out.data_ptr(), 2) == 0
+    expected = x.bfloat16().double() @ weight.double().T + bias.double()
+    assert relative_error(out, expected) < 1e-6
 
 
 @pytest.mark.parametrize("fmt", [NATIVE_Q4, NATIVE_Q8])
@@ -153,13 +173,17 @@ def compare_paths(executor: Any) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("name", "kv_cache_dtype"),
-    [(n, "auto") for n in ELIGIBLE] + [("qwen3-hd32-gqa4", "int8")],
+    ("name", "kv_cache_dtype", "quantization"),
+    [(n, "auto", "int4") for n in ELIGIBLE]
+    + [("qwen3-hd32-gqa4", "int8", "int4"), ("qwen2-gqa2", "auto", None)],
 )
-def test_the_native_step_computes_what_the_graphs_do(grid_model, name, kv_cache_dtype):
+def test_the_native_step_computes_what_the_graphs_do(
+    grid_model, name, kv_cache_dtype, quantization
+):
     """int4: the graphs multiply by the bf16 weights, the step by its Q4 records of them
-    (equal here); decodes of one to five sequences, a one-token prefill chunk among them."""
-    knobs = {"dtype": "bfloat16", "quantization": "int4", "enforce_eager": False}
+    (equal here); unquantized, both by the bf16 weights. Decodes of one to five sequences, a
+    one-token prefill chunk among them."""
+    knobs = {"dtype": "bfloat16", "quantization": quantization, "enforce_eager": False}
     with tiny_llm(grid_model(name), kv_cache_dtype=kv_cache_dtype, **knobs) as llm:
         executor = llm.engine.executor
         assert executor.native is not None
@@ -214,8 +238,9 @@ def test_where_the_step_applies(tiny_model, monkeypatch):
     applies = native_decode.applies
     assert applies(qwen3, "int4", cpu, bf16, one, 16)
     assert applies(qwen3, "int4-w8a8", cpu, bf16, one, 16)
-    assert not applies(qwen3, None, cpu, bf16, one, 16)  # bf16 weights: the graphs
-    assert not applies(qwen3, "w8a8", cpu, bf16, one, 16)
+    assert applies(qwen3, None, cpu, bf16, one, 16)  # bf16 weights, read in place
+    assert not applies(qwen3, None, cpu, torch.float32, one, 16)
+    assert not applies(qwen3, "w8a8", cpu, bf16, one, 16)  # batched throughput: the graphs
     assert not applies(gqa8, "int4", cpu, bf16, one, 16)  # head_dim 8: no native attention
     assert not applies(moe, "int4", cpu, bf16, one, 16)
     assert not applies(qwen3, "int4", torch.device("meta"), bf16, one, 16)

@@ -162,11 +162,11 @@ class EngineCore:
             self._build_kernels_soon(cfg)
             if not config.enforce_eager:
                 trust_cpu_vector_isa_soon()  # while the model loads; warm-up compiles for it
-        native = config.executor == "paged" and native_decode.applies(
+        self.native = config.executor == "paged" and native_decode.applies(
             cfg, config.quantization, self.device, self.dtype, groups, config.cache.page_size
         )
         self.model = load_model(
-            self.model_dir, self.dtype, self.device, groups, config.quantization, native
+            self.model_dir, self.dtype, self.device, groups, config.quantization, self.native
         )
         self.model_config = cfg = self.model.cfg
         limits = [cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings]
@@ -206,7 +206,7 @@ class EngineCore:
         if self.config.executor == "reference":
             return ReferenceExecutor(self.model, self.device)
         executor = build_paged_executor(
-            self.config, self.model, self.device, self.dtype, self.model_dir
+            self.config, self.model, self.device, self.dtype, self.model_dir, self.native
         )
         executor.warmup(self.config.background_compile)
         return executor

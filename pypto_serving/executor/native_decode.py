@@ -8,9 +8,11 @@ the reading of the weights, in llama.cpp's formats (Q4_1 layers, a Q8_0 head: `p
 `pack_q8`) with int8 dot products over activations quantized per 32 (Q8_1). Steps of more
 than MAX_ROWS tokens, or with a prefill chunk, run on the compiled graphs as before.
 
-It applies (`applies`) to int4 and int4-w8a8 models on the CPU, one rank, dense layers, and
-attention shapes the native kernels take; the model's Linears then hold the packed forms
-(`Linear.native`), built by the loader. The structures below mirror decode.cpp's.
+It applies (`applies`) to bf16 models on the CPU, unquantized or int4 / int4-w8a8, one rank,
+dense layers, and attention shapes the native kernels take. An int4 model's Linears then hold
+the packed forms (`Linear.native`), built by the loader; an unquantized model's plain bf16
+weights are read where they lie (bf16 dot products), so a decode of one reads SmolLM2's 269 MB
+once at the memory's speed. The structures below mirror decode.cpp's.
 """
 
 from __future__ import annotations
@@ -27,14 +29,14 @@ from pypto_serving.kv import native_attention
 from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.models.config import ModelConfig
 from pypto_serving.models.llama import MLP, CausalLM
-from pypto_serving.ops.linear import INT4_GROUP, Linear
+from pypto_serving.ops.linear import INT4_GROUP, NATIVE_BF16, Linear
 
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8
 """Sequences a native step takes (decode.cpp's MAX_ROWS): up to here the weights' bytes
 dominate; wider steps are compute-bound and run on the compiled w8a8 or bf16 graphs."""
-QUANTIZATIONS = ("int4", "int4-w8a8")
+QUANTIZATIONS = (None, "int4", "int4-w8a8")
 
 
 class Matrix(ctypes.Structure):
@@ -101,9 +103,9 @@ def applies(
     groups: ParallelGroups,
     page_size: int,
 ) -> bool:
-    """Whether an engine's decodes of a few run through the native step: int4 weights on the
-    CPU (bf16), one rank, no mixture-of-experts layer, sizes in whole groups of 32 and an
-    attention shape the native kernels take (PYPTO_NATIVE_DECODE=0 turns it off)."""
+    """Whether an engine's decodes of a few run through the native step: bf16 or int4 weights
+    on the CPU (bf16), one rank, no mixture-of-experts layer, sizes in whole groups of 32 and
+    an attention shape the native kernels take (PYPTO_NATIVE_DECODE=0 turns it off)."""
     return (
         quantization in QUANTIZATIONS
         and use_native_decode(device)
@@ -118,10 +120,14 @@ def applies(
 
 
 def matrix(layer: Linear) -> Matrix:
-    """A Linear's packed weight (and bias) as decode.cpp reads it."""
-    assert layer.native is not None, "the loader packs every Linear of a native model"
-    records, fmt = layer.native
+    """A Linear's weight (and bias) as decode.cpp reads it: its packed form where the loader
+    made one (int4 models), else its plain bf16 weight."""
     bias = None if layer.bias is None else layer.bias.data_ptr()
+    if layer.native is None:
+        weight = layer.weight
+        assert weight.dtype == torch.bfloat16 and weight.is_contiguous()
+        return Matrix(weight.data_ptr(), bias, layer.out_features, layer.in_features, NATIVE_BF16)
+    records, fmt = layer.native
     return Matrix(records.data_ptr(), bias, layer.out_features, layer.in_features, fmt)
 
 

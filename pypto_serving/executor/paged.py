@@ -114,10 +114,16 @@ def build_kv_store(
 
 
 def build_paged_executor(
-    config: EngineConfig, model: CausalLM, device: torch.device, dtype: torch.dtype, model_dir: Path
+    config: EngineConfig,
+    model: CausalLM,
+    device: torch.device,
+    dtype: torch.dtype,
+    model_dir: Path,
+    native: bool = False,
 ) -> PagedExecutor:
     """The paged executor of an engine (or of one tensor-parallel rank: every rank builds the
-    same one, so page counts agree), its pool sized for the longest sequences."""
+    same one, so page counts agree), its pool sized for the longest sequences; native: it
+    runs decodes of a few through the native step (`native_decode.applies`)."""
     cfg = model.cfg
     max_len = min(cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings)
     return PagedExecutor(
@@ -129,6 +135,7 @@ def build_paged_executor(
         config.enforce_eager,
         # the KV of a quantized model differs: its SSD pages must not mix with the plain ones
         checkpoint_digest(model_dir) + (f"|{config.quantization}" if config.quantization else ""),
+        native,
     )
 
 
@@ -147,9 +154,11 @@ class PagedExecutor:
         max_tokens_in_use: int,
         enforce_eager: bool = False,
         digest: str = "",
+        native: bool = False,
     ) -> None:
         """max_tokens_in_use: the most tokens all running sequences can hold at once; digest:
-        identifies the checkpoint (keys the SSD tier's pages)."""
+        identifies the checkpoint (keys the SSD tier's pages); native: decodes of a few run
+        through the native step (`native_decode.applies`; the loader packed the model for it)."""
         self.model, self.device, self.dtype, self.groups = model, device, dtype, model.groups
         cfg = model.cfg
         self.attention_kernel = native_attention.library_for(
@@ -165,13 +174,12 @@ class PagedExecutor:
         self.kv = build_kv_store(model, device, dtype, cache, max_tokens_in_use, digest)
         self.paged_kv = PagedKV()
         self.native: NativeDecoder | None = None
-        """Runs steps of up to NATIVE_MAX_ROWS decodes in one native call, where the loader
-        packed the model for it (`native_decode.applies`); other steps run on the graphs."""
-        if model.lm_head is not None and model.lm_head.native is not None:
-            if self.attention_kernel is not None:
-                self.native = NativeDecoder(model, self.kv, self.attention_kernel)
-            else:
-                log.warning("no native kernels: int4 decodes run on the compiled bf16/w8a8 forms")
+        """Runs steps of up to NATIVE_MAX_ROWS decodes in one native call; other steps run on
+        the graphs."""
+        if native and self.attention_kernel is not None:
+            self.native = NativeDecoder(model, self.kv, self.attention_kernel)
+        elif native:
+            log.warning("no native kernels: decodes run on the compiled graphs")
         self.run_layer = None if enforce_eager else CompiledLayers()
         """How the model's decoder layers run: compiled, or eagerly (None)."""
         self._warming: threading.Thread | None = None

@@ -16,6 +16,9 @@
 // per group of 32 (a scale each: llama.cpp's Q8_1), and the products summed in int32 with
 // AVX512-VNNI dot products (u8 x s8); without VNNI the same layout is read by plain loops.
 //
+// Unquantized bf16 models' weights are read where they lie, row by row ([rows, cols]), with
+// the activations rounded to bf16 and AVX512-BF16 dot products.
+//
 // Everything else is float32: the residual stream, norms, RoPE and the attention's queries;
 // keys and values go into the bfloat16 or int8 KV cache through attention.cpp. The work is
 // shared by one OpenMP team for the whole step: matmuls split their 16-row blocks, attention
@@ -43,14 +46,14 @@ namespace {
 
 constexpr int MAX_ROWS = 8;  // sequences in a step
 constexpr int GROUP_K = 32;  // inputs per quantization group
-constexpr int Q4 = 1, Q8 = 2;
-constexpr int RECORD[] = {0, 320, 544};  // bytes of a 16-row x 32-input record, by format
+constexpr int Q4 = 1, Q8 = 2, BF16 = 3;
+constexpr int RECORD[] = {0, 320, 544, 0};  // bytes of a 16-row x 32-input record, by format
 
-struct Matrix {   // a packed weight [rows, cols] (rows padded to 16 in the records)
+struct Matrix {   // a packed weight [rows, cols] (rows padded to 16 in the records), or bf16
     const uint8_t* data;
     const uint16_t* bias;  // bfloat16 [rows], or null
     int64_t rows, cols;
-    int32_t format;        // Q4 or Q8
+    int32_t format;        // Q4, Q8, or BF16: the plain row-major weight
 };
 
 struct Layer {
@@ -107,12 +110,14 @@ inline float fp16(uint16_t h) {
 #endif
 }
 
-// Activations of up to MAX_ROWS rows, quantized per group of 32: q [rows][k], and per group
-// its scale and the sum of its values.
+// Activations of up to MAX_ROWS rows as the next matmul reads them: for Q4 and Q8 weights
+// quantized per group of 32, q [rows][k] and per group its scale and the sum of its values;
+// for bf16 weights rounded to bf16, bf [rows][k].
 struct Quantized {
     std::vector<int8_t> q;
     std::vector<float> scale;
     std::vector<int32_t> sum;
+    std::vector<uint16_t> bf;
     int k = 0, groups = 0;
 
     void resize(int cols) {
@@ -121,11 +126,23 @@ struct Quantized {
         q.resize(size_t(MAX_ROWS) * cols);
         scale.resize(size_t(MAX_ROWS) * groups);
         sum.resize(size_t(MAX_ROWS) * groups);
+        bf.resize(size_t(MAX_ROWS) * cols);
     }
 };
 
-void quantize(const float* x, int rows, int cols, Quantized& out) {
+inline uint16_t to_bf16(float f) {  // rounding to nearest even
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// x [rows][cols] as a matmul over weights of `format` reads it.
+void quantize(const float* x, int rows, int cols, int format, Quantized& out) {
     out.resize(cols);
+    if (format == BF16) {
+        for (int64_t i = 0; i < int64_t(rows) * cols; ++i) out.bf[i] = to_bf16(x[i]);
+        return;
+    }
     for (int m = 0; m < rows; ++m)
         for (int g = 0; g < out.groups; ++g) {
             const float* v = x + int64_t(m) * cols + g * GROUP_K;
@@ -143,13 +160,37 @@ void quantize(const float* x, int rows, int cols, Quantized& out) {
         }
 }
 
-// out[m][n] (=|+=) x[m] . weight[n] (+ bias[n]) for the 16 rows of block b.
+// acc[m][r] = x[m] . weight[n0 + r] for the n rows from n0 of a bf16 weight, row by row
+// (bf16 dot products over 32 inputs at a time where the CPU has them).
 template <int M>
-void block_product(const Matrix& w, int64_t b, const Quantized& x, float* out, int64_t ldo,
-                   bool add) {
+void bf16_rows(const Matrix& w, int64_t n0, int64_t n, const Quantized& x, float acc[M][16]) {
+    const int64_t k = w.cols;
+    for (int64_t r = 0; r < n; ++r) {
+        const uint16_t* row = reinterpret_cast<const uint16_t*>(w.data) + (n0 + r) * k;
+#if defined(__AVX512BF16__)
+        __m512 a[M];
+        for (int m = 0; m < M; ++m) a[m] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < k; i += 32) {
+            const __m512bh v = (__m512bh)_mm512_loadu_si512(row + i);
+            for (int m = 0; m < M; ++m)
+                a[m] = _mm512_dpbf16_ps(a[m], v, (__m512bh)_mm512_loadu_si512(&x.bf[m * k + i]));
+        }
+        for (int m = 0; m < M; ++m) acc[m][r] = _mm512_reduce_add_ps(a[m]);
+#else
+        for (int m = 0; m < M; ++m) {
+            float s = 0.0f;
+            for (int64_t i = 0; i < k; ++i) s += bf16(row[i]) * bf16(x.bf[m * k + i]);
+            acc[m][r] = s;
+        }
+#endif
+    }
+}
+
+// acc[m][r] = x[m] . weight[16 b + r] over block b of a Q4 or Q8 weight's records.
+template <int M>
+void packed_rows(const Matrix& w, int64_t b, const Quantized& x, float acc[M][16]) {
     const uint8_t* rec = w.data + b * (w.cols / GROUP_K) * RECORD[w.format];
     const int groups = x.groups;
-    float acc[M][16] = {};
 #if defined(PYPTO_VNNI)
     __m512 facc[M];
     for (int m = 0; m < M; ++m) facc[m] = _mm512_setzero_ps();
@@ -228,7 +269,18 @@ void block_product(const Matrix& w, int64_t b, const Quantized& x, float* out, i
         }
     }
 #endif
+}
+
+// out[m][n] (=|+=) x[m] . weight[n] (+ bias[n]) for the 16 rows of block b.
+template <int M>
+void block_product(const Matrix& w, int64_t b, const Quantized& x, float* out, int64_t ldo,
+                   bool add) {
     const int64_t n0 = b * 16, n = w.rows - n0 < 16 ? w.rows - n0 : 16;
+    float acc[M][16] = {};
+    if (w.format == BF16)
+        bf16_rows<M>(w, n0, n, x, acc);
+    else
+        packed_rows<M>(w, b, x, acc);
     for (int m = 0; m < M; ++m)
         for (int r = 0; r < n; ++r) {
             const float v = acc[m][r] + (w.bias ? bf16(w.bias[n0 + r]) : 0.0f);
@@ -288,7 +340,7 @@ void layer(const Model& md, const Layer& ly, const Step& s, Scratch& w) {
     {
         for (int m = 0; m < rows; ++m)
             rms_norm(&w.x[m * hidden], ly.input_norm, hidden, md.eps, &w.h[m * hidden]);
-        quantize(w.h.data(), rows, hidden, w.qx);
+        quantize(w.h.data(), rows, hidden, ly.qkv.format, w.qx);
     }
     product(ly.qkv, w.qx, rows, w.qkv.data(), qkv_size, false);
     const float scale = 1.0f / std::sqrt(float(dim));
@@ -315,13 +367,13 @@ void layer(const Model& md, const Layer& ly, const Step& s, Scratch& w) {
                                     md.page_size, scale);
     }
 #pragma omp single
-    quantize(w.attn.data(), rows, q_size, w.qx);
+    quantize(w.attn.data(), rows, q_size, ly.o.format, w.qx);
     product(ly.o, w.qx, rows, w.x.data(), hidden, true);
 #pragma omp single
     {
         for (int m = 0; m < rows; ++m)
             rms_norm(&w.x[m * hidden], ly.post_norm, hidden, md.eps, &w.h[m * hidden]);
-        quantize(w.h.data(), rows, hidden, w.qx);
+        quantize(w.h.data(), rows, hidden, ly.gate_up.format, w.qx);
     }
     product(ly.gate_up, w.qx, rows, w.gate_up.data(), 2 * inter, false);
 #pragma omp single
@@ -331,7 +383,7 @@ void layer(const Model& md, const Layer& ly, const Step& s, Scratch& w) {
             float* a = &w.h[int64_t(m) * inter];
             for (int i = 0; i < inter; ++i) a[i] = gu[i] / (1.0f + std::exp(-gu[i])) * gu[inter + i];
         }
-        quantize(w.h.data(), rows, inter, w.qx);
+        quantize(w.h.data(), rows, inter, ly.down.format, w.qx);
     }
     product(ly.down, w.qx, rows, w.x.data(), hidden, true);
 }
@@ -346,7 +398,7 @@ extern "C" int pypto_packed_product(const Matrix* w, const float* x, int rows, f
                                     int threads) {
     if (rows < 1 || rows > MAX_ROWS || w->cols % GROUP_K) return 1;
     Quantized qx;
-    quantize(x, rows, int(w->cols), qx);
+    quantize(x, rows, int(w->cols), w->format, qx);
 #pragma omp parallel num_threads(threads)
     product(*w, qx, rows, out, w->rows, false);
     return 0;
@@ -386,7 +438,7 @@ extern "C" int pypto_decode_step(const Model* model, const Step* step) {
         {
             for (int m = 0; m < rows; ++m)
                 rms_norm(&w.x[m * hidden], md.final_norm, hidden, md.eps, &w.h[m * hidden]);
-            quantize(w.h.data(), rows, hidden, w.qx);
+            quantize(w.h.data(), rows, hidden, md.lm_head.format, w.qx);
         }
         product(md.lm_head, w.qx, rows, s.logits, md.vocab, false);
     }

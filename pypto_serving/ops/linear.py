@@ -137,9 +137,10 @@ def quantize_int4(
     return packed, scales
 
 
-NATIVE_Q4, NATIVE_Q8 = 1, 2
+NATIVE_Q4, NATIVE_Q8, NATIVE_BF16 = 1, 2, 3
 """The native decode step's weight formats (native/decode.cpp): 4-bit values with a scale and
-a minimum per 32 inputs (llama.cpp's Q4_1), or 8-bit values with a scale per 32 (Q8_0)."""
+a minimum per 32 inputs (llama.cpp's Q4_1), 8-bit values with a scale per 32 (Q8_0), or the
+plain bf16 weight, read where it lies."""
 
 
 def _records(weight: torch.Tensor) -> torch.Tensor:
