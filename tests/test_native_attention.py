@@ -130,7 +130,7 @@ def test_the_library_is_built_once_then_reused(tmp_path: Path):
 
 def test_without_a_working_compiler_the_native_kernels_are_off(tmp_path: Path, caplog):
     with caplog.at_level(logging.WARNING):
-        assert native.build(3, 64, tmp_path, compiler="no-such-compiler-here") is None
+        assert native.build(3, 64, tmp_path, cxx="no-such-compiler-here") is None
         assert "no C++ compiler" in caplog.text
         broken = tmp_path / "cxx"
         broken.write_text(
@@ -138,7 +138,7 @@ def test_without_a_working_compiler_the_native_kernels_are_off(tmp_path: Path, c
             "echo 'cxx: cannot compile' >&2\nexit 1\n"
         )
         broken.chmod(0o755)
-        assert native.build(3, 64, tmp_path / "out", compiler=str(broken)) is None
+        assert native.build(3, 64, tmp_path / "out", cxx=str(broken)) is None
         assert "cannot compile" in caplog.text
     assert not list((tmp_path / "out").glob("*.so"))
 

@@ -244,6 +244,9 @@ def test_where_the_step_applies(tiny_model, monkeypatch):
     assert not applies(gqa8, "int4", cpu, bf16, one, 16)  # head_dim 8: no native attention
     assert not applies(moe, "int4", cpu, bf16, one, 16)
     assert not applies(qwen3, "int4", torch.device("meta"), bf16, one, 16)
+    monkeypatch.setenv("CXX", "no-such-compiler-here")  # int4 stays on PyTorch's kernel
+    assert not applies(qwen3, "int4", cpu, bf16, one, 16)
+    monkeypatch.delenv("CXX")
     monkeypatch.setenv("PYPTO_NATIVE_DECODE", "0")
     assert not applies(qwen3, "int4", cpu, bf16, one, 16)
 

@@ -163,26 +163,29 @@ def test_calibrated_factors_meet_activations_and_weights_halfway(tiny_model):
         torch.testing.assert_close(act / s, weight * s, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["pytorch-int4", "native-q4"])
 @pytest.mark.parametrize("kind", ["int4", "int4-w8a8"])
 def test_quantized_weights_are_kept_and_read_back_on_the_next_load(
-    tiny_model, tmp_path, monkeypatch, kind
+    tiny_model, tmp_path, monkeypatch, kind, native
 ):
     """The first load quantizes (and calibrates, for w8a8) and keeps the result under the
     cache directory; the next one reads it back (no calibration, no quantizing) with every
-    quantized tensor identical. A damaged file is made again."""
+    quantized tensor identical (PyTorch's int4, or the native step's records). A damaged file
+    is made again."""
     from pypto_serving.models import calibration, loader
     from pypto_serving.ops import linear
 
     monkeypatch.setenv("PYPTO_CACHE_DIR", str(tmp_path))
     path, cpu = tiny_model(MODEL), torch.device("cpu")
-    first = loader.load_model(path, torch.bfloat16, cpu, None, kind)
+    first = loader.load_model(path, torch.bfloat16, cpu, None, kind, native)
     (kept,) = (tmp_path / "quantized").glob("*.safetensors")
     runs = []
     for module, name in ((calibration, "smoothing_factors"), (linear.Linear, "quantize")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, real=real: runs.append(1) or real(*a))
-    again = loader.load_model(path, torch.bfloat16, cpu, None, kind)
+    again = loader.load_model(path, torch.bfloat16, cpu, None, kind, native)
     assert runs == []  # read back
+    assert (again.lm_head.native is not None) == native
     pairs = [(a, b) for a, b in zip(first.modules(), again.modules(), strict=True)]
     linears = [(a, b) for a, b in pairs if isinstance(a, Linear)]
     for a, b in linears:
@@ -193,7 +196,7 @@ def test_quantized_weights_are_kept_and_read_back_on_the_next_load(
             b.packed is None
         )
     kept.write_bytes(b"not a safetensors file")
-    loader.load_model(path, torch.bfloat16, cpu, None, kind)
+    loader.load_model(path, torch.bfloat16, cpu, None, kind, native)
     assert len(runs) >= len(linears) and kept.stat().st_size > 100  # made again, rewritten
 
 

@@ -29,6 +29,7 @@ from pypto_serving.kv import native_attention
 from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.models.config import ModelConfig
 from pypto_serving.models.llama import MLP, CausalLM
+from pypto_serving.native import compiler
 from pypto_serving.ops.linear import INT4_GROUP, NATIVE_BF16, Linear
 
 log = logging.getLogger(__name__)
@@ -104,11 +105,13 @@ def applies(
     page_size: int,
 ) -> bool:
     """Whether an engine's decodes of a few run through the native step: bf16 or int4 weights
-    on the CPU (bf16), one rank, no mixture-of-experts layer, sizes in whole groups of 32 and
-    an attention shape the native kernels take (PYPTO_NATIVE_DECODE=0 turns it off)."""
+    on the CPU (bf16), one rank, no mixture-of-experts layer, sizes in whole groups of 32, an
+    attention shape the native kernels take, and a C++ compiler to build them with
+    (PYPTO_NATIVE_DECODE=0 turns it off)."""
     return (
         quantization in QUANTIZATIONS
         and use_native_decode(device)
+        and compiler() is not None
         and dtype == torch.bfloat16
         and groups.world_size == 1
         and not cfg.moe_layers

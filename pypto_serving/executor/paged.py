@@ -3,7 +3,9 @@
 Prefill chunks and decodes of all requests go through the model together as one flat token
 batch; attention reads and writes the paged KV store through block tables and a slot
 mapping computed here with vectorised arithmetic (no per-token Python). The forward is
-compiled once at start-up (warm-up covers every graph shape) unless `enforce_eager`.
+compiled once at start-up (warm-up covers every graph shape) unless `enforce_eager`; on the
+CPU a step of up to 8 decodes runs instead as one call of the native decode step
+(`native_decode.py`), where it applies.
 """
 
 from __future__ import annotations

@@ -309,11 +309,7 @@ def quantize_cached(
             for key, tensor in load_file(path).items():
                 name, _, part = key.partition("/")
                 saved[name][part] = tensor.clone()
-            rows = {
-                n: [t.shape[0] for k, t in parts.items() if "weight" in k]
-                for n, parts in saved.items()
-            }
-            if all(r and set(r) == {layers[n].out_features} for n, r in rows.items()):
+            if all(layers[n].fits(parts) for n, parts in saved.items()):
                 pack_linears(model, quantization, saved=saved, native=native)
                 return
             log.warning("the quantized weights in %s do not fit the model: quantizing", path)

@@ -39,21 +39,25 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.cpp", "de
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
+def compiler(name: str | None = None) -> str | None:
+    """The C++ compiler's path (`name`, else `$CXX`, else g++), or None where there is none."""
+    return shutil.which(name or os.environ.get("CXX", "g++"))
+
+
 def build(
     group: int,
     head_dim: int,
     out_dir: Path,
-    compiler: str | None = None,
+    cxx: str | None = None,
     extra_flags: tuple[str, ...] = (),
 ) -> Path | None:
     """The library for `group` query heads per KV head and `head_dim`, in `out_dir` (built now
     unless already there), or None when there is no compiler or the build fails (logged).
     extra_flags: appended to the compiler's (tests build the portable code paths with
     `-mno-avx512vnni`)."""
-    compiler = compiler or os.environ.get("CXX", "g++")
-    found = shutil.which(compiler)
+    found = compiler(cxx)
     if found is None:
-        log.warning("no C++ compiler %r: the native kernels are off", compiler)
+        log.warning("no C++ compiler %r: the native kernels are off", cxx or "g++")
         return None
     try:
         version = subprocess.run(

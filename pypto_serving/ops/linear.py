@@ -141,6 +141,8 @@ NATIVE_Q4, NATIVE_Q8, NATIVE_BF16 = 1, 2, 3
 """The native decode step's weight formats (native/decode.cpp): 4-bit values with a scale and
 a minimum per 32 inputs (llama.cpp's Q4_1), 8-bit values with a scale per 32 (Q8_0), or the
 plain bf16 weight, read where it lies."""
+RECORD_BYTES = {NATIVE_Q4: 320, NATIVE_Q8: 544}
+"""Bytes of a packed record of 16 output rows by 32 inputs, per format."""
 
 
 def _records(weight: torch.Tensor) -> torch.Tensor:
@@ -256,6 +258,16 @@ class Linear(nn.Linear):
         if self.native is not None:
             out[f"native.{self.native[1]}"] = self.native[0]
         return out
+
+    def fits(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether `quantized_tensors` of an earlier load (`tensors`) are this layer's shapes."""
+        records = -(-self.out_features // 16) * (self.in_features // INT4_GROUP)
+        return bool(tensors) and all(
+            t.numel() == records * RECORD_BYTES[int(part.split(".")[1])]
+            if part.startswith("native.")
+            else "weight" not in part or t.shape[0] == self.out_features
+            for part, t in tensors.items()
+        )
 
     def load_quantized(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take back what `quantized_tensors` gave (the group size follows from the scales:
