@@ -129,6 +129,21 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def assert_top5_rule(expected: list[Any], got: list[Any]) -> int:
+    """The bf16 equality rule over two runs' RequestOutputs (greedy, logprobs=5): each
+    sequence's tokens are equal, or where they first diverge each side's token is in the
+    other's top 5 (after that the contexts differ). Returns how many sequences diverged."""
+    diverged = 0
+    for a, b in zip(expected, got, strict=True):
+        ours, theirs = a.outputs[0], b.outputs[0]
+        for i, (x, y) in enumerate(zip(ours.token_ids, theirs.token_ids, strict=True)):
+            if x != y:
+                assert y in ours.logprobs[i].top_logprobs and x in theirs.logprobs[i].top_logprobs
+                diverged += 1
+                break
+    return diverged
+
+
 def fake_kv_store(num_pages: int, page_size: int, **options: Any) -> Any:
     """A PagedKVStore for tests without a model: one layer, one KV head of dim 2 (room for a
     token's fake KV, (token id, position)), fp32 on the CPU. `options`: prefix caching, tiers."""

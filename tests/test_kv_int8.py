@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from checkpoints import assert_top5_rule
 from live_server import tiny_llm
 
 from pypto_serving import SamplingParams
@@ -29,15 +30,8 @@ def test_the_int8_kv_engine_follows_the_bf16_one(tiny_model):
         got = int8.generate(PROMPTS, params, use_tqdm=False)
         assert int8.engine.stats().num_recompilations == 0
         assert int8.engine.executor.kv.k_cache.dtype == torch.int8
-    diverged = 0
-    for a, b in zip(expected, got, strict=True):
-        ours, theirs = a.outputs[0], b.outputs[0]
-        for i, (x, y) in enumerate(zip(ours.token_ids, theirs.token_ids, strict=True)):
-            if x != y:
-                assert y in ours.logprobs[i].top_logprobs and x in theirs.logprobs[i].top_logprobs
-                diverged += 1
-                break  # after a divergence the contexts differ
-    assert diverged < len(PROMPTS)  # int8 rounding moves a few tokens, not every sequence
+    # int8 rounding moves a few tokens, not every sequence
+    assert assert_top5_rule(expected, got) < len(PROMPTS)
 
 
 def test_int8_pages_come_back_from_the_cpu_tier_unchanged(tiny_model):

@@ -116,9 +116,7 @@ def applies(
         and groups.world_size == 1
         and not cfg.moe_layers
         and all(n % INT4_GROUP == 0 for n in (cfg.hidden_size, cfg.intermediate_size, cfg.q_size))
-        and native_attention.applies(
-            device, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size
-        )
+        and native_attention.takes(dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size)
     )
 
 

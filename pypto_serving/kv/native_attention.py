@@ -42,19 +42,6 @@ def takes(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, page_siz
     )
 
 
-def applies(
-    device: torch.device,
-    dtype: torch.dtype,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    page_size: int,
-) -> bool:
-    """Whether a model's attention runs in the kernels: on the CPU (unless
-    PYPTO_NATIVE_ATTENTION=0), for a shape they take."""
-    return use_native_attention(device) and takes(dtype, heads, kv_heads, head_dim, page_size)
-
-
 def library_for(
     device: torch.device,
     dtype: torch.dtype,
@@ -63,8 +50,9 @@ def library_for(
     head_dim: int,
     page_size: int,
 ) -> ctypes.CDLL | None:
-    """The library for a model's attention where the kernels apply (`applies`), built or
-    loaded now; None means PyTorch's attention (logged)."""
+    """The library for a model's attention where the kernels apply (on the CPU unless
+    PYPTO_NATIVE_ATTENTION=0, for a shape they take), built or loaded now; None means
+    PyTorch's attention (logged)."""
     if not use_native_attention(device):
         return None
     if not takes(dtype, heads, kv_heads, head_dim, page_size):
