@@ -113,7 +113,7 @@ inline float fp16(uint16_t h) {
 // Activations of up to MAX_ROWS rows as the next matmul reads them: for Q4 and Q8 weights
 // quantized per group of 32, q [rows][k] and per group its scale and the sum of its values;
 // for bf16 weights rounded to bf16, bf [rows][k].
-struct Quantized {
+struct Activations {
     std::vector<int8_t> q;
     std::vector<float> scale;
     std::vector<int32_t> sum;
@@ -137,7 +137,7 @@ inline uint16_t to_bf16(float f) {  // rounding to nearest even
 }
 
 // x [rows][cols] as a matmul over weights of `format` reads it.
-void quantize(const float* x, int rows, int cols, int format, Quantized& out) {
+void quantize(const float* x, int rows, int cols, int format, Activations& out) {
     out.resize(cols);
     if (format == BF16) {
         for (int64_t i = 0; i < int64_t(rows) * cols; ++i) out.bf[i] = to_bf16(x[i]);
@@ -163,7 +163,7 @@ void quantize(const float* x, int rows, int cols, int format, Quantized& out) {
 // acc[m][r] = x[m] . weight[n0 + r] for the n rows from n0 of a bf16 weight, row by row
 // (bf16 dot products over 32 inputs at a time where the CPU has them).
 template <int M>
-void bf16_rows(const Matrix& w, int64_t n0, int64_t n, const Quantized& x, float acc[M][16]) {
+void bf16_rows(const Matrix& w, int64_t n0, int64_t n, const Activations& x, float acc[M][16]) {
     const int64_t k = w.cols;
     for (int64_t r = 0; r < n; ++r) {
         const uint16_t* row = reinterpret_cast<const uint16_t*>(w.data) + (n0 + r) * k;
@@ -188,7 +188,7 @@ void bf16_rows(const Matrix& w, int64_t n0, int64_t n, const Quantized& x, float
 
 // acc[m][r] = x[m] . weight[16 b + r] over block b of a Q4 or Q8 weight's records.
 template <int M>
-void packed_rows(const Matrix& w, int64_t b, const Quantized& x, float acc[M][16]) {
+void packed_rows(const Matrix& w, int64_t b, const Activations& x, float acc[M][16]) {
     const uint8_t* rec = w.data + b * (w.cols / GROUP_K) * RECORD[w.format];
     const int groups = x.groups;
 #if defined(PYPTO_VNNI)
@@ -273,7 +273,7 @@ void packed_rows(const Matrix& w, int64_t b, const Quantized& x, float acc[M][16
 
 // out[m][n] (=|+=) x[m] . weight[n] (+ bias[n]) for the 16 rows of block b.
 template <int M>
-void block_product(const Matrix& w, int64_t b, const Quantized& x, float* out, int64_t ldo,
+void block_product(const Matrix& w, int64_t b, const Activations& x, float* out, int64_t ldo,
                    bool add) {
     const int64_t n0 = b * 16, n = w.rows - n0 < 16 ? w.rows - n0 : 16;
     float acc[M][16] = {};
@@ -291,7 +291,7 @@ void block_product(const Matrix& w, int64_t b, const Quantized& x, float* out, i
 
 // out [rows][w.rows] (=|+=) x @ w.T (+ bias), sharing the blocks among the calling team (an
 // orphaned worksharing loop: call it from every thread of a parallel region).
-void product(const Matrix& w, const Quantized& x, int rows, float* out, int64_t ldo, bool add) {
+void product(const Matrix& w, const Activations& x, int rows, float* out, int64_t ldo, bool add) {
     const int64_t blocks = (w.rows + 15) / 16;
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
@@ -327,8 +327,16 @@ void rope(float* x, const float* cos, const float* sin, int half) {
 
 struct Scratch {
     std::vector<float> x, h, qkv, attn, gate_up, cos, sin;
-    Quantized qx;
+    Activations qx;
 };
+
+// qx = the rows of the residual stream x, RMS-normed by `weight` (into h), as a matmul over
+// weights of `format` reads them (on one thread of the team).
+void norm_rows(const Model& md, const uint16_t* weight, int rows, int format, Scratch& w) {
+    for (int m = 0; m < rows; ++m)
+        rms_norm(&w.x[m * md.hidden], weight, md.hidden, md.eps, &w.h[m * md.hidden]);
+    quantize(w.h.data(), rows, md.hidden, format, w.qx);
+}
 
 // One decoder layer over s.rows rows of the residual stream x (called by every thread).
 void layer(const Model& md, const Layer& ly, const Step& s, Scratch& w) {
@@ -337,11 +345,7 @@ void layer(const Model& md, const Layer& ly, const Step& s, Scratch& w) {
     const int q_size = md.heads * dim, kv_size = md.kv_heads * dim;
     const int qkv_size = q_size + 2 * kv_size;
 #pragma omp single
-    {
-        for (int m = 0; m < rows; ++m)
-            rms_norm(&w.x[m * hidden], ly.input_norm, hidden, md.eps, &w.h[m * hidden]);
-        quantize(w.h.data(), rows, hidden, ly.qkv.format, w.qx);
-    }
+    norm_rows(md, ly.input_norm, rows, ly.qkv.format, w);
     product(ly.qkv, w.qx, rows, w.qkv.data(), qkv_size, false);
     const float scale = 1.0f / std::sqrt(float(dim));
 #pragma omp for schedule(dynamic, 1)
@@ -370,11 +374,7 @@ void layer(const Model& md, const Layer& ly, const Step& s, Scratch& w) {
     quantize(w.attn.data(), rows, q_size, ly.o.format, w.qx);
     product(ly.o, w.qx, rows, w.x.data(), hidden, true);
 #pragma omp single
-    {
-        for (int m = 0; m < rows; ++m)
-            rms_norm(&w.x[m * hidden], ly.post_norm, hidden, md.eps, &w.h[m * hidden]);
-        quantize(w.h.data(), rows, hidden, ly.gate_up.format, w.qx);
-    }
+    norm_rows(md, ly.post_norm, rows, ly.gate_up.format, w);
     product(ly.gate_up, w.qx, rows, w.gate_up.data(), 2 * inter, false);
 #pragma omp single
     {
@@ -397,7 +397,7 @@ extern "C" int pypto_native_max_rows() { return MAX_ROWS; }
 extern "C" int pypto_packed_product(const Matrix* w, const float* x, int rows, float* out,
                                     int threads) {
     if (rows < 1 || rows > MAX_ROWS || w->cols % GROUP_K) return 1;
-    Quantized qx;
+    Activations qx;
     quantize(x, rows, int(w->cols), w->format, qx);
 #pragma omp parallel num_threads(threads)
     product(*w, qx, rows, out, w->rows, false);
@@ -435,11 +435,7 @@ extern "C" int pypto_decode_step(const Model* model, const Step* step) {
     {
         for (int l = 0; l < md.num_layers; ++l) layer(md, md.layers[l], s, w);
 #pragma omp single
-        {
-            for (int m = 0; m < rows; ++m)
-                rms_norm(&w.x[m * hidden], md.final_norm, hidden, md.eps, &w.h[m * hidden]);
-            quantize(w.h.data(), rows, hidden, md.lm_head.format, w.qx);
-        }
+        norm_rows(md, md.final_norm, rows, md.lm_head.format, w);
         product(md.lm_head, w.qx, rows, s.logits, md.vocab, false);
     }
     return 0;
