@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import inspect
 import itertools
 import json
@@ -176,6 +177,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     llm = LLM(**engine_knobs(args))
+    atexit.register(llm.close)  # a clean exit keeps the cached KV on the SSD tier
 
     def prepare(text: str) -> str | list[int]:
         return llm.chat_prompt([{"role": "user", "content": text}]) if args.chat else text

@@ -139,6 +139,9 @@ class ParallelConfig:
     master_port: int | None = None
     """Rendezvous port on node 0 when nnodes > 1 (MASTER_PORT); ranks on one machine meet
     through a file instead, with no listening socket."""
+    startup_timeout_s: float = 600.0
+    """How long a data-parallel replica or a tensor/pipeline rank may take to start (load
+    the model, compile, warm up) before start-up fails naming it and stops the others."""
 
     @property
     def ranks_per_engine(self) -> int:
@@ -180,6 +183,9 @@ class ParallelConfig:
                 )
             if self.master_port is None:
                 raise PyptoError("nnodes > 1 needs master_port (the same on every node)")
+        t = self.startup_timeout_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < float("inf"):
+            raise PyptoError(f"startup_timeout_s must be a number > 0, got {t!r}")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise PyptoError(f"master_port must be in [1, 65535], got {self.master_port!r}")
         if self.expert_placement_strategy not in PLACEMENTS:
@@ -249,8 +255,9 @@ class EngineConfig:
     sequences), w8a8 above (prefill, batched decodes). None keeps the weights in dtype. Each
     costs some accuracy."""
     step_timeout_s: float = 60.0
-    """A step (or a data-parallel replica's step) running longer is taken for a hang: the
-    watchdog fails the requests it held and reports the engine (or replica) dead."""
+    """A step (or a data-parallel replica's step) making no progress (no layer done) for
+    longer is taken for a hang: the watchdog fails the requests it held and reports the
+    engine (or replica) dead. A prompt one layer of which would take longer is refused."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -308,6 +315,15 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     """On SIGTERM, seconds the requests in flight may take to finish (new ones get 503)
     before they end with an error and the server exits."""
+    header_timeout_s: float = 20.0
+    """Seconds a client may take to send a request's headers (from connecting, or from the
+    previous response); a slower one is disconnected (a slowloris client holds nothing)."""
+    body_timeout_s: float = 60.0
+    """Seconds a client may take to send a request's body after its headers; a slower one
+    gets 408 and is disconnected."""
+    max_connections: int = 512
+    """Most client connections open at once; a request on one more gets 503 with
+    Retry-After, and that connection is closed."""
 
     def validate(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -320,6 +336,14 @@ class ServerConfig:
             raise PyptoError(f"log_interval_s must be > 0, got {self.log_interval_s!r}")
         if not isinstance(self.shutdown_timeout, int | float) or not self.shutdown_timeout >= 0:
             raise PyptoError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout!r}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not value > 0:
+                raise PyptoError(f"{name} must be > 0, got {value!r}")
+        if not isinstance(self.max_connections, int) or self.max_connections < 1:
+            raise PyptoError(
+                f"max_connections must be an integer >= 1, got {self.max_connections!r}"
+            )
         if self.api_key is not None and not self.api_key:
             raise PyptoError("api_key must not be empty")
         for name in ("max_queued_requests", "max_queued_tokens"):

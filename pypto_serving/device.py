@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import platform
 from functools import cache
 
 import torch
@@ -27,9 +28,43 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
+# The CPU's instruction sets, decided here for the whole package: dtype "auto", oneDNN's bf16
+# packing (use_packed_linear), the native kernels' -march (native/__init__.py) and Inductor's
+# vector width (executor/compiled.py) all ask `cpu_flags()` / `cpu_isa()`.
+
+CPU_ISA_ENV = "PYPTO_CPU_ISA"
+"""Caps the ISA the package uses (x86): `avx2` masks the CPU's flags to x86-64-v3's, so an
+AVX-512 machine takes every decision an AVX2-only one takes (tests use it); `default` to
+x86-64-v2's. Torch itself is told by ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA, which must be
+set before torch loads (importing pypto_serving first sets them from this variable)."""
+CPU_ISAS = ("default", "avx2", "avx512")
+"""x86 levels, lowest first: x86-64-v2 (SSE4.2), x86-64-v3 (AVX2, FMA, F16C, BMI), AVX-512
+(F, BW, VL, DQ). Names as ATEN_CPU_CAPABILITY's."""
+_V2 = frozenset(
+    {"fpu", "cx8", "cmov", "mmx", "fxsr", "sse", "sse2", "syscall", "lm", "nx"}
+    | {"cx16", "lahf_lm", "popcnt", "pni", "ssse3", "sse4_1", "sse4_2"}
+)
+_V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+LEVEL_FLAGS = {"default": _V2, "avx2": _V3}
+"""The flags (/proc/cpuinfo's names) an x86 level keeps: x86-64-v2's and x86-64-v3's."""
+_LEVEL_NEEDS = {
+    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
+    "avx2": {"avx2", "fma", "f16c"},
+}
+_CPUINFO_NAMES = {
+    **{f"avx512_{x}": f"avx512{x}" for x in ("f", "bw", "dq", "vl", "cd", "ifma", "vbmi")},
+    **{"fma3": "fma", "bmi": "bmi1", "sse3": "pni", "lzcnt": "abm", "sha": "sha_ni"},
+}
+"""torch.cpu.get_capabilities()'s names that /proc/cpuinfo spells otherwise."""
+
+
+def _is_x86() -> bool:
+    return platform.machine() in ("x86_64", "AMD64")
+
+
 @cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+def _proc_flags() -> frozenset[str]:
+    """The flags /proc/cpuinfo lists (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -40,9 +75,93 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@cache
+def _cpuid_flags() -> dict[str, bool]:
+    """What torch's cpuinfo reads from CPUID, in /proc/cpuinfo's names ({} where unknown)."""
+    try:
+        caps = torch.cpu.get_capabilities()
+    except (AttributeError, RuntimeError):
+        return {}
+    return {_CPUINFO_NAMES.get(k, k): v for k, v in caps.items() if isinstance(v, bool)}
+
+
+def _isa_cap() -> str | None:
+    """The lowest of PYPTO_CPU_ISA and the ISA torch's own kernels dispatch to (set by
+    ATEN_CPU_CAPABILITY or the CPU), or None: no cap (not x86, or both at AVX-512)."""
+    if not _is_x86():
+        return None
+    asked = os.environ.get(CPU_ISA_ENV, "").lower() or "avx512"
+    if asked not in CPU_ISAS:
+        raise PyptoError(f"{CPU_ISA_ENV}={asked!r}: choose one of {', '.join(CPU_ISAS)}")
+    aten = torch.backends.cpu.get_cpu_capability().lower()
+    cap = min(asked, aten if aten in CPU_ISAS else "avx512", key=CPU_ISAS.index)
+    return None if cap == "avx512" else cap
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags in /proc/cpuinfo's names: those /proc/cpuinfo lists and CPUID
+    (torch's cpuinfo) agrees with (under an emulator such as qemu-user, /proc/cpuinfo is the
+    host's and CPUID the emulated CPU's, which the code runs on), masked to the x86 level of
+    `_isa_cap()` (PYPTO_CPU_ISA, ATEN_CPU_CAPABILITY)."""
+    proc, cpuid = _proc_flags(), _cpuid_flags()
+    if proc:
+        flags = frozenset(f for f in proc if cpuid.get(f, True))
+    else:
+        flags = frozenset(f for f, on in cpuid.items() if on)
+    cap = _isa_cap()
+    return flags if cap is None else flags & LEVEL_FLAGS[cap]
+
+
+def cpu_isa() -> str:
+    """The x86 level `cpu_flags()` reaches: avx512, avx2 or default (also off x86)."""
+    flags = cpu_flags()
+    return next((isa for isa, needs in _LEVEL_NEEDS.items() if needs <= flags), "default")
+
+
+def cpu_march() -> str:
+    """The C++ compiler's -march for code built for `cpu_isa()` (the native kernels): native at
+    AVX-512 and off x86; below, the x86-64 level itself, as -march=native would take features
+    a cap masks (or the host's under an emulator, where the compiler runs on the host)."""
+    levels = {"avx2": "-march=x86-64-v3", "default": "-march=x86-64-v2"}
+    return levels.get(cpu_isa(), "-march=native") if _is_x86() else "-march=native"
+
+
 def cpu_has_native_bf16() -> bool:
     """True when the CPU computes bf16 natively (AVX512_BF16 or AMX), so bf16 pays off."""
     return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_packs_bf16() -> bool:
+    """Whether oneDNN can repack bf16 weights here (`mkldnn._reorder_linear_weight`): on x86
+    it needs AVX-512 BW, VL and DQ, or AVX-NE-CONVERT, in `cpu_flags()`; and oneDNN itself
+    (capped by ONEDNN_MAX_CPU_ISA) must agree."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    flags = cpu_flags()
+    if _is_x86() and not (_LEVEL_NEEDS["avx512"] <= flags or "avx_ne_convert" in flags):
+        return False
+    onednn = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return onednn is None or bool(onednn())
+
+
+@cache
+def _int8_gemm_saturates() -> bool:
+    """Whether torch._int_mm (oneDNN) gets full-range int8 products wrong: without int8 dot
+    products (VNNI) it sums pairs of u8 x s8 products in int16, which saturates."""
+    a, b = torch.full((17, 64), 127, dtype=torch.int8), torch.full((64, 16), 127, dtype=torch.int8)
+    try:
+        return not bool((torch._int_mm(a, b) == 127 * 127 * 64).all())
+    except RuntimeError:
+        return True
+
+
+def int8_weight_max() -> int:
+    """The largest int8 weight magnitude for w8a8's GEMM (torch._int_mm): 127 with int8 dot
+    products (AVX512-VNNI, AVX-VNNI or AMX in `cpu_flags()`, and oneDNN's GEMM exact); else
+    64, so a pair of products stays within int16 (255 x 64 x 2 < 32768; as PyTorch's
+    `reduce_range`)."""
+    dot = not cpu_flags().isdisjoint({"avx512_vnni", "avx_vnni", "amx_int8"})
+    return 127 if dot and not _int8_gemm_saturates() else 64
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -66,10 +185,11 @@ def set_num_threads(num_threads: int | None) -> None:
 
 
 def use_packed_linear(device: torch.device, dtype: torch.dtype) -> bool:
-    """Repack linear weights for oneDNN: CPU, bf16, oneDNN present (PYPTO_PACK_LINEAR=0: off)."""
+    """Repack linear weights for oneDNN: CPU, bf16, a CPU oneDNN packs bf16 on
+    (`cpu_packs_bf16`; PYPTO_PACK_LINEAR=0: off)."""
     if os.environ.get("PYPTO_PACK_LINEAR", "1") == "0":
         return False
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    return device.type == "cpu" and dtype == torch.bfloat16 and cpu_packs_bf16()
 
 
 def use_native_attention(device: torch.device) -> bool:

@@ -26,8 +26,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-RENDEZVOUS_TIMEOUT_S = 300
-"""How long ranks wait for each other at start-up (model loading and compilation included)."""
+from pypto_serving.errors import PyptoError
+
+COLLECTIVE_TIMEOUT_S = 300.0
+"""After start-up, how long rank 0 waits in a collective of a step. (Start-up has its own
+limit, `startup_timeout_s`; ranks > 0 wait for rank 0's next step without one, since an idle
+engine sends none.)"""
+WAIT_FOREVER_S = 10 * 365 * 86400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +97,24 @@ def local_rendezvous() -> None:
 _made_store_dir: Path | None = None
 
 
-def init_distributed(rank: int, world_size: int, backend: str) -> None:
+def check_no_group() -> None:
+    """Raise PyptoError if this process is still in another engine's group (a process holds
+    one multi-rank engine at a time; its close() leaves the group)."""
+    if dist.is_initialized():
+        raise PyptoError(
+            "this process still holds another multi-rank engine (tensor or pipeline "
+            "parallel): close it first (LLM.close(), or a `with LLM(...)` block)"
+        )
+
+
+def init_distributed(rank: int, world_size: int, backend: str, timeout_s: float) -> None:
     """Join the engine's torch.distributed world: through the rendezvous file when the ranks
-    share this machine, else MASTER_ADDR / MASTER_PORT from the environment (env://)."""
-    if world_size == 1 or dist.is_initialized():
+    share this machine, else MASTER_ADDR / MASTER_PORT from the environment (env://).
+    `timeout_s` bounds the rendezvous and every collective until `set_collective_timeout`."""
+    if world_size == 1:
         return
-    timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+    check_no_group()
+    timeout = datetime.timedelta(seconds=max(timeout_s, 1.0))
     store_file = os.environ.get(STORE_FILE_ENV)
     if store_file:
         store = dist.FileStore(store_file, world_size)
@@ -109,6 +126,13 @@ def init_distributed(rank: int, world_size: int, backend: str) -> None:
     dist.init_process_group(
         backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout
     )
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Once started: how long a collective may wait for the other ranks (WAIT_FOREVER_S: a
+    rank > 0 waiting, however long the engine stays idle, for rank 0's next step)."""
+    if dist.is_initialized():  # torch has no public setter for a group's timeout
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
 
 
 def shutdown_distributed() -> None:

@@ -49,7 +49,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None
-    """Why the request was lost to a fault (its worker died or hung), if it was."""
+    """Why the request was lost to a fault (its worker died or hung, or its logits were NaN),
+    if it was."""
     generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:
@@ -78,7 +79,11 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append(self, sampled: Sampled) -> None:
-        """Record a sampled token and finish the request if it hits a stop condition."""
+        """Record a sampled token and finish the request if it hits a stop condition (or fail
+        it when the sampler found its logits unusable)."""
+        if sampled.error is not None:
+            self.fail(sampled.error)
+            return
         self.output_token_ids.append(sampled.token_id)
         if self.params.logprobs is not None:
             self.output_logprobs.append(sampled)

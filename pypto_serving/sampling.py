@@ -11,6 +11,14 @@ INT64 = range(-(2**63), 2**63)
 """Integer parameters must fit here: they end up in torch tensors and generators."""
 MAX_SHOWN_CHARS = 40
 """A value shown in an error message longer than this is cut short."""
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096
+"""Most stop strings per request, and most characters in them together: each is searched
+for in every new piece of text (OpenAI allows 4 strings; vLLM no limit)."""
+GREEDY_BELOW = 1e-5
+"""Temperatures below this sample greedily (vLLM's rule). Such a distribution is the argmax to
+float32 precision anyway, and dividing float32 logits by a tinier one overflows them (below
+~1e-38 the temperature itself is 0 in float32 and every logit becomes NaN)."""
 
 
 @dataclass(slots=True)
@@ -24,7 +32,7 @@ class SamplingParams:
     min_tokens: int = 0
     """EOS and stop_token_ids are suppressed until this many tokens exist."""
     temperature: float = 1.0
-    """0 means greedy."""
+    """0 (or anything below GREEDY_BELOW, 1e-5) means greedy."""
     top_p: float = 1.0
     top_k: int = -1
     """-1 (or 0) disables top-k."""
@@ -48,7 +56,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> PyptoError:
@@ -94,8 +102,12 @@ class SamplingParams:
                 raise bad(name, "must be in [-2, 2]")
         if not 0 < self.repetition_penalty <= 2:
             raise bad("repetition_penalty", "must be in (0, 2]")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
+        if sum(map(len, self.stop)) > MAX_STOP_CHARS:
+            raise bad("stop", f"the stop strings may hold at most {MAX_STOP_CHARS} characters")
         if any(not isinstance(t, int) or not 0 <= t < INT64.stop for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative 64-bit integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

@@ -3,11 +3,26 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
+
+import pypto_serving  # noqa: F401  (first: it sets OpenMP's wait policy before torch loads)
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from checkpoints import TINY, build_checkpoint, build_tokenizer
+from patience import patience
+
+
+@pytest.fixture(autouse=True)
+def patient_http_clients():
+    """httpx calls that name no timeout wait patience(60) s, not httpx's 5 s: a request to a
+    test server may take that long on a loaded machine. (The default is one shared object.)"""
+    default = httpx._config.DEFAULT_TIMEOUT_CONFIG
+    saved = (default.connect, default.read, default.write, default.pool)
+    default.connect = default.read = default.write = default.pool = patience(60)
+    yield
+    default.connect, default.read, default.write, default.pool = saved
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 from live_server import serving, tiny_llm
+from patience import patience
 
 from pypto_serving.engine.async_llm import AsyncLLM
 from pypto_serving.engine.llm import LLM
@@ -54,7 +55,8 @@ PLANS = {
 """Each client's plan and its share. The drop_in plans close the connection when a watcher
 on the engine thread sees the request in that state."""
 HOLD_S = 1.0
-"""Longest the watcher holds the engine for a dropping client's disconnect to arrive."""
+"""Longest the watcher holds the engine for a dropping client's disconnect to arrive (on an
+idle machine: stretched by `patience`)."""
 
 
 @dataclass(slots=True)
@@ -201,7 +203,7 @@ def watch_states(engine: AsyncLLM, clients: list[Client], loop: asyncio.Abstract
             if state == wanted or (wanted == "tier" and loaded_from_tier(r)):
                 loop.call_soon_threadsafe(c.drop.set)
                 family = r.request_id.rsplit("-", 1)[0]
-                deadline = time.monotonic() + HOLD_S
+                deadline = time.monotonic() + patience(HOLD_S)
                 while family not in engine._aborts and time.monotonic() < deadline:
                     time.sleep(0.001)
                 return []  # a step that does nothing: the abort is applied before the next
@@ -268,7 +270,7 @@ def storm(llm: LLM, n: int, seed: int = 0, spread_s: float = 3.0) -> StormResult
                 c.drop = asyncio.Event() if c.plan.startswith("drop_in:") else None
             watch_states(live.engine, clients, asyncio.get_running_loop())
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-            async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            async with httpx.AsyncClient(timeout=patience(120), limits=limits) as http:
                 await asyncio.gather(*(run_client(http, live.url, live.model, c) for c in clients))
 
         try:
@@ -276,11 +278,12 @@ def storm(llm: LLM, n: int, seed: int = 0, spread_s: float = 3.0) -> StormResult
         finally:
             del llm.engine.step  # the watcher's wrapper: back to the class's method
         ended = time.monotonic()
-        while holdings(llm) and time.monotonic() - ended < 5:
+        limit = patience(5)
+        while holdings(llm) and time.monotonic() - ended < limit:
             time.sleep(0.005)
         idle_after = time.monotonic() - ended
         held = holdings(llm)
-        assert not held, held
+        assert not held, f"{held} after {limit:.1f} s"
     llm.abort = real_abort  # type: ignore[method-assign]
     loads = {t.name: t.loaded - loads_before.get(t.name, 0) for t in llm.engine.stats().tiers}
     mismatches = [i for i in stay if not clients[i].done or clients[i].text != expected[i]]

@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from patience import patience
 
 from pypto_serving.config import ServerConfig
 from pypto_serving.engine.async_llm import AsyncLLM, QueueLimits
 from pypto_serving.engine.llm import LLM
 from pypto_serving.server.app import build_app
+from pypto_serving.server.launch import uvicorn_config
 
 # tiny models, no torch.compile, a small KV pool: the server starts in about a second
 FAST_KNOBS: dict[str, Any] = {
@@ -53,12 +55,10 @@ def serving(llm: LLM, name: str = "tiny", **server: Any) -> Iterator[Live]:
     limits = QueueLimits(config.max_queued_requests, config.max_queued_tokens)
     engine = AsyncLLM(llm, name, config.log_interval_s, limits=limits)
     app = build_app(engine, config, name)
-    uv = uvicorn.Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")
-    )
+    uv = uvicorn.Server(uvicorn_config(app, config))  # `pypto serve`'s settings and limits
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + patience(30)
     while not uv.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the test server did not start")
@@ -67,4 +67,4 @@ def serving(llm: LLM, name: str = "tiny", **server: Any) -> Iterator[Live]:
         yield Live(f"http://{config.host}:{config.port}", llm, engine, name, app)
     finally:
         uv.should_exit = True
-        thread.join(timeout=30)
+        thread.join(timeout=patience(30))

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from live_server import Live, serving, tiny_llm
+from patience import patience
 
 from pypto_serving.errors import PyptoError
 from pypto_serving.sampling import SamplingParams
@@ -379,6 +380,8 @@ CASES = [
     Bad("stop_wrong_type", patch({"stop": 5}), "stop"),
     Bad("stop_nested_lists", patch({"stop": [[["x"]]] * 100}), "stop"),
     Bad("stop_10000_strings_one_empty", patch({"stop": ["ab"] * (STOPS - 1) + [""]}), "stop"),
+    Bad("stop_65_strings", patch({"stop": ["end"] * 65}), "stop"),
+    Bad("stop_over_4096_characters", patch({"stop": ["x" * 4000, "y" * 97]}), "stop"),
     # --- other types --------------------------------------------------------------------------
     Bad("user_wrong_type", patch({"user": 5}), "user"),
     Bad("ignore_eos_wrong_type", patch({"ignore_eos": "maybe"}), "ignore_eos"),
@@ -422,6 +425,18 @@ CASES = [
         "lone_surrogate_in_name",
         patch({"colour\ud800": 1}),
     ),
+    Bad("lone_surrogate_in_stop", patch({"stop": ["end", "a\ud800"]}), "stop.1"),
+    Bad("lone_surrogate_in_user", patch({"user": "\udfff"}), "user"),
+    Bad("lone_surrogate_in_cache_salt", patch({"cache_salt": "a\ud800"}), "cache_salt"),
+    Bad("lone_surrogate_in_model", patch({"model": "tiny\ud800"}), "model"),
+    Bad(
+        "lone_surrogate_in_message_name",
+        patch(
+            completions={"prompt": ["ok", "a\ud800"]},
+            chat={"messages": [{"role": "user", "content": "hi", "name": "a\ud800"}]},
+        ),
+        by_endpoint("prompt.1", "messages.0.name"),
+    ),
     Bad(
         "unsupported_huge_model_name",
         patch({"model": "\x01\U0001f600" * 3000}),
@@ -439,7 +454,9 @@ LEAKS = re.compile(
 
 def send(live: Live, endpoint: str, body: Body, headers: dict[str, str]) -> httpx.Response:
     content = body() if callable(body) else body
-    return httpx.post(live.url + PATHS[endpoint], content=content, headers=headers, timeout=60)
+    return httpx.post(
+        live.url + PATHS[endpoint], content=content, headers=headers, timeout=patience(60)
+    )
 
 
 def check_error(r: httpx.Response, status: int, param: Any, code: str | None) -> None:

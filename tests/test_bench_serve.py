@@ -13,7 +13,6 @@ import json
 import math
 import socket
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import httpx
 import numpy as np
 import pytest
 from fastapi import Request
+from patience import patience, wait_for
 
 from pypto_serving.bench import serve
 from pypto_serving.bench.serve_client import (
@@ -487,12 +487,10 @@ def live_fake_server() -> Iterator[tuple[str, list[int]]]:
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: server.started, 10, "the fake server started")
     yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1", cut_prompts
     server.should_exit = True
-    thread.join(timeout=5)
+    thread.join(timeout=patience(5))
     sock.close()
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from patience import patience
 
 from pypto_serving.cli import build_parser, main
 
@@ -39,7 +40,7 @@ def test_generate_streams_text_only_to_stdout(tiny_model):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=patience(300),  # a fresh process compiles the model
         check=False,
     )
     assert proc.returncode == 0, proc.stderr

@@ -5,10 +5,13 @@ from __future__ import annotations
 import random
 import threading
 
+import pytest
 import torch
 from live_server import tiny_llm
+from patience import patience
 
 from pypto_serving import LLM, SamplingParams
+from pypto_serving.device import cpu_isa
 from pypto_serving.executor.compiled import (
     COUNTER,
     CompiledLayers,
@@ -127,7 +130,7 @@ def test_a_background_compile_serves_eagerly_until_its_graph_is_ready(
 
     def held(*args: object) -> object:
         assert threading.current_thread().name == "pypto-compile"
-        assert release.wait(120)
+        assert release.wait(patience(120))
         return graph_path(*args)
 
     monkeypatch.setattr(compiled, "graph_path", held)
@@ -141,7 +144,7 @@ def test_a_background_compile_serves_eagerly_until_its_graph_is_ready(
         assert llm.engine.stats().compiling and COUNTER.num_compiles == compiles
     finally:
         release.set()
-    assert executor.wait_compiled(120)
+    assert executor.wait_compiled(patience(120))
     assert not llm.engine.stats().compiling and executor.run_layer.compiler is None
     assert set(executor.run_layer.graphs) == {(MLP, PagedKV, 0)}
     assert COUNTER.num_compiles == compiles + 1
@@ -170,16 +173,16 @@ def test_the_active_step_is_per_thread():
     def other() -> None:
         with pa.active_step(Marked(2.0)):  # type: ignore[arg-type]
             inside.set()
-            assert read.wait(30)
+            assert read.wait(patience(30))
             seen.append(pa.paged_attention(q, kv, kv, layer))
 
     thread = threading.Thread(target=other)
     thread.start()
-    assert inside.wait(30)
+    assert inside.wait(patience(30))
     with pa.active_step(Marked(1.0)):  # type: ignore[arg-type]
         mine = pa.paged_attention(q, kv, kv, layer)
         read.set()
-        thread.join(30)
+        thread.join(patience(30))
     assert mine.eq(1).all() and seen[0].eq(2).all()
 
 
@@ -232,23 +235,51 @@ def test_the_cpu_vector_isa_is_the_one_inductor_probes(monkeypatch):
     from torch._inductor import config, cpp_builder, cpu_vec_isa
 
     def picked(vec_isa_ok: bool | None) -> str:
-        monkeypatch.setattr(config.cpp, "vec_isa_ok", vec_isa_ok)
+        config.cpp.vec_isa_ok = vec_isa_ok
         cpu_vec_isa.valid_vec_isa_list.cache_clear()
         return str(cpu_vec_isa.pick_vec_isa())
 
-    try:
-        probed = picked(None)
-        assert trust_cpu_vector_isa()
-        assert config.cpp.vec_isa_ok is True
-        assert str(cpu_vec_isa.pick_vec_isa()) == probed
-        assert not trust_cpu_vector_isa()  # already decided: left as it is
-        for compiler in ("false", "/nonexistent/g++"):
-            monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda c=compiler: c)
-            picked(None)
+    # torch's own patch restores the config on exit, an exception passing or not; the probes
+    # pick at the width trusting caps Inductor at (device.cpu_isa)
+    simdlen = 256 if cpu_isa() == "avx2" else None
+    with config.patch({"cpp.vec_isa_ok": None, "cpp.simdlen": simdlen}):
+        try:
+            probed = picked(None)
+            assert trust_cpu_vector_isa()
+            assert config.cpp.vec_isa_ok is True
+            assert str(cpu_vec_isa.pick_vec_isa()) == probed
+            assert not trust_cpu_vector_isa()  # already decided: left as it is
+            for compiler in ("false", "/nonexistent/g++"):
+                monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda c=compiler: c)
+                picked(None)
+                assert not trust_cpu_vector_isa()
+                assert config.cpp.vec_isa_ok is None
+        finally:
+            cpu_vec_isa.valid_vec_isa_list.cache_clear()
+
+
+def test_a_failing_isa_check_leaves_inductor_config_as_it_was(monkeypatch):
+    """Whatever goes wrong while trusting the ISA, Inductor's (process-wide, per-thread)
+    config is left as it was: a check that fails is a no, an exception passes unchanged."""
+    from torch._inductor import config, cpp_builder, cpu_vec_isa
+
+    def no_compiler() -> str:
+        raise ValueError("cpp.cxx names no compiler")
+
+    def crashed() -> object:
+        raise RuntimeError("the ISA pick crashed")
+
+    with config.patch({"cpp.vec_isa_ok": None, "cpp.simdlen": None}):
+        try:
+            monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
             assert not trust_cpu_vector_isa()
             assert config.cpp.vec_isa_ok is None
-    finally:
-        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+            monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", crashed)
+            with pytest.raises(RuntimeError, match="crashed"):
+                trust_cpu_vector_isa()
+            assert config.cpp.vec_isa_ok is None
+        finally:
+            cpu_vec_isa.valid_vec_isa_list.cache_clear()
 
 
 def test_a_captured_layer_graph_is_checked_against_each_layer():

@@ -19,9 +19,10 @@ import httpx
 import pytest
 from live_server import FAST_KNOBS, serving, tiny_llm
 from parallel_checks import children_of, config_error, gone
+from patience import patience, wait_for
 
 from pypto_serving.engine.dp import DPEngine, ReplicaDiedError
-from pypto_serving.engine.replica import FAIL_START_ENV
+from pypto_serving.engine.replica import FAIL_START_ENV, HANG_START_ENV
 from pypto_serving.errors import PyptoError, RequestFailedError
 from pypto_serving.sampling import SamplingParams
 
@@ -79,7 +80,9 @@ def test_dp2_server_streams_the_single_engine_tokens(tiny_model, single):
         def complete(prompt: list[int]) -> str:
             body = {"model": live.model, "prompt": prompt, "max_tokens": 12, "temperature": 0}
             r = httpx.post(
-                f"{live.url}/v1/completions", json=body | {"ignore_eos": True}, timeout=60
+                f"{live.url}/v1/completions",
+                json=body | {"ignore_eos": True},
+                timeout=patience(60),
             )
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["text"]
@@ -104,6 +107,44 @@ def test_a_replica_that_fails_to_start_stops_them_all(tiny_model, monkeypatch):
     assert children_of(os.getpid()) == []
 
 
+def test_a_replica_that_hangs_while_starting_fails_start_up_naming_it(tiny_model, monkeypatch):
+    monkeypatch.setenv(HANG_START_ENV, "1")
+    with pytest.raises(PyptoError) as e:
+        tiny_llm(tiny_model(MODEL), data_parallel_size=2, startup_timeout_s=10)
+    message = str(e.value)  # replica 0 may be late too on a loaded machine: then both named
+    assert re.search(
+        r"replica 1 \(pid \d+\).* did not start within startup_timeout_s \(10 s\)", message
+    )
+    pids = [int(p) for p in re.findall(r"pid (\d+)", message)]
+    assert len(pids) == 2 and all(gone(pid) for pid in pids)
+    assert children_of(os.getpid()) == []
+
+
+def test_an_idle_engine_notices_a_killed_replica_by_itself(tiny_model, single):
+    """No request in flight, so no step reads the dead replica's pipe: /health must still
+    turn 503 `degraded` within seconds, and requests go to the replica left."""
+    llm = tiny_llm(tiny_model(MODEL), data_parallel_size=2)
+    with serving(llm) as live:
+        assert httpx.get(f"{live.url}/health").status_code == 200
+        os.kill(llm.engine.replicas[1].pid, signal.SIGKILL)
+        deadline = time.monotonic() + patience(60)
+        while (health := httpx.get(f"{live.url}/health")).status_code == 200:
+            assert time.monotonic() < deadline, "the killed replica was not noticed"
+            time.sleep(0.1)
+        error = health.json()["error"]
+        assert error["code"] == "degraded"
+        assert "replica 1 stopped: it exited (code -9)" in error["message"]
+        body = {"model": live.model, "prompt": prompts()[2], "max_tokens": 12, "temperature": 0}
+        r = httpx.post(
+            f"{live.url}/v1/completions", json=body | {"ignore_eos": True}, timeout=patience(60)
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == single["greedy"][2][0][1]
+        assert llm.engine.router.live == {0}
+        assert httpx.get(f"{live.url}/health").status_code == 503
+    llm.close()
+    assert children_of(os.getpid()) == []
+
+
 def test_a_killed_replica_fails_its_requests_and_the_others_keep_serving(tiny_model):
     llm = tiny_llm(tiny_model(MODEL), data_parallel_size=2)
     try:
@@ -112,7 +153,7 @@ def test_a_killed_replica_fails_its_requests_and_the_others_keep_serving(tiny_mo
         theirs = llm.add(prompts()[2], GREEDY)  # one request on each replica
         assert llm.engine.router.replica_of(theirs.children[0].request_id) == 1
         os.kill(victim.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + patience(30)
         while llm.engine.has_unfinished() and time.monotonic() < deadline:
             llm.step()
         assert theirs.error is not None and "replica 1 stopped: it exited (code -9)" in theirs.error
@@ -146,7 +187,7 @@ def test_generate_raises_when_a_replica_dies_and_step_when_all_have(tiny_model):
         assert not llm.engine.has_unfinished()  # the other replica's requests were aborted
         os.kill(replicas[0].pid, signal.SIGKILL)
         with pytest.raises(ReplicaDiedError, match="every data-parallel replica has stopped"):
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + patience(10)
             while time.monotonic() < deadline:
                 llm.step()
         with pytest.raises(ReplicaDiedError, match="every data-parallel replica has stopped"):
@@ -171,10 +212,7 @@ def test_replicas_exit_when_their_parent_is_killed(tiny_model):
         assert len(pids) == 2
         parent.kill()
         parent.wait()
-        deadline = time.monotonic() + 20
-        while not all(gone(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert all(gone(p) for p in pids)
+        wait_for(lambda: all(gone(p) for p in pids), 20, "every replica exited")
     finally:
         parent.kill()
 
@@ -191,6 +229,8 @@ def test_replicas_exit_when_their_parent_is_killed(tiny_model):
         ),
         ({"data_parallel_size": 2, "devices": "cpu,"}, "one device per replica"),
         ({"data_parallel_size": 2, "executor": "reference"}, "need the paged executor"),
+        ({"startup_timeout_s": 0}, "startup_timeout_s must be a number > 0"),
+        ({"startup_timeout_s": float("nan")}, "startup_timeout_s must be a number > 0"),
     ],
 )
 def test_parallel_config_errors(knobs, message):

@@ -26,6 +26,7 @@ import httpx
 import pytest
 from live_server import FAST_KNOBS, free_port, serving, tiny_llm
 from parallel_checks import gone
+from patience import patience, wait_for
 
 MODEL = "llama-gqa4-tied"
 PROMPT = [(7 * j) % 300 + 3 for j in range(20)]
@@ -52,7 +53,7 @@ def start_stream(url: str, model: str | None, max_tokens: int = LONG) -> Stream:
     }
 
     def read() -> None:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=patience(60)) as r:
             out.status = r.status_code
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -70,16 +71,6 @@ def started_streams(url: str, model: str | None, n: int) -> list[Stream]:
     return streams
 
 
-def wait_for(condition, seconds: float, what: str) -> float:
-    """Poll until `condition()` holds; returns when it did."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {seconds} s: {what}")
-        time.sleep(0.02)
-    return time.monotonic()
-
-
 def tokens_of(stream: Stream) -> int:
     return sum(1 for e in stream.events if e != "[DONE]" and json.loads(e).get("choices"))
 
@@ -94,12 +85,12 @@ def error_of(stream: Stream) -> dict | None:
 
 
 def health(url: str) -> httpx.Response:
-    return httpx.get(f"{url}/health", timeout=5)
+    return httpx.get(f"{url}/health", timeout=patience(5))
 
 
 def completion(url: str, model: str | None) -> httpx.Response:
     body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "ignore_eos": True}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=patience(60))
 
 
 def test_a_killed_replica_fails_its_requests_and_the_others_keep_serving(tiny_model):
@@ -110,7 +101,7 @@ def test_a_killed_replica_fails_its_requests_and_the_others_keep_serving(tiny_mo
         os.kill(llm.engine.replicas[1].pid, signal.SIGKILL)
         killed = time.monotonic()
         failed_by = wait_for(lambda: health(live.url).status_code == 503, 5, "/health 503")
-        assert failed_by - killed < 5
+        assert failed_by - killed < patience(5)
         problem = health(live.url).json()["error"]
         assert problem["code"] == "degraded" and "replica 1 stopped" in problem["message"]
         wait_for(lambda: all(s.ended for s in streams), 30, "every stream ended")
@@ -120,7 +111,7 @@ def test_a_killed_replica_fails_its_requests_and_the_others_keep_serving(tiny_mo
         for s in lost:
             error = error_of(s)
             assert error["code"] == "worker_failed" and "replica 1 stopped" in error["message"]
-            assert s.ended - killed < 5
+            assert s.ended - killed < patience(5)
         for s in served:  # the other replica's requests get every token
             assert tokens_of(s) == LONG and s.events[-1] == "[DONE]"
         for _ in range(3):  # and new requests are served by the replica left
@@ -131,7 +122,7 @@ def test_a_killed_replica_fails_its_requests_and_the_others_keep_serving(tiny_mo
 
 
 def test_a_hung_replica_is_caught_by_the_watchdog(tiny_model):
-    llm = tiny_llm(tiny_model(MODEL), data_parallel_size=2, step_timeout_s=1.5)
+    llm = tiny_llm(tiny_model(MODEL), data_parallel_size=2, step_timeout_s=patience(1.5))
     victim = llm.engine.replicas[1].pid
     with serving(llm) as live:
         streams = started_streams(live.url, live.model, 2)
@@ -139,10 +130,11 @@ def test_a_hung_replica_is_caught_by_the_watchdog(tiny_model):
         stopped = time.monotonic()
         wait_for(lambda: all(s.ended for s in streams), 30, "both streams ended")
         (lost,) = [s for s in streams if error_of(s) is not None]
+        message = error_of(lost)["message"]
         assert re.search(
-            r"replica 1 stopped: no step result for \d s \(hung\)", error_of(lost)["message"]
+            r"replica 1 stopped: no step result or progress for \d+ s \(hung\)", message
         )
-        assert lost.ended - stopped < 5
+        assert lost.ended - stopped < patience(5)
         assert health(live.url).json()["error"]["code"] == "degraded"
         assert completion(live.url, live.model).status_code == 200
     assert gone(victim)
@@ -150,13 +142,14 @@ def test_a_hung_replica_is_caught_by_the_watchdog(tiny_model):
 
 
 def test_a_hung_step_is_caught_by_the_watchdog(tiny_model):
-    llm = tiny_llm(tiny_model(MODEL), step_timeout_s=1.0)
+    limit = patience(1.0)
+    llm = tiny_llm(tiny_model(MODEL), step_timeout_s=limit)
     hang, release = threading.Event(), threading.Event()
     real_step = llm.engine.step
 
     def step():
         if hang.is_set():
-            release.wait(30)
+            release.wait(patience(30))
         return real_step()
 
     llm.engine.step = step
@@ -167,10 +160,10 @@ def test_a_hung_step_is_caught_by_the_watchdog(tiny_model):
             hang.set()
             hung = time.monotonic()
             wait_for(lambda: stream.ended, 5, "the stream ended")
-            assert stream.ended - hung < 5
+            assert stream.ended - hung < patience(5)
             error = error_of(stream)
             assert error["code"] == "engine_dead"
-            assert "a step ran longer than step_timeout_s (1 s)" in error["message"]
+            assert f"a step made no progress for step_timeout_s ({limit:g} s)" in error["message"]
             r = health(live.url)
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
             r = completion(live.url, live.model)
@@ -239,7 +232,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_model):
         wait_for(lambda: health(url).status_code == 503, 5, "/health 503 while draining")
         r = completion(url, None)
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
-        assert process.wait(60) == 0
+        assert process.wait(patience(60)) == 0
         assert stream.ended and tokens_of(stream) == LONG and error_of(stream) is None
         assert stream.events[-1] == "[DONE]"
 
@@ -252,8 +245,8 @@ def test_sigterm_ends_what_is_left_after_the_shutdown_timeout(tiny_model):
         wait_for(lambda: tokens_of(streams[0]) + tokens_of(streams[1]) >= 2, 30, "one started")
         process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
-        assert process.wait(30) == 0
-        assert time.monotonic() - signalled < 1 + 8
+        assert process.wait(patience(30)) == 0
+        assert time.monotonic() - signalled < patience(1 + 8)
         wait_for(lambda: all(s.ended for s in streams), 5, "every stream ended")
         ended = [error_of(s) for s in streams]
         assert any(e is not None and e["code"] == "engine_dead" for e in ended)
@@ -283,7 +276,7 @@ def test_a_start_up_failure_exits_non_zero_and_leaves_no_process(
         data = (model / "model.safetensors").read_bytes()
         (model / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pypto_serve(model, *flags, env=env) as (process, _):
-        assert process.wait(60) == 1
+        assert process.wait(patience(60)) == 1
         err = process.stderr.read()
     assert "pypto: error:" in err and "Traceback" not in err, err[-2000:]
     pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", err)]

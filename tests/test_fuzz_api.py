@@ -21,6 +21,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from live_server import Live, serving, tiny_llm
+from patience import patience
 from schemathesis import BaseSchema
 from schemathesis.checks import not_a_server_error
 
@@ -100,7 +101,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 )
 def test_no_server_errors(case: schemathesis.Case, auth_headers: dict[str, str]) -> None:
     CALLS[case.operation.label, case.meta.phase.name.value] += 1
-    case.call_and_validate(headers=auth_headers, checks=[not_a_server_error], timeout=60)
+    case.call_and_validate(headers=auth_headers, checks=[not_a_server_error], timeout=patience(60))
 
 
 @pytest.mark.slow

@@ -1,11 +1,11 @@
 """The native decode step (native/decode.cpp, executor/native_decode.py).
 
 The packed matmuls are held to the exact product of the quantized activations and the
-dequantized weights, in the AVX512-VNNI build and the portable one. The whole step is held to
-the compiled graphs of the same engine, step by step: on a checkpoint whose weights lie on
-int4's grid the Q4 records hold them exactly, so the two paths differ only by the step's int8
-activations. Then the engine against its bf16 self (the equality rule of the bf16 tests), and
-where the step applies.
+dequantized weights, in the AVX512-VNNI build, the portable one and the AVX2 (x86-64-v3) one.
+The whole step is held to the compiled graphs of the same engine, step by step: on a checkpoint
+whose weights lie on int4's grid the Q4 records hold them exactly, so the two paths differ only
+by the step's int8 activations. Then the engine against its bf16 self (the equality rule of the
+bf16 tests), and where the step applies.
 """
 
 from __future__ import annotations
@@ -71,12 +71,17 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
     return (torch.where(scale > 0, g / scale, 0).round() * scale).reshape(x.shape)
 
 
-@pytest.fixture(scope="module", params=["vnni", "portable"])  # VNNI and BF16 dot products
+@pytest.fixture(scope="module", params=["vnni", "portable", "avx2"])
 def kernels(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The kernels with VNNI and BF16 dot products, without, and as an AVX2 CPU builds them
+    (PYPTO_CPU_ISA=avx2: -march=x86-64-v3), which every x86-64-v3 machine tests."""
     if request.param == "vnni" and "avx512_vnni" not in cpu_flags():
-        pytest.skip("this CPU has no AVX512-VNNI")  # the portable build still runs
-    flags = () if request.param == "vnni" else ("-mno-avx512vnni", "-mno-avx512bf16")
-    path = native.build(2, 16, tmp_path_factory.mktemp("kernels"), extra_flags=flags)
+        pytest.skip("this CPU has no AVX512-VNNI")  # the portable builds still run
+    flags = ("-mno-avx512vnni", "-mno-avx512bf16") if request.param == "portable" else ()
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "avx2":
+            mp.setenv("PYPTO_CPU_ISA", "avx2")
+        path = native.build(2, 16, tmp_path_factory.mktemp("kernels"), extra_flags=flags)
     assert path is not None, "the kernels must build here (g++ is what Inductor uses too)"
     lib = native.load(path)
     assert lib is not None

@@ -10,14 +10,18 @@ import torch
 from checkpoints import assert_top5_rule
 from live_server import tiny_llm
 
+from pypto_serving.device import cpu_packs_bf16, int8_weight_max
 from pypto_serving.errors import PyptoError
 from pypto_serving.ops.linear import (
     INT4_GROUP,
     QUANTIZED_MAX_ROWS,
     Linear,
+    dequantizing_matmul,
     int8_linear,
+    pack_linears,
     quantize_int4,
     quantize_int8,
+    quantize_w8a8,
     quantized_linear,
 )
 from pypto_serving.sampling import SamplingParams
@@ -52,6 +56,8 @@ def test_quantized_linear_matches_its_dequantized_weight(kind):
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_prefill_sized_matmuls_use_the_packed_bf16_weight(kind):
+    if not cpu_packs_bf16():  # its counterpart runs: the test after this one
+        pytest.skip("oneDNN packs bf16 weights only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT")
     torch.manual_seed(2)
     layer = Linear(128, 64, bias=False).to(torch.bfloat16)
     layer.pack()
@@ -67,6 +73,23 @@ def test_prefill_sized_matmuls_use_the_packed_bf16_weight(kind):
         # one row skips the custom op (decode of one) and computes what the op computes
         op = quantized_linear(x, *layer.quantized, layer.out_features, layer.packed)
         assert torch.equal(out, op)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_without_a_packed_weight_every_matmul_is_the_quantized_kernel(kind, monkeypatch):
+    """Where oneDNN does not pack bf16 (AVX2 CPUs: `cpu_packs_bf16`), `pack_linears` packs
+    nothing, and prefill-sized matmuls run the quantized kernel too."""
+    monkeypatch.setenv("PYPTO_CPU_ISA", "avx2")
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(Linear(128, 64, bias=False)).to(torch.bfloat16)
+    assert pack_linears(model, kind) == 1
+    layer = model[0]
+    assert layer.packed is None and layer.quantized is not None
+    with pytest.raises(PyptoError, match="AVX-512 BW, VL and DQ, or AVX-NE-CONVERT"):
+        layer.pack()  # a clear error, not oneDNN's RuntimeError
+    for rows in (1, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 128, dtype=torch.bfloat16)
+        assert torch.equal(layer(x), dequantizing_matmul(x, *layer.quantized))
 
 
 def test_int4_w8a8_decodes_a_few_rows_in_int4_and_multiplies_more_in_int8():
@@ -112,7 +135,8 @@ def test_int8_linear_is_the_integer_product_of_the_quantized_rows():
     torch.manual_seed(3)
     x = torch.randn(7, 128, dtype=torch.bfloat16)
     weight = torch.randn(96, 128)
-    q, scales = quantize_int8(weight)
+    q, scales = quantize_w8a8(weight)  # 127 levels, or 64 where the int8 GEMM sums in int16
+    assert q.abs().max() == int8_weight_max()
     out = int8_linear(x, q, scales)
     assert out.shape == (7, 96) and out.dtype == torch.bfloat16
     # each row quantized by its own largest magnitude; int32 products; then both scales
@@ -132,9 +156,9 @@ def test_smoothing_keeps_a_token_with_loud_channels_precise():
     x[:, :4] *= 60  # outlier channels, the same for every token, as in LLMs
     weight = torch.randn(64, 256) * 0.05
     exact = x @ weight.T
-    plain = int8_linear(x.bfloat16(), *quantize_int8(weight))
+    plain = int8_linear(x.bfloat16(), *quantize_w8a8(weight))
     s = (x.abs().amax(0) ** 0.5 / weight.abs().amax(0) ** 0.5).clamp(min=1e-5)
-    smoothed = int8_linear(x.bfloat16(), *quantize_int8(weight * s), s)
+    smoothed = int8_linear(x.bfloat16(), *quantize_w8a8(weight * s), s)
     assert relative_error(smoothed, exact) < 0.5 * relative_error(plain, exact)
     assert relative_error(smoothed, exact) < 0.02
 

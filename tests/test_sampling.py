@@ -115,3 +115,57 @@ def test_logprobs_are_raw_log_softmax():
     assert s.token_id == 0 and s.logprob == pytest.approx(expected[0].item())
     assert list(s.top_logprobs) == [0, 1]
     assert s.top_logprobs[1] == pytest.approx(expected[1].item())
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-38, 1e-30, 1e-6, 9.9e-6])
+def test_tiny_temperatures_are_greedy(temperature):
+    """Below 1e-5 a temperature is greedy (vLLM's rule): 1e-40 is 0 in float32, and dividing
+    by it made every logit NaN, which sampled token 0."""
+    torch.manual_seed(1)
+    logits = torch.randn(6, 300) * 5
+    logits[:, 0] = -50.0  # token 0 is never the answer
+    params = SamplingParams(temperature=temperature, seed=3)
+    assert params.greedy
+    gens = [torch.Generator().manual_seed(3) for _ in range(6)]
+    got = sample(logits, [row(params, seed_gen=g) for g in gens])
+    assert [s.token_id for s in got] == logits.argmax(-1).tolist()
+    assert all(s.error is None for s in got)
+
+
+def test_small_temperature_at_the_greedy_bound_is_still_finite():
+    """1e-5 samples (it is not below the bound); logits of any finite size stay finite."""
+    logits = torch.tensor([[3e30, 1e30, -3e30, 0.0], [5.0, 4.99999, 1.0, 0.0]])
+    params = SamplingParams(temperature=1e-5)
+    assert not params.greedy
+    for s in sample(logits, [row(params), row(params)]):
+        assert s.error is None and s.token_id in (0, 1)
+
+
+def test_rows_with_nan_or_inf_logits_fail_alone():
+    """A row holding NaN or +inf (or masking every token) gets an error instead of a token;
+    the rest of the batch samples as if it were alone."""
+    torch.manual_seed(2)
+    logits = torch.randn(5, 40)
+    logits[1, 7] = float("nan")
+    logits[2, 3] = float("inf")
+    logits[3] = float("nan")
+    logits[4, 1] = float("nan")
+    greedy, hot = SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0.7)
+    rows = [row(greedy), row(greedy), row(hot), row(hot), row(hot)]
+    out = sample(logits, rows)
+    assert out[0].error is None and out[0].token_id == logits[0].argmax().item()
+    assert "NaN" in out[1].error and "NaN" in out[3].error and "NaN" in out[4].error
+    assert "infinite" in out[2].error
+    masked = torch.full((1, 4), -float("inf"))
+    [s] = sample(masked, [row(SamplingParams(temperature=0))])
+    assert "-inf" in s.error
+
+
+def test_request_with_unusable_logits_fails_instead_of_taking_a_token():
+    from pypto_serving.ops.sampler import Sampled
+    from pypto_serving.request import Request
+
+    req = Request("r", [1, 2], SamplingParams(max_tokens=4))
+    req.append(Sampled(0, float("nan"), None, "the model produced NaN logits"))
+    assert req.finished and req.finish_reason == "error" and req.output_token_ids == []
+    assert req.error == "the model produced NaN logits"

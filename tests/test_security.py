@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from live_server import serving, tiny_llm
+from patience import patience
 
 from pypto_serving.cli import build_parser
 from pypto_serving.config import ServerConfig
@@ -43,7 +44,11 @@ def test_the_api_key_guards_every_route_but_health(tiny_model):
         for method, path in routes:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
                 r = httpx.request(
-                    method, live.url + path, json=bodies.get(path), headers=headers, timeout=30
+                    method,
+                    live.url + path,
+                    json=bodies.get(path),
+                    headers=headers,
+                    timeout=patience(30),
                 )
                 if path == "/health":
                     assert r.status_code == 200
@@ -72,7 +77,7 @@ def test_cache_salt_isolates_the_prefix_cache(tiny_model):
 
     def cached(salt: str | None) -> int:
         body = {"prompt": prompt, "max_tokens": 1} | ({"cache_salt": salt} if salt else {})
-        r = httpx.post(live.url + "/v1/completions", json=body, timeout=30)
+        r = httpx.post(live.url + "/v1/completions", json=body, timeout=patience(30))
         assert r.status_code == 200, r.text
         return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 

@@ -7,12 +7,18 @@ was taken. Tiny llama (fp32, eager), pages of 16 tokens of 4096 bytes each.
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-from live_server import tiny_llm
+from live_server import serving, tiny_llm
+from patience import patience
+from read_only import read_only
 
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.kv.disk_tier import SUFFIX
@@ -136,17 +142,91 @@ def test_corrupted_ssd_pages_are_misses_and_the_output_is_unchanged(
         assert not files[0].exists()
 
 
-def test_restart_with_the_same_ssd_dir_reuses_pages(tiny_model, tmp_path: Path, expected) -> None:
+def _complete(url: str, prompt: list[int]) -> None:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json=body | {"ignore_eos": True}, timeout=patience(60))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize(
+    ("cpu_pages", "closed_by"),
+    [(64, "close"), (64, "server"), (0, "close")],
+    ids=["cpu-close", "cpu-server-stop", "no-cpu-tier"],
+)
+def test_a_clean_restart_finds_every_cached_prefix(
+    tiny_model, tmp_path: Path, expected, cpu_pages: int, closed_by: str
+) -> None:
+    """Prompt 0's pages are pushed off the device (into the CPU tier, or without one onto
+    SSD), prompts 1 and 2 stay cached on the device. A clean shutdown (LLM.close, or the
+    server stopping: the end of a SIGTERM drain) keeps the CPU tier's and the device's pages
+    on SSD, so a restart on the same directory finds all three prefixes."""
+    knobs = {"num_kv_pages": 6, "kv_cpu_bytes": cpu_pages * PAGE_BYTES, "kv_ssd_dir": str(tmp_path)}
+    first = tiny_llm(tiny_model(MODEL), **knobs)
+    if closed_by == "server":
+        with serving(first) as live:
+            for i in (0, 1, 2):
+                _complete(live.url, PROMPTS[i])
+    else:
+        with first:
+            got = [o.outputs[0].token_ids for o in one_by_one(first, [0, 1, 2])]
+            store = first.engine.executor.kv
+            where = "cpu" if cpu_pages else "ssd"
+            assert tier_stats(first)[where].used == 2  # prompt 0's two full pages
+            assert len(store.pool.cached_pages()) == 4  # prompts 1 and 2's
+        assert got == expected[:3]
+    with tiny_llm(tiny_model(MODEL), **knobs) as second:
+        assert second.engine.executor.kv.ssd.num_found == 6
+        outs = one_by_one(second, [0, 1, 2])
+        assert [o.outputs[0].token_ids for o in outs] == expected[:3]
+        assert [o.cached_tokens_by_tier for o in outs] == [{"ssd": 32}] * 3
+        assert [o.num_cached_tokens for o in outs] == [32] * 3
+        assert tier_stats(second)["ssd"].hits == 6
+
+
+def test_pypto_generate_keeps_its_cached_prefix_for_the_next_run(tiny_model, tmp_path: Path):
+    """`pypto generate` closes its engine at exit: the second run finds the first's pages."""
+    from pypto_serving.models.loader import load_tokenizer
+
+    model = tiny_model(MODEL)
+    text = " ".join(f"word{i}" for i in range(60))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": text}) + "\n")
+    argv = [sys.executable, "-m", "pypto_serving.cli", "generate", "--model", str(model)]
+    argv += ["--prompts-file", str(tmp_path / "p.jsonl"), "--output", str(tmp_path / "o.jsonl")]
+    argv += ["--max-tokens", "4", "--temperature", "0", "--dtype", "float32"]
+    argv += ["--enforce-eager", "--page-size", "16", "--kv-ssd-dir", str(tmp_path / "ssd")]
+    rows = []
+    for _ in range(2):
+        proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stderr
+        rows.append(json.loads((tmp_path / "o.jsonl").read_text()))
+    n = len(load_tokenizer(model).encode(text))
+    assert n > 32
+    assert [r["num_cached_tokens"] for r in rows] == [0, (n - 1) // 16 * 16]
+    assert rows[1]["cached_tokens_by_tier"] == {"ssd": (n - 1) // 16 * 16}
+    assert rows[0]["token_ids"] == rows[1]["token_ids"]
+
+
+def test_a_read_only_ssd_tier_serves_its_pages_and_never_fails_a_step(
+    tiny_model, tmp_path: Path, expected
+) -> None:
+    """On a read-only SSD directory (a read-only bind mount as root; injected EROFS where
+    mounting is not allowed) pages are read and served though their files cannot be deleted,
+    pages pushed down cannot be written: each such error is counted and costs that page only."""
     knobs = {"num_kv_pages": 6, "kv_cpu_bytes": 0, "kv_ssd_dir": str(tmp_path)}
     with tiny_llm(tiny_model(MODEL), **knobs) as first:
-        one_by_one(first, [0, 1, 2])
-    # close() waited for the writes; a new engine finds them
-    with tiny_llm(tiny_model(MODEL), **knobs) as second:
-        assert second.engine.executor.kv.ssd.num_found == 2
-        out = one_by_one(second, [0])[0]
-        assert out.outputs[0].token_ids == expected[0]
-        assert out.cached_tokens_by_tier == {"ssd": 32}
-        assert tier_stats(second)["ssd"].hits == 2
+        one_by_one(first, [0, 1, 2])  # closing keeps all three prompts' pages on SSD
+    with read_only(tmp_path) as how, tiny_llm(tiny_model(MODEL), **knobs) as second:
+        store = second.engine.executor.kv
+        assert store.ssd.num_found == 6 and store.ssd.off is None, how
+        outs = one_by_one(second, [0, 1, 2, 3])
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert [o.num_cached_tokens for o in outs] == [32, 32, 32, 0]
+        store.ssd.flush()
+        # 6 files loaded and not deleted; 0's and 1's pages pushed off the device, not written
+        assert tier_stats(second)["ssd"].errors == 6 + 4
+        assert len(list(store.ssd.dir.glob("*" + SUFFIX))) == 6
+    assert second.engine.executor.kv.ssd.num_errors == 6 + 4 + 4  # close: 2's and 3's pages
 
 
 def test_server_reports_cached_tokens_per_tier_and_tier_metrics(tiny_model, tmp_path) -> None:
@@ -180,3 +260,5 @@ def test_server_reports_cached_tokens_per_tier_and_tier_metrics(tiny_model, tmp_
         assert metrics["pypto_kv_tier_load_seconds_count", "ssd", None] == 1
         assert metrics["pypto_kv_tier_load_seconds_bucket", "ssd", "+Inf"] == 1
         assert metrics["pypto_num_preemptions_swapped_total", None, None] == 0
+        assert metrics["pypto_kv_tier_errors_total", "ssd", None] == 0
+        assert metrics["pypto_kv_tier_rejected_pages_total", "ssd", None] == 0

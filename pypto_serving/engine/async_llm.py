@@ -28,14 +28,18 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from pypto_serving.engine.core import check_step_time
 from pypto_serving.engine.llm import LLM, _Family
 from pypto_serving.engine.metrics import EngineMetrics
 from pypto_serving.engine.process import describe
-from pypto_serving.errors import EngineDeadError, RequestFailedError
+from pypto_serving.errors import EngineDeadError, PyptoError, RequestFailedError
 from pypto_serving.outputs import CompletionDelta
 from pypto_serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+WATCH_POLL_S = 0.25
+"""How often the step watchdog looks at a running step's progress."""
 
 
 class EngineThread(Executor):
@@ -183,7 +187,7 @@ class AsyncLLM:
         self.error: EngineDeadError | None = None
         self.step_timeout_s = llm.engine.config.step_timeout_s
         self.hung = False
-        """A step outlived step_timeout_s: the engine thread is stuck in it."""
+        """A step made no progress for step_timeout_s: the engine thread is stuck in it."""
         self.draining = False
         """Shutting down: requests in flight finish, new ones are refused."""
         self._streams: dict[str, _Stream] = {}
@@ -240,7 +244,7 @@ class AsyncLLM:
             await asyncio.sleep(0.05)
         if self._streams:
             log.warning(
-                "shutdown timeout: %d request(s) still in flight end with an error",
+                "shutting down: %d request(s) still in flight end with an error",
                 len(self._streams),
             )
             for rid in list(self._streams):
@@ -266,11 +270,22 @@ class AsyncLLM:
         """Raise OverloadedError if these prompts would pass a queue limit. Counted here, on
         the event loop, from what is in flight (so a burst is counted before any step runs):
         queued sequences are those beyond the running capacity (max_num_seqs per replica);
-        waiting tokens are the prompts of requests without an output token yet."""
+        waiting tokens are the prompts of requests without an output token yet. A request
+        that would pass the sequence limit on an idle server raises PyptoError instead: no
+        amount of waiting (or retrying) admits it."""
         limits = self.limits
         if limits.max_queued_requests is not None:
+            new = len(prompts) * params.n
+            if new > self.running_capacity + limits.max_queued_requests:
+                raise PyptoError(
+                    f"{len(prompts)} prompt(s) x n={params.n} is {new} sequences, more than "
+                    f"this server ever admits at once: {self.running_capacity} running "
+                    f"(--max-num-seqs) and {limits.max_queued_requests} queued "
+                    "(--max-queued-requests)",
+                    "n" if params.n > 1 else "prompt",
+                )
             in_flight = sum(s.num_seqs for s in self._streams.values())
-            queued = in_flight + len(prompts) * params.n - self.running_capacity
+            queued = in_flight + new - self.running_capacity
             if queued > limits.max_queued_requests:
                 raise OverloadedError(
                     f"the server is at its limit of {self.running_capacity} running and "
@@ -305,6 +320,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.engine.check(prompt_token_ids, params)
+        check_step_time(len(prompt_token_ids), self.engine.config, self.engine.layer_costs)
         stream = _Stream(asyncio.Queue(), time.monotonic(), params.n, len(prompt_token_ids))
         self._streams[request_id] = stream
         self._adds.append(_Add(request_id, prompt_token_ids, params, stream, cache_salt))
@@ -331,12 +347,7 @@ class AsyncLLM:
                         await asyncio.wait_for(self._wake.wait(), self.log_interval_s)
                     continue
                 step = loop.run_in_executor(self._thread, self._step)
-                done, _ = await asyncio.wait({step}, timeout=self.step_timeout_s)
-                if not done:  # the thread stays stuck in it; nothing else may touch the engine
-                    self.hung = True
-                    raise EngineDeadError(
-                        f"a step ran longer than step_timeout_s ({self.step_timeout_s:g} s)"
-                    )
+                await self._watch(step)
                 self._dispatch(step.result())
         except asyncio.CancelledError:
             raise
@@ -346,6 +357,22 @@ class AsyncLLM:
             why = str(e) if fault else f"a step failed ({type(e).__name__})"
             self.error = EngineDeadError(f"the engine stopped: {why}")
             self._fail_all(self.error)
+
+    async def _watch(self, step: asyncio.Future[Any]) -> None:
+        """Wait for a step, however long it runs while it makes progress (the engine's
+        `progress` moves on as each layer attends). One that makes none for step_timeout_s is
+        hung: the thread stays stuck in it, and nothing else may touch the engine."""
+        seen, since = self.engine.progress, time.monotonic()
+        poll = min(self.step_timeout_s, WATCH_POLL_S)
+        while not (await asyncio.wait({step}, timeout=poll))[0]:
+            now, progress = time.monotonic(), self.engine.progress
+            if progress != seen:
+                seen, since = progress, now
+            elif now - since >= self.step_timeout_s:
+                self.hung = True
+                raise EngineDeadError(
+                    f"a step made no progress for step_timeout_s ({self.step_timeout_s:g} s)"
+                )
 
     def _apply_requests(self) -> None:
         aborts, self._aborts = self._aborts, []

@@ -12,15 +12,22 @@ import torch
 
 from pypto_serving.config import EngineConfig
 from pypto_serving.device import resolve_device, resolve_dtype, set_num_threads
-from pypto_serving.distributed import init_distributed, resolve_groups, shutdown_distributed
-from pypto_serving.engine.process import ChildProcess
-from pypto_serving.engine.ranks import backend_for, plan_ranks, start_workers
+from pypto_serving.distributed import (
+    COLLECTIVE_TIMEOUT_S,
+    init_distributed,
+    resolve_groups,
+    set_collective_timeout,
+    shutdown_distributed,
+)
+from pypto_serving.engine.process import ChildProcess, StartupDeadline
+from pypto_serving.engine.ranks import Loaded, backend_for, plan_ranks, start_workers, wait_ranks
 from pypto_serving.errors import EngineDeadError, PyptoError
 from pypto_serving.executor import native_decode
 from pypto_serving.executor.compiled import trust_cpu_vector_isa_soon
 from pypto_serving.executor.paged import PagedExecutor, build_paged_executor
 from pypto_serving.executor.reference import ReferenceExecutor
 from pypto_serving.kv import native_attention
+from pypto_serving.kv.paged_attention import StepProgress
 from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.kv.tier import TierStats, merge_tier_stats
 from pypto_serving.models.config import ModelConfig, load_model_config
@@ -55,6 +62,9 @@ class EngineStats:
     generation_tokens: int
     tiers: tuple[TierStats, ...] = ()
     """Per KV tier (device, cpu, ssd): occupancy, hits, misses, pages moved, load latency."""
+    layer_costs: tuple[float, float] = (0.0, 0.0)
+    """What a layer costs here (`StepProgress`: prefill attention seconds per query x context
+    token, the rest per token), for refusing a prompt the step watchdog would kill."""
 
 
 def combine_stats(parts: list[EngineStats]) -> EngineStats:
@@ -76,6 +86,10 @@ def combine_stats(parts: list[EngineStats]) -> EngineStats:
         sum(p.prompt_tokens for p in parts),
         sum(p.generation_tokens for p in parts),
         tuple(tiers.values()),
+        layer_costs=(
+            max((p.layer_costs[0] for p in parts), default=0.0),
+            max((p.layer_costs[1] for p in parts), default=0.0),
+        ),
     )
 
 
@@ -105,6 +119,25 @@ def check_request(
         )
 
 
+def check_step_time(n: int, config: EngineConfig, costs: tuple[float, float]) -> None:
+    """Raise PyptoError (400) for a prompt of `n` tokens one layer of whose prefill would take
+    longer here than step_timeout_s, by the layer `costs` measured so far (`StepProgress`):
+    the watchdog would take that step for a hang, so waiting could never answer it. Its
+    heaviest layer is that of its last chunk (the scheduler's per-request cap) at `n` tokens
+    of context."""
+    cap = config.scheduler.long_prefill_token_threshold or config.scheduler.max_num_batched_tokens
+    chunk = min(n, cap, config.scheduler.max_num_batched_tokens)
+    seconds = StepProgress(0, *costs).layer_seconds(chunk, n)
+    if seconds > config.step_timeout_s:
+        raise PyptoError(
+            f"the prompt has {n} tokens: one layer of its prefill would take about "
+            f"{seconds:.1f} s here, longer than step_timeout_s ({config.step_timeout_s:g} s), "
+            "the longest a step may go without progress before the engine takes it for a "
+            "hang; send a shorter prompt, or start the server with a larger --step-timeout-s",
+            param="prompt",
+        )
+
+
 def describe_ranks(tp: int, pp: int) -> str:
     parts = [f"tensor parallel over {tp} ranks"] * (tp > 1)
     parts += [f"{pp} pipeline stages"] * (pp > 1)
@@ -126,6 +159,7 @@ class EngineCore:
             raise PyptoError("node_rank > 0 only hosts tensor-parallel ranks: run `pypto serve`")
         self.workers: list[ChildProcess] = []
         self._threads = (os.sched_getaffinity(0), torch.get_num_threads())  # restored by close
+        self._deadline = StartupDeadline.after(p.startup_timeout_s)
         own = config
         if p.ranks_per_engine > 1:  # this process is rank 0; the others are child processes
             load_model_config(model_dir).parallel_shard(  # errors before any process starts
@@ -134,7 +168,7 @@ class EngineCore:
             own, cpus = plan_ranks(config)[0]
             if cpus:
                 os.sched_setaffinity(0, cpus)  # this (engine) thread and its OpenMP team
-            self.workers = start_workers(config, model_dir)
+            self.workers = start_workers(config, model_dir, self._deadline)
         try:
             self._load(own)
         except BaseException as e:
@@ -149,7 +183,8 @@ class EngineCore:
         set_num_threads(own.num_threads)
         self.device = resolve_device(own.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        init_distributed(0, p.ranks_per_engine, backend_for(config, own.device))
+        backend = backend_for(config, own.device)
+        init_distributed(0, p.ranks_per_engine, backend, self._deadline.left())
         groups = resolve_groups(
             0,
             p.tensor_parallel_size,
@@ -171,6 +206,8 @@ class EngineCore:
         self.model_config = cfg = self.model.cfg
         limits = [cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings]
         self.executor = self._make_executor()
+        if p.ranks_per_engine > 1:  # started: collectives get the serving limit
+            set_collective_timeout(COLLECTIVE_TIMEOUT_S)
         if isinstance(self.executor, PagedExecutor):  # a request must fit the whole pool
             limits.append(self.executor.kv.capacity_tokens)
         self.max_model_len = min(limits)
@@ -208,6 +245,8 @@ class EngineCore:
         executor = build_paged_executor(
             self.config, self.model, self.device, self.dtype, self.model_dir, self.native
         )
+        if self.workers:  # warm-up steps are collective: wait until every rank follows
+            wait_ranks(self.workers, 1, Loaded, self._deadline)
         executor.warmup(self.config.background_compile)
         return executor
 
@@ -261,7 +300,23 @@ class EngineCore:
             self.prompt_tokens,
             self.generation_tokens,
             tuple(kv.tier_stats()) if isinstance(kv := self.executor.kv, PagedKVStore) else (),
+            layer_costs=self.layer_costs,
         )
+
+    @property
+    def layer_costs(self) -> tuple[float, float]:
+        """What a layer costs here, as `EngineStats.layer_costs` (zeros before a prefill
+        step, and off the paged executor)."""
+        if not isinstance(self.executor, PagedExecutor):
+            return (0.0, 0.0)
+        p = self.executor.progress
+        return (p.attention_s_per_work, p.other_s_per_token)
+
+    @property
+    def progress(self) -> int:
+        """Moves on while a step works (as each layer attends; the paged executor's): the
+        step watchdogs' sign of life."""
+        return self.executor.progress.layers if isinstance(self.executor, PagedExecutor) else 0
 
     def close(self) -> None:
         """Finish background work (the SSD tier's queued writes), stop the tensor-parallel

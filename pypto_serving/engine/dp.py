@@ -7,11 +7,14 @@ tiers, and executor; this side keeps a mirror `Request` per request, routes new 
 waits for the next replica step results (one per replica at most, so a request gains at
 most one token per call, as with EngineCore).
 
-A replica that dies (its pipe closes, a step fails) or hangs (no step result for
-`step_timeout_s` while it has requests) is lost alone: it is killed, its requests fail
+A replica that dies (its pipe closes, a step fails) or hangs (no step result and no
+heartbeat, which it sends while a long step makes progress, for `step_timeout_s` while it
+has requests) is lost alone: it is killed, its requests fail
 (`Request.fail`, reported by the next `step()`), the router stops sending it requests, and
-the others keep serving. `degraded` says so (the server's /health turns 503). Only when the
-last replica is lost does `step()` raise.
+the others keep serving. `degraded` says so (the server's /health turns 503). A thread
+polls the replica processes, so one that exits is noticed within REPLICA_CHECK_S even while
+the engine is idle (no step reads its pipe). Only when the last replica is lost does `step()`
+raise.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import replace
 from multiprocessing.connection import wait
@@ -26,7 +30,8 @@ from pathlib import Path
 
 from pypto_serving.config import EngineConfig
 from pypto_serving.device import plan_devices
-from pypto_serving.engine.core import EngineStats, check_request, combine_stats
+from pypto_serving.engine.core import EngineStats, check_request, check_step_time, combine_stats
+from pypto_serving.engine.process import StartupDeadline
 from pypto_serving.engine.replica import (
     Abort,
     NewRequest,
@@ -47,6 +52,8 @@ log = logging.getLogger(__name__)
 
 STEP_WAIT_S = 0.01
 """Longest a step() waits for replica results (new requests are sent between steps)."""
+REPLICA_CHECK_S = 0.5
+"""How often the monitor thread looks for replica processes that have exited."""
 
 
 class ReplicaDiedError(EngineDeadError):
@@ -90,7 +97,7 @@ class DPEngine:
         try:
             for spec in specs:  # all start loading at once
                 self.replicas.append(Replica(spec))
-            wait_ready(self.replicas)
+            wait_ready(self.replicas, StartupDeadline.after(config.parallel.startup_timeout_s))
         except BaseException:
             self.close()
             raise
@@ -116,6 +123,15 @@ class DPEngine:
         outside step() too), reported by the next step()."""
         self._heard = [time.monotonic()] * len(self.replicas)
         """When each replica last reported (or got work while it had none)."""
+        self._messages = 0
+        self._exited: dict[int, int] = {}
+        """Exit codes of replica processes the monitor thread found gone; the engine thread
+        loses them (`_lose_exited`) at its next add_request or step."""
+        self._stop_monitor = threading.Event()
+        self._monitor = threading.Thread(
+            target=self._watch_processes, name="pypto-dp-monitor", daemon=True
+        )
+        self._monitor.start()
         log.info(
             "%d data-parallel replicas ready: %s",
             len(infos),
@@ -127,16 +143,47 @@ class DPEngine:
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        check_step_time(len(prompt_token_ids), self.config, self.layer_costs)
+
+    @property
+    def layer_costs(self) -> tuple[float, float]:
+        """What a layer costs on the slowest replica, as their last step results said."""
+        return self.stats().layer_costs
+
+    @property
+    def progress(self) -> int:
+        """Messages heard from the replicas (step() itself never waits long)."""
+        return self._messages
 
     @property
     def degraded(self) -> str | None:
         """Why the engine serves with fewer replicas than it started with (None: it does not)."""
-        lost = [f"data-parallel replica {i} stopped: {why}" for i, why in self.lost.items()]
+        why = {i: f"it exited (code {code})" for i, code in self._exited.items()} | self.lost
+        lost = [f"data-parallel replica {i} stopped: {w}" for i, w in sorted(why.items())]
         return "; ".join(lost) or None
+
+    def _watch_processes(self) -> None:
+        """The monitor thread: note replica processes that exit (only note: the engine
+        thread alone changes the engine's state)."""
+        while not self._stop_monitor.wait(REPLICA_CHECK_S):
+            for r in self.replicas:
+                if r.index in self.lost or r.index in self._exited:
+                    continue
+                if (code := r.process.poll()) is not None:
+                    log.error(
+                        "data-parallel replica %d (pid %d) exited (code %d)", r.index, r.pid, code
+                    )
+                    self._exited[r.index] = code
+
+    def _lose_exited(self) -> None:
+        for i, code in list(self._exited.items()):
+            if i not in self.lost:
+                self._lose(self.replicas[i], f"it exited (code {code})")
 
     def add_request(self, request: Request) -> None:
         """Check, route and send a request to its replica."""
         self.check(request.prompt_token_ids, request.params)
+        self._lose_exited()
         request.max_model_len = self.max_model_len
         message = NewRequest(
             request.request_id,
@@ -188,6 +235,7 @@ class DPEngine:
     def step(self) -> list[Request]:
         """Apply the next step result of each replica that has one (waiting briefly for
         one); returns the requests that got a token, finished or failed."""
+        self._lose_exited()
         for conn in wait(list(self._by_conn), timeout=STEP_WAIT_S):
             replica = self._by_conn[conn]  # type: ignore[index]
             try:
@@ -195,7 +243,8 @@ class DPEngine:
             except (EOFError, OSError):
                 self._lose(replica, f"it exited (code {replica.exit_code()})")
                 continue
-            self._heard[replica.index] = time.monotonic()
+            self._heard[replica.index] = time.monotonic()  # a Heartbeat says no more
+            self._messages += 1
             if isinstance(message, StepFailed):
                 self._lose(replica, f"a step failed: {message.message}")
             elif isinstance(message, StepResult):
@@ -212,7 +261,8 @@ class DPEngine:
         for replica in list(self._by_conn.values()):
             i = replica.index
             if self.router.num_routed[i] and now - self._heard[i] > limit:
-                self._lose(replica, f"no step result for {now - self._heard[i]:.0f} s (hung)")
+                why = f"no step result or progress for {now - self._heard[i]:.0f} s (hung)"
+                self._lose(replica, why)
 
     def _lose(self, replica: Replica, why: str) -> None:
         """Kill a dead or hung replica and fail its requests; the others keep serving."""
@@ -230,6 +280,11 @@ class DPEngine:
         request = self._requests.get(delta.request_id)
         if request is None:
             return None  # aborted while the replica computed its step
+        if delta.token.error is not None:  # the replica's sampler found its logits unusable
+            request.fail(delta.token.error)
+            del self._requests[delta.request_id]
+            self.router.finish(delta.request_id)
+            return request
         request.output_token_ids.append(delta.token.token_id)
         if request.params.logprobs is not None:
             request.output_logprobs.append(delta.token)
@@ -249,6 +304,9 @@ class DPEngine:
         if self._closed:
             return
         self._closed = True
+        if hasattr(self, "_monitor"):
+            self._stop_monitor.set()
+            self._monitor.join()
         for r in self.replicas:  # all finish at once
             r.request_stop()
         for r in self.replicas:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Self
@@ -102,10 +103,16 @@ class LLM:
             self.engine = EngineCore(config, self.model_dir)
         self._ids = itertools.count()
         self._families: dict[str, tuple[_Family, int]] = {}
+        # an LLM garbage collected unclosed closes its engine too (not at exit: the child
+        # processes exit with this one), so the next multi-rank engine here can start
+        self._finalizer = weakref.finalize(self, self.engine.close)
+        self._finalizer.atexit = False
 
     def close(self) -> None:
-        """Finish background work (the SSD tier's queued writes); also done at exit."""
-        self.engine.close()
+        """Finish background work (the SSD tier's queued writes), stop the engine's processes
+        and threads and leave its process group. Also done when the LLM is garbage collected
+        (the SSD tier's writes alone also at exit)."""
+        self._finalizer()
 
     def __enter__(self) -> Self:
         return self

@@ -96,6 +96,12 @@ class _EngineCollector(Collector):
             "kv_tier_stored_bytes": ("Bytes written into the tier", "stored", 0),
             "kv_tier_loaded_bytes": ("Bytes loaded from the tier into the device", "loaded", 0),
             "kv_tier_evicted_bytes": ("Bytes of cached pages pushed out for room", "evicted", 0),
+            "kv_tier_errors": ("I/O errors of the tier (each costs a page)", "errors", 1),
+            "kv_tier_rejected_pages": (
+                "Pages found damaged, foreign or forged in the tier (recomputed)",
+                "rejected",
+                1,
+            ),
         }
         for name, (doc, attr, pages) in counters.items():
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels)

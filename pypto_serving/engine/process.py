@@ -46,6 +46,27 @@ class Joining:
     pid: int
 
 
+@dataclass(frozen=True, slots=True)
+class StartupDeadline:
+    """When the engine's child processes must have started (`startup_timeout_s`)."""
+
+    limit_s: float
+    at: float
+
+    @classmethod
+    def after(cls, limit_s: float) -> StartupDeadline:
+        return cls(limit_s, time.monotonic() + limit_s)
+
+    def left(self) -> float:
+        return max(self.at - time.monotonic(), 0.0)
+
+    def missed(self, who: list[str]) -> PyptoError:
+        """The error for the children (`who`: 'rank 1 (pid 123)', ...) not started in time."""
+        return PyptoError(
+            f"{', '.join(who)} did not start within startup_timeout_s ({self.limit_s:g} s)"
+        )
+
+
 def describe(e: BaseException) -> str:
     return str(e) if isinstance(e, PyptoError) else f"{type(e).__name__}: {e}"
 

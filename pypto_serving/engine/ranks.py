@@ -12,10 +12,12 @@ until rank 0 says stop or goes away.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -23,12 +25,21 @@ from pathlib import Path
 from pypto_serving.config import EngineConfig
 from pypto_serving.device import plan_devices, resolve_device, resolve_dtype, set_num_threads
 from pypto_serving.distributed import (
+    WAIT_FOREVER_S,
+    check_no_group,
     init_distributed,
     local_rendezvous,
     resolve_groups,
+    set_collective_timeout,
     shutdown_distributed,
 )
-from pypto_serving.engine.process import ChildProcess, Joining, StartFailed, describe
+from pypto_serving.engine.process import (
+    ChildProcess,
+    Joining,
+    StartFailed,
+    StartupDeadline,
+    describe,
+)
 from pypto_serving.errors import PyptoError
 from pypto_serving.executor.paged import build_paged_executor
 from pypto_serving.models.loader import load_model
@@ -37,6 +48,16 @@ log = logging.getLogger(__name__)
 
 FAIL_START_ENV = "PYPTO_FAIL_RANK_START"
 """Fault injection for tests: the rank this names fails before it joins the group."""
+HANG_START_ENV = "PYPTO_HANG_RANK_START"
+"""Fault injection for tests: the rank this names hangs after joining the group, before it
+loads its share (start-up then fails after `startup_timeout_s`)."""
+
+
+@dataclass(slots=True)
+class Loaded:
+    """A rank's report that its share is loaded and its executor built: it follows steps."""
+
+    pid: int
 
 
 @dataclass(slots=True)
@@ -67,10 +88,13 @@ def plan_ranks(config: EngineConfig) -> list[tuple[EngineConfig, list[int] | Non
     ]
 
 
-def start_workers(config: EngineConfig, model_dir: Path) -> list[ChildProcess]:
+def start_workers(
+    config: EngineConfig, model_dir: Path, deadline: StartupDeadline
+) -> list[ChildProcess]:
     """Start this machine's ranks, all but rank 0 on node 0 (they block in the rendezvous
     until every rank joins); set this process's environment for rank 0's own join."""
     p = config.parallel
+    check_no_group()  # before any process starts: rank 0 could not join a second group
     ranks = plan_ranks(config)
     backend = backend_for(config, ranks[0][0].device)
     if p.nnodes == 1:
@@ -89,7 +113,7 @@ def start_workers(config: EngineConfig, model_dir: Path) -> list[ChildProcess]:
                 first + local, p.ranks_per_engine, backend, own, model_dir, cpus, level
             )
             workers.append(ChildProcess(worker_main, spec))
-        wait_joining(workers, first + (1 if first == 0 else 0))
+        wait_ranks(workers, first + (1 if first == 0 else 0), Joining, deadline)
     except BaseException:
         for w in workers:
             w.kill()
@@ -98,18 +122,30 @@ def start_workers(config: EngineConfig, model_dir: Path) -> list[ChildProcess]:
     return workers
 
 
-def wait_joining(workers: list[ChildProcess], first_rank: int) -> None:
-    """Wait until every started rank is set up and joining; if one fails first, stop them all
-    and raise PyptoError naming it (rank 0 then never waits for it in the rendezvous)."""
+def wait_ranks(
+    workers: list[ChildProcess],
+    first_rank: int,
+    expected: type[Joining] | type[Loaded],
+    deadline: StartupDeadline,
+) -> None:
+    """Wait until every started rank reports `expected`: Joining (set up, joining the group:
+    rank 0 then never waits in the rendezvous for one that failed), then Loaded (its share
+    loaded: the collective warm-up may start). If one fails, exits or misses the deadline
+    first, stop them all and raise PyptoError naming it."""
     pending = {w.conn: (first_rank + i, w) for i, w in enumerate(workers)}
     while pending:
-        for conn in wait(list(pending)):
+        ready = wait(list(pending), timeout=deadline.left())
+        if not ready:
+            for other in workers:
+                other.kill()
+            raise deadline.missed([f"rank {r} (pid {w.pid})" for r, w in pending.values()])
+        for conn in ready:
             rank, w = pending.pop(conn)  # type: ignore[call-overload]
             try:
                 message = w.conn.recv()
             except (EOFError, OSError):
                 message = None
-            if isinstance(message, Joining):
+            if isinstance(message, expected):
                 continue
             why = (
                 message.message
@@ -124,7 +160,8 @@ def wait_joining(workers: list[ChildProcess], first_rank: int) -> None:
 def serve_node(config: EngineConfig, model_dir: Path) -> int:
     """A node other than 0: host this machine's ranks until they exit (rank 0 stops them, or
     goes away); Ctrl-C stops them. Returns the exit code."""
-    workers = start_workers(config, model_dir)
+    deadline = StartupDeadline.after(config.parallel.startup_timeout_s)
+    workers = start_workers(config, model_dir, deadline)
     log.info(
         "node %d of %d: ranks %s joining %s:%s",
         config.parallel.node_rank,
@@ -165,17 +202,28 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         sys.exit(1)
     conn.send(Joining(os.getpid()))
     p = config.parallel
-    init_distributed(spec.rank, spec.world_size, spec.backend)
-    groups = resolve_groups(
-        spec.rank,
-        p.tensor_parallel_size,
-        p.pipeline_parallel_size,
-        p.enable_expert_parallel,
-        p.expert_placement_strategy,
-    )
     try:
+        init_distributed(spec.rank, spec.world_size, spec.backend, p.startup_timeout_s)
+        groups = resolve_groups(
+            spec.rank,
+            p.tensor_parallel_size,
+            p.pipeline_parallel_size,
+            p.enable_expert_parallel,
+            p.expert_placement_strategy,
+        )
+        if os.environ.get(HANG_START_ENV) == str(spec.rank):
+            threading.Event().wait()  # injected hang: rank 0's start-up limit ends it
         model = load_model(spec.model_dir, dtype, device, groups, config.quantization)
-        build_paged_executor(config, model, device, dtype, spec.model_dir).follow()
+        executor = build_paged_executor(config, model, device, dtype, spec.model_dir)
+    except BaseException as e:  # rank 0 waits for Loaded before any collective: tell it
+        with contextlib.suppress(OSError):
+            conn.send(StartFailed(os.getpid(), describe(e)))
+        shutdown_distributed()
+        sys.exit(1)
+    conn.send(Loaded(os.getpid()))
+    set_collective_timeout(WAIT_FOREVER_S)  # an idle engine sends no step for as long as it is
+    try:
+        executor.follow()
     except RuntimeError as e:  # rank 0 went away mid-collective: nothing left to serve
         log.info("rank %d stops: %s", spec.rank, str(e).splitlines()[0][:200])
     finally:

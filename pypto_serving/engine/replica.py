@@ -4,6 +4,7 @@ The server (or offline `LLM`) process holds a `Replica` handle per process. Mess
 
     parent ──NewRequest / Abort / None (stop)──▶ replica
     parent ◀──Ready | StartFailed, then one StepResult per engine step, or StepFailed──
+    parent ◀──Heartbeat (while a step runs and makes progress)──
 
 The channel and the process handling are engine/process.py's: a socketpair inherited by a
 fresh interpreter, never a listening socket. A replica whose parent goes away (its pipe
@@ -16,16 +17,21 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from pypto_serving.config import EngineConfig
 from pypto_serving.engine.core import EngineCore, EngineStats
-from pypto_serving.engine.process import ChildProcess, StartFailed, describe
+from pypto_serving.engine.process import ChildProcess, StartFailed, StartupDeadline, describe
 from pypto_serving.errors import PyptoError
+from pypto_serving.kv.paged_attention import StepAttention
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
@@ -34,6 +40,14 @@ log = logging.getLogger(__name__)
 
 FAIL_START_ENV = "PYPTO_FAIL_REPLICA_START"
 """Fault injection for tests: the replica whose index this names raises during start-up."""
+HANG_START_ENV = "PYPTO_HANG_REPLICA_START"
+"""Fault injection for tests: the replica whose index this names hangs during start-up."""
+SLOW_LAYERS_ENV = "PYPTO_SLOW_REPLICA_LAYERS"
+"""Fault injection for tests: "index:seconds" makes each layer of that replica's steps (every
+replica's, index *) take `seconds` longer: long steps that still make progress."""
+HEARTBEAT_S = 1.0
+"""Most time between a replica's heartbeats while its steps make progress (a quarter of
+step_timeout_s where that is shorter)."""
 
 
 @dataclass(slots=True)
@@ -104,6 +118,11 @@ class StepFailed:
     message: str
 
 
+@dataclass(slots=True)
+class Heartbeat:
+    """The replica's step is still running and has made progress since the last message."""
+
+
 def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
     """The replica process: start the engine, report, then step while there is work."""
     logging.basicConfig(
@@ -120,6 +139,11 @@ def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
             os.sched_setaffinity(0, spec.cpus)
         if os.environ.get(FAIL_START_ENV) == str(spec.index):
             raise RuntimeError(f"injected start-up failure ({FAIL_START_ENV}={spec.index})")
+        if os.environ.get(HANG_START_ENV) == str(spec.index):
+            threading.Event().wait()  # the parent's start-up limit ends it
+        slow, _, seconds = os.environ.get(SLOW_LAYERS_ENV, "").partition(":")
+        if slow in ("*", str(spec.index)):
+            _slow_layers(float(seconds))
         engine = EngineCore(spec.config, spec.model_dir)
     except BaseException as e:  # reported to the parent, which stops every replica
         conn.send(StartFailed(os.getpid(), describe(e)))
@@ -145,8 +169,57 @@ def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
         engine.close()
 
 
+def _slow_layers(seconds: float) -> None:
+    attend = StepAttention.attend
+
+    def slow(self: StepAttention, *args: Any) -> Any:
+        time.sleep(seconds)
+        return attend(self, *args)
+
+    StepAttention.attend = slow  # type: ignore[method-assign]
+
+
+class _Heartbeat:
+    """Beside `serve`: while a step runs, tells the parent every `interval` that it makes
+    progress (the engine's `progress` moved on), so the parent's watchdog takes a long step
+    for a working one; a hung step sends nothing. Messages to the parent go through `send`,
+    one at a time."""
+
+    def __init__(self, engine: EngineCore, conn: Connection, interval: float) -> None:
+        self.engine, self.conn, self.interval = engine, conn, interval
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="pypto-heartbeat", daemon=True)
+        self._thread.start()
+
+    def send(self, message: object) -> None:
+        with self._lock:
+            self.conn.send(message)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _beat(self) -> None:
+        seen = self.engine.progress
+        while not self._stop.wait(self.interval):
+            if (progress := self.engine.progress) != seen:
+                seen = progress
+                try:
+                    self.send(Heartbeat())
+                except OSError:  # the parent went away; serve() finds out too
+                    return
+
+
 def serve(engine: EngineCore, conn: Connection) -> None:
     """Apply the parent's messages between steps; block on the pipe only while idle."""
+    beat = _Heartbeat(engine, conn, min(HEARTBEAT_S, engine.config.step_timeout_s / 4))
+    try:
+        _serve(engine, conn, beat.send)
+    finally:
+        beat.stop()
+
+
+def _serve(engine: EngineCore, conn: Connection, send: Callable[[object], None]) -> None:
     while True:
         while not engine.has_unfinished() or conn.poll():
             message = conn.recv()
@@ -171,12 +244,14 @@ def serve(engine: EngineCore, conn: Connection) -> None:
             changed = engine.step()
         except Exception as e:
             log.exception("engine step failed")
-            conn.send(StepFailed(describe(e)))
+            send(StepFailed(describe(e)))
             return
         deltas = [
             TokenDelta(
                 r.request_id,
-                r.output_logprobs[-1]
+                Sampled(-1, 0.0, None, r.error)
+                if r.error is not None
+                else r.output_logprobs[-1]
                 if r.params.logprobs is not None
                 else Sampled(r.output_token_ids[-1], 0.0, None),
                 r.finish_reason if r.finished else None,
@@ -186,7 +261,7 @@ def serve(engine: EngineCore, conn: Connection) -> None:
             )
             for r in changed
         ]
-        conn.send(StepResult(deltas, engine.stats()))
+        send(StepResult(deltas, engine.stats()))
 
 
 class Replica(ChildProcess):
@@ -201,12 +276,22 @@ class Replica(ChildProcess):
         self.conn.send(message)
 
 
-def wait_ready(replicas: list[Replica]) -> None:
-    """Wait until every replica is ready. If one fails (or dies) first, stop them all and
-    raise PyptoError naming the one that failed."""
+def wait_ready(replicas: list[Replica], deadline: StartupDeadline) -> None:
+    """Wait until every replica is ready. If one fails (or dies, or is not ready by the
+    deadline) first, stop them all and raise PyptoError naming the one that failed."""
     pending = {r.conn: r for r in replicas}
     while pending:
-        for conn in wait(list(pending)):
+        ready = wait(list(pending), timeout=deadline.left())
+        if not ready:
+            late = list(pending.values())
+            for r in replicas:
+                r.kill()
+            missed = deadline.missed(
+                [f"data-parallel replica {r.index} (pid {r.pid})" for r in late]
+            )
+            others = ", ".join(f"{r.index} (pid {r.pid})" for r in replicas if r not in late)
+            raise PyptoError(f"{missed}; stopped the other replicas: {others or 'none'}")
+        for conn in ready:
             r = pending[conn]  # type: ignore[index]
             try:
                 message: Ready | StartFailed | None = r.conn.recv()

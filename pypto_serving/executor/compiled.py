@@ -21,18 +21,22 @@ once per layer against the captured ones' shapes, strides and dtypes).
 The compiled graph and its capture are kept in `cache_dir()/graphs`, keyed by what the graph
 is made of (`graph_path`), so a restart, or a second engine in the process, loads them
 (~0.03 s a graph once Inductor is imported) instead of tracing and looking up Inductor's
-caches (~1 s a graph). A loaded graph is checked with its guards and against its own
-compiled function's result. Anything that cannot take this path (a graph break, a graph
-whose inputs cannot be told) goes through dynamo, and is captured there where it can be.
-Every compilation is counted; one after warm-up is a recompilation, logged and exposed as a
-metric. Warm-up may compile in a background thread (`CompiledLayers.compiler`) while other
-threads serve: they run a layer whose graph is not there yet eagerly, and never compile.
+caches (~1 s a graph). Loading one runs code (it is unpickled), so a file is only read from a
+folder no other user can write (`trusted_cache_dir`), and unpickled only once its keyed digest
+(by the cache folder's secret, written on save) checks. A loaded graph is checked with its
+guards and against its own compiled function's result. Anything that cannot take this path (a
+graph break, a graph whose inputs cannot be told) goes through dynamo, and is captured there
+where it can be. Every compilation is counted; one after warm-up is a recompilation, logged
+and exposed as a metric. Warm-up may compile in a background thread
+(`CompiledLayers.compiler`) while other threads serve: they run a layer whose graph is not
+there yet eagerly, and never compile.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import io
 import logging
 import pickle
@@ -47,10 +51,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from pypto_serving.device import cpu_isa
 from pypto_serving.models.llama import CausalLM, DecoderLayer
 from pypto_serving.ops.attention import KVAttention
 from pypto_serving.ops.linear import Linear
-from pypto_serving.paths import cache_dir, write_atomically
+from pypto_serving.paths import (
+    DIGEST_BYTES,
+    UntrustedPathError,
+    cache_dir,
+    keyed_digest,
+    secret_key,
+    trusted_cache_dir,
+    write_atomically,
+)
 
 log = logging.getLogger(__name__)
 
@@ -143,26 +156,45 @@ def trust_cpu_vector_isa_soon() -> None:
 
 
 def trust_cpu_vector_isa() -> bool:
-    """Let Inductor use the widest SIMD ISA the CPU reports without its own probes.
+    """Let Inductor use the widest SIMD ISA the CPU reports without its own probes, at most
+    `device.cpu_isa()`'s width (256 bits under AVX2, PYPTO_CPU_ISA included).
 
     Inductor checks each ISA the CPU reports by compiling a test against torch's vector
     headers and loading it in a child Python: ~6 s of a cold start, and 1.2 s of every warm
     one (the loading is not cached). The CPU's flags already say what it runs; what is left to
     check is that the compiler takes the ISA's flags, which a few lines of intrinsics show in
     ~50 ms. Returns whether the ISA is trusted; where the quick check fails (or the user set
-    TORCHINDUCTOR_VEC_ISA_OK), Inductor decides as it would have."""
+    TORCHINDUCTOR_VEC_ISA_OK), Inductor decides as it would have. Inductor's config is per
+    thread (torch keeps it in context variables): each thread that compiles calls this; if it
+    raises, the config is left as it was."""
     with _isa_lock:
         return _trust_cpu_vector_isa()
 
 
 def _trust_cpu_vector_isa() -> bool:
-    from torch._inductor import config, cpp_builder, cpu_vec_isa
+    from torch._inductor import config, cpu_vec_isa
 
+    if cpu_isa() == "avx2" and config.cpp.simdlen is None:
+        config.cpp.simdlen = 256  # Inductor's own pick sees the CPU, not device.py's cap
     if config.cpp.vec_isa_ok is not None:
         return False
+    trusted = False
     config.cpp.vec_isa_ok = True
-    cpu_vec_isa.valid_vec_isa_list.cache_clear()
-    isa = cpu_vec_isa.pick_vec_isa()
+    try:
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+        trusted = _compiler_takes(cpu_vec_isa.pick_vec_isa())
+        return trusted
+    finally:
+        if not trusted:  # a no, or an exception passing: leave Inductor as it was
+            config.cpp.vec_isa_ok = None
+            cpu_vec_isa.valid_vec_isa_list.cache_clear()
+
+
+def _compiler_takes(isa: Any) -> bool:
+    """Whether Inductor's C++ compiler compiles `_ISA_CHECK` with `isa`'s flags (any failure
+    is a no, logged: Inductor then probes as it would have)."""
+    from torch._inductor import cpp_builder
+
     try:
         with tempfile.TemporaryDirectory() as tmp:
             source = f"{tmp}/isa.cpp"
@@ -176,10 +208,8 @@ def _trust_cpu_vector_isa() -> bool:
                 timeout=60,
             )
         return True
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+    except Exception as e:
         log.info("the compiler did not take %s's flags (%s); Inductor probes its ISA", isa, e)
-        config.cpp.vec_isa_ok = None
-        cpu_vec_isa.valid_vec_isa_list.cache_clear()
         return False
 
 
@@ -297,8 +327,10 @@ class LayerGraph:
         return out
 
 
-GRAPH_FORMAT = 1
+GRAPH_FORMAT = 2
 """Bumped when what a kept graph file holds changes meaning."""
+GRAPH_MAGIC = b"PYPTOGR2"
+"""A kept graph file: GRAPH_MAGIC | keyed digest of the rest | pickle."""
 
 
 @functools.cache
@@ -319,15 +351,19 @@ def graph_path(
     restarts: keyed by everything the graph is made of (the code, the layer's configuration
     and tensors, the inputs' dtypes, torch, the CPU's ISA, the thread count Inductor's loops
     are written for). None where graphs are not kept: the ranks of a parallel group, whose
-    graphs hold its collectives."""
+    graphs hold its collectives, and a cache folder another user could write into."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return None
+    folder = trusted_cache_dir("graphs")
+    if folder is None:
         return None
     tensors = sorted((repr(w), _meta(_fetch(layer, w))) for w in _places(layer).values())
     parts = [
         GRAPH_FORMAT,
         torch.__version__,
         torch.backends.cpu.get_cpu_capability(),
+        cpu_isa(),
         torch.get_num_threads(),
         _code_digest(),
         type(layer.mlp).__qualname__,
@@ -339,7 +375,28 @@ def graph_path(
         tensors,
     ]
     key = hashlib.blake2b(repr(parts).encode(), digest_size=16).hexdigest()
-    return cache_dir() / "graphs" / f"{key}.bin"
+    return folder / f"{key}.bin"
+
+
+def _read_kept(path: Path) -> Any:
+    """The object kept at `path`, unpickled only after its digest is checked with the cache
+    folder's secret; ValueError where it was not written by `_keep` (planted, damaged), and
+    UntrustedPathError where the folder could hold another user's files."""
+    if trusted_cache_dir(path.parent.name) != path.parent:
+        raise UntrustedPathError(f"{path.parent} is not a private cache folder")
+    data = path.read_bytes()
+    start = len(GRAPH_MAGIC) + DIGEST_BYTES
+    digest, body = data[len(GRAPH_MAGIC) : start], data[start:]
+    want = keyed_digest(secret_key(cache_dir()), body)
+    if data[: len(GRAPH_MAGIC)] != GRAPH_MAGIC or not hmac.compare_digest(digest, want):
+        raise ValueError("not written by this cache (its keyed digest does not check)")
+    return pickle.loads(body)
+
+
+def _keep(path: Path, obj: object) -> None:
+    """Keep `obj` pickled at `path`, behind the keyed digest `_read_kept` checks."""
+    body = pickle.dumps(obj)
+    write_atomically(path, GRAPH_MAGIC + keyed_digest(secret_key(cache_dir()), body) + body)
 
 
 def _load_graph(
@@ -353,7 +410,7 @@ def _load_graph(
     """A kept graph and its output for this step, or None where it cannot be used (it is then
     compiled again, and the file replaced)."""
     try:
-        saved = pickle.loads(path.read_bytes())
+        saved = _read_kept(path)
         aot = torch.compiler.load_compiled_function(io.BytesIO(saved["artifact"]))
         # its guards check tensors as dynamo saw them when compiling: not marked dynamic
         args = (layer, *(t.view_as(t) for t in (x, cos, sin)), kv)
@@ -374,8 +431,7 @@ def _keep_graph(path: Path, aot: Any, graph: LayerGraph) -> None:
     never read half a file). Best effort: a graph not kept is compiled at the next start."""
     try:
         artifact = type(aot).serialize(aot).serialized_data
-        data = pickle.dumps({"artifact": artifact, "plan": graph.plan, "metas": graph.metas})
-        write_atomically(path, data)
+        _keep(path, {"artifact": artifact, "plan": graph.plan, "metas": graph.metas})
     except Exception as e:  # serialization refusing a graph, a full disk: serve on
         log.info("a compiled layer graph cannot be kept in %s (%s)", path, e)
 

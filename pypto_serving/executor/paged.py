@@ -40,7 +40,7 @@ from pypto_serving.executor.native_decode import MAX_ROWS as NATIVE_MAX_ROWS
 from pypto_serving.executor.native_decode import NativeDecoder
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.disk_tier import HEADER_BYTES
-from pypto_serving.kv.paged_attention import PagedKV, StepAttention, active_step
+from pypto_serving.kv.paged_attention import PagedKV, StepAttention, StepProgress, active_step
 from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.kv.tier import page_bytes as kv_page_bytes
 from pypto_serving.models.llama import CausalLM
@@ -175,6 +175,8 @@ class PagedExecutor:
             )
         self.kv = build_kv_store(model, device, dtype, cache, max_tokens_in_use, digest)
         self.paged_kv = PagedKV()
+        self.progress = StepProgress()
+        """Layers attended so far, and what a layer costs here (read by the watchdogs)."""
         self.native: NativeDecoder | None = None
         """Runs steps of up to NATIVE_MAX_ROWS decodes in one native call; other steps run on
         the graphs."""
@@ -283,7 +285,9 @@ class PagedExecutor:
             step.num_decodes,
             step.max_q,
             self.attention_kernel,
+            self.progress,
         )
+        started = time.perf_counter()
         with active_step(attention):
             out = forward_logits(
                 self.model,
@@ -294,6 +298,10 @@ class PagedExecutor:
                 hidden,
                 self.run_layer,
             )
+        if attention.prefill_work and g.world_size == 1:  # what a layer costs, for admission
+            synchronize(self.device)
+            seconds, layers = time.perf_counter() - started, self.model.num_local_layers
+            self.progress.observe(attention, seconds, layers, len(step.input_ids))
         if g.pp.size == 1:
             return out
         if not self.model.last_stage:
@@ -357,6 +365,7 @@ class PagedExecutor:
         scratch = copy.copy(self)  # the same model and graphs; its own pages
         scratch.kv = build_kv_store(self.model, self.device, self.dtype, cache, 0, "", False)
         scratch.native = None  # it writes the serving store's pages, and compiles nothing
+        scratch.progress = StepProgress()  # its steps are no progress of the serving ones
         self.run_layer.compiler = self._warming = threading.Thread(
             target=self._compile_beside, args=(scratch,), name="pypto-compile", daemon=True
         )

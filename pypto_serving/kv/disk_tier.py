@@ -4,13 +4,21 @@ Files live in a folder named after the digest of the model and KV layout
 (`<kv_ssd_dir>/<digest[:16]>/<page hash>.kvpage`), so two models can share a directory without
 ever reading each other's pages. A file is
 
-    MAGIC | header length (u32, little-endian) | header (JSON) | payload (K then V, raw)
+    MAGIC | header length (u32, little-endian) | header (JSON) | payload (K then V, raw) | digest
 
-and its header carries the digest, page size, dtype, page shape, the page's hash and token ids,
-the payload length and its blake2b checksum. A file that is truncated, corrupted or foreign
-(any field disagreeing) is a miss: it is logged and deleted, never served. At start-up the
-folder is scanned (headers only) so pages written by an earlier run of the same model and
+and its header carries the digest, page size, dtype, page shape, the page's hash and token ids
+and the payload length. The last 32 bytes are a BLAKE2b digest of everything before them,
+keyed by the directory's secret (`<kv_ssd_dir>/secret`, 0600, made on first use): a file made
+without the secret (a forged page, one with a recomputed plain checksum) is rejected like a
+truncated, corrupted or foreign one (any field disagreeing): a miss, logged and deleted, never
+served. Folders are 0700 and files 0600, as their headers hold prompts' token ids. At start-up
+the folder is scanned (headers only) so pages written by an earlier run of the same model and
 configuration are found again; the oldest beyond the budget are deleted.
+
+An I/O error (a read-only or full disk, a failing read, write or delete) never fails a step:
+the page concerned is a miss or is dropped (recomputed when needed), the error is counted
+(`num_errors`) and the first of each kind logged. A folder or secret that cannot be used at
+start-up turns the tier off (capacity 0, said in the log).
 
 Writes never block the engine: `store` keeps the page in memory and queues it; the writer
 thread writes `<name>.<pid>.tmp` and renames it into place. A page loaded while still queued is
@@ -20,7 +28,7 @@ served from memory. All index changes happen under one lock.
 from __future__ import annotations
 
 import atexit
-import hashlib
+import hmac
 import json
 import logging
 import queue
@@ -33,18 +41,20 @@ from typing import BinaryIO
 import torch
 
 from pypto_serving.kv.tier import PageKV, PageTier, page_bytes
-from pypto_serving.paths import write_atomically
+from pypto_serving.paths import (
+    DIGEST_BYTES,
+    keyed_digest,
+    private_dir,
+    secret_key,
+    write_atomically,
+)
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"PYPTOKV1"
+MAGIC = b"PYPTOKV2"
 SUFFIX = ".kvpage"
 HEADER_BYTES = 4096
-"""Bytes budgeted per file for the magic and header (the payload is the page's KV)."""
-
-
-def _checksum(payload: bytes | memoryview) -> str:
-    return hashlib.blake2b(payload, digest_size=16).hexdigest()
+"""Bytes budgeted per file for the magic, header and digest (the payload is the page's KV)."""
 
 
 class DiskTier(PageTier):
@@ -61,16 +71,26 @@ class DiskTier(PageTier):
         self.capacity, self.page_shape, self.dtype = capacity, page_shape, dtype
         self.digest = digest
         self.dir = Path(directory) / digest[:16]
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.payload_bytes = page_bytes(page_shape, dtype)
         self.num_unreadable = 0
-        """Files found truncated, corrupted or foreign (each deleted)."""
-        self.num_write_errors = 0
+        """Files found truncated, corrupted, foreign or forged (each deleted)."""
+        self.num_errors = 0
+        """I/O errors (reads, writes, deletes, the folder): each cost a page, never a step."""
+        self.off: str | None = None
+        """Why the tier is off (its folder or secret cannot be used), or None."""
+        self._logged: set[str] = set()
         self._index: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         self._pending: dict[bytes, PageKV] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, bytes] | None] = queue.Queue()
-        self.num_found = self._scan()
+        Path(directory).mkdir(parents=True, exist_ok=True)  # cannot: a start-up error
+        try:
+            private_dir(self.dir)
+            self._key = secret_key(Path(directory))
+        except OSError as e:
+            self._key, self.capacity, self.off = b"", 0, str(e)
+            self._error("use", self.dir, e)
+        self.num_found = 0 if self.off else self._scan()
         """Pages found on disk at start-up (written by an earlier run)."""
         self._thread = threading.Thread(target=self._write_loop, name="pypto-kv-ssd", daemon=True)
         self._thread.start()
@@ -93,21 +113,23 @@ class DiskTier(PageTier):
 
     def _encode(self, page_hash: bytes, token_ids: tuple[int, ...], kv: PageKV) -> bytes:
         payload = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in kv)
-        header = self._expected_header(page_hash)
-        header |= {"token_ids": list(token_ids), "checksum": _checksum(payload)}
+        header = self._expected_header(page_hash) | {"token_ids": list(token_ids)}
         head = json.dumps(header, separators=(",", ":")).encode()
-        return MAGIC + struct.pack("<I", len(head)) + head + payload
+        head = MAGIC + struct.pack("<I", len(head)) + head
+        return head + payload + keyed_digest(self._key, head, payload)
 
-    def _read_header(self, f: BinaryIO, page_hash: bytes) -> tuple[dict[str, object], int]:
-        """(header, payload offset) of an open file; ValueError if it is not ours."""
+    def _read_header(self, f: BinaryIO, page_hash: bytes) -> tuple[dict[str, object], bytes]:
+        """(header, the file's bytes up to the payload) of an open file; ValueError if it is
+        not ours (its digest is checked with the payload, by `_read`)."""
         prefix = f.read(len(MAGIC) + 4)
         if len(prefix) != len(MAGIC) + 4 or prefix[: len(MAGIC)] != MAGIC:
             raise ValueError("bad magic")
         (size,) = struct.unpack("<I", prefix[len(MAGIC) :])
         if size > HEADER_BYTES + 64 * self.page_shape[2]:
             raise ValueError("header too long")
+        raw = f.read(size)
         try:
-            header = json.loads(f.read(size))
+            header = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"bad header: {e}") from None
         if not isinstance(header, dict):
@@ -122,52 +144,85 @@ class DiskTier(PageTier):
             and all(isinstance(t, int) for t in tokens)
         ):
             raise ValueError("bad token ids")
-        return header, len(MAGIC) + 4 + size
+        return header, prefix + raw
 
     def _read(self, page_hash: bytes, token_ids: tuple[int, ...]) -> PageKV:
         with open(self._path(page_hash), "rb") as f:
-            header, _ = self._read_header(f, page_hash)
-            payload = bytearray(f.read(self.payload_bytes + 1))
-        if len(payload) != self.payload_bytes:
-            raise ValueError(f"payload is {len(payload)} bytes, expected {self.payload_bytes}")
-        if header["checksum"] != _checksum(payload):
-            raise ValueError("checksum mismatch")
+            header, head = self._read_header(f, page_hash)
+            payload = bytearray(f.read(self.payload_bytes + DIGEST_BYTES + 1))
+        if len(payload) != self.payload_bytes + DIGEST_BYTES:
+            want = self.payload_bytes + DIGEST_BYTES
+            raise ValueError(f"payload and digest are {len(payload)} bytes, expected {want}")
+        digest = bytes(payload[self.payload_bytes :])
+        del payload[self.payload_bytes :]
+        if not hmac.compare_digest(digest, keyed_digest(self._key, head, payload)):
+            raise ValueError("the keyed digest does not match (damaged, or not written here)")
         if tuple(header["token_ids"]) != token_ids:  # type: ignore[arg-type]
             raise ValueError("token ids differ from the index")
         kv = torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype)
         kv = kv.view(2, *self.page_shape)
         return kv[0], kv[1]
 
+    def _error(self, what: str, path: Path, e: OSError) -> None:
+        """Count an I/O error; log the first of each kind (what: read, write, delete, ...)."""
+        with self._lock:
+            self.num_errors += 1
+            first = what not in self._logged
+            self._logged.add(what)
+        if first:
+            log.warning(
+                "SSD KV tier: cannot %s %s (%s); serving on without it (pages recomputed when "
+                "needed; further such errors are counted in pypto_kv_tier_errors_total)",
+                what,
+                path,
+                e,
+            )
+
+    def _unlink(self, path: Path) -> None:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:  # e.g. a read-only mount: the file stays, unindexed
+            self._error("delete", path, e)
+
     def _drop_file(self, path: Path, why: str) -> None:
         log.warning("SSD KV page %s is unusable (%s): deleted", path.name, why)
         self.num_unreadable += 1
-        path.unlink(missing_ok=True)
+        self._unlink(path)
 
     def _scan(self) -> int:
         """Index the pages an earlier run left (oldest first); delete what is not ours."""
         files = []
-        for path in self.dir.iterdir():
+        try:
+            paths = list(self.dir.iterdir())
+        except OSError as e:
+            self._error("list", self.dir, e)
+            return 0
+        for path in paths:
             if path.suffix == ".tmp":  # a write cut short by a crash
-                path.unlink(missing_ok=True)
+                self._unlink(path)
                 continue
             try:
                 page_hash = bytes.fromhex(path.name.removesuffix(SUFFIX))
                 if not path.name.endswith(SUFFIX) or len(page_hash) != 16:
                     raise ValueError("not a page file name")
                 with open(path, "rb") as f:
-                    header, offset = self._read_header(f, page_hash)
+                    header, head = self._read_header(f, page_hash)
                 stat = path.stat()
-                want = offset + self.payload_bytes
-                if stat.st_size != want:
-                    raise ValueError(f"{stat.st_size} bytes, expected {want}")
-            except (OSError, ValueError) as e:
+            except OSError as e:
+                self._error("read", path, e)
+                continue
+            except ValueError as e:
                 self._drop_file(path, str(e))
+                continue
+            want = len(head) + self.payload_bytes + DIGEST_BYTES
+            if stat.st_size != want:
+                self._drop_file(path, f"{stat.st_size} bytes, expected {want}")
                 continue
             files.append((stat.st_mtime_ns, page_hash, tuple(header["token_ids"])))  # type: ignore[arg-type]
         files.sort()
         over = max(len(files) - self.capacity, 0)
         for _, page_hash, _tokens in files[:over]:
-            self._path(page_hash).unlink(missing_ok=True)  # over budget: the oldest go
+            self._unlink(self._path(page_hash))  # over budget: the oldest go
         for _, page_hash, tokens in files[over:]:
             self._index[page_hash] = tokens
         return len(self._index)
@@ -204,10 +259,13 @@ class DiskTier(PageTier):
         path = self._path(page_hash)
         try:
             kv = self._read(page_hash, token_ids)
-        except (OSError, ValueError) as e:
+        except OSError as e:  # a failing disk: a miss (the file is left alone)
+            self._error("read", path, e)
+            return None
+        except ValueError as e:
             self._drop_file(path, str(e))
             return None
-        path.unlink(missing_ok=True)  # the page moves up: one copy at a time
+        self._unlink(path)  # the page moves up: one copy at a time
         return kv
 
     def lru_hash(self) -> bytes | None:
@@ -251,7 +309,7 @@ class DiskTier(PageTier):
                     with self._lock:
                         if page_hash in self._index:  # stored again since: keep the file
                             continue
-                        self._path(page_hash).unlink(missing_ok=True)
+                    self._unlink(self._path(page_hash))
             except Exception:  # the engine must not lose its SSD tier to one bad write
                 log.exception("SSD KV tier: %s failed", item)
             finally:
@@ -266,16 +324,18 @@ class DiskTier(PageTier):
         path = self._path(page_hash)
         try:
             write_atomically(path, self._encode(page_hash, token_ids, kv))
-        except OSError as e:
-            log.warning("SSD KV tier: cannot write %s (%s); page dropped", path, e)
-            self.num_write_errors += 1
+        except OSError as e:  # a read-only or full disk: the page is dropped
+            self._error("write", path, e)
             with self._lock:
                 if self._pending.get(page_hash) is kv:
                     del self._pending[page_hash]
                     del self._index[page_hash]
             return
         with self._lock:
+            stale = False
             if self._pending.get(page_hash) is kv:
                 del self._pending[page_hash]
-            elif page_hash not in self._index:  # loaded or dropped while being written
-                path.unlink(missing_ok=True)
+            else:  # loaded or dropped while being written
+                stale = page_hash not in self._index
+        if stale:
+            self._unlink(path)

@@ -259,3 +259,10 @@ class PagePool:
     def cached_hashes(self) -> dict[bytes, int]:
         """Copy of the prefix-cache index: hash -> page id."""
         return {page_hash: page.page_id for page_hash, page in self._index.items()}
+
+    def cached_pages(self) -> list[tuple[bytes, tuple[int, ...], int]]:
+        """(hash, token ids, page id) of every cached page, least recently used first: the
+        free ones in LRU order, then those requests hold."""
+        free = [page for page in self._free if page.hash is not None]
+        held = [page for page in self._index.values() if page.ref_count > 0]
+        return [(p.hash, p.token_ids, p.page_id) for p in [*free, *held]]  # type: ignore[misc]

@@ -12,14 +12,20 @@ To the compiler the operator is one opaque custom op, `pypto::paged_attention(q,
 layer)`: the step's metadata and the KV tensors are reached through the active `StepAttention`
 (set by the executor around the forward), so a compiled model never sees cache mutation or
 the per-step shapes of the metadata (the vLLM "forward context" pattern).
+
+Each layer's attention also advances the executor's `StepProgress`: the step watchdogs tell a
+long step (layers keep coming) from a hung one by it, and the layer costs it measures let the
+engine refuse up front a prompt one layer of which would outlast the watchdog's limit.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +44,40 @@ class _ActiveSteps(threading.local):
 
 
 _active = _ActiveSteps()
+
+EMA = 0.3
+"""Weight of a new measurement in StepProgress's running layer costs."""
+
+
+@dataclass(slots=True)
+class StepProgress:
+    """An executor's steps as they run, read from other threads by the step watchdogs
+    (engine/async_llm.py, a data-parallel replica's heartbeat): `layers` moves on as each
+    layer attends, so a step that runs long but keeps moving is told from one that hangs.
+    Also what a layer costs here, measured on prefill steps (0 until one ran), for
+    `layer_seconds`."""
+
+    layers: int = 0
+    """Layers attended by this executor's steps so far."""
+    attention_s_per_work: float = 0.0
+    """One layer's prefill attention, seconds per (query token x context token)."""
+    other_s_per_token: float = 0.0
+    """The rest of one layer (projections, MLP, norms), seconds per token of the step."""
+
+    def layer_seconds(self, tokens: int, context: int) -> float:
+        """About how long one layer of a prefill chunk of `tokens` tokens ending at `context`
+        takes here (0.0 before any prefill step was measured)."""
+        return tokens * (self.attention_s_per_work * context + self.other_s_per_token)
+
+    def observe(self, step: StepAttention, seconds: float, layers: int, tokens: int) -> None:
+        """Learn from a step that ran `layers` layers over `tokens` tokens in `seconds`."""
+        if step.prefill_work == 0 or layers == 0:
+            return
+        attention = step.prefill_seconds / (layers * step.prefill_work)
+        other = max(seconds - step.attention_seconds, 0.0) / (layers * tokens)
+        weight = 1.0 if self.other_s_per_token == 0.0 else EMA  # the first sets them
+        self.attention_s_per_work += weight * (attention - self.attention_s_per_work)
+        self.other_s_per_token += weight * (other - self.other_s_per_token)
 
 
 class _Group:
@@ -143,11 +183,17 @@ class StepAttention:
         num_decodes: int,
         max_q: int,
         kernel: ctypes.CDLL | None = None,
+        progress: StepProgress | None = None,
     ) -> None:
         """block_table [B, W]; slot_mapping [T]; q_lens, ctx_lens [B] (ctx includes new);
         `kernel`: the native attention library (`native_attention.library_for`), or None for
-        PyTorch's path."""
+        PyTorch's path; `progress`: advanced by each layer (the executor's)."""
         self.store, self.slot_mapping, self.kernel = store, slot_mapping.contiguous(), kernel
+        self.progress = progress
+        self.attention_seconds = self.prefill_seconds = 0.0
+        """Time spent attending so far (all layers), and of it the prefill chunks'."""
+        self.prefill_work = int((q_lens[num_decodes:] * ctx_lens[num_decodes:]).sum())
+        """Query tokens x context tokens of the prefill chunks (one layer's attention work)."""
         heads, page, nd = store.k_cache.shape[1], store.page_size, num_decodes
         self.groups = []
         if nd > 0:
@@ -190,7 +236,15 @@ class StepAttention:
             else:
                 k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
                 v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
-        outs = [g.attend(q[g.tokens], k_cache, v_cache) for g in self.groups]
+        outs = []
+        for g in self.groups:
+            start = time.perf_counter()
+            outs.append(g.attend(q[g.tokens], k_cache, v_cache))
+            seconds = time.perf_counter() - start
+            self.attention_seconds += seconds
+            self.prefill_seconds += 0.0 if g.decode else seconds
+        if self.progress is not None:
+            self.progress.layers += 1
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

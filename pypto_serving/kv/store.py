@@ -142,6 +142,7 @@ class PagedKVStore:
             load_s_per_page={"cpu": self.page_bytes / 4e9, "ssd": self.page_bytes / 1e9}
         )
         self.swapped: dict[str, _Swapped] = {}
+        self._closed = False
         self._lookups: dict[str, Counter[tuple[str, str]]] = {}
         """Hits and misses of a claim, counted once its request is admitted (allocate)."""
         self.num_swap_ins = 0
@@ -166,21 +167,50 @@ class PagedKVStore:
         parts += [f"{t.name} {t.capacity} pages" for t in self.lower]
         if self.ssd is not None:
             parts[-1] += f" in {self.ssd.dir} ({self.ssd.num_found} from earlier runs)"
+            if self.ssd.off is not None:
+                parts[-1] += f", off: {self.ssd.off}"
         return f"KV tiers: {'; '.join(parts)}; {self.page_bytes / 2**20:.2f} MiB per page"
 
     def tier_stats(self) -> list[TierStats]:
         """A snapshot of every tier's counters, with its current occupancy."""
         used = {"device": self.pool.num_pages - self.pool.num_free}
         used |= {t.name: len(t) for t in self.lower}
-        return [
-            replace(s, used=used[name], load_buckets=list(s.load_buckets))
+        snapshot = {
+            name: replace(s, used=used[name], load_buckets=list(s.load_buckets))
             for name, s in self.stats.items()
-        ]
+        }
+        if self.ssd is not None:
+            snapshot["ssd"].errors = self.ssd.num_errors
+            snapshot["ssd"].rejected = self.ssd.num_unreadable
+        return list(snapshot.values())
 
     def close(self) -> None:
-        """Let the SSD tier finish its queued writes."""
+        """Keep what the faster tiers cache on the SSD tier (`spill`), then let it finish its
+        queued writes. Called on a clean shutdown; idempotent."""
+        if self.ssd is not None and not self._closed:
+            self.spill()
+        self._closed = True
         for tier in self.lower:
             tier.close()
+
+    def spill(self) -> int:
+        """Store the cached pages of the device and the CPU tier on the SSD tier, so a restart
+        on the same directory finds them; returns how many. Least recently used first (the
+        device's pages are the most recent), and only as many as the SSD budget holds: the
+        SSD tier's own oldest pages make room for them."""
+        assert self.ssd is not None
+        pages: list[tuple[bytes, tuple[int, ...], PageTier | int]] = []
+        if self.cpu is not None:
+            pages += [(h, t, self.cpu) for h in self.cpu.hashes() if (t := self.cpu.tokens(h))]
+        pages += [(h, t, page_id) for h, t, page_id in self.pool.cached_pages()]
+        pages = pages[max(len(pages) - self.ssd.capacity, 0) :]
+        for page_hash, token_ids, where in pages:
+            kv = self._page_kv(where) if isinstance(where, int) else where.load(page_hash)
+            if kv is not None and self.ssd.tokens(page_hash) is None:
+                self._push(len(self.lower) - 1, page_hash, token_ids, kv)
+        if pages:
+            log.info("kept %d cached KV pages on the SSD tier for the next start", len(pages))
+        return len(pages)
 
     # --- page data ------------------------------------------------------------------------
 

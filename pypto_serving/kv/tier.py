@@ -54,6 +54,11 @@ class TierStats:
     load_seconds_sum: float = 0.0
     load_buckets: list[int] = field(default_factory=lambda: [0] * (len(LOAD_BUCKETS) + 1))
     """Loads per latency bucket (the last one is +Inf); not cumulative."""
+    errors: int = 0
+    """I/O errors (SSD: a read-only or full disk, a failing read, write or delete): each cost
+    a page (a miss, or a page dropped), never a step."""
+    rejected: int = 0
+    """Pages found truncated, corrupted, foreign or forged (SSD), never served."""
 
     def observe_load(self, seconds: float) -> None:
         self.load_buckets[bisect.bisect_left(LOAD_BUCKETS, seconds)] += 1
@@ -74,6 +79,8 @@ def merge_tier_stats(a: TierStats, b: TierStats) -> TierStats:
         a.evicted + b.evicted,
         a.load_seconds_sum + b.load_seconds_sum,
         [x + y for x, y in zip(a.load_buckets, b.load_buckets, strict=True)],
+        a.errors + b.errors,
+        a.rejected + b.rejected,
     )
 
 

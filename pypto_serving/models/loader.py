@@ -20,14 +20,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
 from pypto_serving.config import CALIBRATED_QUANTIZATIONS
-from pypto_serving.device import use_packed_linear
+from pypto_serving.device import cpu_isa, int8_weight_max, use_packed_linear
 from pypto_serving.distributed import Group, ParallelGroups
 from pypto_serving.errors import ModelLoadError, PyptoError
 from pypto_serving.models import calibration
 from pypto_serving.models.config import ModelConfig, load_model_config
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.ops.linear import Linear, pack_linears
-from pypto_serving.paths import cache_dir, write_atomically
+from pypto_serving.paths import cache_dir, trusted_cache_dir, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -214,13 +214,35 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors: {shown}")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+"""A tokenizer's vocabulary comes in one of these (or a *.model / *.tiktoken file):
+without one, transformers may build an empty tokenizer and say nothing."""
+
+
 def load_tokenizer(model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
+    found = sorted(
+        f.name
+        for f in model_dir.glob("*")
+        if f.name in TOKENIZER_FILES or f.suffix in (".model", ".tiktoken")
+    )
+    if not found:
+        raise ModelLoadError(
+            f"cannot load the tokenizer in {model_dir}: it has no tokenizer files (one of "
+            f"{', '.join(TOKENIZER_FILES)} and the files beside it, e.g. merges.txt and "
+            "tokenizer_config.json); copy them from the model's original repository"
+        )
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
     except (OSError, ValueError, TypeError) as e:
         raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {e}") from None
+    if not tokenizer.encode("Hello", add_special_tokens=False):  # e.g. vocab.json alone
+        raise ModelLoadError(
+            f"cannot load the tokenizer in {model_dir}: it encodes text to nothing "
+            f"({', '.join(found)} found, is a file beside it missing?)"
+        )
+    return tokenizer
 
 
 def load_model(
@@ -283,7 +305,8 @@ def quantized_cache_path(
     ranks = [(g.rank, g.size) for g in (groups.tp, groups.pp, groups.ep)]
     key.update(
         f"{QUANTIZED_FORMAT}|{quantization}|{native}|{model.cfg!r}|{ranks}|{torch.__version__}|"
-        f"{torch.backends.cpu.get_cpu_capability()}|{next(model.parameters()).dtype}".encode()
+        f"{torch.backends.cpu.get_cpu_capability()}|{cpu_isa()}|{int8_weight_max()}|"
+        f"{next(model.parameters()).dtype}".encode()
     )
     return cache_dir() / "quantized" / f"{key.hexdigest()}.safetensors"
 
@@ -298,10 +321,12 @@ def quantize_cached(
     """Quantize the model's linear layers (`pack_linears`, after w8a8's calibration), or take
     the result of an earlier start from `cache_dir()/quantized`: reading it back is ~0.2 s
     where quantizing SmolLM2 is 1-2 s and calibrating ~2 s more. A file that does not fit the
-    model (or cannot be read) is made again."""
+    model (or cannot be read) is made again; a cache folder another user could write into is
+    neither read nor written (`trusted_cache_dir`)."""
     path = quantized_cache_path(model, model_dir, quantization, groups, native)
+    trusted = trusted_cache_dir(path.parent.name) == path.parent
     layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-    if path.is_file():
+    if trusted and path.is_file():
         try:
             saved: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layers}
             # copied out of the file's mapping: tensors on a shared mapping of a cache file
@@ -326,7 +351,8 @@ def quantize_cached(
         for part, t in m.quantized_tensors().items()
     }
     try:
-        write_atomically(path, save(tensors))  # replicas quantizing at once: a whole file
+        if trusted:
+            write_atomically(path, save(tensors))  # replicas quantizing at once: a whole file
     except OSError as e:
         log.warning(
             "cannot keep the quantized weights in %s (%s): quantizing again next start", path, e

@@ -4,20 +4,24 @@
   the K/V writes; called by the attention operator (`kv/native_attention.py`).
 - `decode.cpp`: the fused decode step, the whole forward of a step of a few decodes in one
   call over weights packed by `ops/linear.py` (4-bit and 8-bit records, AVX512-VNNI dot
-  products); called by `executor/native_decode.py`.
+  products, plain loops without); called by `executor/native_decode.py`.
 
 The library is compiled on first use with the C++ compiler Inductor also uses (`$CXX`, else
-g++), for this CPU (-march=native) and for one attention shape (query heads per KV head and
-head_dim as constants, so loops unroll and the decode queries stay in registers; a few
-seconds of compiling). It is cached under `cache_dir()/kernels` by a key of the sources,
-flags, compiler and the CPU's flags, so a restart only loads it. Without a compiler, or when
-the build fails, `library()` is None (said once in the log) and attention stays on PyTorch's
-path, the decode steps on the compiled graphs. Work is split over the OpenMP team that torch
-itself uses (the library links the libgomp torch has loaded).
+g++), for this CPU's ISA (`device.cpu_march`: -march=native, or x86-64-v3 for an AVX2 CPU,
+PYPTO_CPU_ISA included) and for one attention shape (query heads per KV head and head_dim as
+constants, so loops unroll and the decode queries stay in registers; a few seconds of
+compiling). It is cached under `cache_dir()/kernels` by a key of the sources, flags, compiler
+and the CPU's flags, so a restart only loads it (loading a library runs its code: one is only
+loaded from a cache folder no other user can write, and only if it is this user's file that no
+one else can write; elsewhere it is built in a private temporary folder instead). Without a
+compiler, or when the build fails, `library()` is None (said once in the log) and attention
+stays on PyTorch's path, the decode steps on the compiled graphs. Work is split over the OpenMP
+team that torch itself uses (the library links the libgomp torch has loaded).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import logging
@@ -30,13 +34,13 @@ import time
 from functools import cache
 from pathlib import Path
 
-from pypto_serving.device import cpu_flags
-from pypto_serving.paths import cache_dir
+from pypto_serving.device import cpu_flags, cpu_march
+from pypto_serving.paths import trusted_cache_dir, untrusted
 
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.cpp", "decode.cpp"))
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 
 
 def compiler(name: str | None = None) -> str | None:
@@ -66,7 +70,7 @@ def build(
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("C++ compiler %s unusable (%s): the native kernels are off", found, e)
         return None
-    flags = (*FLAGS, *extra_flags, f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}")
+    flags = (*FLAGS, cpu_march(), *extra_flags, f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}")
     key = hashlib.sha256()
     for part in (*(s.read_bytes() for s in SOURCES), " ".join(flags), found, version):
         key.update(part.encode() if isinstance(part, str) else part)
@@ -74,8 +78,11 @@ def build(
         key.update(flag.encode())
     target = out_dir / f"kernels-g{group}-d{head_dim}-{key.hexdigest()[:16]}.so"
     if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
+        why = untrusted(target)
+        if why is None:
+            return target
+        log.warning("not loading %s (%s): building it again", target, why)
+    out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         built = Path(tmp) / target.name
@@ -88,6 +95,7 @@ def build(
                 run.stderr.strip()[-2000:],
             )
             return None
+        built.chmod(0o700)  # only this user may change what it loads
         os.replace(built, target)  # atomic: processes building at once never see half a file
     log.info("built the native kernels in %.1f s: %s", time.perf_counter() - start, target)
     return target
@@ -128,5 +136,9 @@ def library(group: int, head_dim: int) -> ctypes.CDLL | None:
 
 @cache
 def _library(group: int, head_dim: int) -> ctypes.CDLL | None:
-    path = build(group, head_dim, cache_dir() / "kernels")
+    out_dir = trusted_cache_dir("kernels")
+    if out_dir is None:  # said in the log: built where no one else can plant a library
+        out_dir = Path(tempfile.mkdtemp(prefix="pypto-kernels-"))
+        atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
+    path = build(group, head_dim, out_dir)
     return None if path is None else load(path)

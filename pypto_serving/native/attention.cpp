@@ -4,8 +4,10 @@
 //
 // Built on first use by native_attention.py (g++ -O3 -march=native -fopenmp, with the model's
 // GROUP and HEAD_DIM defined) and called through ctypes. Portable C++ with GCC vector
-// extensions: the compiler maps the 16-float vectors onto whatever the CPU has (one AVX-512
-// register, two AVX2 registers, four NEON registers).
+// extensions, the vectors as wide as the CPU's registers (VW floats: 16 with AVX-512, 8 with
+// AVX2, else 4). Never wider: GCC splits a vector wider than the registers badly (on AVX2 a
+// 16-float vector times a scalar was built lane by lane through the stack, and e^x converted
+// float to int one lane at a time: prefill attention ran 19x slower than with AVX-512).
 //
 // Layout, as the KV store holds it: the caches of one layer are [kv_heads, slots, row] with
 // slot = page * page_size + offset; q and out are [tokens, heads, dim], query head h reading
@@ -19,19 +21,27 @@
 #include <cstring>
 #include <memory>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
+#if defined(__AVX512F__)
+#define VW 16  // floats in a vector register
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4  // SSE, NEON
+#endif
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+typedef int8_t vc __attribute__((vector_size(VW)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
-typedef int8_t v16c __attribute__((vector_size(16)));
 
 // The library is built for one model's attention shape: query heads per KV head and head_dim.
 #if !defined(GROUP) || !defined(HEAD_DIM) || HEAD_DIM % 16 != 0
@@ -40,41 +50,51 @@ typedef int8_t v16c __attribute__((vector_size(16)));
 
 constexpr int MAX_PAGE = 256;  // tokens per page
 
-inline v16f load(const float* p) {
-    v16f v;
+inline vf load(const float* p) {
+    vf v;
     std::memcpy(&v, p, sizeof v);
     return v;
 }
 
-inline v16f load(const uint16_t* p) {  // bfloat16 -> float32: the bf16 bits are the high half
-    v16h h;
+inline vf load(const uint16_t* p) {  // bfloat16 -> float32: the bf16 bits are the high half
+    vh h;
     std::memcpy(&h, p, sizeof h);
-    v16u u = __builtin_convertvector(h, v16u) << 16;
-    v16f f;
+    vu u = __builtin_convertvector(h, vu) << 16;
+    vf f;
     std::memcpy(&f, &u, sizeof f);
     return f;
 }
 
-inline void store(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-inline void store(uint16_t* p, v16f v) {  // float32 -> bfloat16, rounding to nearest even
-    v16u u;
+inline void store(uint16_t* p, vf v) {  // float32 -> bfloat16, rounding to nearest even
+    vu u;
     std::memcpy(&u, &v, sizeof u);
     u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    v16h h = __builtin_convertvector(u, v16h);
+    vh h = __builtin_convertvector(u, vh);
     std::memcpy(p, &h, sizeof h);
 }
 
-inline float hsum(v16f a) {  // in registers (through memory the halves' loads would stall)
-#if defined(__clang__) || __GNUC__ >= 12
+inline float hsum(vf a) {  // in registers (through memory the halves' loads would stall)
+#if VW == 4
+    v4f s4 = a;
+#elif defined(__clang__) || __GNUC__ >= 12
+#if VW == 16
     v8f s8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
              __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    v8f s8 = a;
+#endif
     v4f s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
 #else
+#if VW == 16
     v8f lo, hi;
     std::memcpy(&lo, &a, sizeof lo);
     std::memcpy(&hi, reinterpret_cast<char*>(&a) + sizeof lo, sizeof hi);
     v8f s8 = lo + hi;
+#else
+    v8f s8 = a;
+#endif
     v4f l4, h4;
     std::memcpy(&l4, &s8, sizeof l4);
     std::memcpy(&h4, reinterpret_cast<char*>(&s8) + sizeof l4, sizeof h4);
@@ -83,25 +103,28 @@ inline float hsum(v16f a) {  // in registers (through memory the halves' loads w
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-// How a cache row reads: 16 of its values from i, and the scale they are multiplied by.
+// How a cache row reads: VW of its values from i, and the scale they are multiplied by.
 template <typename C>
 struct Row {  // the model's dtype
     static constexpr int STRIDE = HEAD_DIM;  // elements from one row to the next
-    static v16f values(const C* row, int i) { return load(row + i); }
+    static vf values(const C* row, int i) { return load(row + i); }
     static float scale(const C*) { return 1.0f; }
 };
 
 template <>
 struct Row<int8_t> {  // int8 values, then their float32 scale
     static constexpr int STRIDE = HEAD_DIM + 4;
-    static v16f values(const int8_t* row, int i) {
-#if defined(__AVX512F__)  // GCC turns the generic widening below into 16 scalar conversions
+    static vf values(const int8_t* row, int i) {
+#if VW == 16  // GCC turns the generic widening below into scalar conversions
         const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i));
-        return v16f(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)));
+        return vf(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)));
+#elif VW == 8 && defined(__AVX2__)
+        const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i));
+        return vf(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)));
 #else
-        v16c c;
+        vc c;
         std::memcpy(&c, row + i, sizeof c);
-        return __builtin_convertvector(c, v16f);
+        return __builtin_convertvector(c, vf);
 #endif
     }
     static float scale(const int8_t* row) {
@@ -113,19 +136,19 @@ struct Row<int8_t> {  // int8 values, then their float32 scale
 
 // e^x for x <= 0 (softmax after subtracting the max): 2^n * e^r with |r| <= ln2 / 2 and a
 // degree-6 Taylor polynomial for e^r (relative error < 2e-7); below -87 it flushes to ~0.
-inline v16f vexp(v16f x) {
-    x = x < -87.0f ? v16f{} - 87.0f : x;
-    v16i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v16i);  // round(x / ln2), x <= 0
-    v16f r = x - __builtin_convertvector(n, v16f) * 0.693147181f;
-    v16f p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 +
+inline vf vexp(vf x) {
+    x = x < -87.0f ? vf{} - 87.0f : x;
+    vi n = __builtin_convertvector(x * 1.44269504f - 0.5f, vi);  // round(x / ln2), x <= 0
+    vf r = x - __builtin_convertvector(n, vf) * 0.693147181f;
+    vf p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 +
                                                 r * (1.0f / 120 + r * (1.0f / 720))))));
-    v16i bits = (n + 127) << 23;
-    v16f scale;
+    vi bits = (n + 127) << 23;
+    vf scale;
     std::memcpy(&scale, &bits, sizeof scale);
     return p * scale;
 }
 
-// Attention of G query heads (one KV head's group) of one sequence; NV = head_dim / 16.
+// Attention of G query heads (one KV head's group) of one sequence; NV = head_dim / VW.
 // ---- decodes: one query per sequence ----
 //
 // Per (sequence, KV head): the group's queries stay in registers; each page gives scores for
@@ -136,14 +159,14 @@ template <typename T, typename C, int G, int NV>
 void decode_one(const T* q, const C* k, const C* v, const int64_t* pages, int64_t ctx, T* out,
                 int page_size, float scale) {
     using R = Row<C>;
-    constexpr int D = NV * 16, S = R::STRIDE;
-    v16f qs[G][NV], acc[G][NV];
+    constexpr int D = NV * VW, S = R::STRIDE;
+    vf qs[G][NV], acc[G][NV];
     float m[G], l[G];
     alignas(64) float s[G][MAX_PAGE];
     for (int g = 0; g < G; ++g) {
         for (int i = 0; i < NV; ++i) {
-            qs[g][i] = load(q + g * D + i * 16) * scale;
-            acc[g][i] = v16f{};
+            qs[g][i] = load(q + g * D + i * VW) * scale;
+            acc[g][i] = vf{};
         }
         m[g] = -3.0e38f;
         l[g] = 0.0f;
@@ -153,11 +176,11 @@ void decode_one(const T* q, const C* k, const C* v, const int64_t* pages, int64_
         const C* kp = k + pages[p] * page_size * S;
         const C* vp = v + pages[p] * page_size * S;
         for (int t = 0; t < n; ++t) {  // scores of the page's tokens
-            v16f row[NV];
-            for (int i = 0; i < NV; ++i) row[i] = R::values(kp + t * S, i * 16);
+            vf row[NV];
+            for (int i = 0; i < NV; ++i) row[i] = R::values(kp + t * S, i * VW);
             const float ks = R::scale(kp + t * S);
             for (int g = 0; g < G; ++g) {
-                v16f d = qs[g][0] * row[0];
+                vf d = qs[g][0] * row[0];
                 for (int i = 1; i < NV; ++i) d += qs[g][i] * row[i];
                 s[g][t] = hsum(d) * ks;
             }
@@ -165,21 +188,21 @@ void decode_one(const T* q, const C* k, const C* v, const int64_t* pages, int64_
         for (int g = 0; g < G; ++g) {  // online softmax: new max, rescale what came before
             float mx = m[g];
             for (int t = 0; t < n; ++t) mx = s[g][t] > mx ? s[g][t] : mx;
-            for (int t = n; t < (n + 15) / 16 * 16; ++t) s[g][t] = mx - 100.0f;  // e^-87: ~0
-            v16f sum{};
-            for (int t = 0; t < n; t += 16) {
-                v16f e = vexp(load(&s[g][t]) - mx);
+            for (int t = n; t < (n + VW - 1) / VW * VW; ++t) s[g][t] = mx - 100.0f;  // e^-87: ~0
+            vf sum{};
+            for (int t = 0; t < n; t += VW) {
+                vf e = vexp(load(&s[g][t]) - mx);
                 store(&s[g][t], e);
                 sum += e;
             }
-            const float corr = vexp(v16f{} + (m[g] - mx))[0];
+            const float corr = vexp(vf{} + (m[g] - mx))[0];
             for (int i = 0; i < NV; ++i) acc[g][i] *= corr;
             l[g] = l[g] * corr + hsum(sum);
             m[g] = mx;
         }
         for (int t = 0; t < n; ++t) {  // weighted values
-            v16f row[NV];
-            for (int i = 0; i < NV; ++i) row[i] = R::values(vp + t * S, i * 16);
+            vf row[NV];
+            for (int i = 0; i < NV; ++i) row[i] = R::values(vp + t * S, i * VW);
             const float vs = R::scale(vp + t * S);
             for (int g = 0; g < G; ++g) {
                 const float w = s[g][t] * vs;
@@ -189,7 +212,7 @@ void decode_one(const T* q, const C* k, const C* v, const int64_t* pages, int64_
     }
     for (int g = 0; g < G; ++g) {
         const float inv = 1.0f / l[g];
-        for (int i = 0; i < NV; ++i) store(out + g * D + i * 16, acc[g][i] * inv);
+        for (int i = 0; i < NV; ++i) store(out + g * D + i * VW, acc[g][i] * inv);
     }
 }
 
@@ -201,7 +224,7 @@ void decode(const T* q, const C* k, const C* v, const int64_t* block_table,
     for (int item = 0; item < batch * kv_heads; ++item) {
         const int b = item / kv_heads, h = item % kv_heads;
         const int64_t at = (int64_t(b) * heads + int64_t(h) * GROUP) * HEAD_DIM;
-        decode_one<T, C, GROUP, HEAD_DIM / 16>(q + at, k + h * head_stride, v + h * head_stride,
+        decode_one<T, C, GROUP, HEAD_DIM / VW>(q + at, k + h * head_stride, v + h * head_stride,
                                                block_table + int64_t(b) * width, ctx_lens[b],
                                                out + at, page_size, scale);
     }
@@ -212,33 +235,47 @@ void decode(const T* q, const C* k, const C* v, const int64_t* block_table,
 // A work item is a tile of a sequence's query tokens for one KV head. Its rows are the
 // (token, query head of the group) pairs, ROWS of them, held transposed so that the rows lie
 // across the vector lanes: scores are [key][row], and the running max, sum and output are
-// per lane. Each key page is converted to float32 once per tile; its scores, causal mask,
-// online-softmax update and weighted values are all broadcast-FMAs over row vectors (no
-// horizontal sums). Pages past the tile's last query are never read.
+// per lane. Each key page is converted to float32 once per tile (float32 pages are read where
+// they lie); its scores, causal mask, online-softmax update and weighted values are all
+// broadcast-FMAs over row vectors (no horizontal sums). Pages past the tile's last query are
+// never read.
 
-constexpr int ROWS = 64;          // rows of a tile: tokens * group, padded to the vectors
-constexpr int RV = ROWS / 16;     // row vectors
+// The register blocks are sized to the register file: 32 vector registers with AVX-512 (and
+// NEON), 16 with AVX2 or SSE, so that the accumulators, the loaded operands and a broadcast fit.
+constexpr int RV = 4;             // row vectors of a tile
+constexpr int ROWS = RV * VW;     // rows of a tile: tokens * group, padded to the vectors
+#if VW == 16
+constexpr int KB = 4, DB = 16;    // keys a block of scores, value dims a block of outputs
+#else
+constexpr int KB = 2, DB = 8;
+#endif
+static_assert(ROWS >= GROUP, "a tile holds at least one token");
 constexpr float MASKED = -1.0e30f;
 
 struct Scratch {  // per thread, reused by every tile it runs
     float qt[HEAD_DIM][ROWS], ot[HEAD_DIM][ROWS], st[MAX_PAGE][ROWS];
-    float kf[MAX_PAGE][HEAD_DIM], vf[MAX_PAGE][HEAD_DIM], row[HEAD_DIM];
+    float keys[MAX_PAGE][HEAD_DIM], values[MAX_PAGE][HEAD_DIM], row[HEAD_DIM];
 };
 
 template <typename T>
-void to_float(const T* src, float* dst, int n) {  // n values, n a multiple of 16
-    for (int i = 0; i < n; i += 16) store(dst + i, load(src + i));
+void to_float(const T* src, float* dst, int n) {  // n values, n a multiple of VW
+    for (int i = 0; i < n; i += VW) store(dst + i, load(src + i));
 }
 
+// n cache rows as float32 [n][HEAD_DIM]: converted into dst, or float32 rows where they lie.
 template <typename C>
-void rows_to_float(const C* src, float* dst, int n) {  // n cache rows -> [n][HEAD_DIM]
+const float* rows_to_float(const C* src, float* dst, int n) {
     using R = Row<C>;
     for (int t = 0; t < n; ++t) {
         const float scale = R::scale(src + t * R::STRIDE);
-        for (int i = 0; i < HEAD_DIM; i += 16)
+        for (int i = 0; i < HEAD_DIM; i += VW)
             store(dst + t * HEAD_DIM + i, R::values(src + t * R::STRIDE, i) * scale);
     }
+    return dst;
 }
+
+template <>
+const float* rows_to_float(const float* src, float*, int) { return src; }
 
 // Rows r = token * GROUP + g of `tokens` query tokens at positions first, first + 1, ...;
 // q and out point at the group's first query head of the tile's first token; consecutive
@@ -257,75 +294,76 @@ void prefill_tile(Scratch& w, const T* q, T* out, int64_t token_stride, int toke
         for (int r = rows; r < ROWS; ++r) w.qt[d][r] = 0.0f;
         for (int r = 0; r < ROWS; ++r) w.ot[d][r] = 0.0f;
     }
-    v16f pos[RV], m[RV], l[RV];  // each row's token position, running max and sum
+    vf pos[RV], m[RV], l[RV];  // each row's token position, running max and sum
     for (int j = 0; j < RV; ++j) {
-        for (int i = 0; i < 16; ++i) {
-            const int r = j * 16 + i < rows ? j * 16 + i : rows - 1;  // padding: the last row
+        for (int i = 0; i < VW; ++i) {
+            const int r = j * VW + i < rows ? j * VW + i : rows - 1;  // padding: the last row
             pos[j][i] = float(first + r / GROUP);
         }
-        m[j] = v16f{} - 3.0e38f;
-        l[j] = v16f{};
+        m[j] = vf{} - 3.0e38f;
+        l[j] = vf{};
     }
     const int64_t last = first + tokens - 1;
     for (int64_t start = 0, p = 0; start <= last; start += page_size, ++p) {
         const int n = last + 1 - start < page_size ? int(last + 1 - start) : page_size;
-        rows_to_float(k + pages[p] * page_size * Row<C>::STRIDE, &w.kf[0][0], n);
-        rows_to_float(v + pages[p] * page_size * Row<C>::STRIDE, &w.vf[0][0], n);
+        const int64_t at = pages[p] * page_size * Row<C>::STRIDE;
+        const float* keys = rows_to_float(k + at, &w.keys[0][0], n);
+        const float* values = rows_to_float(v + at, &w.values[0][0], n);
         int t = 0;
-        for (; t + 4 <= n; t += 4) {  // scores, four keys at a time
-            v16f acc[4][RV] = {};
+        for (; t + KB <= n; t += KB) {  // scores, KB keys at a time
+            vf acc[KB][RV] = {};
             for (int d = 0; d < D; ++d) {
-                v16f qv[RV];
-                for (int j = 0; j < RV; ++j) qv[j] = load(&w.qt[d][j * 16]);
-                for (int i = 0; i < 4; ++i)
-                    for (int j = 0; j < RV; ++j) acc[i][j] += w.kf[t + i][d] * qv[j];
+                vf qv[RV];
+                for (int j = 0; j < RV; ++j) qv[j] = load(&w.qt[d][j * VW]);
+                for (int i = 0; i < KB; ++i)
+                    for (int j = 0; j < RV; ++j) acc[i][j] += keys[(t + i) * D + d] * qv[j];
             }
-            for (int i = 0; i < 4; ++i)
-                for (int j = 0; j < RV; ++j) store(&w.st[t + i][j * 16], acc[i][j]);
+            for (int i = 0; i < KB; ++i)
+                for (int j = 0; j < RV; ++j) store(&w.st[t + i][j * VW], acc[i][j]);
         }
         for (; t < n; ++t) {
-            v16f acc[RV] = {};
+            vf acc[RV] = {};
             for (int d = 0; d < D; ++d)
-                for (int j = 0; j < RV; ++j) acc[j] += w.kf[t][d] * load(&w.qt[d][j * 16]);
-            for (int j = 0; j < RV; ++j) store(&w.st[t][j * 16], acc[j]);
+                for (int j = 0; j < RV; ++j) acc[j] += keys[t * D + d] * load(&w.qt[d][j * VW]);
+            for (int j = 0; j < RV; ++j) store(&w.st[t][j * VW], acc[j]);
         }
         if (start + n - 1 > first)  // keys after some row's own position: causal mask
             for (int t = 0; t < n; ++t)
                 for (int j = 0; j < RV; ++j) {
-                    v16f s = load(&w.st[t][j * 16]);
-                    store(&w.st[t][j * 16], float(start + t) > pos[j] ? v16f{} + MASKED : s);
+                    vf s = load(&w.st[t][j * VW]);
+                    store(&w.st[t][j * VW], float(start + t) > pos[j] ? vf{} + MASKED : s);
                 }
         for (int j = 0; j < RV; ++j) {  // online softmax across the lanes
-            v16f mx = m[j];
+            vf mx = m[j];
             for (int t = 0; t < n; ++t) {
-                v16f s = load(&w.st[t][j * 16]);
+                vf s = load(&w.st[t][j * VW]);
                 mx = s > mx ? s : mx;
             }
-            const v16f corr = vexp(m[j] - mx);
-            v16f sum{};
+            const vf corr = vexp(m[j] - mx);
+            vf sum{};
             for (int t = 0; t < n; ++t) {
-                v16f e = vexp(load(&w.st[t][j * 16]) - mx);
-                store(&w.st[t][j * 16], e);
+                vf e = vexp(load(&w.st[t][j * VW]) - mx);
+                store(&w.st[t][j * VW], e);
                 sum += e;
             }
             l[j] = l[j] * corr + sum;
             m[j] = mx;
-            for (int d0 = 0; d0 < D; d0 += 16) {  // weighted values, 16 dims at a time
-                v16f acc[16];
-                for (int i = 0; i < 16; ++i) acc[i] = load(&w.ot[d0 + i][j * 16]) * corr;
+            for (int d0 = 0; d0 < D; d0 += DB) {  // weighted values, DB dims at a time
+                vf acc[DB];
+                for (int i = 0; i < DB; ++i) acc[i] = load(&w.ot[d0 + i][j * VW]) * corr;
                 for (int t = 0; t < n; ++t) {
-                    const v16f pv = load(&w.st[t][j * 16]);
-                    for (int i = 0; i < 16; ++i) acc[i] += w.vf[t][d0 + i] * pv;
+                    const vf pv = load(&w.st[t][j * VW]);
+                    for (int i = 0; i < DB; ++i) acc[i] += values[t * D + d0 + i] * pv;
                 }
-                for (int i = 0; i < 16; ++i) store(&w.ot[d0 + i][j * 16], acc[i]);
+                for (int i = 0; i < DB; ++i) store(&w.ot[d0 + i][j * VW], acc[i]);
             }
         }
     }
     for (int r = 0; r < rows; ++r) {  // transpose the outputs back, normalised
-        const float inv = 1.0f / l[r / 16][r % 16];
+        const float inv = 1.0f / l[r / VW][r % VW];
         for (int d = 0; d < D; ++d) w.row[d] = w.ot[d][r] * inv;
         T* dst = out + (r / GROUP) * token_stride + (r % GROUP) * D;
-        for (int d = 0; d < D; d += 16) store(dst + d, load(w.row + d));
+        for (int d = 0; d < D; d += VW) store(dst + d, load(w.row + d));
     }
 }
 
@@ -426,25 +464,30 @@ extern "C" void pypto_store_kv(int element_size, const void* k, const void* v, v
 // magnitude / 127 (stored after its values), rounding to nearest. dtype as above.
 template <typename T>
 void store_int8(const T* src, int8_t* dst) {
-    v16f x[HEAD_DIM / 16];
-    v16f top{};
-    for (int i = 0; i < HEAD_DIM / 16; ++i) {
-        x[i] = load(src + i * 16);
-        const v16f a = x[i] < 0 ? -x[i] : x[i];
+    vf x[HEAD_DIM / VW];
+    vf top{};
+    for (int i = 0; i < HEAD_DIM / VW; ++i) {
+        x[i] = load(src + i * VW);
+        const vf a = x[i] < 0 ? -x[i] : x[i];
         top = a > top ? a : top;
     }
     float amax = 0.0f;
-    for (int i = 0; i < 16; ++i) amax = top[i] > amax ? top[i] : amax;
+    for (int i = 0; i < VW; ++i) amax = top[i] > amax ? top[i] : amax;
     const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int i = 0; i < HEAD_DIM / 16; ++i) {
-        const v16f r = x[i] * inv;
-        const v16i n = __builtin_convertvector(r + (r < 0 ? v16f{} - 0.5f : v16f{} + 0.5f), v16i);
-#if defined(__AVX512F__)  // as in Row<int8_t>::values
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i * 16),
+    for (int i = 0; i < HEAD_DIM / VW; ++i) {
+        const vf r = x[i] * inv;
+        const vi n = __builtin_convertvector(r + (r < 0 ? vf{} - 0.5f : vf{} + 0.5f), vi);
+#if VW == 16  // as in Row<int8_t>::values
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i * VW),
                          _mm512_cvtepi32_epi8(reinterpret_cast<__m512i>(n)));
+#elif VW == 8 && defined(__AVX2__)  // |n| <= 127: the saturating packs are exact
+        const __m256i n32 = reinterpret_cast<__m256i>(n);
+        const __m128i n16 = _mm_packs_epi32(_mm256_castsi256_si128(n32),
+                                            _mm256_extracti128_si256(n32, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i * VW), _mm_packs_epi16(n16, n16));
 #else
-        const v16c c = __builtin_convertvector(n, v16c);
-        std::memcpy(dst + i * 16, &c, sizeof c);
+        const vc c = __builtin_convertvector(n, vc);
+        std::memcpy(dst + i * VW, &c, sizeof c);
 #endif
     }
     std::memcpy(dst + HEAD_DIM, &scale, sizeof scale);
@@ -484,7 +527,7 @@ extern "C" void pypto_store_kv_head(int kv_int8, const float* k, const float* v,
     }
     uint16_t *kc = static_cast<uint16_t*>(k_cache) + slot * HEAD_DIM;
     uint16_t *vc = static_cast<uint16_t*>(v_cache) + slot * HEAD_DIM;
-    for (int i = 0; i < HEAD_DIM; i += 16) {
+    for (int i = 0; i < HEAD_DIM; i += VW) {
         store(kc + i, load(k + i));
         store(vc + i, load(v + i));
     }
@@ -496,7 +539,7 @@ extern "C" void pypto_store_kv_head(int kv_int8, const float* k, const float* v,
 extern "C" void pypto_decode_attention_head(int kv_int8, const float* q, const void* k,
                                             const void* v, const int64_t* pages, int64_t ctx,
                                             float* out, int page_size, float scale) {
-    constexpr int NV = HEAD_DIM / 16;
+    constexpr int NV = HEAD_DIM / VW;
     if (kv_int8)
         decode_one<float, int8_t, GROUP, NV>(q, static_cast<const int8_t*>(k),
                                              static_cast<const int8_t*>(v), pages, ctx, out,

@@ -19,8 +19,9 @@ speeds up decoding and does not save memory.
 `w8a8` quantizes activations too: int8 weights (a scale per output row) and each token's
 input quantized to int8 when the matmul runs (`int8_linear`), so the matmul itself runs on
 the CPU's int8 dot products (AVX512-VNNI), at about twice the bf16 rate: it speeds up the
-compute-bound batched steps (prefill, decodes of many). The inputs are first divided by
-SmoothQuant's per-channel factors, calibrated at load time (models/calibration.py).
+compute-bound batched steps (prefill, decodes of many); without them (AVX2) oneDNN sums pairs
+of products in int16, so there weights keep 7 bits (`quantize_w8a8`). The inputs are first
+divided by SmoothQuant's per-channel factors, calibrated at load time (models/calibration.py).
 
 `int4-w8a8` keeps both forms of each weight and picks by the matmul's row count: int4 up to
 QUANTIZED_MAX_ROWS (decoding a few sequences: memory-bound, where int4's fewer bytes win),
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pypto_serving.device import cpu_isa, cpu_packs_bf16, int8_weight_max, use_packed_linear
 from pypto_serving.distributed import Group, tp_all_reduce
 from pypto_serving.errors import PyptoError
 
@@ -100,12 +102,19 @@ def _(
     return x.new_empty(x.shape[0], out_features)
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 with one scale per output row: (int8 [N, K], bf16 scales [N])."""
+def quantize_int8(weight: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per output row, values in [-qmax, qmax]: (int8 [N, K],
+    scales [N] in the weight's dtype)."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
-    q = (w / scale[:, None]).round().clamp(-128, 127).to(torch.int8)
+    scale = (w.abs().amax(dim=1) / qmax).clamp(min=1e-10)
+    q = (w / scale[:, None]).round().clamp(-qmax, qmax).to(torch.int8)
     return q, scale.to(weight.dtype)
+
+
+def quantize_w8a8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_int8` for `int8_linear`: values up to what the CPU's int8 GEMM sums exactly
+    (`device.int8_weight_max`: 127, or 64 on CPUs without int8 dot products, such as AVX2)."""
+    return quantize_int8(weight, int8_weight_max())
 
 
 def int8_linear(
@@ -203,8 +212,17 @@ class Linear(nn.Linear):
     (`pack_q4`, `pack_q8`), which alone reads it."""
 
     def pack(self) -> None:
-        """Repack the (loaded) weight for oneDNN; the plain weight stays for tying/loading."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+        """Repack the (loaded) weight for oneDNN; the plain weight stays for tying/loading.
+        bf16 only where oneDNN packs it (`device.cpu_packs_bf16`: AVX-512 BW, VL and DQ, or
+        AVX-NE-CONVERT); elsewhere a clear error, not oneDNN's."""
+        weight = self.weight.detach()
+        if weight.dtype == torch.bfloat16 and not cpu_packs_bf16():
+            raise PyptoError(
+                f"oneDNN packs bf16 weights only on CPUs with AVX-512 BW, VL and DQ, or "
+                f"AVX-NE-CONVERT; this one has neither (ISA {cpu_isa()})",
+                "dtype",
+            )
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
     @property
     def row_bounds(self) -> tuple[int, ...]:
@@ -224,7 +242,7 @@ class Linear(nn.Linear):
             return
         weight = self.weight.detach()
         if kind == "w8a8":
-            q, scale = quantize_int8(weight.float() * (1 if smooth is None else smooth))
+            q, scale = quantize_w8a8(weight.float() * (1 if smooth is None else smooth))
             self.int8 = (q, scale, smooth)
             return
         if kind == "int8":
@@ -348,22 +366,24 @@ def pack_linears(
     saved: dict[str, dict[str, torch.Tensor]] | None = None,
     native: bool = False,
 ) -> int:
-    """Pack (and quantize) every `Linear` of the model; returns how many there were. Under
-    int4 the LM head gets int8, as llama.cpp keeps its output tensor above 4 bits (Q8_0 in
-    SmolLM2's Q4_1 file): the logits are where small models lose most to quantization; under
-    int4-w8a8 it gets w8a8, whose one-row matmul is 1.4x the weight-only int8 kernel's (the
-    head is a fifth of SmolLM2's weights). w8a8 and int4-w8a8 keep no bf16 weight packed
-    (their wide matmuls run in int8), and take each layer's smoothing factors. saved: each
-    layer's `quantized_tensors` by module name, from an earlier load, taken instead of
-    quantizing. native: the model's decodes of a few run through the native decode step
-    (executor/native_decode.py), so the int4 of int4 and int4-w8a8 is its Q4 (`pack_q4`) and
-    the head gets its Q8 too: the compiled graphs then never meet int4, and their wide form
-    (the packed bf16 weight, or w8a8) serves every step they run."""
+    """Pack (where oneDNN packs the weights' dtype on this CPU: `device.use_packed_linear`;
+    elsewhere wide matmuls run on the plain or quantized weights) and quantize every `Linear`
+    of the model; returns how many there were. Under int4 the LM head gets int8, as llama.cpp
+    keeps its output tensor above 4 bits (Q8_0 in SmolLM2's Q4_1 file): the logits are where
+    small models lose most to quantization; under int4-w8a8 it gets w8a8, whose one-row matmul
+    is 1.4x the weight-only int8 kernel's (the head is a fifth of SmolLM2's weights). w8a8 and
+    int4-w8a8 keep no bf16 weight packed (their wide matmuls run in int8), and take each
+    layer's smoothing factors. saved: each layer's `quantized_tensors` by module name, from an
+    earlier load, taken instead of quantizing. native: the model's decodes of a few run through
+    the native decode step (executor/native_decode.py), so the int4 of int4 and int4-w8a8 is
+    its Q4 (`pack_q4`) and the head gets its Q8 too: the compiled graphs then never meet int4,
+    and their wide form (the packed bf16 weight, or w8a8) serves every step they run."""
     head = getattr(model, "lm_head", None)
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
     int8_wide = quantization is not None and quantization.endswith("w8a8")
     for name, layer in layers:
-        if quantization is None or (not int8_wide and torch.backends.mkldnn.is_available()):
+        w = layer.weight
+        if not int8_wide and use_packed_linear(w.device, w.dtype):
             layer.pack()  # quantized layers keep it for prefill-sized matmuls
         if quantization is None:
             continue

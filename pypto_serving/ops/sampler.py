@@ -3,16 +3,23 @@
 Processing order follows vLLM: penalties, min_tokens (EOS suppressed), then greedy argmax or
 temperature -> top-k -> top-p -> min-p -> a draw. Seeded rows draw from their own generator,
 so a seeded request samples the same tokens whatever else is in the batch.
+
+A row whose logits hold a NaN or +inf (a numeric fault of the model), or mask every token,
+has no token to sample: its Sampled carries an `error` instead, which fails that request
+alone (never token 0 from an argmax over NaN); the other rows of the batch are unaffected.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pypto_serving.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -32,6 +39,9 @@ class Sampled:
     logprob: float
     top_logprobs: dict[int, float] | None
     """The `params.logprobs` most likely tokens and their logprobs (raw model distribution)."""
+    error: str | None = None
+    """Why no token could be sampled for this row (its logits were unusable): the request
+    fails with this message, and token_id means nothing."""
 
 
 def edit_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -107,16 +117,32 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sampled]:
     """Pick one token for each row of logits [B, vocab] (float32)."""
     raw = logits
     logits = edit_logits(logits, rows)
-    greedy = logits.argmax(dim=-1)
-    tokens = greedy
+    best, tokens = logits.max(dim=-1)  # NaN where a row holds one, +inf where it holds one
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         sub = [rows[i] for i in random_rows]
         temps = torch.tensor([r.params.temperature for r in sub], device=logits.device)
-        scaled = filter_top_k_top_p_min_p(logits[random_rows] / temps[:, None], sub)
-        tokens = greedy.clone()
+        # shifted so each row's best logit is 0: no temperature >= GREEDY_BELOW overflows it
+        shifted = (logits[random_rows] - best[random_rows, None]) / temps[:, None]
+        scaled = filter_top_k_top_p_min_p(shifted, sub)
         tokens[random_rows] = draw(scaled.softmax(dim=-1), sub)
-    return _with_logprobs(raw, tokens, rows)
+    out = _with_logprobs(raw, tokens, rows)
+    for i, usable in enumerate(torch.isfinite(best).tolist()):
+        if not usable:
+            out[i].error = _unusable(logits[i])
+    return out
+
+
+def _unusable(logits: torch.Tensor) -> str:
+    """Why no token can be sampled from one row's logits (NaN, +inf, or every token masked)."""
+    if bool(logits.isnan().any()):
+        why = "the model produced NaN logits for this request"
+    elif bool(logits.isposinf().any()):
+        why = "the model produced infinite logits for this request"
+    else:
+        why = "every token's logit is -inf for this request"
+    log.warning("a request fails: %s", why)
+    return f"{why}, so no token could be sampled"
 
 
 def _with_logprobs(

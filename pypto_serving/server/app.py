@@ -2,12 +2,13 @@
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models (OpenAI), /tokenize, /detokenize,
 /health, /metrics (Prometheus), /version, and FastAPI's /openapi.json and /docs. With an API
-key set, every route but /health needs `Authorization: Bearer KEY` (compared in constant
-time, before the body is read).
+key set, every route but /health needs `Authorization: Bearer KEY` (the scheme in any case;
+the key compared in constant time, before the body is read).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import AsyncIterator
@@ -37,18 +38,33 @@ OPEN_PATHS = frozenset({"/health"})
 """Routes answered without the API key (a load balancer's probe)."""
 
 
+def has_key(authorization: bytes, key: bytes) -> bool:
+    """Whether an Authorization header is `Bearer KEY`: the scheme in any case (RFC 7235),
+    the key compared in constant time."""
+    scheme, _, credentials = authorization.partition(b" ")
+    right_key = hmac.compare_digest(credentials.lstrip(b" "), key)
+    return scheme.lower() == b"bearer" and right_key
+
+
 class RequestGuard:
     """ASGI middleware run before any route: 431 for request headers over `max_header_bytes`,
     401 without the API key (every path but OPEN_PATHS, unknown ones and the OpenAPI pages
     included; compared in constant time), 413 for a body over `max_body_bytes`, read before
-    it is parsed."""
+    it is parsed, and 408 (then the connection closes) for a body not received within
+    `body_timeout_s` of the headers."""
 
     def __init__(
-        self, app: ASGIApp, api_key: str | None, max_header_bytes: int, max_body_bytes: int
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        max_header_bytes: int,
+        max_body_bytes: int,
+        body_timeout_s: float,
     ) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key.encode() if api_key else None
         self.max_header_bytes, self.max_body_bytes = max_header_bytes, max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -61,9 +77,9 @@ class RequestGuard:
             )
             await self._refuse(scope, receive, send, 431, message, "headers_too_large")
             return
-        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+        if self.key is not None and scope["path"] not in OPEN_PATHS:
             given = next((v for k, v in headers if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not has_key(given, self.key):
                 await self._refuse(
                     scope, receive, send, 401, "missing or invalid API key", "invalid_api_key"
                 )
@@ -72,16 +88,20 @@ class RequestGuard:
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             await self._too_large(scope, receive, send)
             return
-        body, more = bytearray(), True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away while sending
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_body_bytes:
-                await self._too_large(scope, receive, send)
-                return
+        body = bytearray()
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while (status := await self._read(receive, body)) == "more":
+                    pass
+        except TimeoutError:
+            message = f"the request body did not arrive within {self.body_timeout_s:g} s"
+            await self._refuse(scope, receive, send, 408, message, "request_timeout", close=True)
+            return
+        if status == "gone":  # the client went away while sending
+            return
+        if status == "too_large":
+            await self._too_large(scope, receive, send)
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -93,16 +113,33 @@ class RequestGuard:
 
         await self.app(scope, replay, send)
 
+    async def _read(self, receive: Receive, body: bytearray) -> str:
+        """Add the next piece of the body: "more", "done", "gone" or "too_large"."""
+        message = await receive()
+        if message["type"] != "http.request":
+            return "gone"
+        body += message.get("body", b"")
+        if len(body) > self.max_body_bytes:
+            return "too_large"
+        return "more" if message.get("more_body", False) else "done"
+
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"the request body is larger than the limit of {self.max_body_bytes} bytes"
         await self._refuse(scope, receive, send, 413, message, "request_too_large")
 
     @staticmethod
     async def _refuse(
-        scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        status: int,
+        message: str,
+        code: str,
+        close: bool = False,
     ) -> None:
         body = error_body(message, "invalid_request_error", code=code)
-        await JSONResponse(body, status_code=status)(scope, receive, send)
+        headers = {"Connection": "close"} if close else None
+        await JSONResponse(body, status_code=status, headers=headers)(scope, receive, send)
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
@@ -139,22 +176,26 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    @app.post("/tokenize", response_model=dict[str, Any])
+    async def tokenize(body: TokenizeRequest) -> Response:
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise PyptoError("give exactly one of prompt or messages", "prompt")
-        if body.messages is not None:
-            tokens = serving.render_chat(conversation(body.messages), body.add_generation_prompt)
-        else:
-            tokens = serving.tokenizer.encode(
-                body.prompt, add_special_tokens=body.add_special_tokens
+
+        def count() -> Response:  # on a worker thread: a long text takes seconds
+            if body.messages is not None:
+                messages = conversation(body.messages)
+                tokens = serving.render_chat(messages, body.add_generation_prompt)
+            else:
+                tokens = serving.tokenizer.encode(
+                    body.prompt, add_special_tokens=body.add_special_tokens
+                )
+            max_model_len = engine.engine.max_model_len
+            return JSONResponse(
+                {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
             )
-        return {
-            "tokens": tokens,
-            "count": len(tokens),
-            "max_model_len": engine.engine.max_model_len,
-        }
+
+        return await asyncio.to_thread(count)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
@@ -164,6 +205,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
             raise PyptoError(f"token ids must be in [0, {vocab})", "tokens")
         return {"prompt": serving.tokenizer.decode(body.tokens)}
 
+    @app.head("/health", include_in_schema=False)  # probes that send HEAD: the same status
     @app.get("/health")
     async def health() -> Response:
         problem = engine.health_problem()
@@ -191,5 +233,6 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
         api_key=config.api_key,
         max_header_bytes=config.max_header_bytes,
         max_body_bytes=config.max_request_bytes,
+        body_timeout_s=config.body_timeout_s,
     )
     return app

@@ -2,7 +2,8 @@
 one JSON response, or SSE chunks in OpenAI's format ending with `data: [DONE]`.
 
 Everything a client can get wrong is checked before the first byte is sent, so a bad request
-is always a JSON 4xx, never a broken stream.
+is always a JSON 4xx, never a broken stream. Cheap checks (counts, sizes) come before
+tokenizing, and tokenizing and chat templates run on a worker thread, off the event loop.
 """
 
 from __future__ import annotations
@@ -31,7 +32,17 @@ from pypto_serving.kv.tier import TIER_NAMES
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.server.errors import UNAVAILABLE, APIError, error_body, quoted
-from pypto_serving.server.protocol import ChatCompletionRequest, CompletionRequest
+from pypto_serving.server.logprobs import (
+    TextOffsets,
+    TokenBytes,
+    chat_logprobs,
+    completion_logprobs,
+)
+from pypto_serving.server.protocol import (
+    MAX_SEQUENCES_PER_REQUEST,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 
 
 @dataclass(slots=True)
@@ -133,7 +144,8 @@ async def until_disconnected(request: Request) -> None:
 
 
 async def unless_disconnected(request: Request, work: Awaitable[JSONResponse]) -> JSONResponse:
-    """Run `work`, cancelling it (which aborts its requests) if the client goes away."""
+    """Run `work`, cancelling it (which aborts its requests) if the client goes away; the
+    answer then is a 499 that nobody reads (no 500 path, no traceback)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(until_disconnected(request))
     try:
@@ -142,6 +154,8 @@ async def unless_disconnected(request: Request, work: Awaitable[JSONResponse]) -
         watcher.cancel()
         if not task.done():
             task.cancel()
+            # a cancelled task is done only once it has run its cleanup (the abort): wait
+            await asyncio.wait({task})
     if task.cancelled():
         return JSONResponse(error_body("client disconnected", "client_closed"), status_code=499)
     return task.result()
@@ -151,16 +165,20 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-MAX_SEQUENCES_PER_REQUEST = 128
 RETRY_AFTER = {"Retry-After": "1"}
 """Seconds a client refused for overload should wait (OpenAI clients honour the header)."""
-"""Prompts x n of one request: more is refused (one request must not flood the queue)."""
+PROMPT_CHARS_MARGIN = 4
+"""A text prompt longer than this many times (context x the longest token's characters) is
+refused before it is tokenized: it cannot fit, unless a normalizer shrinks text that much."""
 
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_name: str) -> None:
         self.engine, self.model_name = engine, model_name
         self.tokenizer = engine.llm.tokenizer
+        self.token_bytes = TokenBytes(self.tokenizer)
+        longest = max(map(len, self.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = PROMPT_CHARS_MARGIN * engine.engine.max_model_len * longest
 
     # --- shared -------------------------------------------------------------------------
 
@@ -173,20 +191,25 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def _check(
-        self, prompts: list[list[int]], params: SamplingParams, prompt_param: str = "prompt"
-    ) -> None:
-        """Raise unless the engine can take every prompt; `prompt_param` names them in errors."""
+    def _check_count(self, num_prompts: int, params: SamplingParams) -> None:
+        """Raise unless the engine runs and one request may hold this many sequences (checked
+        before tokenizing, and again after)."""
         if not self.engine.alive:
             raise EngineDeadError("the engine is not running")
         if self.engine.draining:
             raise DrainingError("the server is shutting down and takes no new requests")
-        if len(prompts) * params.n > MAX_SEQUENCES_PER_REQUEST:
+        if num_prompts * params.n > MAX_SEQUENCES_PER_REQUEST:
             raise PyptoError(
-                f"{len(prompts)} prompt(s) x n={params.n} sequences is over the limit of "
+                f"{num_prompts} prompt(s) x n={params.n} sequences is over the limit of "
                 f"{MAX_SEQUENCES_PER_REQUEST} per request",
                 "n",
             )
+
+    def _check(
+        self, prompts: list[list[int]], params: SamplingParams, prompt_param: str = "prompt"
+    ) -> None:
+        """Raise unless the engine can take every prompt; `prompt_param` names them in errors."""
+        self._check_count(len(prompts), params)
         for ids in prompts:
             try:
                 self.engine.engine.check(ids, params)
@@ -212,9 +235,6 @@ class OpenAIServing:
             for i, ids in enumerate(prompts)
         ]
 
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
     # --- /v1/completions -----------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Any:
@@ -223,7 +243,8 @@ class OpenAIServing:
         if body.echo and body.logprobs is not None:
             raise PyptoError("echo with logprobs is not supported (no prompt logprobs)", "echo")
         texts = body.prompts()
-        prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in texts]
+        self._check_count(len(texts), params)
+        prompts = await self.encode(texts)
         self._check(prompts, params)
         echoes = [
             (p if isinstance(p, str) else self.tokenizer.decode(ids)) if body.echo else ""
@@ -235,12 +256,16 @@ class OpenAIServing:
         n = params.n
 
         def choice(
-            index: int, text: str, logprobs: list[Sampled] | None, reason: str | None, offset: int
+            index: int,
+            text: str,
+            logprobs: list[Sampled] | None,
+            reason: str | None,
+            offsets: TextOffsets,
         ) -> dict[str, Any]:
             return {
                 "index": index,
                 "text": text,
-                "logprobs": self._completion_logprobs(logprobs, offset),
+                "logprobs": completion_logprobs(self.token_bytes, logprobs, offsets),
                 "finish_reason": reason,
             }
 
@@ -258,16 +283,14 @@ class OpenAIServing:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def stream() -> AsyncIterator[str]:
-                offsets = [0] * (len(prompts) * n)  # text_offset of the next logprobs token
+                offsets = [TextOffsets() for _ in range(len(prompts) * n)]
                 if body.echo:
                     for i in range(len(offsets)):
-                        yield sse(chunk([choice(i, echoes[i // n], None, None, 0)], None))
+                        yield sse(chunk([choice(i, echoes[i // n], None, None, offsets[i])], None))
                 async for p, update in updates:
                     for d in update.deltas:
                         i = p * n + d.index
                         c = choice(i, d.text, d.logprobs, d.finish_reason, offsets[i])
-                        if c["logprobs"] is not None:
-                            offsets[i] += sum(map(len, c["logprobs"]["tokens"]))
                         yield sse(chunk([c], None))
                         usage.completion_tokens += len(d.token_ids)
                     if update.finished:
@@ -282,37 +305,20 @@ class OpenAIServing:
             await gather(updates, choices, n, usage)
             want = body.logprobs is not None
             out = [
-                choice(i, c.text, c.logprobs if want else None, c.finish_reason, 0)
+                choice(i, c.text, c.logprobs if want else None, c.finish_reason, TextOffsets())
                 for i, c in enumerate(choices)
             ]
             return JSONResponse(chunk(out, usage.as_dict()))
 
         return await unless_disconnected(raw, collect())
 
-    def _completion_logprobs(self, logprobs: list[Sampled] | None, offset: int) -> Any:
-        if logprobs is None:
-            return None
-        tokens = [self.token_text(s.token_id) for s in logprobs]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [s.logprob for s in logprobs],
-            "top_logprobs": [
-                {self.token_text(t): lp for t, lp in (s.top_logprobs or {}).items()}
-                for s in logprobs
-            ],
-            "text_offset": offsets,
-        }
-
     # --- /v1/chat/completions -------------------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
         self.check_model(body.model)
         params = body.sampling_params(body.max_new_tokens(), body.num_logprobs())
-        prompt = self.render_chat(body.conversation(), add_generation_prompt=True)
+        self._check_count(1, params)
+        prompt = await asyncio.to_thread(self.render_chat, body.conversation(), True)
         self._check([prompt], params, "messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         updates = merge(self._start([prompt], params, rid, body.cache_salt))
@@ -350,7 +356,7 @@ class OpenAIServing:
                         one = {
                             "index": d.index,
                             "delta": delta,
-                            "logprobs": self._chat_logprobs(d.logprobs),
+                            "logprobs": chat_logprobs(self.token_bytes, d.logprobs),
                             "finish_reason": d.finish_reason,
                         }
                         yield sse(chunk([one], "chat.completion.chunk", **tail))
@@ -368,8 +374,8 @@ class OpenAIServing:
                 {
                     "index": i,
                     "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(
-                        c.logprobs if params.logprobs is not None else None
+                    "logprobs": chat_logprobs(
+                        self.token_bytes, c.logprobs if params.logprobs is not None else None
                     ),
                     "finish_reason": c.finish_reason,
                 }
@@ -378,6 +384,22 @@ class OpenAIServing:
             return JSONResponse(chunk(out, "chat.completion", usage=usage.as_dict()))
 
         return await unless_disconnected(raw, collect())
+
+    async def encode(self, texts: list[str | list[int]]) -> list[list[int]]:
+        """Token ids of the prompts; texts are tokenized on a worker thread, and refused first
+        when longer than `max_prompt_chars`."""
+        if any(isinstance(t, str) and len(t) > self.max_prompt_chars for t in texts):
+            raise PyptoError(
+                f"the prompt is over {self.max_prompt_chars} characters, more than this "
+                f"model's context of {self.engine.engine.max_model_len} tokens can hold",
+                "prompt",
+            )
+        if not any(isinstance(t, str) for t in texts):
+            return [list(t) for t in texts]
+        encode = self.tokenizer.encode
+        return await asyncio.to_thread(
+            lambda: [encode(t) if isinstance(t, str) else list(t) for t in texts]
+        )
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         """Token ids of a conversation in the tokenizer's own chat template."""
@@ -393,24 +415,6 @@ class OpenAIServing:
         except Exception as e:  # the template itself may reject a conversation
             raise PyptoError(f"the chat template rejected the messages: {e}", "messages") from None
         return list(out["input_ids"] if isinstance(out, dict) else out)
-
-    def _chat_logprobs(self, logprobs: list[Sampled] | None) -> Any:
-        if logprobs is None:
-            return None
-
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self.token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        return {
-            "content": [
-                {
-                    **entry(s.token_id, s.logprob),
-                    "top_logprobs": [entry(t, lp) for t, lp in (s.top_logprobs or {}).items()],
-                }
-                for s in logprobs
-            ]
-        }
 
     # --- SSE ----------------------------------------------------------------------------
 

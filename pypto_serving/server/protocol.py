@@ -2,30 +2,107 @@
 
 Every model forbids unknown fields: an OpenAI parameter we do not implement is rejected
 with 400 naming it, never silently ignored. Value ranges are checked by SamplingParams,
-so the server and the offline API share one set of rules.
+so the server and the offline API share one set of rules. Every string of a request must be
+valid Unicode (no lone surrogate, which JSON's escapes allow): 400 naming the field.
+
+Validation runs on the event loop, so its cost is bounded before it starts: lists stop at
+their first bad item (`fail_fast`; otherwise a union collects one error per item and member,
+seconds for a large body), and the number of prompts and of chat items is checked first.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
 from pypto_serving.errors import PyptoError
 from pypto_serving.sampling import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
+MAX_SEQUENCES_PER_REQUEST = 128
+"""Prompts x n of one request: more is refused (one request must not flood the queue)."""
+MAX_CHAT_ITEMS = 10_000
+"""Most messages plus content parts in one conversation."""
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _Request(_Body):
+    """A whole request body: every string in it is checked to be valid Unicode."""
+
+    @model_validator(mode="after")
+    def _valid_unicode(self) -> _Request:
+        where = lone_surrogate(self, "")
+        if where is not None:
+            raise PyptoError(f"{where} is not valid Unicode (a lone surrogate)", where)
+        return self
+
+
+def lone_surrogate(value: Any, path: str) -> str | None:
+    """The path (`messages.0.name`) of the first string in `value` (a model, a list, a
+    string) that is not valid Unicode, or None."""
+    if isinstance(value, str):
+        return None if is_unicode(value) else path
+    if isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            where = lone_surrogate(getattr(value, name), f"{path}.{name}".lstrip("."))
+            if where is not None:
+                return where
+    elif isinstance(value, list) and value and not isinstance(value[0], int):
+        for i, item in enumerate(value):  # token id lists are skipped: all ints
+            where = lone_surrogate(item, f"{path}.{i}")
+            if where is not None:
+                return where
+    return None
+
+
+def _few_prompts(prompt: Any) -> Any:
+    """Refuse a list of more prompts than one request may run, before validating them."""
+    many = isinstance(prompt, list) and len(prompt) > MAX_SEQUENCES_PER_REQUEST
+    if many and isinstance(prompt[0], str | list):  # a list of prompts, not of token ids
+        raise PyptoError(
+            f"{len(prompt)} prompts are over the limit of {MAX_SEQUENCES_PER_REQUEST} "
+            "sequences per request",
+            "prompt",
+        )
+    return prompt
+
+
+def _few_chat_items(messages: Any) -> Any:
+    """Refuse a conversation of more than MAX_CHAT_ITEMS messages and content parts, before
+    validating them."""
+    if not isinstance(messages, list):
+        return messages
+    count = len(messages)
+    for m in messages:
+        if count > MAX_CHAT_ITEMS:
+            break
+        content = m.get("content") if isinstance(m, dict) else None
+        count += len(content) if isinstance(content, list) else 0
+    if count > MAX_CHAT_ITEMS:
+        raise PyptoError(
+            f"a conversation may hold at most {MAX_CHAT_ITEMS} messages and content parts together",
+            "messages",
+        )
+    return messages
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class _Sampling(_Request):
     """The sampling fields the two generation endpoints share (OpenAI's names, vLLM's extras)."""
 
     model: str | None = None
@@ -38,8 +115,8 @@ class _Sampling(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | Annotated[list[str], Field(fail_fast=True)] | None = None
+    stop_token_ids: Annotated[list[int], Field(fail_fast=True)] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     user: str | None = None
@@ -76,12 +153,17 @@ class _Sampling(_Body):
         )
 
 
-TokenIds = list[StrictInt]
-PromptInput = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+TokenIds = Annotated[list[StrictInt], Field(fail_fast=True)]
+PromptInput = (
+    StrictStr
+    | Annotated[list[StrictStr], Field(fail_fast=True)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(fail_fast=True)]
+)
 
 
 class CompletionRequest(_Sampling):
-    prompt: PromptInput
+    prompt: Annotated[PromptInput, BeforeValidator(_few_prompts)]
     max_tokens: int | None = 16
     """OpenAI's default for completions; null means up to the context length."""
     logprobs: int | None = None
@@ -91,12 +173,12 @@ class CompletionRequest(_Sampling):
         """The prompt(s) as a list: strings or token id lists."""
         p = self.prompt
         if isinstance(p, str):
-            return [unicode_text(p, "prompt")]
+            return [p]
         if not p:
             raise PyptoError("the prompt is empty", "prompt")
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
-        return [unicode_text(x, "prompt") if isinstance(x, str) else list(x) for x in p]
+        return [x if isinstance(x, str) else list(x) for x in p]
 
 
 class TextPart(_Body):
@@ -106,7 +188,7 @@ class TextPart(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    content: str | Annotated[list[TextPart], Field(fail_fast=True)]
     name: str | None = None
 
     def text(self) -> str:
@@ -115,8 +197,13 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
+Conversation = Annotated[list[ChatMessage], Field(fail_fast=True), BeforeValidator(_few_chat_items)]
+
+
 class ChatCompletionRequest(_Sampling):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[
+        list[ChatMessage], Field(min_length=1, fail_fast=True), BeforeValidator(_few_chat_items)
+    ]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     """OpenAI's newer name for max_tokens; null (and no max_tokens) means up to the context."""
@@ -141,10 +228,7 @@ class ChatCompletionRequest(_Sampling):
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """Messages as the chat template takes them."""
-    return [
-        {"role": m.role, "content": unicode_text(m.text(), f"messages.{i}.content")}
-        for i, m in enumerate(messages)
-    ]
+    return [{"role": m.role, "content": m.text()} for m in messages]
 
 
 def is_unicode(text: str) -> bool:
@@ -157,28 +241,14 @@ def is_unicode(text: str) -> bool:
     return True
 
 
-def unicode_text(text: str, param: str) -> str:
-    """`text`, checked by `is_unicode`."""
-    if not is_unicode(text):
-        raise PyptoError(f"{param} is not valid Unicode (a lone surrogate)", param)
-    return text
-
-
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: StrictStr | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Conversation | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
-    @field_validator("prompt")
-    @classmethod
-    def _unicode_prompt(cls, prompt: str | None) -> str | None:
-        if prompt is not None and not is_unicode(prompt):
-            raise ValueError("not valid Unicode (a lone surrogate)")
-        return prompt
 
-
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: TokenIds

@@ -1,0 +1,80 @@
+"""An engine on the AVX2 paths, run as a child process by test_cpu_isa.py: PYPTO_CPU_ISA=avx2,
+ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 are in its environment before torch
+loads, so torch's kernels (oneDNN's int8 GEMM among them) run their AVX2 code too.
+
+`python isa_checks.py MODEL_DIR`: the decisions of an AVX2 CPU are taken (no oneDNN bf16
+packing, 7-bit w8a8 weights, native kernels for x86-64-v3), then bf16, each quantization and
+the int8 KV cache follow the same engine in float32, greedy, by the top-5 rule of the bf16
+tests. Prints one line per run; exits non-zero (an assertion) on a difference.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch
+from checkpoints import assert_top5_rule
+
+from pypto_serving import LLM, SamplingParams
+from pypto_serving.device import (
+    cpu_flags,
+    cpu_isa,
+    cpu_march,
+    int8_weight_max,
+    use_packed_linear,
+)
+from pypto_serving.ops.linear import Linear, int8_linear, quantize_w8a8
+
+RUNS: dict[str, dict[str, str]] = {
+    "bfloat16": {},
+    "int8": {"quantization": "int8"},
+    "int4": {"quantization": "int4"},
+    "w8a8": {"quantization": "w8a8"},
+    "int4-w8a8": {"quantization": "int4-w8a8"},
+    "kv-int8": {"kv_cache_dtype": "int8"},
+}
+KNOBS = {"enforce_eager": True, "num_kv_pages": 64, "page_size": 16}
+
+
+def check_decisions() -> None:
+    """The AVX2 decisions, and torch itself on its AVX2 code."""
+    assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+    assert cpu_isa() == "avx2" and cpu_march() == "-march=x86-64-v3"
+    assert not any(f.startswith(("avx512", "amx")) for f in cpu_flags())
+    assert not use_packed_linear(torch.device("cpu"), torch.bfloat16)
+    assert int8_weight_max() == 64
+    # oneDNN's AVX2 int8 GEMM sums pairs of products in int16: 7-bit weights keep it exact
+    torch.manual_seed(0)
+    x = torch.randn(17, 256).bfloat16()
+    x[:, 0] = 100  # every row's largest input: its int8 value is 127
+    q, scale = quantize_w8a8(torch.randn(32, 256))
+    got = int8_linear(x, q, scale).double()
+    xs = x.float().abs().amax(1, keepdim=True) / 127
+    xq = torch.round(x.float() / xs).double()
+    exact = (xq @ q.double().T) * xs.double() * scale.double()
+    assert ((got - exact).norm() / exact.norm()).item() < 4e-3  # the output's bf16 rounding
+
+
+def main(model_dir: str) -> None:
+    check_decisions()
+    prompts = [[(7 * i + 3 * j) % 300 + 3 for j in range(3 + 11 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    with LLM(model_dir, dtype="float32", **KNOBS) as llm:
+        expected = llm.generate(prompts, params, use_tqdm=False)
+    for name, extra in RUNS.items():
+        with LLM(model_dir, dtype="bfloat16", **KNOBS, **extra) as llm:
+            got = llm.generate(prompts, params, use_tqdm=False)
+            linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+            assert all(m.packed is None for m in linears)
+            if name.endswith("w8a8"):
+                assert all(m.int8[0].abs().max() <= 64 for m in linears)
+            native = llm.engine.native
+        diverged = assert_top5_rule(expected, got)
+        print(f"{name}: follows float32 (diverged {diverged}/{len(prompts)}, native {native})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,113 @@
+"""An engine's life in one process: start-up checks and limits, and what closing releases.
+
+Ground truth: HF transformers' greedy tokens for every engine, one after another.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from checkpoints import hf_greedy
+from live_server import tiny_llm
+from parallel_checks import children_of, gone
+from patience import patience
+
+from pypto_serving.engine.ranks import HANG_START_ENV
+from pypto_serving.errors import PyptoError
+from pypto_serving.sampling import SamplingParams
+
+MODEL = "llama-gqa4-tied"
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPTS = [[(11 * i + 5 * j) % 300 + 3 for j in range(4 + 13 * i)] for i in range(3)]
+IDLE_LIMIT_S = 45.0
+"""A start-up limit the first engine idles past (generous: the machine may be loaded)."""
+
+
+def test_a_model_without_tokenizer_files_is_a_clear_start_up_error(tiny_model, tmp_path, capsys):
+    """transformers builds an empty tokenizer for a Qwen directory without tokenizer files;
+    the engine must refuse it at start-up, naming the files, not fail later on 'empty prompt'."""
+    from pypto_serving.cli import main
+
+    path = tmp_path / "no-tokenizer"
+    path.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model("qwen3-hd32-gqa4") / name, path / name)
+    message = (
+        f"cannot load the tokenizer in {path}: it has no tokenizer files (one of tokenizer.json"
+    )
+    with pytest.raises(PyptoError, match=re.escape(message)):
+        tiny_llm(path)
+    assert main(["generate", "--model", str(path), "--prompt", "hi"]) == 1
+    out, err = capsys.readouterr()
+    assert f"pypto: error: {message}" in err and "Traceback" not in err and out == ""
+
+
+def test_closed_multi_rank_engines_let_the_next_one_start(tiny_model):
+    """Closing an engine (close(), a `with` block, garbage collection) leaves its process
+    group and stops its ranks and threads, so the next one starts: TP, PP, TP, PP in turn.
+    The first also idles past its start-up limit, which must not bound the ranks' wait for
+    the next step; a second engine while one is open is refused at once."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model(MODEL)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    expected = [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+    before = set(threading.enumerate())
+
+    def generates(llm) -> bool:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        return [r.outputs[0].token_ids for r in outputs] == expected
+
+    def released(pids: list[int]) -> None:
+        assert not dist.is_initialized()
+        assert all(gone(pid) for pid in pids) and children_of(os.getpid()) == []
+        for t in set(threading.enumerate()) - before:
+            if t.name.startswith("pypto"):
+                t.join(patience(10))
+                assert not t.is_alive(), t.name
+
+    llm = tiny_llm(path, tensor_parallel_size=2, startup_timeout_s=IDLE_LIMIT_S)
+    pids = [w.pid for w in llm.engine.workers]
+    assert generates(llm)
+    time.sleep(IDLE_LIMIT_S + 2)
+    assert generates(llm)
+    llm.close()
+    released(pids)
+
+    with tiny_llm(path, pipeline_parallel_size=2) as llm:
+        pids = [w.pid for w in llm.engine.workers]
+        assert generates(llm)
+    released(pids)
+
+    llm = tiny_llm(path, tensor_parallel_size=2)
+    pids = [w.pid for w in llm.engine.workers]
+    with pytest.raises(PyptoError, match="still holds another multi-rank engine"):
+        tiny_llm(path, pipeline_parallel_size=2)  # at once, not after a rendezvous timeout
+    assert generates(llm)
+    del llm
+    gc.collect()
+    released(pids)
+
+    with tiny_llm(path, pipeline_parallel_size=2) as llm:
+        assert generates(llm)
+
+
+def test_a_rank_that_hangs_while_starting_fails_start_up_naming_it(tiny_model, monkeypatch):
+    monkeypatch.setenv(HANG_START_ENV, "1")
+    started = time.monotonic()
+    with pytest.raises(PyptoError) as e:
+        tiny_llm(tiny_model(MODEL), tensor_parallel_size=2, startup_timeout_s=30)
+    assert time.monotonic() - started >= 30
+    message = str(e.value)
+    assert re.search(r"rank 1 \(pid \d+\) did not start within startup_timeout_s \(30 s\)", message)
+    pids = [int(p) for p in re.findall(r"pid (\d+)", message)]
+    assert pids and all(gone(pid) for pid in pids)
+    assert children_of(os.getpid()) == [] and not dist.is_initialized()
