@@ -6,7 +6,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-import pypto_serving  # noqa: F401  (first: it sets OpenMP's wait policy before torch loads)
+import pypto_serving  # noqa: F401  (first: it sets OpenMP's spin count before torch loads)
 
 sys.path.insert(0, str(Path(__file__).parent))
 
