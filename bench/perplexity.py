@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from pypto_serving import LLM, SamplingParams
+from pypto_serving.kv.paged_attention import StepAttention
 from pypto_serving.models.default_model import resolve_model_path
 from pypto_serving.models.loader import load_model, load_tokenizer
 from pypto_serving.ops import linear
@@ -54,17 +55,18 @@ def score_native(llm: LLM, chunks: list[list[int]]) -> tuple[float, int, torch.T
     """`score`, each token a step of the native decode step over the engine's KV store."""
     executor = llm.engine.executor
     assert executor.native is not None, "the native decode step does not apply here"
-    kv, page, nll, count, tops = executor.kv, executor.kv.page_size, 0.0, 0, []
+    kv, nll, count, tops = executor.kv, 0.0, 0, []
     with torch.inference_mode():
         for chunk in chunks:
             request = Request("perplexity", chunk, SamplingParams(max_tokens=1))
             assert kv.allocate(request, len(chunk)), "a chunk must fit the KV cache"
-            table = kv.block_table([request.request_id])
+            pages = kv.pages([request.request_id])
             for t in range(len(chunk)):
-                slot = table[0, t // page] * page + t % page
                 one = torch.tensor([t])
+                # the attention operator maps the token's slot, as in a step
+                step = StepAttention(kv.cache, pages, one, torch.tensor([1]), one + 1, 1, 1)
                 logits = executor.native.logits(
-                    torch.tensor([chunk[t]]), one, slot.view(1), table, one + 1
+                    torch.tensor([chunk[t]]), one, step.slot_mapping, step.block_table, one + 1
                 )
                 if t + 1 < len(chunk):
                     nll -= torch.log_softmax(logits[0], -1)[chunk[t + 1]].item()

@@ -17,13 +17,16 @@ from typing import Any, Protocol
 
 import httpx
 
-from pypto_serving.bench.serve_client import (
+from pypto_serving.errors import PyptoError
+from pypto_serving.flags import add_engine_flags, engine_knobs, positive_int
+from pypto_serving.http_client import (
     StreamError,
+    chunk_text,
     describe_error,
     error_message,
+    normalize_base_url,
     sse_chunk,
 )
-from pypto_serving.errors import PyptoError
 
 PROMPT = ">>> "
 HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits"
@@ -44,8 +47,6 @@ class ChatBackend(Protocol):
 
 def add_chat_parser(sub: argparse._SubParsersAction) -> None:
     """Register `pypto chat` on the top-level subcommands."""
-    from pypto_serving.cli import add_engine_flags, positive_int
-
     p = sub.add_parser("chat", help="chat in the terminal (in-process, or with a server via --url)")
     p.add_argument("--system", help="a system prompt opening every conversation")
     p.add_argument("--temperature", type=float, default=0.7)
@@ -68,7 +69,6 @@ class InProcessChat:
     """The model loaded in this process; the conversation rendered by its chat template."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from pypto_serving.cli import engine_knobs
         from pypto_serving.engine.llm import LLM
         from pypto_serving.sampling import SamplingParams
 
@@ -92,9 +92,7 @@ class ServerChat:
     def __init__(
         self, args: argparse.Namespace, transport: httpx.BaseTransport | None = None
     ) -> None:
-        self.base_url = args.url.strip().rstrip("/").removesuffix("/v1")
-        if not self.base_url.startswith(("http://", "https://")):
-            raise PyptoError(f"--url must start with http:// or https://, got {args.url!r}")
+        self.base_url = normalize_base_url(args.url, "--url")
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         self.client = httpx.Client(
             transport=transport, headers=headers, timeout=httpx.Timeout(600.0, connect=10.0)
@@ -151,12 +149,7 @@ class ServerChat:
             return "", chunk == "done"
         if chunk.get("error"):
             raise ChatError(describe_error(chunk["error"]))
-        pieces = []
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") if isinstance(choice, dict) else None
-            if isinstance(delta, dict) and isinstance(delta.get("content"), str):
-                pieces.append(delta["content"])
-        return "".join(pieces), False
+        return chunk_text(chunk), False
 
     def close(self) -> None:
         self.client.close()

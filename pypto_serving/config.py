@@ -54,7 +54,8 @@ class CacheConfig:
     """Reuse the KV of full pages whose token prefix was seen before."""
     kv_cpu_bytes: int = 4 << 30
     """Byte budget of the CPU tier: cached pages pushed out of the device, and the KV of
-    requests preempted by swap (0: no CPU tier)."""
+    requests preempted by swap (0: no CPU tier); under TP/PP the engine's, each rank holding
+    its share."""
     kv_ssd_dir: str | None = None
     """Directory of the SSD tier (None: no SSD tier); pages there survive restarts."""
     kv_ssd_bytes: int = 16 << 30
@@ -247,6 +248,12 @@ class EngineConfig:
     """Longest sequence (prompt + output); None uses the model's own limit."""
     num_threads: int | None = None
     """CPU threads for PyTorch; None uses every core this process may run on."""
+    native_attention: bool = True
+    """Paged attention on the native C++ kernels on the CPU (off: PyTorch's attention)."""
+    native_decode: bool = True
+    """Steps of up to 8 decodes as one native C++ call where the model allows (off: graphs)."""
+    pack_linear: bool = True
+    """Repack bf16 linear weights for oneDNN where the CPU packs bf16 (off: plain weights)."""
     quantization: str | None = None
     """Quantization of the linear layers (CPU, bfloat16). Weight-only: int8 (a scale per
     output row) or int4 (scale and minimum per 32 inputs, as llama.cpp's Q4_1): fewer bytes
@@ -273,6 +280,8 @@ class EngineConfig:
             )
         if not isinstance(self.step_timeout_s, int | float) or not self.step_timeout_s > 0:
             raise PyptoError(f"step_timeout_s must be > 0, got {self.step_timeout_s!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise PyptoError(f"num_threads must be >= 1, got {self.num_threads!r}")
         self.scheduler.validate()
         self.cache.validate()
         self.parallel.validate()
@@ -399,7 +408,7 @@ def split_knobs(knobs: dict[str, Any]) -> tuple[dict[str, Any], ServerConfig]:
 def engine_config(**knobs: object) -> EngineConfig:
     """An EngineConfig from flat keyword knobs (engine, scheduler and cache fields alike)."""
     config = EngineConfig()
-    targets = [config, config.scheduler, config.cache, config.parallel]
+    targets: list[Any] = [config, config.scheduler, config.cache, config.parallel]
     for key, value in knobs.items():
         target = next((t for t in targets if key in {f.name for f in fields(t)}), None)
         if target is None or key in SECTION_NAMES:

@@ -174,34 +174,28 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def set_num_threads(num_threads: int | None) -> None:
-    """Set the CPU thread count (default: the cores this process may use)."""
-    if num_threads is None:
-        env = os.environ.get("PYPTO_NUM_THREADS")
-        num_threads = int(env) if env else len(os.sched_getaffinity(0))
-    if num_threads < 1:
-        raise PyptoError(f"num_threads must be >= 1, got {num_threads}")
-    torch.set_num_threads(num_threads)
+def default_num_threads() -> int:
+    """The CPU thread count when none is asked for: the cores this process may use."""
+    return len(os.sched_getaffinity(0))
 
 
 def use_packed_linear(device: torch.device, dtype: torch.dtype) -> bool:
-    """Repack linear weights for oneDNN: CPU, bf16, a CPU oneDNN packs bf16 on
-    (`cpu_packs_bf16`; PYPTO_PACK_LINEAR=0: off)."""
-    if os.environ.get("PYPTO_PACK_LINEAR", "1") == "0":
-        return False
+    """Whether linear weights can be repacked for oneDNN: CPU, bf16, a CPU oneDNN packs bf16
+    on (`cpu_packs_bf16`). Whether they are is the run plan's choice (engine/plan.py)."""
     return device.type == "cpu" and dtype == torch.bfloat16 and cpu_packs_bf16()
 
 
 def use_native_attention(device: torch.device) -> bool:
-    """Paged attention through the native CPU kernels (native/attention.cpp): on the CPU,
-    unless PYPTO_NATIVE_ATTENTION=0. Elsewhere attention is PyTorch's."""
-    return device.type == "cpu" and os.environ.get("PYPTO_NATIVE_ATTENTION", "1") != "0"
+    """Whether paged attention can run on the native CPU kernels (native/attention.cpp): on
+    the CPU. Elsewhere attention is PyTorch's. Whether it does is the run plan's choice."""
+    return device.type == "cpu"
 
 
 def use_native_decode(device: torch.device) -> bool:
-    """Decode steps of a few sequences through the native CPU step (native/decode.cpp), for
-    the models it takes: on the CPU with native attention, unless PYPTO_NATIVE_DECODE=0."""
-    return use_native_attention(device) and os.environ.get("PYPTO_NATIVE_DECODE", "1") != "0"
+    """Whether decode steps of a few sequences can run as the native CPU step
+    (native/decode.cpp; `native_decode.applies` says for which models): on the CPU, where the
+    native attention kernels run. Whether they do is the run plan's choice."""
+    return use_native_attention(device)
 
 
 def pin_host_memory(device: torch.device) -> bool:

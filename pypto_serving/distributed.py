@@ -190,8 +190,8 @@ def receive_from(shape: tuple[int, ...], rank: int, device: torch.device) -> tor
 
 
 HEADER = 8
-"""Ints in a step header: tokens, sequences, block-table width, decodes, longest query,
-logits rows, stop flag, spare."""
+"""Ints in a step header: tokens, sequences, pages (all sequences'), decodes, longest query,
+logits rows, stop flag, bytes of the page moves."""
 
 
 @dataclass(slots=True)
@@ -200,20 +200,22 @@ class StepInputs:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
+    pages: list[list[int]]
+    """Each sequence's page ids (each rank's attention operator maps its slots from them)."""
     q_lens: torch.Tensor
     ctx_lens: torch.Tensor
     logits_index: torch.Tensor
     num_decodes: int
     max_q: int
+    moves: bytes = b""
+    """Rank 0's page moves since the last step, for the other ranks to mirror (`kv/mirror.py`)."""
 
     def parts(self) -> list[torch.Tensor]:
         return [
             self.input_ids,
             self.positions,
-            self.block_table.flatten(),
-            self.slot_mapping,
+            torch.tensor([len(p) for p in self.pages]),
+            torch.tensor([i for p in self.pages for i in p]),
             self.q_lens,
             self.ctx_lens,
             self.logits_index,
@@ -227,23 +229,32 @@ def broadcast_step(step: StepInputs | None, device: torch.device) -> None:
         header[6] = 1
         dist.broadcast(header, 0)
         return
-    t, (b, w) = len(step.input_ids), step.block_table.shape
+    t, b, p = len(step.input_ids), len(step.q_lens), sum(len(x) for x in step.pages)
     header[:6] = torch.tensor(
-        [t, b, w, step.num_decodes, step.max_q, len(step.logits_index)], device=device
+        [t, b, p, step.num_decodes, step.max_q, len(step.logits_index)], device=device
     )
+    header[7] = len(step.moves)
     dist.broadcast(header, 0)
     dist.broadcast(torch.cat([p.to(device, torch.int64) for p in step.parts()]), 0)
+    if step.moves:
+        dist.broadcast(torch.frombuffer(bytearray(step.moves), dtype=torch.uint8).to(device), 0)
 
 
 def receive_step(device: torch.device) -> StepInputs | None:
     """Ranks > 0: the next step's inputs from rank 0, or None when told to stop."""
     header = torch.empty(HEADER, dtype=torch.int64, device=device)
     dist.broadcast(header, 0)
-    t, b, w, num_decodes, max_q, n, stop, _ = header.tolist()
+    t, b, p, num_decodes, max_q, n, stop, num_bytes = header.tolist()
     if stop:
         return None
-    payload = torch.empty(3 * t + b * w + 2 * b + n, dtype=torch.int64, device=device)
+    payload = torch.empty(2 * t + p + 3 * b + n, dtype=torch.int64, device=device)
     dist.broadcast(payload, 0)
-    ids, pos, table, slots, q_lens, ctx_lens, index = payload.split([t, t, b * w, t, b, b, n])
-    table = table.view(b, w)
-    return StepInputs(ids, pos, table, slots, q_lens, ctx_lens, index, num_decodes, max_q)
+    ids, pos, num_pages, flat, q_lens, ctx_lens, index = payload.split([t, t, b, p, b, b, n])
+    ends, page_ids = torch.cumsum(num_pages, 0).tolist(), flat.tolist()
+    pages = [page_ids[end - k : end] for end, k in zip(ends, num_pages.tolist(), strict=True)]
+    moves = b""
+    if num_bytes:
+        raw = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        dist.broadcast(raw, 0)
+        moves = raw.cpu().numpy().tobytes()
+    return StepInputs(ids, pos, pages, q_lens, ctx_lens, index, num_decodes, max_q, moves)

@@ -51,6 +51,79 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
+# DeepSeek (MLA + grouped MoE) shapes: kept apart from TINY, which every HF-equality and
+# paged test runs over; tests/test_deepseek.py runs these.
+MLA = dict(num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8)
+DS_MOE = dict(n_routed_experts=8, moe_intermediate_size=32, num_experts_per_tok=2)
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128, rope_theta=1e4)
+TINY_DEEPSEEK: dict[str, tuple[str, dict[str, Any]]] = {
+    "deepseekv3-qlora-yarn": (  # dense layer 0, MoE 1-2: 4 groups, the best 2 kept
+        "deepseek_v3",
+        dict(
+            **MLA,
+            **DS_MOE,
+            num_hidden_layers=3,
+            q_lora_rank=24,
+            v_head_dim=16,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.707},
+        ),
+    ),
+    "deepseekv3-noqlora-bias": (  # no q_lora_rank, rotate-half RoPE, biases, all MoE
+        "deepseek_v3",
+        dict(
+            **MLA,
+            **DS_MOE,
+            q_lora_rank=None,
+            v_head_dim=24,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=2,
+            first_k_dense_replace=0,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.5,
+            rope_interleave=False,
+            attention_bias=True,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "deepseekv3-yarn-2dense": (  # two dense layers, yarn with mscale = mscale_all_dim
+        "deepseek_v3",
+        dict(
+            **MLA,
+            **DS_MOE,
+            num_hidden_layers=4,
+            q_lora_rank=16,
+            v_head_dim=8,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            first_k_dense_replace=2,
+            rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+        ),
+    ),
+    "deepseekv2-group-limited": (  # V2: softmax routing limited to the best group
+        "deepseek_v2",
+        dict(
+            **MLA,
+            **DS_MOE,
+            q_lora_rank=None,
+            v_head_dim=16,
+            topk_method="group_limited_greedy",
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.0,
+        ),
+    ),
+}
+
 BASE = dict(
     vocab_size=320,
     hidden_size=64,
@@ -70,14 +143,21 @@ def build_checkpoint(name: str, out: Path, seed: int = 0, grid: bool = False) ->
     each group of 32 inputs spanning 0 to 15, which int4 quantization keeps exactly."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    family, overrides = TINY[name]
+    family, overrides = {**TINY, **TINY_DEEPSEEK}[name]
     config = AutoConfig.for_model(family, **{**BASE, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # biases are zero-initialised; make them matter
+        for pname, p in model.named_buffers():
+            if pname.endswith("e_score_correction_bias"):  # DeepSeek-V3's router
+                p.copy_(torch.randn_like(p) * 0.1)
         for pname, p in model.named_parameters():
             if pname.endswith("bias") or "norm" in pname:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif pname.endswith("mlp.gate.weight") and "deepseek" in family:
+                p.mul_(20)  # routing scores far apart: no near-tie for rounding to flip
+            elif any(f"{x}.weight" in pname for x in ("q_proj", "q_b_proj", "kv_a_proj_with_mqa")):
+                p.mul_(4)  # MLA: attention far from uniform, so its scale and RoPE matter
             elif grid and p.dim() == 2 and p.shape[1] % 32 == 0:
                 q = torch.randint(0, 16, p.shape)
                 q[:, ::32], q[:, 1::32] = 0, 15
@@ -147,10 +227,12 @@ def assert_top5_rule(expected: list[Any], got: list[Any]) -> int:
 def fake_kv_store(num_pages: int, page_size: int, **options: Any) -> Any:
     """A PagedKVStore for tests without a model: one layer, one KV head of dim 2 (room for a
     token's fake KV, (token id, position)), fp32 on the CPU. `options`: prefix caching, tiers."""
+    from pypto_serving.kv.paged_cache import PagedCache
+    from pypto_serving.kv.spec import KVSpec
     from pypto_serving.kv.store import PagedKVStore
 
-    cpu = torch.device("cpu")
-    return PagedKVStore(1, 1, 2, num_pages, page_size, torch.float32, cpu, **options)
+    spec = KVSpec("gqa", 1, 1, 2, 2, page_size, torch.float32)
+    return PagedKVStore(PagedCache(spec, num_pages, torch.device("cpu")), **options)
 
 
 def hash_chain(token_ids: list[int], page_size: int, salt: str | None = None) -> list[bytes]:

@@ -249,7 +249,8 @@ def test_a_device_that_is_not_there_is_refused_before_any_replica_starts(tiny_mo
 def test_parallel_section_and_dp_flag(tmp_path, monkeypatch):
     import json
 
-    from pypto_serving.cli import build_parser, engine_knobs, main
+    from pypto_serving.cli import build_parser, main
+    from pypto_serving.flags import engine_knobs
     from pypto_serving.server import launch
 
     argv = ["generate", "--prompt", "x", "--dp", "2", "--tp", "2", "--pp", "3"]

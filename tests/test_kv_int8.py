@@ -29,7 +29,7 @@ def test_the_int8_kv_engine_follows_the_bf16_one(tiny_model):
     with tiny_llm(tiny_model(MODEL), kv_cache_dtype="int8", **knobs) as int8:
         got = int8.generate(PROMPTS, params, use_tqdm=False)
         assert int8.engine.stats().num_recompilations == 0
-        assert int8.engine.executor.kv.k_cache.dtype == torch.int8
+        assert int8.engine.executor.kv.cache.k_cache.dtype == torch.int8
     # int8 rounding moves a few tokens, not every sequence
     assert assert_top5_rule(expected, got) < len(PROMPTS)
 
@@ -57,12 +57,11 @@ def test_an_int8_pool_holds_more_pages_in_the_same_bytes(tiny_model):
         # a row of 32 bf16 values (64 bytes) becomes 32 int8 values and a float32 scale
         assert store.page_bytes * 64 == page_bytes * 36
         assert store.num_pages == (1 << 20) // store.page_bytes > pages
-        assert store.k_cache.shape[-1] == 36
+        assert store.cache.k_cache.shape[-1] == 36
 
 
-def test_kv_cache_dtype_errors(tiny_model, monkeypatch):
+def test_kv_cache_dtype_errors(tiny_model):
     with pytest.raises(PyptoError, match="kv_cache_dtype must be one of"):
         tiny_llm(tiny_model(MODEL), kv_cache_dtype="fp8")
-    monkeypatch.setenv("PYPTO_NATIVE_ATTENTION", "0")
     with pytest.raises(PyptoError, match="kv_cache_dtype int8 needs the native CPU attention"):
-        tiny_llm(tiny_model(MODEL), kv_cache_dtype="int8")
+        tiny_llm(tiny_model(MODEL), kv_cache_dtype="int8", native_attention=False)

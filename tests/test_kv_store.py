@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import pytest
 from checkpoints import fake_kv_store, hash_chain
 
+from pypto_serving.kv.paged_cache import block_table
 from pypto_serving.kv.store import PagedKVStore, PageTable
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.request import Request
@@ -59,7 +60,9 @@ def test_fresh_pool_hands_out_pages_in_order() -> None:
     assert [store.pool.ref_count(p) for p in range(8)] == [1, 1, 1, 1, 1, 0, 0, 0]
     assert store.usage() == pytest.approx(5 / 8)
     assert store.capacity_tokens == 32
-    assert store.k_cache.shape == store.v_cache.shape == (1, 1, 32, 2)  # [layer, head, slot, dim]
+    assert (
+        store.cache.k_cache.shape == store.cache.v_cache.shape == (1, 1, 32, 2)
+    )  # [layer, head, slot, dim]
 
 
 def test_chunked_prefill_allocates_only_what_the_chunk_needs() -> None:
@@ -290,4 +293,5 @@ def test_block_table_pads_with_zero() -> None:
     store = make_store()
     admit(store, make_request("a", list(range(10))))
     admit(store, make_request("b", list(range(100, 103))))
-    assert store.block_table(["b", "a"]).tolist() == [[3, 0, 0], [0, 1, 2]]
+    table = block_table(store.pages(["b", "a"]), store.cache.device)  # the operator's
+    assert table.tolist() == [[3, 0, 0], [0, 1, 2]]

@@ -54,8 +54,8 @@ def compute(store: PagedKVStore, req: Request) -> int:
     assert store.allocate(req, req.num_tokens - cached)
     new = range(cached, req.num_tokens)
     values = torch.tensor([[req.token_ids[p], p] for p in new], dtype=torch.float32)
-    store.k_cache[0, 0, slots(store, req, new)] = values
-    store.v_cache[0, 0, slots(store, req, new)] = -values
+    store.cache.k_cache[0, 0, slots(store, req, new)] = values
+    store.cache.v_cache[0, 0, slots(store, req, new)] = -values
     store.cache_full_pages(req, req.num_tokens)
     req.num_computed_tokens = req.num_tokens
     return cached
@@ -65,8 +65,10 @@ def assert_kv(store: PagedKVStore, req: Request) -> None:
     """The request's context holds exactly its tokens' KV."""
     context = range(req.num_computed_tokens)
     want = [[req.token_ids[p], p] for p in context]
-    assert store.k_cache[0, 0, slots(store, req, context)].tolist() == want
-    assert store.v_cache[0, 0, slots(store, req, context)].tolist() == [[-t, -p] for t, p in want]
+    assert store.cache.k_cache[0, 0, slots(store, req, context)].tolist() == want
+    assert store.cache.v_cache[0, 0, slots(store, req, context)].tolist() == [
+        [-t, -p] for t, p in want
+    ]
 
 
 def stats(store: PagedKVStore) -> dict[str, dict[str, int]]:

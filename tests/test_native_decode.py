@@ -247,8 +247,6 @@ def test_where_the_step_applies(tiny_model, monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-here")  # int4 stays on PyTorch's kernel
     assert not applies(qwen3, "int4", cpu, bf16, one, 16)
     monkeypatch.delenv("CXX")
-    monkeypatch.setenv("PYPTO_NATIVE_DECODE", "0")
-    assert not applies(qwen3, "int4", cpu, bf16, one, 16)
 
 
 def test_linear_keeps_and_takes_back_its_native_form():

@@ -275,3 +275,21 @@ def test_quantization_errors(tiny_model):
         tiny_llm(tiny_model(MODEL), quantization="int3")
     with pytest.raises(PyptoError, match="runs on CPU with dtype bfloat16; this engine has cpu"):
         tiny_llm(tiny_model(MODEL), quantization="int4", dtype="float32")
+
+
+def test_int8_refuses_input_sizes_its_kernel_cannot_read():
+    """torch's int8 kernel crashed the process (SIGSEGV) on AVX-512 CPUs for input sizes not a
+    multiple of 16 (a DeepSeek q_lora_rank of 24 met it): a clear error instead, on every CPU."""
+    layer = Linear(24, 96, bias=False).to(torch.bfloat16)
+    with pytest.raises(PyptoError, match="int8 quantization needs input sizes divisible by 16"):
+        layer.quantize("int8")
+    Linear(32, 96, bias=False).to(torch.bfloat16).quantize("int8")
+
+
+def test_int4_refuses_output_sizes_its_packing_cannot_take():
+    """int4's packing raised a bare RuntimeError (a traceback) for output sizes not a multiple
+    of 16 (a DeepSeek latent projection of 32 + 8 rows met it): a clear error instead."""
+    layer = Linear(64, 40, bias=False).to(torch.bfloat16)
+    with pytest.raises(PyptoError, match="int4 quantization needs output sizes divisible by 16"):
+        layer.quantize("int4")
+    Linear(64, 48, bias=False).to(torch.bfloat16).quantize("int4")

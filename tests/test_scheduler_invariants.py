@@ -106,10 +106,12 @@ class FakeExecutor:
             new = range(start, start + n)
             for page in {pages[p // PS] for p in new}:  # never overwrite shared or cached KV
                 assert pool.ref_count(page) == 1 and pool.page_hash(page) is None
-            values = torch.tensor([[req.token_ids[p], p] for p in new], dtype=store.k_cache.dtype)
-            store.k_cache[0, 0, self._slots(pages, new), :] = values
+            values = torch.tensor(
+                [[req.token_ids[p], p] for p in new], dtype=store.cache.k_cache.dtype
+            )
+            store.cache.k_cache[0, 0, self._slots(pages, new), :] = values
             context = range(start + n)  # what attention would read: exactly this request's KV
-            got = store.k_cache[0, 0, self._slots(pages, context), :].to(torch.long).tolist()
+            got = store.cache.k_cache[0, 0, self._slots(pages, context), :].to(torch.long).tolist()
             assert got == [[req.token_ids[p], p] for p in context], "wrong KV in the context"
             store.cache_full_pages(req, start + n)
             if start + n == req.num_tokens:

@@ -126,7 +126,7 @@ def test_a_forged_ssd_page_is_rejected_unless_made_with_the_secret(
     else:
         assert compute(store, again) == 8
         first_page = slots(store, again, range(PS))
-        assert store.k_cache[0, 0, first_page].abs().sum() == 0  # the forged zeros
+        assert store.cache.k_cache[0, 0, first_page].abs().sum() == 0  # the forged zeros
     store.close()
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pypto_serving.errors import PyptoError
+from pypto_serving.flags import read_prompts
 
 
 def sampling_vocab(tokenizer: Any, vocab_size: int) -> list[int]:
@@ -35,8 +36,6 @@ def random_prompts(
 
 def file_prompts(path: Path, num_prompts: int | None) -> list[str]:
     """The first `num_prompts` prompts of a file (JSONL with a 'prompt' field, or plain lines)."""
-    from pypto_serving.cli import read_prompts
-
     prompts = read_prompts(path)
     if num_prompts is None:
         return prompts

@@ -26,8 +26,8 @@ from pypto_serving.bench import (
     wait_compiled,
 )
 from pypto_serving.bench.datasets import random_prompts, sampling_vocab
-from pypto_serving.cli import add_engine_flags, engine_knobs, positive_int
 from pypto_serving.errors import PyptoError
+from pypto_serving.flags import add_engine_flags, engine_knobs, positive_int
 
 if TYPE_CHECKING:
     from pypto_serving.engine.llm import LLM

@@ -33,7 +33,6 @@ from pypto_serving.bench.serve_client import (
     fetch_model_name,
     get_models,
     make_client,
-    normalize_base_url,
     run_load,
 )
 from pypto_serving.bench.serve_datasets import (
@@ -45,8 +44,9 @@ from pypto_serving.bench.serve_datasets import (
     random_sessions,
     shared_prefix_sessions,
 )
-from pypto_serving.cli import positive_int
 from pypto_serving.errors import PyptoError
+from pypto_serving.flags import positive_int
+from pypto_serving.http_client import normalize_base_url
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 SLO_METRICS = ("ttft", "tpot", "e2e")
@@ -241,7 +241,7 @@ def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
     if not record.success:
         return False
     values = {"ttft": record.ttft_s, "tpot": record.tpot_s, "e2e": record.e2e_s}
-    return all(values[m] is None or values[m] * 1000 <= t for m, t in slo.items())
+    return all((v := values[m]) is None or v * 1000 <= t for m, t in slo.items())
 
 
 def median_ms(values_s: Sequence[float]) -> float | None:

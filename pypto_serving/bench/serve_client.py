@@ -11,21 +11,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 
 from pypto_serving.bench.serve_datasets import Session
 from pypto_serving.errors import PyptoError
+from pypto_serving.http_client import (
+    StreamError,
+    chunk_text,
+    describe_error,
+    error_message,
+    sse_chunk,
+)
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-MAX_ERROR_CHARS = 300
 CONNECT_TIMEOUT_S = 10.0
 
 
@@ -74,14 +79,6 @@ class RequestRecord:
     text: str = ""
 
 
-def normalize_base_url(url: str) -> str:
-    """`http://host:port` from what a user may type (a trailing / or /v1 is dropped)."""
-    url = url.strip().rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise PyptoError(f"--base-url must start with http:// or https://, got {url!r}")
-    return url.removesuffix("/v1")
-
-
 def make_client(
     target: Target, transport: httpx.AsyncBaseTransport | None = None
 ) -> httpx.AsyncClient:
@@ -93,23 +90,6 @@ def make_client(
         timeout=httpx.Timeout(target.timeout_s, connect=CONNECT_TIMEOUT_S, pool=None),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
     )
-
-
-def error_message(body: bytes) -> str:
-    """The message of an error response: OpenAI's {"error": {"message"}} or the raw text."""
-    text = body.decode(errors="replace").strip()
-    try:
-        err = json.loads(text).get("error", text)
-    except (json.JSONDecodeError, AttributeError):
-        err = text
-    return describe_error(err)
-
-
-def describe_error(err: object) -> str:
-    """One short line from an error value: OpenAI's {"message": ...} object, or anything."""
-    message = str(err.get("message", err)) if isinstance(err, dict) else str(err)
-    message = " ".join(message.split()) or "(empty body)"
-    return message if len(message) <= MAX_ERROR_CHARS else message[: MAX_ERROR_CHARS - 3] + "..."
 
 
 async def get_models(client: httpx.AsyncClient, base_url: str) -> httpx.Response:
@@ -155,41 +135,6 @@ def request_body(target: Target, prompt: Any, output_len: int) -> dict[str, Any]
     if target.ignore_eos:
         body["ignore_eos"] = True
     return body
-
-
-def chunk_text(chunk: dict[str, Any]) -> str:
-    """The text a streamed chunk carries (completions: choices[].text; chat: delta.content)."""
-    pieces = []
-    for choice in chunk.get("choices") or []:
-        if not isinstance(choice, dict):
-            continue
-        delta = choice.get("delta")
-        text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-        if isinstance(text, str):
-            pieces.append(text)
-    return "".join(pieces)
-
-
-class StreamError(Exception):
-    """The response stream says or shows that the request failed."""
-
-
-def sse_chunk(line: str) -> dict[str, Any] | Literal["done"] | None:
-    """One line of an OpenAI SSE stream: its JSON chunk, "done" for `data: [DONE]`, None for
-    any other line. StreamError when the data is not a JSON object."""
-    line = line.strip()
-    if not line.startswith("data:"):
-        return None
-    data = line[len("data:") :].strip()
-    if data == "[DONE]":
-        return "done"
-    try:
-        chunk = json.loads(data)
-    except json.JSONDecodeError:
-        raise StreamError(f"invalid JSON in the stream: {data[:80]!r}") from None
-    if not isinstance(chunk, dict):
-        raise StreamError(f"invalid chunk in the stream: {data[:80]!r}")
-    return chunk
 
 
 class StreamTimer:

@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,9 +47,7 @@ class EngineThread(Executor):
     keeps the process from exiting, unlike ThreadPoolExecutor's joined workers)."""
 
     def __init__(self) -> None:
-        self._calls: queue.SimpleQueue[
-            tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None
-        ]
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]
         self._calls = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="pypto-engine", daemon=True)
         self._thread.start()
@@ -111,7 +109,7 @@ class _Stream:
     last_token: float = 0.0
 
 
-class _Updates:
+class RequestUpdates:
     """The updates of one request, in order, until it finishes. Closing it early, or dropping
     it without ever reading it (a client gone before its response started), aborts the
     request, so nothing in flight is ever left without a reader."""
@@ -119,7 +117,7 @@ class _Updates:
     def __init__(self, llm: AsyncLLM, request_id: str, stream: _Stream) -> None:
         self.llm, self.request_id, self.stream, self.done = llm, request_id, stream, False
 
-    def __aiter__(self) -> _Updates:
+    def __aiter__(self) -> RequestUpdates:
         return self
 
     async def __anext__(self) -> GenerationUpdate:
@@ -306,7 +304,7 @@ class AsyncLLM:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[GenerationUpdate]:
+    ) -> RequestUpdates:
         """Queue a request now and return the iterator of its updates until it finishes.
 
         Raises PyptoError for a request the model cannot take, EngineDeadError when the
@@ -325,7 +323,7 @@ class AsyncLLM:
         self._streams[request_id] = stream
         self._adds.append(_Add(request_id, prompt_token_ids, params, stream, cache_salt))
         self._wake.set()
-        return _Updates(self, request_id, stream)
+        return RequestUpdates(self, request_id, stream)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (takes effect at the next step boundary)."""

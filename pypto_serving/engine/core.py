@@ -11,27 +11,23 @@ from pathlib import Path
 import torch
 
 from pypto_serving.config import EngineConfig
-from pypto_serving.device import resolve_device, resolve_dtype, set_num_threads
 from pypto_serving.distributed import (
     COLLECTIVE_TIMEOUT_S,
-    init_distributed,
-    resolve_groups,
     set_collective_timeout,
     shutdown_distributed,
 )
+from pypto_serving.engine.plan import plan_run
 from pypto_serving.engine.process import ChildProcess, StartupDeadline
 from pypto_serving.engine.ranks import Loaded, backend_for, plan_ranks, start_workers, wait_ranks
+from pypto_serving.engine.worker import join_group, load_share
 from pypto_serving.errors import EngineDeadError, PyptoError
-from pypto_serving.executor import native_decode
 from pypto_serving.executor.compiled import trust_cpu_vector_isa_soon
-from pypto_serving.executor.paged import PagedExecutor, build_paged_executor
-from pypto_serving.executor.reference import ReferenceExecutor
+from pypto_serving.executor.paged import PagedExecutor
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.paged_attention import StepProgress
 from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.kv.tier import TierStats, merge_tier_stats
 from pypto_serving.models.config import ModelConfig, load_model_config
-from pypto_serving.models.loader import load_model
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.scheduler import Scheduler
@@ -180,32 +176,23 @@ class EngineCore:
 
     def _load(self, own: EngineConfig) -> None:
         config, p = self.config, self.config.parallel
-        set_num_threads(own.num_threads)
-        self.device = resolve_device(own.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        backend = backend_for(config, own.device)
-        init_distributed(0, p.ranks_per_engine, backend, self._deadline.left())
-        groups = resolve_groups(
-            0,
-            p.tensor_parallel_size,
-            p.pipeline_parallel_size,
-            p.enable_expert_parallel,
-            p.expert_placement_strategy,
-        )
-        cfg = load_model_config(self.model_dir)
+        self.plan = plan = plan_run(own)
+        torch.set_num_threads(plan.num_threads)
+        self.device, self.dtype = plan.device, plan.dtype
         if config.executor == "paged" and self.device.type == "cpu":
-            self._build_kernels_soon(cfg)
+            if plan.native_attention:
+                self._build_kernels_soon(load_model_config(self.model_dir))
             if not config.enforce_eager:
                 trust_cpu_vector_isa_soon()  # while the model loads; warm-up compiles for it
-        self.native = config.executor == "paged" and native_decode.applies(
-            cfg, config.quantization, self.device, self.dtype, groups, config.cache.page_size
-        )
-        self.model = load_model(
-            self.model_dir, self.dtype, self.device, groups, config.quantization, self.native
-        )
+        groups = join_group(config, 0, backend_for(config, own.device), self._deadline.left())
+        share = load_share(config, plan, self.model_dir, groups)  # as every rank does
+        self.model, self.executor, self.native = share.model, share.executor, share.native
         self.model_config = cfg = self.model.cfg
         limits = [cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings]
-        self.executor = self._make_executor()
+        if isinstance(self.executor, PagedExecutor):
+            if self.workers:  # warm-up steps are collective: wait until every rank follows
+                wait_ranks(self.workers, 1, Loaded, self._deadline)
+            self.executor.warmup(config.background_compile)
         if p.ranks_per_engine > 1:  # started: collectives get the serving limit
             set_collective_timeout(COLLECTIVE_TIMEOUT_S)
         if isinstance(self.executor, PagedExecutor):  # a request must fit the whole pool
@@ -238,17 +225,6 @@ class EngineCore:
                 log.debug("building the attention kernels ahead failed", exc_info=True)
 
         threading.Thread(target=build, name="pypto-attention", daemon=True).start()
-
-    def _make_executor(self) -> ReferenceExecutor | PagedExecutor:
-        if self.config.executor == "reference":
-            return ReferenceExecutor(self.model, self.device)
-        executor = build_paged_executor(
-            self.config, self.model, self.device, self.dtype, self.model_dir, self.native
-        )
-        if self.workers:  # warm-up steps are collective: wait until every rank follows
-            wait_ranks(self.workers, 1, Loaded, self._deadline)
-        executor.warmup(self.config.background_compile)
-        return executor
 
     def _ranks(self) -> str:
         return ", ".join(

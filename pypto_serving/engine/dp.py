@@ -211,7 +211,8 @@ class DPEngine:
         self._requests[request.request_id] = request
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> list[Request]:
-        aborted, by_replica = [], {}
+        aborted: list[Request] = []
+        by_replica: dict[int, list[str]] = {}
         for rid in request_ids:
             request = self._requests.pop(rid, None)
             replica = self.router.replica_of(rid)

@@ -7,7 +7,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Self
+from typing import Any, Self, cast
 
 from tqdm import tqdm
 
@@ -208,12 +208,12 @@ class LLM:
         """Generate for every prompt (continuous batching); outputs in prompt order.
 
         `priority`: one per prompt, lower runs first (default: first come, first served)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        one = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
+        batch = [cast(Prompt, prompts)] if one else cast(Sequence[Prompt], prompts)
         params = sampling_params or SamplingParams()
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        prios = list(priority) if priority is not None else [0] * len(prompts)
-        families = [self.add(p, sp, pr) for p, sp, pr in zip(prompts, plist, prios, strict=True)]
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(batch)
+        prios = list(priority) if priority is not None else [0] * len(batch)
+        families = [self.add(p, sp, pr) for p, sp, pr in zip(batch, plist, prios, strict=True)]
         bar = tqdm(total=len(families), desc="generate", disable=not use_tqdm or len(families) < 2)
         while self.engine.has_unfinished():
             changed = self.step()

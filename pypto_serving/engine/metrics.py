@@ -11,7 +11,12 @@ import itertools
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from pypto_serving.engine.core import EngineStats
@@ -29,7 +34,7 @@ class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
         self.stats, self.model_name = stats, model_name
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         s = self.stats()
         gauges = {
             "num_requests_running": ("Requests being computed", s.num_running),
@@ -66,9 +71,7 @@ class _EngineCollector(Collector):
         if s.tiers:
             yield from self._tiers(s.tiers)
 
-    def _tiers(
-        self, tiers: tuple[TierStats, ...]
-    ) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+    def _tiers(self, tiers: tuple[TierStats, ...]) -> Iterator[Metric]:
         """Per KV tier (label tier = device, cpu, ssd): occupancy, lookups, pages moved."""
         labels = ["model_name", "tier"]
         gauges = {

@@ -22,17 +22,18 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+import torch
+
 from pypto_serving.config import EngineConfig
-from pypto_serving.device import plan_devices, resolve_device, resolve_dtype, set_num_threads
+from pypto_serving.device import plan_devices, resolve_device
 from pypto_serving.distributed import (
     WAIT_FOREVER_S,
     check_no_group,
-    init_distributed,
     local_rendezvous,
-    resolve_groups,
     set_collective_timeout,
     shutdown_distributed,
 )
+from pypto_serving.engine.plan import plan_run
 from pypto_serving.engine.process import (
     ChildProcess,
     Joining,
@@ -40,9 +41,9 @@ from pypto_serving.engine.process import (
     StartupDeadline,
     describe,
 )
+from pypto_serving.engine.worker import join_group, load_share
 from pypto_serving.errors import PyptoError
-from pypto_serving.executor.paged import build_paged_executor
-from pypto_serving.models.loader import load_model
+from pypto_serving.executor.paged import PagedExecutor
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,6 @@ class Loaded:
 @dataclass(slots=True)
 class WorkerSpec:
     rank: int
-    world_size: int
     backend: str
     config: EngineConfig
     """The engine's config with this rank's device and threads."""
@@ -109,9 +109,7 @@ def start_workers(
         for local, (own, cpus) in enumerate(ranks):
             if first + local == 0:
                 continue  # rank 0 is the engine process itself
-            spec = WorkerSpec(
-                first + local, p.ranks_per_engine, backend, own, model_dir, cpus, level
-            )
+            spec = WorkerSpec(first + local, backend, own, model_dir, cpus, level)
             workers.append(ChildProcess(worker_main, spec))
         wait_ranks(workers, first + (1 if first == 0 else 0), Joining, deadline)
     except BaseException:
@@ -194,27 +192,18 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
             os.sched_setaffinity(0, spec.cpus)
         if os.environ.get(FAIL_START_ENV) == str(spec.rank):
             raise RuntimeError(f"injected start-up failure ({FAIL_START_ENV}={spec.rank})")
-        set_num_threads(config.num_threads)
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
+        plan = plan_run(config)
+        torch.set_num_threads(plan.num_threads)
     except BaseException as e:  # reported before the rendezvous, so rank 0 never waits on it
         conn.send(StartFailed(os.getpid(), describe(e)))
         sys.exit(1)
     conn.send(Joining(os.getpid()))
-    p = config.parallel
     try:
-        init_distributed(spec.rank, spec.world_size, spec.backend, p.startup_timeout_s)
-        groups = resolve_groups(
-            spec.rank,
-            p.tensor_parallel_size,
-            p.pipeline_parallel_size,
-            p.enable_expert_parallel,
-            p.expert_placement_strategy,
-        )
+        groups = join_group(config, spec.rank, spec.backend, config.parallel.startup_timeout_s)
         if os.environ.get(HANG_START_ENV) == str(spec.rank):
             threading.Event().wait()  # injected hang: rank 0's start-up limit ends it
-        model = load_model(spec.model_dir, dtype, device, groups, config.quantization)
-        executor = build_paged_executor(config, model, device, dtype, spec.model_dir)
+        executor = load_share(config, plan, spec.model_dir, groups).executor  # as rank 0 does
+        assert isinstance(executor, PagedExecutor)  # parallelism needs it (config.validate)
     except BaseException as e:  # rank 0 waits for Loaded before any collective: tell it
         with contextlib.suppress(OSError):
             conn.send(StartFailed(os.getpid(), describe(e)))

@@ -176,7 +176,7 @@ def _slow_layers(seconds: float) -> None:
         time.sleep(seconds)
         return attend(self, *args)
 
-    StepAttention.attend = slow  # type: ignore[method-assign]
+    StepAttention.attend = slow  # type: ignore[method-assign, assignment]
 
 
 class _Heartbeat:
@@ -289,8 +289,8 @@ def wait_ready(replicas: list[Replica], deadline: StartupDeadline) -> None:
             missed = deadline.missed(
                 [f"data-parallel replica {r.index} (pid {r.pid})" for r in late]
             )
-            others = ", ".join(f"{r.index} (pid {r.pid})" for r in replicas if r not in late)
-            raise PyptoError(f"{missed}; stopped the other replicas: {others or 'none'}")
+            rest = ", ".join(f"{r.index} (pid {r.pid})" for r in replicas if r not in late)
+            raise PyptoError(f"{missed}; stopped the other replicas: {rest or 'none'}")
         for conn in ready:
             r = pending[conn]  # type: ignore[index]
             try:

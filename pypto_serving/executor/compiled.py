@@ -46,7 +46,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -90,7 +90,7 @@ class CompileCounter:
         self.num_compiles += 1
         if self._at_warmup is not None:
             log.warning("recompilation #%d while serving", self.num_recompilations)
-        return compile_fx(gm, example_inputs)
+        return cast(Callable[..., object], compile_fx(gm, example_inputs))
 
 
 COUNTER = CompileCounter()
@@ -242,7 +242,7 @@ def _fetch(layer: nn.Module, where: Where) -> object:
     if attr in ("_parameters", "_buffers"):
         return getattr(m, attr)[key]
     value = vars(m).get(attr)
-    return value if key is None or value is None else value[key]  # type: ignore[index]
+    return value if key is None or value is None else value[key]
 
 
 Meta = tuple[tuple[int, ...], tuple[int, ...], str, str]
@@ -411,7 +411,7 @@ def _load_graph(
     compiled again, and the file replaced)."""
     try:
         saved = _read_kept(path)
-        aot = torch.compiler.load_compiled_function(io.BytesIO(saved["artifact"]))
+        aot: Any = torch.compiler.load_compiled_function(io.BytesIO(saved["artifact"]))
         # its guards check tensors as dynamo saw them when compiling: not marked dynamic
         args = (layer, *(t.view_as(t) for t in (x, cos, sin)), kv)
         if not aot.guard_check(*args):
@@ -423,7 +423,12 @@ def _load_graph(
     except Exception as e:  # a damaged or stale file of a cache: compile instead
         log.info("the kept layer graph %s cannot be loaded (%s): compiling it", path, e)
         return None
-    return (graph, out) if direct is not None and torch.equal(direct, out) else None
+    return (graph, out) if _same(direct, out) else None
+
+
+def _same(direct: torch.Tensor | None, out: torch.Tensor) -> bool:
+    """Whether a captured graph's direct call gave the compiled function's result."""
+    return direct is not None and torch.equal(direct, out)
 
 
 def _keep_graph(path: Path, aot: Any, graph: LayerGraph) -> None:
@@ -472,7 +477,7 @@ def _compile_graph(
 
     global _aot
     if _aot is None:
-        options = {"guard_filter_fn": _kept_guards}
+        options: dict[str, Any] = {"guard_filter_fn": _kept_guards}
         _aot = torch.compile(
             DecoderLayer.forward, fullgraph=True, backend=_capturing_backend, options=options
         )
@@ -490,7 +495,7 @@ def _compile_graph(
     if len(captured) != 1:  # a whole graph is one backend call; anything else is not ours
         return None
     graph = LayerGraph.capture(captured[0][1], captured[0][0], layer, x, cos, sin)
-    if graph is None or not torch.equal(graph(layer, x, cos, sin), out):
+    if graph is None or not _same(graph(layer, x, cos, sin), out):
         log.info("a compiled layer graph could not be captured; it runs through dynamo")
         return None
     if path is not None:
@@ -558,7 +563,7 @@ class CompiledLayers:
         if graph is None and fits and len(_captured) == 1:
             examples, fn = _captured[0]
             graph = LayerGraph.capture(fn, examples, layer, x, cos, sin)
-            if graph is not None and torch.equal(graph(layer, x, cos, sin), out):
+            if graph is not None and _same(graph(layer, x, cos, sin), out):
                 self.graphs[key] = graph
             else:
                 log.info("a compiled layer graph could not be captured; it runs through dynamo")

@@ -26,9 +26,9 @@ import torch
 from pypto_serving.device import use_native_decode
 from pypto_serving.distributed import ParallelGroups
 from pypto_serving.kv import native_attention
-from pypto_serving.kv.store import PagedKVStore
+from pypto_serving.kv.paged_cache import PagedCache
 from pypto_serving.models.config import ModelConfig
-from pypto_serving.models.llama import MLP, CausalLM
+from pypto_serving.models.llama import MLP, Attention, CausalLM, DecoderLayer
 from pypto_serving.native import compiler
 from pypto_serving.ops.linear import INT4_GROUP, NATIVE_BF16, Linear
 
@@ -115,6 +115,7 @@ def applies(
         and dtype == torch.bfloat16
         and groups.world_size == 1
         and not cfg.moe_layers
+        and not cfg.kv_lora_rank  # MLA (DeepSeek): no native step
         and all(n % INT4_GROUP == 0 for n in (cfg.hidden_size, cfg.intermediate_size, cfg.q_size))
         and native_attention.takes(dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size)
     )
@@ -137,19 +138,20 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class NativeDecoder:
-    """Runs decode steps of up to MAX_ROWS sequences of `model` over `kv` through `lib`. The
-    structures it hands decode.cpp point into the model's and the KV store's tensors, which
-    live as long as it does."""
+    """Runs decode steps of up to MAX_ROWS sequences of `model` over the attention operator's
+    GQA cache `kv` through `lib`. The structures it hands decode.cpp point into the model's and
+    the cache's tensors, which live as long as it does."""
 
-    def __init__(self, model: CausalLM, kv: PagedKVStore, lib: ctypes.CDLL) -> None:
+    def __init__(self, model: CausalLM, kv: PagedCache, lib: ctypes.CDLL) -> None:
         cfg, decoder = model.cfg, model.model
         assert model.lm_head is not None and decoder.embed_tokens is not None
         assert decoder.norm is not None
         self.lib, self.vocab = lib, cfg.vocab_size
         layers = []
         for i, layer in enumerate(decoder.layers):
+            assert isinstance(layer, DecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
-            assert isinstance(mlp, MLP)
+            assert isinstance(attn, Attention) and isinstance(mlp, MLP)
             layers.append(
                 _Layer(
                     layer.input_layernorm.weight.data_ptr(),
@@ -196,8 +198,9 @@ class NativeDecoder:
         ctx_lens: torch.Tensor,
     ) -> torch.Tensor:
         """Float32 logits [B, vocab] of B <= MAX_ROWS decodes (one new token each: tokens,
-        positions, their KV slots, block_table [B, W] and context lengths, the new token
-        included, all int64), whose keys and values it writes into the KV cache."""
+        positions, their KV slots and block_table [B, W] as the attention operator mapped them
+        (`StepAttention`), and context lengths, the new token included, all int64), whose keys
+        and values it writes into the KV cache."""
         rows = len(tokens)
         tables = [t.contiguous() for t in (tokens, positions, slots, block_table, ctx_lens)]
         out = torch.empty(rows, self.vocab)

@@ -1,11 +1,11 @@
 """The paged executor: one batched forward per step over every scheduled request.
 
 Prefill chunks and decodes of all requests go through the model together as one flat token
-batch; attention reads and writes the paged KV store through block tables and a slot
-mapping computed here with vectorised arithmetic (no per-token Python). The forward is
-compiled once at start-up (warm-up covers every graph shape) unless `enforce_eager`; on the
-CPU a step of up to 8 decodes runs instead as one call of the native decode step
-(`native_decode.py`), where it applies.
+batch; the executor hands the attention operator (`StepAttention`) the requests' page lists,
+positions and lengths, and the operator maps its slots itself (no per-token Python). The
+forward is compiled once at start-up (warm-up covers every graph shape) unless
+`enforce_eager`; on the CPU a step of up to 8 decodes runs instead as one call of the native
+decode step (`native_decode.py`), where it applies.
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ from pypto_serving.executor.native_decode import MAX_ROWS as NATIVE_MAX_ROWS
 from pypto_serving.executor.native_decode import NativeDecoder
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.disk_tier import HEADER_BYTES
+from pypto_serving.kv.mirror import Journal, follow_moves
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, StepProgress, active_step
+from pypto_serving.kv.paged_cache import PagedCache
+from pypto_serving.kv.spec import KVSpec, kv_spec_for
 from pypto_serving.kv.store import PagedKVStore
-from pypto_serving.kv.tier import page_bytes as kv_page_bytes
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.models.loader import checkpoint_digest
 from pypto_serving.ops.sampler import Sampled, SamplingRow, sample
@@ -70,21 +72,22 @@ def build_kv_store(
     digest: str,
     describe: bool = True,
 ) -> PagedKVStore:
-    """The KV store with its tiers sized from the cache config's byte budgets. Under tensor
-    parallelism it holds this rank's KV heads, under pipeline parallelism its stage's layers,
-    with the same page ids on every rank (the page count depends only on the config), and no
-    tiers below the device yet (moving pages would need every rank to move its share)."""
-    cfg, layers = model.cfg, model.num_local_layers
-    row = cfg.head_dim  # a cached token's values per KV head
-    if cache.kv_cache_dtype == "int8":  # int8 values and their float32 scale
-        row, dtype = cfg.head_dim + native_attention.INT8_SCALE_BYTES, torch.int8
+    """The attention operator's KV (its kind's spec from the model config: MLA where the model
+    has `kv_lora_rank`, else GQA) and the store of its pages, with tiers sized from the cache
+    config's byte budgets. Under tensor parallelism it holds this rank's KV heads, under
+    pipeline parallelism its stage's layers, with the same page ids on every rank (the page
+    count depends only on the config); its CPU tier mirrors rank 0's (`kv/mirror.py`), and
+    there is no SSD tier."""
+    spec = kv_spec_for(
+        model.cfg, model.num_local_layers, cache.page_size, dtype, cache.kv_cache_dtype
+    )
+    cpu_pages, journal = cache.kv_cpu_bytes // spec.page_bytes, None
     if model.groups.world_size > 1:
-        if cache.kv_cpu_bytes:
-            log.info(
-                "KV tiers below the device are off under tensor/pipeline parallelism (for now)"
-            )
-        cache = replace(cache, kv_cpu_bytes=0, kv_ssd_dir=None)
-    page_bytes = kv_page_bytes((layers, cfg.num_kv_heads, cache.page_size, row), dtype)
+        cpu_pages, journal = parallel_cpu_tier(model, spec, cache.kv_cpu_bytes)
+        if cache.kv_ssd_dir:
+            log.info("the SSD KV tier is off under tensor/pipeline parallelism")
+        cache = replace(cache, kv_ssd_dir=None)
+    page_bytes = spec.page_bytes
     num_pages = num_pages_for(cache, page_bytes, -(-max_tokens_in_use // cache.page_size))
     ssd_dir = Path(cache.kv_ssd_dir).expanduser() if cache.kv_ssd_dir else None
     ssd_pages = cache.kv_ssd_bytes // (page_bytes + HEADER_BYTES)
@@ -95,24 +98,31 @@ def build_kv_store(
         )
     try:
         store = PagedKVStore(
-            layers,
-            cfg.num_kv_heads,
-            row,
-            num_pages,
-            cache.page_size,
-            dtype,
-            device,
+            PagedCache(spec, num_pages, device),
             cache.enable_prefix_caching,
-            cpu_pages=cache.kv_cpu_bytes // page_bytes,
+            cpu_pages=cpu_pages,
             ssd_dir=ssd_dir,
             ssd_pages=ssd_pages,
             digest=digest,
+            journal=journal,
         )
     except OSError as e:
         raise PyptoError(f"cannot use kv_ssd_dir {ssd_dir}: {e}") from None
     if describe:
         log.info(store.describe())
     return store
+
+
+def parallel_cpu_tier(model: CausalLM, spec: KVSpec, budget: int) -> tuple[int, Journal | None]:
+    """Under TP/PP: this rank's CPU-tier pages, the same count on every rank (the byte budget
+    over one page of the whole engine, every rank's share together; MLA's latent, the same on
+    every TP rank, is counted and kept once, by rank 0), and rank 0's journal of the page
+    moves the other ranks mirror."""
+    g, mla = model.groups, spec.kind == "mla"
+    heads = spec.num_heads * (1 if mla else g.tp.size)
+    whole = replace(spec, num_layers=model.cfg.num_layers, num_heads=heads)
+    pages = budget // whole.page_bytes if not (mla and g.tp.rank > 0) else 0
+    return pages, Journal() if g.rank == 0 and pages > 0 else None
 
 
 def build_paged_executor(
@@ -122,6 +132,7 @@ def build_paged_executor(
     dtype: torch.dtype,
     model_dir: Path,
     native: bool = False,
+    attention_kernels: bool = True,
 ) -> PagedExecutor:
     """The paged executor of an engine (or of one tensor-parallel rank: every rank builds the
     same one, so page counts agree), its pool sized for the longest sequences; native: it
@@ -138,6 +149,7 @@ def build_paged_executor(
         # the KV of a quantized model differs: its SSD pages must not mix with the plain ones
         checkpoint_digest(model_dir) + (f"|{config.quantization}" if config.quantization else ""),
         native,
+        attention_kernels,
     )
 
 
@@ -157,21 +169,30 @@ class PagedExecutor:
         enforce_eager: bool = False,
         digest: str = "",
         native: bool = False,
+        attention_kernels: bool = True,
     ) -> None:
         """max_tokens_in_use: the most tokens all running sequences can hold at once; digest:
         identifies the checkpoint (keys the SSD tier's pages); native: decodes of a few run
-        through the native step (`native_decode.applies`; the loader packed the model for it)."""
+        through the native step (`native_decode.applies`; the loader packed the model for it);
+        attention_kernels: attention may run on the native kernels (the run plan's choice)."""
         self.model, self.device, self.dtype, self.groups = model, device, dtype, model.groups
         cfg = model.cfg
-        self.attention_kernel = native_attention.library_for(
-            device, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache.page_size
+        spec = kv_spec_for(
+            cfg, model.num_local_layers, cache.page_size, dtype, cache.kv_cache_dtype
+        )
+        self.attention_kernel = (
+            native_attention.library_for(
+                device, dtype, cfg.num_heads, spec.num_heads, spec.head_dim, cache.page_size
+            )
+            if attention_kernels
+            else None
         )
         """The native paged attention library, or None for PyTorch's attention."""
         if cache.kv_cache_dtype == "int8" and self.attention_kernel is None:
             raise PyptoError(
                 "kv_cache_dtype int8 needs the native CPU attention kernels, which this engine "
                 f"does not have ({device.type}, {str(dtype).removeprefix('torch.')}, head_dim "
-                f"{cfg.head_dim}, or PYPTO_NATIVE_ATTENTION=0 / no C++ compiler: see the log)"
+                f"{cfg.head_dim}, or --no-native-attention / no C++ compiler: see the log)"
             )
         self.kv = build_kv_store(model, device, dtype, cache, max_tokens_in_use, digest)
         self.paged_kv = PagedKV()
@@ -180,10 +201,10 @@ class PagedExecutor:
         self.native: NativeDecoder | None = None
         """Runs steps of up to NATIVE_MAX_ROWS decodes in one native call; other steps run on
         the graphs."""
-        if native and self.attention_kernel is not None:
-            self.native = NativeDecoder(model, self.kv, self.attention_kernel)
-        elif native:
-            log.warning("no native kernels: decodes run on the compiled graphs")
+        if native and self.attention_kernel is not None and spec.kind == "gqa":
+            self.native = NativeDecoder(model, self.kv.cache, self.attention_kernel)
+        elif native:  # the native step is GQA's; MLA decodes run on the graphs
+            log.warning("no native decode step here: decodes run on the compiled graphs")
         self.run_layer = None if enforce_eager else CompiledLayers()
         """How the model's decoder layers run: compiled, or eagerly (None)."""
         self._warming: threading.Thread | None = None
@@ -223,22 +244,19 @@ class PagedExecutor:
         q_ends = torch.cumsum(q_lens, 0)
         seq = torch.repeat_interleave(torch.arange(len(reqs), device=dev), q_lens)
         positions = ctx_lens[seq] - q_ends[seq] + torch.arange(len(token_ids), device=dev)
-        block_table = self.kv.block_table([r.request_id for r in reqs])
-        page = self.kv.page_size
-        slot_mapping = block_table[seq, positions // page] * page + positions % page
         started = time.perf_counter()
         done = [b for b, r in enumerate(reqs) if starts[b] + counts[b] == r.num_tokens]
         logits_index = (q_ends - 1)[done or [0]]  # never empty: one fixed graph shape
         step = StepInputs(
             torch.tensor(token_ids, device=dev),
             positions,
-            block_table,
-            slot_mapping,
+            self.kv.pages([r.request_id for r in reqs]),
             q_lens,
             ctx_lens,
             logits_index,
             num_decodes,
             max(counts),
+            b"" if self.kv.journal is None else self.kv.journal.take(),
         )
         logits = self.run(step)
         for r, start, n in zip(reqs, starts, counts, strict=True):
@@ -265,28 +283,35 @@ class PagedExecutor:
         stage receives the previous stage's hidden states and sends its own to the next, and
         the last stage's logits go back to rank 0, which samples."""
         g = self.groups
-        if self.native is not None and step.max_q == 1 and len(step.q_lens) <= NATIVE_MAX_ROWS:
-            logits = self.native.logits(
-                step.input_ids, step.positions, step.slot_mapping, step.block_table, step.ctx_lens
-            )  # every row's; the step samples those that caught up (all, unless a 1-token chunk)
-            return logits if len(step.logits_index) == len(logits) else logits[step.logits_index]
-        if g.world_size > 1 and g.rank == 0:
-            broadcast_step(step, self.device)
-        hidden = None
-        if g.pp.rank > 0:
-            size = self.model.cfg.hidden_size
-            hidden = receive_from((len(step.input_ids), size), g.rank - g.tp.size, self.device)
         attention = StepAttention(
-            self.kv,
-            step.block_table,
-            step.slot_mapping,
+            self.kv.cache,
+            step.pages,
+            step.positions,
             step.q_lens,
             step.ctx_lens,
             step.num_decodes,
             step.max_q,
             self.attention_kernel,
             self.progress,
-        )
+        )  # the operator: it maps the step's slots from the page lists
+        if self.native is not None and step.max_q == 1 and len(step.q_lens) <= NATIVE_MAX_ROWS:
+            logits = self.native.logits(
+                step.input_ids,
+                step.positions,
+                attention.slot_mapping,
+                attention.block_table,
+                step.ctx_lens,
+            )  # every row's; the step samples those that caught up (all, unless a 1-token chunk)
+            return logits if len(step.logits_index) == len(logits) else logits[step.logits_index]
+        if g.world_size > 1 and g.rank == 0:
+            broadcast_step(step, self.device)
+        if step.moves:  # rank 0's page moves, mirrored on every rank's share
+            mla_tp = self.kv.cache.spec.kind == "mla" and g.tp.size > 1
+            follow_moves(step.moves, self.kv.cache, self.kv.cpu, g.rank, mla_tp)
+        hidden = None
+        if g.pp.rank > 0:
+            size = self.model.cfg.hidden_size
+            hidden = receive_from((len(step.input_ids), size), g.rank - g.tp.size, self.device)
         started = time.perf_counter()
         with active_step(attention):
             out = forward_logits(
@@ -338,8 +363,10 @@ class PagedExecutor:
         for r, n in plan:
             if not self.kv.allocate(r, n):
                 raise PyptoError(f"the KV cache ({self.kv.num_pages} pages) is too small to run")
-        for r, token in self.execute(out).items():
-            next(q for q in reqs if q.request_id == r).output_token_ids.append(token.token_id)
+        for request_id, token in self.execute(out).items():
+            next(q for q in reqs if q.request_id == request_id).output_token_ids.append(
+                token.token_id
+            )
         for r, n in plan:
             r.num_computed_tokens += n
 
@@ -360,7 +387,7 @@ class PagedExecutor:
             num_kv_pages=2 * -(-9 // self.kv.page_size),  # the warm-up's requests: 8, 9 tokens
             kv_cpu_bytes=0,
             enable_prefix_caching=False,
-            kv_cache_dtype="int8" if self.kv.k_cache.dtype == torch.int8 else "auto",
+            kv_cache_dtype="int8" if self.kv.cache.spec.dtype == torch.int8 else "auto",
         )
         scratch = copy.copy(self)  # the same model and graphs; its own pages
         scratch.kv = build_kv_store(self.model, self.device, self.dtype, cache, 0, "", False)

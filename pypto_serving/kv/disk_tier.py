@@ -4,16 +4,18 @@ Files live in a folder named after the digest of the model and KV layout
 (`<kv_ssd_dir>/<digest[:16]>/<page hash>.kvpage`), so two models can share a directory without
 ever reading each other's pages. A file is
 
-    MAGIC | header length (u32, little-endian) | header (JSON) | payload (K then V, raw) | digest
+    MAGIC | header length (u32, little-endian) | header (JSON) | payload (raw) | digest
 
-and its header carries the digest, page size, dtype, page shape, the page's hash and token ids
-and the payload length. The last 32 bytes are a BLAKE2b digest of everything before them,
-keyed by the directory's secret (`<kv_ssd_dir>/secret`, 0600, made on first use): a file made
-without the secret (a forged page, one with a recomputed plain checksum) is rejected like a
-truncated, corrupted or foreign one (any field disagreeing): a miss, logged and deleted, never
-served. Folders are 0700 and files 0600, as their headers hold prompts' token ids. At start-up
-the folder is scanned (headers only) so pages written by an earlier run of the same model and
-configuration are found again; the oldest beyond the budget are deleted.
+(payload: the page's tensors one after another, GQA's K then V or MLA's one latent tensor)
+and its header carries the digest, page size, dtype, page shape, number of tensors, the
+page's hash and token ids and the payload length. The last 32 bytes are a BLAKE2b digest of
+everything before them, keyed by the directory's secret (`<kv_ssd_dir>/secret`, 0600, made
+on first use): a file made without the secret (a forged page, one with a recomputed plain
+checksum) is rejected like a truncated, corrupted or foreign one (any field disagreeing): a
+miss, logged and deleted, never served. Folders are 0700 and files 0600, as their headers
+hold prompts' token ids. At start-up the folder is scanned (headers only) so pages written by
+an earlier run of the same model and configuration are found again; the oldest beyond the
+budget are deleted.
 
 An I/O error (a read-only or full disk, a failing read, write or delete) never fails a step:
 the page concerned is a miss or is dropped (recomputed when needed), the error is counted
@@ -67,11 +69,14 @@ class DiskTier(PageTier):
         page_shape: tuple[int, ...],
         dtype: torch.dtype,
         digest: str,
+        num_tensors: int = 2,
     ) -> None:
+        """capacity pages of `num_tensors` tensors each of page_shape = (layers, heads,
+        page_size, row); digest: the model's and the KV layout's (names the folder)."""
         self.capacity, self.page_shape, self.dtype = capacity, page_shape, dtype
-        self.digest = digest
+        self.digest, self.num_tensors = digest, num_tensors
         self.dir = Path(directory) / digest[:16]
-        self.payload_bytes = page_bytes(page_shape, dtype)
+        self.payload_bytes = page_bytes(page_shape, dtype, num_tensors)
         self.num_unreadable = 0
         """Files found truncated, corrupted, foreign or forged (each deleted)."""
         self.num_errors = 0
@@ -105,6 +110,7 @@ class DiskTier(PageTier):
             "page_size": self.page_shape[2],
             "dtype": str(self.dtype).removeprefix("torch."),
             "shape": list(self.page_shape),
+            "tensors": self.num_tensors,
             "hash": page_hash.hex(),
             "payload_bytes": self.payload_bytes,
         }
@@ -160,8 +166,7 @@ class DiskTier(PageTier):
         if tuple(header["token_ids"]) != token_ids:  # type: ignore[arg-type]
             raise ValueError("token ids differ from the index")
         kv = torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype)
-        kv = kv.view(2, *self.page_shape)
-        return kv[0], kv[1]
+        return tuple(kv.view(self.num_tensors, *self.page_shape).unbind())
 
     def _error(self, what: str, path: Path, e: OSError) -> None:
         """Count an I/O error; log the first of each kind (what: read, write, delete, ...)."""
@@ -191,7 +196,7 @@ class DiskTier(PageTier):
 
     def _scan(self) -> int:
         """Index the pages an earlier run left (oldest first); delete what is not ours."""
-        files = []
+        files: list[tuple[int, bytes, tuple[int, ...]]] = []
         try:
             paths = list(self.dir.iterdir())
         except OSError as e:
@@ -238,7 +243,9 @@ class DiskTier(PageTier):
             return self._index.get(page_hash)
 
     def store(self, page_hash: bytes, token_ids: tuple[int, ...], kv: PageKV) -> None:
-        owned = (kv[0].to("cpu", copy=True), kv[1].to("cpu", copy=True))
+        if len(kv) != self.num_tensors:
+            raise ValueError(f"a page of {len(kv)} tensors for a tier of {self.num_tensors}")
+        owned = tuple(t.to("cpu", copy=True) for t in kv)
         with self._lock:
             if page_hash in self._index:
                 raise ValueError("page already stored in the ssd tier")

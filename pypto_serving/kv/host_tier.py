@@ -24,11 +24,15 @@ class HostTier(PageTier):
         page_shape: tuple[int, ...],
         dtype: torch.dtype,
         pin_memory: bool = False,
+        num_tensors: int = 2,
     ) -> None:
-        """capacity pages of page_shape = (layers, kv_heads, page_size, head_dim)."""
+        """capacity pages of `num_tensors` tensors (GQA: K and V; MLA: the latent), each of
+        page_shape = (layers, heads, page_size, row)."""
         self.capacity = capacity
-        self.k = torch.empty((capacity, *page_shape), dtype=dtype, pin_memory=pin_memory)
-        self.v = torch.empty((capacity, *page_shape), dtype=dtype, pin_memory=pin_memory)
+        self.slots = tuple(
+            torch.empty((capacity, *page_shape), dtype=dtype, pin_memory=pin_memory)
+            for _ in range(num_tensors)
+        )
         self._free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
         self._cached: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()
         self._held: dict[str, list[int]] = {}
@@ -46,14 +50,16 @@ class HostTier(PageTier):
         return sum(len(slots) for slots in self._held.values())
 
     def _put(self, kv: PageKV) -> int:
+        if len(kv) != len(self.slots):
+            raise ValueError(f"a page of {len(kv)} tensors for a tier of {len(self.slots)}")
         slot = self._free.pop()
-        self.k[slot].copy_(kv[0])
-        self.v[slot].copy_(kv[1])
+        for held, t in zip(self.slots, kv, strict=True):
+            held[slot].copy_(t)
         return slot
 
     def _take(self, slot: int) -> PageKV:
         self._free.append(slot)
-        return self.k[slot].clone(), self.v[slot].clone()
+        return tuple(held[slot].clone() for held in self.slots)
 
     def tokens(self, page_hash: bytes) -> tuple[int, ...] | None:
         entry = self._cached.get(page_hash)

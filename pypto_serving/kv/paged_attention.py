@@ -1,15 +1,22 @@
 """The paged attention operator: writes a step's new K/V into their slots, reads pages.
 
-Tokens of a step arrive flat ([T], sequences concatenated, decodes first). For each layer the
-operator scatters the new k/v into the store's slots (slot = page * page_size + offset), then
+Tokens of a step arrive flat ([T], sequences concatenated, decodes first), with the
+sequences' page lists from the pool: from them the operator computes its block table and slot
+mapping itself (`paged_cache.block_table`, `slot_mapping`; slot = page * page_size + offset).
+For each layer it scatters the new k/v into its cache's slots (`paged_cache.PagedCache`), then
 attends for the decodes and for the prefill chunks separately. On the CPU the native kernels
 (`native_attention`) read the pages in place. Otherwise (CUDA, no compiler, a shape they do
 not take) PyTorch's path gathers each sequence's keys and values page by page through its
 block table into a padded [kv_head, B, ctx] batch: decodes attend with two batched matmuls,
 prefill chunks with one masked, causal, GQA-aware scaled-dot-product attention.
 
+MLA (`attend_latent`) is the same attention with one KV head whose keys and values are one
+latent tensor: each token's entry (kv_lora_rank + qk_rope_head_dim values) is stored once and
+read as both, by the same kernels and PyTorch path.
+
 To the compiler the operator is one opaque custom op, `pypto::paged_attention(q, k, v,
-layer)`: the step's metadata and the KV tensors are reached through the active `StepAttention`
+layer)` (MLA: `pypto::paged_latent_attention(q, entry, layer)`): the step's metadata and the
+KV tensors are reached through the active `StepAttention`
 (set by the executor around the forward), so a compiled model never sees cache mutation or
 the per-step shapes of the metadata (the vLLM "forward context" pattern).
 
@@ -32,7 +39,7 @@ import torch.nn.functional as F
 
 from pypto_serving.kv.native_attention import paged_attention as native_attention
 from pypto_serving.kv.native_attention import store_kv
-from pypto_serving.kv.store import PagedKVStore
+from pypto_serving.kv.paged_cache import PagedCache, block_table, slot_mapping
 
 
 class _ActiveSteps(threading.local):
@@ -137,7 +144,8 @@ class _Group:
                 self.page_size,
                 self.q_lens,
             )
-        keys, values = self.gather(k_cache), self.gather(v_cache)
+        keys = self.gather(k_cache)
+        values = keys if v_cache is k_cache else self.gather(v_cache)  # MLA: one latent
         if self.decode:
             return self._decode(q, keys, values)
         queries = q[self.q_index].transpose(1, 2)  # [B, H, max_q, D]
@@ -167,7 +175,8 @@ class _Group:
 
 
 class StepAttention:
-    """Attention metadata of one step over a PagedKVStore (built once, used by every layer).
+    """The attention operator over a PagedCache for one step (built once, used by every layer):
+    it computes the step's block table and slot mapping from the sequences' page lists.
 
     The step's sequences come decodes first (`num_decodes` of them, one token each), then
     prefill chunks; each kind runs its own attention, so a decode never pays for the padding
@@ -175,9 +184,9 @@ class StepAttention:
 
     def __init__(
         self,
-        store: PagedKVStore,
-        block_table: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        cache: PagedCache,
+        pages: list[list[int]],
+        positions: torch.Tensor,
         q_lens: torch.Tensor,
         ctx_lens: torch.Tensor,
         num_decodes: int,
@@ -185,57 +194,82 @@ class StepAttention:
         kernel: ctypes.CDLL | None = None,
         progress: StepProgress | None = None,
     ) -> None:
-        """block_table [B, W]; slot_mapping [T]; q_lens, ctx_lens [B] (ctx includes new);
+        """pages: each sequence's page ids (from the pool); positions [T] of the new tokens;
+        q_lens, ctx_lens [B] (ctx includes new), all int64 on the cache's device;
         `kernel`: the native attention library (`native_attention.library_for`), or None for
         PyTorch's path; `progress`: advanced by each layer (the executor's)."""
-        self.store, self.slot_mapping, self.kernel = store, slot_mapping.contiguous(), kernel
-        self.progress = progress
+        self.cache, self.kernel, self.progress = cache, kernel, progress
+        self.block_table = block_table(pages, cache.device)
+        """[B, W] each sequence's page ids, padded with 0."""
+        self.slot_mapping = slot_mapping(self.block_table, q_lens, positions, cache.page_size)
+        """[T] the cache slot of each new token."""
+        self.q_lens, self.ctx_lens = q_lens, ctx_lens
+        self.num_decodes, self.max_q = num_decodes, max_q
         self.attention_seconds = self.prefill_seconds = 0.0
         """Time spent attending so far (all layers), and of it the prefill chunks'."""
-        self.prefill_work = int((q_lens[num_decodes:] * ctx_lens[num_decodes:]).sum())
+        nd = num_decodes
+        self.prefill_work = int((q_lens[nd:] * ctx_lens[nd:]).sum()) if nd < len(q_lens) else 0
         """Query tokens x context tokens of the prefill chunks (one layer's attention work)."""
-        heads, page, nd = store.k_cache.shape[1], store.page_size, num_decodes
-        self.groups = []
+        self._groups: list[_Group] | None = None
+
+    @property
+    def groups(self) -> list[_Group]:
+        """The decodes' and the prefill chunks' attention (built at the first layer: a step
+        the native decode step runs whole needs only the tables)."""
+        if self._groups is None:
+            self._groups = self._make_groups()
+        return self._groups
+
+    def _make_groups(self) -> list[_Group]:
+        heads, page, nd = self.cache.k_cache.shape[1], self.cache.page_size, self.num_decodes
+        table, q_lens, ctx_lens, kernel = self.block_table, self.q_lens, self.ctx_lens, self.kernel
+        groups = []
         if nd > 0:
-            self.groups.append(
-                _Group(
-                    page,
-                    heads,
-                    block_table[:nd],
-                    q_lens[:nd],
-                    ctx_lens[:nd],
-                    slice(0, nd),
-                    1,
-                    kernel,
-                )
+            groups.append(
+                _Group(page, heads, table[:nd], q_lens[:nd], ctx_lens[:nd], slice(0, nd), 1, kernel)
             )
         if nd < len(q_lens):
             width = int((ctx_lens[nd:].max() + page - 1) // page)  # drop decodes' extra width
-            self.groups.append(
+            groups.append(
                 _Group(
                     page,
                     heads,
-                    block_table[nd:, :width],
+                    table[nd:, :width],
                     q_lens[nd:],
                     ctx_lens[nd:],
-                    slice(nd, len(slot_mapping)),
-                    max_q,
+                    slice(nd, len(self.slot_mapping)),
+                    self.max_q,
                     kernel,
                 )
             )
+        return groups
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_cache, v_cache = self.store.k_cache[layer], self.store.v_cache[layer]
+        """GQA: write k, v [T, Hkv, D] into their slots, attend q [T, H, D]."""
+        k_cache, v_cache = self.cache.k_cache[layer], self.cache.v_cache[layer]
         if self.kernel is None or not store_kv(
             self.kernel, k, v, k_cache, v_cache, self.slot_mapping
         ):
             if k_cache.dtype == torch.int8:  # the kernel quantizes: give it contiguous rows
+                assert self.kernel is not None, "an int8 cache is built with the kernels"
                 k, v = k.contiguous(), v.contiguous()
                 stored = store_kv(self.kernel, k, v, k_cache, v_cache, self.slot_mapping)
                 assert stored, "contiguous keys and values are always stored"
             else:
                 k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
                 v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
+        return self._attend(q, k_cache, v_cache)
+
+    def attend_latent(self, layer: int, q: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
+        """MLA: write entry [T, E] into its slots (once), attend q [T, H, E] over the entries
+        as keys and values both (one KV head)."""
+        latent = self.cache.k_cache[layer]  # [1, slots, E]
+        latent[0].index_copy_(0, self.slot_mapping, entry)
+        return self._attend(q, latent, latent)
+
+    def _attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
         outs = []
         for g in self.groups:
             start = time.perf_counter()
@@ -270,10 +304,27 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) ->
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("pypto::paged_latent_attention", mutates_args=())
+def paged_latent_attention(
+    q: torch.Tensor, entry: torch.Tensor, layer: torch.Tensor
+) -> torch.Tensor:
+    return _active.steps[-1].attend_latent(int(layer), q, entry)
+
+
+@paged_latent_attention.register_fake
+def _(q: torch.Tensor, entry: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
 class PagedKV:
-    """What the model sees on the paged path: attention through the custom op."""
+    """What the model sees on the paged path: attention through the custom ops."""
 
     def attend(
         self, layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         return paged_attention(q, k, v, layer)
+
+    def attend_latent(
+        self, layer: torch.Tensor, q: torch.Tensor, entry: torch.Tensor
+    ) -> torch.Tensor:
+        return paged_latent_attention(q, entry, layer)

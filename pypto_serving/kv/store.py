@@ -1,9 +1,13 @@
-"""The paged KV store: KV tensors, per-request page tables, prefix reuse across tiers, swaps.
+"""The paged KV store, the pool side of the KV: pages per request, prefix reuse across tiers,
+swaps.
 
-It owns everything about where KV lives. The scheduler asks it capacity questions
-(`num_cached_tokens`, `allocate`, `free`, `preempt`); the executor asks it for the attention
-operator of a step (`attention`), which writes the step's new K/V into their slots and reads
-pages.
+It knows pages, not layers or heads: which device pages each request holds (`tables`), the
+prefix index over full pages, and the tiers below the device. The KV itself belongs to the
+attention operator (`paged_cache.PagedCache`, allocated from its kind's `KVSpec`), which
+computes its block tables and slot mappings from the page lists; the store reads and writes a
+page's bytes only through it (`read_page`, `write_page`), so a page of any kind (GQA's K and
+V, MLA's one latent tensor) moves between tiers alike. The scheduler asks it capacity
+questions (`num_cached_tokens`, `allocate`, `free`, `preempt`).
 
 Tiers (the Mooncake way): the device pool, then optionally CPU memory, then optionally SSD.
 One index across them maps a page hash to exactly one place (placement is exclusive):
@@ -36,13 +40,13 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
-
-from pypto_serving.device import pin_host_memory, zeros
+from pypto_serving.device import pin_host_memory
 from pypto_serving.kv.disk_tier import DiskTier
 from pypto_serving.kv.host_tier import HostTier
+from pypto_serving.kv.mirror import Journal, JournaledHostTier
 from pypto_serving.kv.page_pool import PagePool, hash_page
-from pypto_serving.kv.tier import PageKV, PageTier, TierStats, page_bytes
+from pypto_serving.kv.paged_cache import PagedCache
+from pypto_serving.kv.tier import PageKV, PageTier, TierStats
 from pypto_serving.request import Request
 
 log = logging.getLogger(__name__)
@@ -50,7 +54,7 @@ log = logging.getLogger(__name__)
 PRESSURE_LOG_INTERVAL_S = 10.0
 EMA = 0.2
 """Weight of the newest measurement in the running cost estimates."""
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 """Bumped when the KV layout of a page changes (old SSD pages then become foreign)."""
 
 
@@ -100,38 +104,37 @@ class Costs:
 class PagedKVStore:
     def __init__(
         self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        num_pages: int,
-        page_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
+        cache: PagedCache,
         enable_prefix_caching: bool = True,
         cpu_pages: int = 0,
         ssd_dir: Path | None = None,
         ssd_pages: int = 0,
         digest: str = "",
+        journal: Journal | None = None,
     ) -> None:
-        """cpu_pages / ssd_pages: capacities of the lower tiers (0: none); digest identifies
-        the model and configuration whose KV this is (SSD pages of another digest are ignored)."""
-        self.pool = PagePool(num_pages, page_size, enable_prefix_caching, self._demote)
-        self.page_size = page_size
-        # head-major: a page of one head is a contiguous [page_size, head_dim] block, so a
-        # sequence's keys gather page by page straight into the layout attention reads
-        shape = (num_layers, num_kv_heads, num_pages * page_size, head_dim)
-        self.k_cache = zeros(shape, dtype, device)
-        self.v_cache = zeros(shape, dtype, device)
+        """cache: the attention operator's KV, whose pages this store hands out; cpu_pages /
+        ssd_pages: capacities of the lower tiers (0: none); digest identifies the model and
+        configuration whose KV this is (SSD pages of another digest or KV spec are ignored);
+        journal: rank 0's under TP/PP, recording its page moves for the other ranks to
+        mirror (`kv/mirror.py`)."""
+        spec, num_pages = cache.spec, cache.num_pages
+        self.cache, self.journal = cache, journal
+        self.pool = PagePool(num_pages, spec.page_size, enable_prefix_caching, self._demote)
+        self.page_size = spec.page_size
         self.tables: dict[str, PageTable] = {}
-        page_shape = (num_layers, num_kv_heads, page_size, head_dim)
-        self.page_bytes = page_bytes(page_shape, dtype)
-        pin = pin_host_memory(device)
-        self.cpu = HostTier(cpu_pages, page_shape, dtype, pin) if cpu_pages > 0 else None
+        self.page_bytes = spec.page_bytes
+        shape, n = spec.page_shape, spec.num_tensors
+        pin = pin_host_memory(cache.device)
+        self.cpu: HostTier | None = None
+        if cpu_pages > 0 and journal is not None:
+            self.cpu = JournaledHostTier(journal, cpu_pages, shape, spec.dtype, pin, n)
+        elif cpu_pages > 0:
+            self.cpu = HostTier(cpu_pages, shape, spec.dtype, pin, n)
         self.ssd = None
         if ssd_dir is not None and ssd_pages > 0:
-            layout = f"{FORMAT_VERSION}|{digest}|{dtype}|{page_shape}".encode()
+            layout = f"{FORMAT_VERSION}|{digest}|{spec.describe()}".encode()
             full_digest = hashlib.blake2b(layout, digest_size=16).hexdigest()
-            self.ssd = DiskTier(ssd_dir, ssd_pages, page_shape, dtype, full_digest)
+            self.ssd = DiskTier(ssd_dir, ssd_pages, shape, spec.dtype, full_digest, n)
         self.lower: list[PageTier] = [t for t in (self.cpu, self.ssd) if t is not None]
         """The tiers below the device, fastest first."""
         self.stats = {"device": TierStats("device", num_pages, self.page_bytes)}
@@ -215,14 +218,17 @@ class PagedKVStore:
     # --- page data ------------------------------------------------------------------------
 
     def _page_kv(self, page_id: int) -> PageKV:
-        """Views of one device page's keys and values, each [layers, kv_heads, page, dim]."""
-        slots = slice(page_id * self.page_size, (page_id + 1) * self.page_size)
-        return self.k_cache[:, :, slots], self.v_cache[:, :, slots]
+        """Views of one device page's tensors, read through the operator that owns them."""
+        kv = self.cache.read_page(page_id)
+        if self.journal is not None:
+            self.journal.record("read", page_id)
+            self.journal.produced(kv)
+        return kv
 
     def _write_page(self, page_id: int, kv: PageKV) -> None:
-        k, v = self._page_kv(page_id)
-        k.copy_(kv[0])
-        v.copy_(kv[1])
+        if self.journal is not None:
+            self.journal.record("write", page_id, self.journal.handle(kv))
+        self.cache.write_page(page_id, kv)
 
     # --- demotion: device -> cpu -> ssd -> dropped ------------------------------------------
 
@@ -346,7 +352,7 @@ class PagedKVStore:
         """The hits, cut before the first lower-tier page if loading them all would take
         longer than recomputing them."""
         lower = [h for h in hits if h.tier is not None]
-        load_s = sum(self.costs.load_s_per_page[h.tier.name] for h in lower)  # type: ignore[union-attr]
+        load_s = sum(self.costs.load_s_per_page[h.tier.name] for h in lower if h.tier)
         if load_s <= len(lower) * self.page_size * self.costs.recompute_s_per_token:
             return hits
         first = next(i for i, h in enumerate(hits) if h.tier is not None)
@@ -360,7 +366,7 @@ class PagedKVStore:
     def _load(self, hits: list[_Hit]) -> list[_Hit]:
         """Copy the lower-tier hits into fresh device pages (stopping at an unreadable page)."""
         loaded: list[tuple[_Hit, PageKV]] = []
-        seconds: Counter[str] = Counter()
+        seconds: dict[str, float] = dict.fromkeys(self.costs.load_s_per_page, 0.0)
         for i, h in enumerate(hits):
             if h.tier is None:
                 continue
@@ -483,9 +489,7 @@ class PagedKVStore:
             self._cache_on_device(table.pages[i], parent, chunk)
             table.hashes.append(parent)
 
-    def block_table(self, request_ids: list[str]) -> torch.Tensor:
-        """[B, max_pages] page ids of each request, padded with 0."""
-        tables = [self.tables[r].pages for r in request_ids]
-        width = max(len(t) for t in tables)
-        rows = [t + [0] * (width - len(t)) for t in tables]
-        return torch.tensor(rows, dtype=torch.long, device=self.k_cache.device)
+    def pages(self, request_ids: list[str]) -> list[list[int]]:
+        """The requests' page lists: what the attention operator computes its block table and
+        slot mapping from."""
+        return [self.tables[r].pages for r in request_ids]

@@ -17,14 +17,15 @@ import torch
 TIER_NAMES = ("device", "cpu", "ssd")
 """Fastest first."""
 
-PageKV = tuple[torch.Tensor, torch.Tensor]
-"""One page's keys and values, each [layers, kv_heads, page_size, row] (row: head_dim values,
-or for an int8 cache head_dim int8 values and their 4-byte scale)."""
+PageKV = tuple[torch.Tensor, ...]
+"""One page's stored tensors, each [layers, heads, page_size, row], as its attention kind
+lays them out (`spec.KVSpec`): GQA its keys and values (row: head_dim values, or for an int8
+cache head_dim int8 values and their 4-byte scale), MLA its one latent tensor."""
 
 
-def page_bytes(page_shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Bytes of one page's keys and values, each of `page_shape`."""
-    return 2 * torch.Size(page_shape).numel() * dtype.itemsize
+def page_bytes(page_shape: tuple[int, ...], dtype: torch.dtype, num_tensors: int = 2) -> int:
+    """Bytes of one page of `num_tensors` tensors, each of `page_shape`."""
+    return num_tensors * torch.Size(page_shape).numel() * dtype.itemsize
 
 
 LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

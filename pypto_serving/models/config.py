@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,7 +20,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
+DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -57,6 +61,30 @@ class ModelConfig:
     """Renormalise the top-k routing weights to sum to one."""
     moe_layers: tuple[int, ...] = ()
     """Layers whose MLP is the mixture of experts (the others are dense)."""
+    shared_intermediate_size: int = 0
+    """The MoE layers' shared experts, as one MLP of this size (DeepSeek; 0: none)."""
+    router: str = "softmax"
+    """Expert choice: softmax top-k (Qwen3-MoE, DeepSeek-V2 greedy), group_limited_greedy
+    (DeepSeek-V2) or noaux_tc (DeepSeek-V3: sigmoid scores, e_score_correction_bias)."""
+    n_group: int = 1
+    """Routed experts form this many groups; a token picks among its topk_group best."""
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    """Multiplier on the routing weights (DeepSeek)."""
+    kv_lora_rank: int = 0
+    """MLA (DeepSeek): the rank of the latent KV; 0 for the other attention kinds."""
+    q_lora_rank: int = 0
+    """MLA: the rank of the low-rank query projection (0: a plain q_proj)."""
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    """MLA: each head's roped query/key part, shared by the heads on the key side."""
+    v_head_dim: int = 0
+    softmax_scale: float = 0.0
+    """MLA: the attention's scale, qk_head_dim**-0.5 times YaRN's mscale(mscale_all_dim)²."""
+    rope_interleave: bool = False
+    """The checkpoint's roped dims come in pairs (DeepSeek): the loader de-interleaves them."""
+    extra_layers: int = 0
+    """Checkpoint layers after the decoder's (DeepSeek-V3's multi-token prediction): skipped."""
 
     @property
     def q_size(self) -> int:
@@ -92,6 +120,7 @@ class ModelConfig:
             ("KV heads", self.num_kv_heads),
             ("attention heads", self.num_heads),
             ("MLP intermediate size", self.intermediate_size),
+            ("shared experts' intermediate size", self.shared_intermediate_size),
         ):
             if n % size:
                 raise ModelLoadError(
@@ -102,6 +131,7 @@ class ModelConfig:
             num_heads=self.num_heads // size,
             num_kv_heads=self.num_kv_heads // size,
             intermediate_size=self.intermediate_size // size,
+            shared_intermediate_size=self.shared_intermediate_size // size,
         )
 
 
@@ -150,11 +180,12 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         raise ModelLoadError("mlp_bias=true is not supported")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     attention_bias = bool(getattr(hf, "attention_bias", False))
-    inv_freq, rope_scaling = _rope(hf, head_dim)
+    inv_freq, rope_scaling = _rope(hf, head_dim)  # DeepSeek: head_dim is qk_rope_head_dim
+    extra = _deepseek(hf, raw, arch) if arch in DEEPSEEK else _moe(hf, arch)
     eos = hf.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    return ModelConfig(
+    cfg = ModelConfig(
         architecture=arch,
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
@@ -166,15 +197,15 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         rms_norm_eps=hf.rms_norm_eps,
         max_position_embeddings=hf.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
+        qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",  # DeepSeek: q_a/kv_a's
         o_bias=attention_bias and arch != "Qwen2ForCausalLM",
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         rope_inv_freq=inv_freq,
         rope_scaling=rope_scaling,
         eos_token_ids=eos_ids,
         torch_dtype=str(dtype),
-        **_moe(hf, arch),
     )
+    return replace(cfg, **extra)
 
 
 def _moe(hf: Any, arch: str) -> dict[str, Any]:
@@ -192,4 +223,76 @@ def _moe(hf: Any, arch: str) -> dict[str, Any]:
         "moe_layers": tuple(
             i for i in range(hf.num_hidden_layers) if i not in dense and (i + 1) % step == 0
         ),
+    }
+
+
+def _deepseek(hf: Any, raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """DeepSeek-V2/V3's fields: MLA, and the MoE layers after the first dense ones (routed
+    experts chosen per group, shared experts beside them). What transformers' modelling does
+    not do (other scoring, a MoE layer every other layer, ...) is refused by name."""
+    v3 = arch == "DeepseekV3ForCausalLM"
+    if raw.get("quantization_config"):
+        raise ModelLoadError(
+            f"quantized {arch} checkpoints (quantization_config) are not supported; "
+            "dequantize the weights first"
+        )
+    want = {"scoring_func": "sigmoid" if v3 else "softmax", "moe_layer_freq": 1}
+    want |= {"hidden_act": "silu"} | ({"topk_method": "noaux_tc"} if v3 else {})
+    for key, value in want.items():
+        if raw.get(key, value) != value:
+            raise ModelLoadError(f"{arch} with {key}={raw[key]!r} is not supported ({value!r})")
+    router = "noaux_tc" if v3 else str(getattr(hf, "topk_method", None) or "greedy")
+    if not v3 and router not in ("greedy", "group_limited_greedy"):
+        raise ModelLoadError(f"{arch} with topk_method={router!r} is not supported")
+    if not v3 and getattr(hf, "norm_topk_prob", False):
+        raise ModelLoadError(f"{arch} with norm_topk_prob=true is not supported")
+    experts = int(hf.n_routed_experts or 0)
+    grouped = router != "greedy"
+    n_group = int(hf.n_group or 1) if grouped else 1
+    topk_group = int(hf.topk_group or n_group) if grouped else 1
+    top_k = int(hf.num_experts_per_tok or 0)
+    if experts and not (
+        experts % n_group == 0
+        and 0 < topk_group <= n_group
+        and 0 < top_k <= experts * topk_group // n_group
+        and (not v3 or experts // n_group >= 2)
+    ):
+        raise ModelLoadError(
+            f"{arch}: {top_k} of {experts} experts in {n_group} groups of which {topk_group} "
+            "are kept is not a routing this model can do"
+        )
+    dense = int(getattr(hf, "first_k_dense_replace", 0) or 0)
+    scale = hf.qk_nope_head_dim + hf.qk_rope_head_dim
+    softmax_scale = scale**-0.5
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    mscale_all_dim = params.get("mscale_all_dim") or 0
+    if params.get("rope_type", "default") != "default" and mscale_all_dim:
+        factor = float(params["factor"])
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
+        softmax_scale *= mscale * mscale
+    moe = {}
+    if experts:
+        moe = {
+            "num_experts": experts,
+            "num_experts_per_tok": top_k,
+            "moe_intermediate_size": int(hf.moe_intermediate_size),
+            "norm_topk_prob": bool(v3 and hf.norm_topk_prob),
+            "moe_layers": tuple(range(dense, hf.num_hidden_layers)),
+            "shared_intermediate_size": int(hf.moe_intermediate_size)
+            * int(hf.n_shared_experts or 0),
+        }
+    return moe | {
+        "router": router,
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "routed_scaling_factor": float(hf.routed_scaling_factor),
+        "head_dim": scale,
+        "kv_lora_rank": int(hf.kv_lora_rank),
+        "q_lora_rank": int(hf.q_lora_rank or 0),
+        "qk_nope_head_dim": int(hf.qk_nope_head_dim),
+        "qk_rope_head_dim": int(hf.qk_rope_head_dim),
+        "v_head_dim": int(hf.v_head_dim),
+        "softmax_scale": softmax_scale,
+        "rope_interleave": bool(getattr(hf, "rope_interleave", True)) if v3 else True,
+        "extra_layers": int(raw.get("num_nextn_predict_layers") or 0),
     }

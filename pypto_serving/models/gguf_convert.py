@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import SupportsInt, cast
 from unittest import mock
 
 import gguf
@@ -118,7 +119,7 @@ def _int_field(reader: gguf.GGUFReader, key: str, default: int | None = None) ->
     value = _field(reader, key)
     if value is None and default is None:
         raise ModelLoadError(f"GGUF file lacks required metadata {key!r}")
-    return int(value) if value is not None else int(default)  # type: ignore[arg-type]
+    return int(cast(SupportsInt, value if value is not None else default))
 
 
 def _check_replaceable(out_dir: Path) -> None:
@@ -214,9 +215,9 @@ def _save_tokenizer(gguf_path: Path, out: Path, reader: gguf.GGUFReader, arch: s
         )
     context = _field(reader, f"{arch}.context_length")
     if context:
-        tok.model_max_length = int(context)
+        tok.model_max_length = int(cast(SupportsInt, context))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    if eos is not None and tok.eos_token_id != int(eos):
+    if eos is not None and tok.eos_token_id != int(cast(SupportsInt, eos)):
         raise ModelLoadError(f"tokenizer eos id {tok.eos_token_id} != GGUF eos id {eos}")
     tok.save_pretrained(out, save_jinja_files=False)  # chat template inside tokenizer_config
     _rewrite_json(out / "tokenizer_config.json", lambda d: [d.pop(k, None) for k in _LOAD_ARGS])

@@ -11,6 +11,7 @@ so bf16 weights cost little accuracy.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -87,14 +88,22 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and feed-forward blocks; a model of another kind (models/deepseek.py)
+    subclasses it with its own `attention` and `feed_forward`, keeping `forward`."""
+
     def __init__(self, cfg: ModelConfig, layer: int, groups: ParallelGroups, index: int) -> None:
         """layer: its index in this stage's KV store; index: in the checkpoint."""
         super().__init__()
-        tp = groups.tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, tp)
+        self.self_attn = self.attention(cfg, layer, groups)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg, groups) if index in cfg.moe_layers else MLP(cfg, tp)
+        self.mlp = self.feed_forward(cfg, groups, index)
+
+    def attention(self, cfg: ModelConfig, layer: int, groups: ParallelGroups) -> nn.Module:
+        return Attention(cfg, layer, groups.tp)
+
+    def feed_forward(self, cfg: ModelConfig, groups: ParallelGroups, index: int) -> nn.Module:
+        return MoE(cfg, groups) if index in cfg.moe_layers else MLP(cfg, groups.tp)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttention
@@ -114,7 +123,9 @@ class Decoder(nn.Module):
     places hold an Identity. The embedding lives on the first stage, the final norm on the
     last."""
 
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
+    def __init__(
+        self, cfg: ModelConfig, groups: ParallelGroups, layer_type: type[DecoderLayer]
+    ) -> None:
         super().__init__()
         pp, tp = groups.pp, groups.tp
         self.local = stage_layers(cfg.num_layers, pp)
@@ -122,7 +133,7 @@ class Decoder(nn.Module):
             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if pp.rank == 0 else None
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i - self.local.start, groups, i) if i in self.local else nn.Identity()
+            layer_type(cfg, i - self.local.start, groups, i) if i in self.local else nn.Identity()
             for i in range(cfg.num_layers)
         )
         last = pp.rank == pp.size - 1
@@ -142,11 +153,16 @@ class CausalLM(nn.Module):
     embedding on the first stage, the final norm and LM head on the last; `forward` takes the
     previous stage's hidden states and returns its own (the executor passes them on)."""
 
+    layer_type: type[DecoderLayer] = DecoderLayer
+    """The decoder layers' class (DeepSeek's model gives its own)."""
+    inv_freq: torch.Tensor
+    """RoPE's inverse frequencies (a buffer, not in the checkpoint)."""
+
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups | None = None) -> None:
         super().__init__()
         groups = groups or ParallelGroups()
         self.cfg, self.groups, self.tp = cfg, groups, groups.tp
-        self.model = Decoder(cfg, groups)
+        self.model = Decoder(cfg, groups, self.layer_type)
         self.first_stage = groups.pp.rank == 0
         self.last_stage = groups.pp.rank == groups.pp.size - 1
         self.num_local_layers = len(self.model.local)
@@ -170,7 +186,8 @@ class CausalLM(nn.Module):
         output (None on the first stage); run_layer(layer, hidden, cos, sin, kv): how each
         decoder layer runs (a compiled layer; None calls it). Returns hidden states
         [T, hidden] (normed on the last stage)."""
-        dtype = self.model.layers[self.model.local.start].input_layernorm.weight.dtype
+        first = cast(DecoderLayer, self.model.layers[self.model.local.start])
+        dtype = first.input_layernorm.weight.dtype
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.cfg.rope_scaling, dtype)
         if self.model.embed_tokens is not None:
             # the residual stream stays in float32 whatever the weights' dtype

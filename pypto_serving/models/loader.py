@@ -2,34 +2,30 @@
 
 This file is the ONE place where checkpoint tensors are rearranged: HF parameter names are
 kept, except that q/k/v and gate/up land in slices of the fused `qkv_proj` / `gate_up_proj`,
-and under tensor parallelism each rank takes its slice of the split tensors first.
+MLA's kv_b_proj is split into each head's `w_uk` and `w_uv` (models/deepseek.py), and under
+tensor parallelism each rank takes its slice of the split tensors first.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save
 
-from pypto_serving.config import CALIBRATED_QUANTIZATIONS
-from pypto_serving.device import cpu_isa, int8_weight_max, use_packed_linear
+from pypto_serving.device import use_packed_linear
 from pypto_serving.distributed import Group, ParallelGroups
 from pypto_serving.errors import ModelLoadError, PyptoError
-from pypto_serving.models import calibration
-from pypto_serving.models.config import ModelConfig, load_model_config
-from pypto_serving.models.llama import CausalLM
-from pypto_serving.ops.linear import Linear, pack_linears
-from pypto_serving.paths import cache_dir, trusted_cache_dir, write_atomically
-
-log = logging.getLogger(__name__)
+from pypto_serving.models.config import DEEPSEEK, ModelConfig, load_model_config
+from pypto_serving.models.deepseek import DeepseekForCausalLM, DeepseekMoE
+from pypto_serving.models.llama import CausalLM, MoE
+from pypto_serving.models.quantized_cache import quantize_cached
+from pypto_serving.ops.linear import pack_linears
 
 # HF projection name -> (our fused parameter, index of the slice it fills)
 FUSED = {
@@ -54,11 +50,11 @@ def checkpoint_digest(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-def fused_slices(cfg: ModelConfig, fused: str) -> list[int]:
-    """Row counts of the pieces stacked in a fused projection, in order."""
+def fused_slices(cfg: ModelConfig, fused: str, rows: int) -> list[int]:
+    """Row counts of the pieces stacked in a fused projection of `rows` rows, in order."""
     if fused == "qkv_proj":
         return [cfg.q_size, cfg.kv_size, cfg.kv_size]
-    return [cfg.intermediate_size, cfg.intermediate_size]
+    return [rows // 2, rows // 2]  # gate_up_proj: an MLP's, or DeepSeek's shared experts'
 
 
 def expected_loads(cfg: ModelConfig, param_name: str, param: torch.Tensor) -> int:
@@ -69,14 +65,14 @@ def expected_loads(cfg: ModelConfig, param_name: str, param: torch.Tensor) -> in
     if param_name.endswith(".experts_down"):
         return param.shape[0]
     fused = param_name.split(".")[-2]
-    return len(fused_slices(cfg, fused)) if fused in ("qkv_proj", "gate_up_proj") else 1
+    return len(fused_slices(cfg, fused, 0)) if fused in ("qkv_proj", "gate_up_proj") else 1
 
 
 EXPERT = re.compile(r"(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
 def expert_target(
-    model: CausalLM, params: dict[str, torch.Tensor], name: str
+    model: CausalLM, params: Mapping[str, torch.Tensor], name: str
 ) -> tuple[str, torch.Tensor | None] | None:
     """Where a Qwen3-MoE expert tensor goes: (the stacked parameter, the slice this rank
     fills, or None when another rank holds that expert); None for a tensor that is no
@@ -86,6 +82,7 @@ def expert_target(
         return None
     prefix, expert, proj = match[1], int(match[2]), match[3]
     moe = model.get_submodule(prefix)
+    assert isinstance(moe, MoE | DeepseekMoE), f"{prefix} holds no experts"
     if expert not in moe.held:
         return prefix, None
     j = moe.held.index(expert)
@@ -125,7 +122,7 @@ def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"corrupt safetensors file {path.name}: {e}") from None
 
 
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
 """Split by output rows under tensor parallelism (weights and biases)."""
 ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
 """Split by input columns."""
@@ -166,6 +163,8 @@ def pipeline_targets(model: CausalLM, hf_name: str) -> list[str]:
     layer = re.match(r"model\.layers\.(\d+)\.", hf_name)
     if layer is not None:
         i = int(layer[1])
+        if cfg.num_layers <= i < cfg.num_layers + cfg.extra_layers:
+            return []  # DeepSeek-V3's multi-token prediction layers: not served
         return [hf_name] if i in model.model.local or i >= cfg.num_layers else []
     if hf_name == "model.embed_tokens.weight":
         tied_here = cfg.tie_word_embeddings and last and not first
@@ -175,6 +174,47 @@ def pipeline_targets(model: CausalLM, hf_name: str) -> list[str]:
     if hf_name == "model.norm.weight":
         return [hf_name] if last else []
     return [hf_name]
+
+
+def deinterleaved(tensor: torch.Tensor, rows: int, rope: int) -> torch.Tensor:
+    """The tensor with the last `rope` of each group of `rows` rows taken from DeepSeek's
+    pairs (x0, x1), (x2, x3), ... to halves (x0, x2, ..., x1, x3, ...), as `ops/rope.py`'s
+    rotate-half rotation pairs them (the rotated results are HF's, bit for bit)."""
+    if tensor.shape[0] % rows:
+        return tensor  # a wrong shape: copy_checked says so
+    index = torch.arange(tensor.shape[0]).view(-1, rows)
+    tail = index[:, rows - rope :]
+    index[:, rows - rope :] = torch.cat([tail[:, 0::2], tail[:, 1::2]], dim=1)
+    return tensor[index.flatten()]
+
+
+def mla_tensors(
+    cfg: ModelConfig, name: str, tensor: torch.Tensor
+) -> list[tuple[str, torch.Tensor]]:
+    """MLA's tensors (this rank's heads) as models/deepseek.py holds them: kv_b_proj split into
+    each head's key rows (`w_uk`) and value rows (`w_uv`); the roped rows of the query and
+    latent projections de-interleaved where the checkpoint interleaves them. Other tensors
+    as they are."""
+    attn, _, leaf = name.rpartition(".self_attn.")
+    if not cfg.kv_lora_rank or not attn:
+        return [(name, tensor)]
+    rope, nope = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+    if leaf == "kv_b_proj.weight":
+        shape = (cfg.num_heads * (nope + cfg.v_head_dim), cfg.kv_lora_rank)
+        if tuple(tensor.shape) != shape:
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}"
+            )
+        w_uk, w_uv = tensor.view(cfg.num_heads, -1, cfg.kv_lora_rank).split(
+            [nope, cfg.v_head_dim], dim=1
+        )
+        prefix = f"{attn}.self_attn."
+        return [(prefix + "w_uk", w_uk), (prefix + "w_uv", w_uv)]
+    if cfg.rope_interleave and leaf in ("q_proj.weight", "q_b_proj.weight"):
+        return [(name, deinterleaved(tensor, nope + rope, rope))]
+    if cfg.rope_interleave and leaf.startswith("kv_a_proj_with_mqa."):
+        return [(name, deinterleaved(tensor, cfg.kv_lora_rank + rope, rope))]
+    return [(name, tensor)]
 
 
 def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -195,19 +235,20 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -
                     copy_checked(hf_name, tensor, part)
                     pending[name] -= 1
                 continue
-            name, shard = target_name, None
-            for hf_proj, (fused, index) in FUSED.items():
-                if f".{hf_proj}." in target_name:
-                    name, shard = target_name.replace(hf_proj, fused), index
-            param = params.get(name)
-            if param is None:
-                raise ModelLoadError(f"unexpected tensor {hf_name!r} in checkpoint")
-            target = param.data
-            if shard is not None:
-                sizes = fused_slices(cfg, name.split(".")[-2])
-                target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
-            copy_checked(hf_name, tensor, target)
-            pending[name] -= 1
+            for name, part in mla_tensors(cfg, target_name, tensor):
+                shard = None
+                for hf_proj, (fused, index) in FUSED.items():
+                    if f".{hf_proj}." in name and name.replace(hf_proj, fused) in params:
+                        name, shard = name.replace(hf_proj, fused), index
+                param = params.get(name)
+                if param is None:
+                    raise ModelLoadError(f"unexpected tensor {hf_name!r} in checkpoint")
+                target = param.data
+                if shard is not None:
+                    sizes = fused_slices(cfg, name.split(".")[-2], target.shape[0])
+                    target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+                copy_checked(hf_name, part, target)
+                pending[name] -= 1
     missing = sorted(n for n, left in pending.items() if left > 0)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -252,11 +293,13 @@ def load_model(
     groups: ParallelGroups | None = None,
     quantization: str | None = None,
     native: bool = False,
+    pack: bool = True,
 ) -> CausalLM:
     """Build our model for `model_dir` (this rank's share of it under tensor and pipeline
     parallelism) and fill it with the checkpoint's weights, quantized if asked (int8, int4,
     w8a8, int4-w8a8: CPU and bfloat16 only). native: its few decodes run through the native
-    decode step, which takes int4's weights in its own packing (`pack_linears`)."""
+    decode step, which takes int4's weights in its own packing (`pack_linears`). pack: bf16
+    weights are repacked for oneDNN where the CPU allows it (the run plan's `pack_linear`)."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory not found: {model_dir}")
     if quantization is not None and (device.type != "cpu" or dtype != torch.bfloat16):
@@ -271,7 +314,7 @@ def load_model(
     )
     files = safetensors_files(model_dir)
     with torch.device("meta"):
-        model = CausalLM(cfg, groups)
+        model = (DeepseekForCausalLM if cfg.architecture in DEEPSEEK else CausalLM)(cfg, groups)
     model = model.to_empty(device=device).to(dtype)
     embed, head = model.model.embed_tokens, model.lm_head
     if cfg.tie_word_embeddings and embed is not None and head is not None:
@@ -281,79 +324,8 @@ def load_model(
     model.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32, device=device)
     model = model.eval().requires_grad_(False)
     if quantization is not None:
-        quantize_cached(model, model_dir, quantization, groups, native)
-    elif use_packed_linear(device, dtype):
+        digest, tokenizer = checkpoint_digest(model_dir), lambda: load_tokenizer(model_dir)
+        quantize_cached(model, digest, quantization, groups, tokenizer, native, pack)
+    elif pack and use_packed_linear(device, dtype):
         pack_linears(model)
     return model
-
-
-QUANTIZED_FORMAT = 1
-"""Bumped when what `Linear.quantized_tensors` keeps changes meaning."""
-
-
-def quantized_cache_path(
-    model: CausalLM, model_dir: Path, quantization: str, groups: ParallelGroups, native: bool
-) -> Path:
-    """Where `quantize_cached` keeps a model's quantized weights: keyed by the checkpoint's
-    digest, this rank's share of it, the quantization, the code that quantizes (ops/linear.py,
-    models/calibration.py and its text) and the torch version and CPU that packed them."""
-    key = hashlib.blake2b(digest_size=16)
-    key.update(checkpoint_digest(model_dir).encode())
-    for source in (Path(pack_linears.__code__.co_filename), Path(calibration.__file__)):
-        key.update(source.read_bytes())
-    key.update(calibration.TEXT.read_bytes())
-    ranks = [(g.rank, g.size) for g in (groups.tp, groups.pp, groups.ep)]
-    key.update(
-        f"{QUANTIZED_FORMAT}|{quantization}|{native}|{model.cfg!r}|{ranks}|{torch.__version__}|"
-        f"{torch.backends.cpu.get_cpu_capability()}|{cpu_isa()}|{int8_weight_max()}|"
-        f"{next(model.parameters()).dtype}".encode()
-    )
-    return cache_dir() / "quantized" / f"{key.hexdigest()}.safetensors"
-
-
-def quantize_cached(
-    model: CausalLM,
-    model_dir: Path,
-    quantization: str,
-    groups: ParallelGroups,
-    native: bool = False,
-) -> None:
-    """Quantize the model's linear layers (`pack_linears`, after w8a8's calibration), or take
-    the result of an earlier start from `cache_dir()/quantized`: reading it back is ~0.2 s
-    where quantizing SmolLM2 is 1-2 s and calibrating ~2 s more. A file that does not fit the
-    model (or cannot be read) is made again; a cache folder another user could write into is
-    neither read nor written (`trusted_cache_dir`)."""
-    path = quantized_cache_path(model, model_dir, quantization, groups, native)
-    trusted = trusted_cache_dir(path.parent.name) == path.parent
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-    if trusted and path.is_file():
-        try:
-            saved: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layers}
-            # copied out of the file's mapping: tensors on a shared mapping of a cache file
-            # that another start may rewrite are not safe to keep (and crashed here)
-            for key, tensor in load_file(path).items():
-                name, _, part = key.partition("/")
-                saved[name][part] = tensor.clone()
-            if all(layers[n].fits(parts) for n, parts in saved.items()):
-                pack_linears(model, quantization, saved=saved, native=native)
-                return
-            log.warning("the quantized weights in %s do not fit the model: quantizing", path)
-        except (OSError, SafetensorError, KeyError) as e:
-            log.warning("unreadable quantized weights %s (%s): quantizing again", path, e)
-    smooth = None
-    if quantization in CALIBRATED_QUANTIZATIONS:  # one rank: EngineConfig.validate refuses TP/PP
-        tokens = calibration.calibration_tokens(load_tokenizer(model_dir))
-        smooth = calibration.smoothing_factors(model, tokens)
-    pack_linears(model, quantization, smooth, native=native)
-    tensors = {
-        f"{name}/{part}": t.contiguous()
-        for name, m in layers.items()
-        for part, t in m.quantized_tensors().items()
-    }
-    try:
-        if trusted:
-            write_atomically(path, save(tensors))  # replicas quantizing at once: a whole file
-    except OSError as e:
-        log.warning(
-            "cannot keep the quantized weights in %s (%s): quantizing again next start", path, e
-        )

@@ -72,7 +72,8 @@ def build(
         return None
     flags = (*FLAGS, cpu_march(), *extra_flags, f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}")
     key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), " ".join(flags), found, version):
+    parts: list[bytes | str] = [*(s.read_bytes() for s in SOURCES), " ".join(flags), found, version]
+    for part in parts:
         key.update(part.encode() if isinstance(part, str) else part)
     for flag in sorted(cpu_flags()):
         key.update(flag.encode())

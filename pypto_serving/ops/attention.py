@@ -23,6 +23,15 @@ class KVAttention(Protocol):
         layer's index as a 0-d CPU tensor (so that compiled layers share one graph)."""
         ...
 
+    def attend_latent(
+        self, layer: torch.Tensor, q: torch.Tensor, entry: torch.Tensor
+    ) -> torch.Tensor:
+        """MLA: store entry [T, E] of the new tokens (the normed latent c_kv, then the roped
+        k_pe), attend q [T, heads, E] causally over the sequence's cached entries, each both
+        key and value, with scale E**-0.5 (the model pre-scales q), and return [T, heads, E]
+        (softmax(q entries^T E**-0.5) @ entries)."""
+        ...
+
 
 class DenseKV:
     """KV cache of one sequence: per layer, K and V tensors [S, kv_heads, D] that grow."""
@@ -30,9 +39,12 @@ class DenseKV:
     def __init__(self, num_layers: int) -> None:
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.latent: list[torch.Tensor | None] = [None] * num_layers
+        """MLA: per layer, the entries [S, E] (one per token, shared by all heads)."""
 
     def __len__(self) -> int:
-        return 0 if self.k[0] is None else self.k[0].shape[0]
+        first = self.k[0] if self.latent[0] is None else self.latent[0]
+        return 0 if first is None else first.shape[0]
 
     def attend(
         self, layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -43,6 +55,17 @@ class DenseKV:
             k, v = torch.cat((past_k, k)), torch.cat((past_v, v))
         self.k[i], self.v[i] = k, v
         return causal_attention(q, k, v)
+
+    def attend_latent(
+        self, layer: torch.Tensor, q: torch.Tensor, entry: torch.Tensor
+    ) -> torch.Tensor:
+        """MLA: store entry [T, E] of the new tokens, attend q [T, heads, E] causally over the
+        cached entries (each one both key and value, scale E**-0.5), return [T, heads, E]."""
+        i = int(layer)
+        past = self.latent[i]
+        entries = entry if past is None else torch.cat((past, entry))
+        self.latent[i] = entries
+        return causal_attention(q, entries[:, None, :], entries[:, None, :])
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,11 @@ from pypto_serving.errors import PyptoError
 
 INT4_GROUP = 32
 INT4_INNER_K_TILES = 2
+INT4_ROWS = 16
+"""int4's packing takes weights of whole blocks of 16 output rows."""
+INT8_MULTIPLE = 16
+"""int8's kernel (`_weight_int8pack_mm`) reads inputs 16 at a time on AVX-512 CPUs: other
+input sizes crash the process there, so none are quantized anywhere."""
 QUANTIZED_MAX_ROWS = 8
 """Rows up to which the quantized kernels beat the packed bf16 GEMM (SmolLM2's matrices on
 these CPUs: int4 4.0 vs 14.5 ms per token at 1 row, 11.4 vs 13.2 at 8, 23.1 vs 16.7 at 16)."""
@@ -245,17 +250,24 @@ class Linear(nn.Linear):
             q, scale = quantize_w8a8(weight.float() * (1 if smooth is None else smooth))
             self.int8 = (q, scale, smooth)
             return
-        if kind == "int8":
-            self.quantized = (*quantize_int8(weight), 0)
-            return
-        multiple = INT4_GROUP if kind in ("q4", "q8") else INT4_GROUP * INT4_INNER_K_TILES
+        multiple = {"int8": INT8_MULTIPLE, "q4": INT4_GROUP, "q8": INT4_GROUP}.get(
+            kind, INT4_GROUP * INT4_INNER_K_TILES
+        )
         if self.in_features % multiple:
             raise PyptoError(
                 f"{kind} quantization needs input sizes divisible by {multiple}; a layer has "
                 f"{self.in_features}",
                 "quantization",
             )
-        if kind == "q4":  # the native decode step's forms
+        if kind == "int4" and self.out_features % INT4_ROWS:
+            raise PyptoError(
+                f"int4 quantization needs output sizes divisible by {INT4_ROWS}; a layer has "
+                f"{self.out_features}",
+                "quantization",
+            )
+        if kind == "int8":
+            self.quantized = (*quantize_int8(weight), 0)
+        elif kind == "q4":  # the native decode step's forms
             self.native = (pack_q4(weight), NATIVE_Q4)
         elif kind == "q8":
             self.native = (pack_q8(weight), NATIVE_Q8)
@@ -365,8 +377,10 @@ def pack_linears(
     smooth: dict[Linear, torch.Tensor] | None = None,
     saved: dict[str, dict[str, torch.Tensor]] | None = None,
     native: bool = False,
+    pack: bool = True,
 ) -> int:
-    """Pack (where oneDNN packs the weights' dtype on this CPU: `device.use_packed_linear`;
+    """Pack (unless `pack` is False, the run plan's choice; where oneDNN packs the weights'
+    dtype on this CPU: `device.use_packed_linear`;
     elsewhere wide matmuls run on the plain or quantized weights) and quantize every `Linear`
     of the model; returns how many there were. Under int4 the LM head gets int8, as llama.cpp
     keeps its output tensor above 4 bits (Q8_0 in SmolLM2's Q4_1 file): the logits are where
@@ -383,7 +397,7 @@ def pack_linears(
     int8_wide = quantization is not None and quantization.endswith("w8a8")
     for name, layer in layers:
         w = layer.weight
-        if not int8_wide and use_packed_linear(w.device, w.dtype):
+        if pack and not int8_wide and use_packed_linear(w.device, w.dtype):
             layer.pack()  # quantized layers keep it for prefill-sized matmuls
         if quantization is None:
             continue

@@ -1,4 +1,5 @@
-"""Mixture of experts (Qwen3-MoE style): top-k routing over experts that are SwiGLU MLPs.
+"""Mixture of experts: top-k routing (Qwen3-MoE's, or DeepSeek's by groups) over experts
+that are SwiGLU MLPs.
 
 The expert computation is one opaque custom op, `pypto::moe_experts`: which tokens go to
 which expert is data, so a compiled graph calls it like the attention op and stays one graph
@@ -67,3 +68,37 @@ def route(
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights.to(dtype)
+
+
+def route_grouped(
+    router_logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    method: str,
+    groups: tuple[int, int],
+    normalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's expert choice, as Hugging Face's routers: (expert ids, float32 weights)
+    [T, k]. method "noaux_tc" (V3): sigmoid scores, chosen by score + `bias`
+    (e_score_correction_bias) among the experts of the groups (n_group, topk_group) = `groups`
+    whose two best sum highest; "group_limited_greedy" (V2): softmax scores, chosen among the
+    groups with the best single score; "greedy": softmax top-k. The weights are the chosen
+    scores, renormalised if `normalize`, times `scaling` (routed_scaling_factor)."""
+    logits = router_logits.float()
+    n_group, topk_group = groups
+    sigmoid = method == "noaux_tc"
+    scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
+    choice = scores + bias.float() if sigmoid and bias is not None else scores
+    if method != "greedy":
+        per_group = choice.view(len(choice), n_group, -1)
+        group_scores = per_group.topk(2, dim=-1)[0].sum(-1) if sigmoid else per_group.amax(-1)
+        kept = torch.topk(group_scores, topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        mask = mask.repeat_interleave(per_group.shape[-1], dim=1)
+        choice = choice.masked_fill(~mask, float("-inf") if sigmoid else 0.0)
+    ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * scaling

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,7 +40,7 @@ class APIError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
-        headers: dict[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
@@ -67,7 +68,7 @@ def clip(text: str, limit: int) -> str:
     return text if end == len(text) else text[:end] + "..."
 
 
-def quoted(text: str, limit: int = 60) -> str:
+def quoted(text: str | None, limit: int = 60) -> str:
     """`text` as repr() shows it, cut short past `limit` characters (a client's name for
     something may be any size)."""
     shown = repr(text)

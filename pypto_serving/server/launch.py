@@ -28,7 +28,7 @@ from pypto_serving.server.connections import guarded_protocol
 
 log = logging.getLogger(__name__)
 
-CLOSE_GRACE_S = 5.0
+CLOSE_GRACE_S = 5
 """After draining, how long uvicorn waits for connections to close before cancelling them."""
 
 

@@ -26,6 +26,7 @@ from pypto_serving.engine.async_llm import (
     EngineDeadError,
     GenerationUpdate,
     OverloadedError,
+    RequestUpdates,
 )
 from pypto_serving.errors import PyptoError, RequestFailedError
 from pypto_serving.kv.tier import TIER_NAMES
@@ -84,7 +85,7 @@ class _Usage:
 Update = tuple[int, GenerationUpdate]
 
 
-async def merge(gens: list[AsyncIterator[GenerationUpdate]]) -> AsyncIterator[Update]:
+async def merge(gens: list[RequestUpdates]) -> AsyncIterator[Update]:
     """Updates of several requests as they come, tagged with the request's index.
 
     Closing this iterator closes (and so aborts) every request still running."""
@@ -95,9 +96,9 @@ async def merge(gens: list[AsyncIterator[GenerationUpdate]]) -> AsyncIterator[Up
         return
     queue: asyncio.Queue[Update | BaseException | None] = asyncio.Queue()
 
-    async def pump(i: int, gen: AsyncIterator[GenerationUpdate]) -> None:
+    async def pump(i: int, gen: RequestUpdates) -> None:
         try:
-            async with contextlib.aclosing(gen):  # type: ignore[type-var]
+            async with contextlib.aclosing(gen):
                 async for update in gen:
                     queue.put_nowait((i, update))
             queue.put_nowait(None)
@@ -224,7 +225,7 @@ class OpenAIServing:
         params: SamplingParams,
         request_id: str,
         cache_salt: str | None,
-    ) -> list[AsyncIterator[GenerationUpdate]]:
+    ) -> list[RequestUpdates]:
         """Queue the prompts, which `_check` has passed (a bad prompt must queue nothing)."""
         try:
             self.engine.admit(prompts, params)
@@ -395,7 +396,7 @@ class OpenAIServing:
                 "prompt",
             )
         if not any(isinstance(t, str) for t in texts):
-            return [list(t) for t in texts]
+            return [list(t) for t in texts if not isinstance(t, str)]
         encode = self.tokenizer.encode
         return await asyncio.to_thread(
             lambda: [encode(t) if isinstance(t, str) else list(t) for t in texts]

@@ -12,7 +12,7 @@ seconds for a large body), and the number of prompts and of chat items is checke
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
     BaseModel,
@@ -130,7 +130,7 @@ class _Sampling(_Request):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise PyptoError("stream_options is only allowed with stream: true", "stream_options")
-        given = {
+        given: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -177,8 +177,8 @@ class CompletionRequest(_Sampling):
         if not p:
             raise PyptoError("the prompt is empty", "prompt")
         if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return [x if isinstance(x, str) else list(x) for x in p]
+            return [cast(list[int], list(p))]
+        return [x if isinstance(x, str) else list(cast(list[int], x)) for x in p]
 
 
 class TextPart(_Body):

@@ -1,0 +1,70 @@
+"""A rank's start-up, spelled once for every rank of an engine: join the group, load this
+rank's share of the model and build its executor, all as its `RunPlan` says.
+
+Rank 0 (`EngineCore`) then also holds the scheduler and warms the executor up; ranks >= 1
+(`engine/ranks.py`) follow its steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pypto_serving.config import EngineConfig
+from pypto_serving.distributed import ParallelGroups, init_distributed, resolve_groups
+from pypto_serving.engine.plan import RunPlan
+from pypto_serving.executor.paged import PagedExecutor, build_paged_executor
+from pypto_serving.executor.reference import ReferenceExecutor
+from pypto_serving.models.config import load_model_config
+from pypto_serving.models.llama import CausalLM
+from pypto_serving.models.loader import load_model
+
+
+@dataclass(slots=True)
+class Share:
+    """What a rank runs: its share of the model and the executor over it."""
+
+    model: CausalLM
+    executor: PagedExecutor | ReferenceExecutor
+    native: bool
+    """Its decodes of a few run through the native decode step."""
+
+
+def join_group(config: EngineConfig, rank: int, backend: str, timeout_s: float) -> ParallelGroups:
+    """Join the engine's torch.distributed group (within `timeout_s`) as `rank`; this rank's
+    place in each of its groups (TP, PP, EP)."""
+    p = config.parallel
+    init_distributed(rank, p.ranks_per_engine, backend, timeout_s)
+    return resolve_groups(
+        rank,
+        p.tensor_parallel_size,
+        p.pipeline_parallel_size,
+        p.enable_expert_parallel,
+        p.expert_placement_strategy,
+    )
+
+
+def load_share(
+    config: EngineConfig, plan: RunPlan, model_dir: Path, groups: ParallelGroups
+) -> Share:
+    """This rank's share of the model (its heads, its stage's layers, its experts) and its
+    executor: every rank builds the same paged executor, so page counts agree."""
+    cfg = load_model_config(model_dir)
+    native = config.executor == "paged" and plan.decodes_natively(
+        cfg, groups, config.cache.page_size
+    )
+    model = load_model(
+        model_dir, plan.dtype, plan.device, groups, plan.quantization, native, plan.pack_linear
+    )
+    if config.executor == "reference":
+        return Share(model, ReferenceExecutor(model, plan.device), native)
+    executor = build_paged_executor(
+        config,
+        model,
+        plan.device,
+        plan.dtype,
+        model_dir,
+        native,
+        attention_kernels=plan.native_attention,
+    )
+    return Share(model, executor, native)

@@ -1,0 +1,144 @@
+"""The CPU tier under tensor and pipeline parallelism: rank 0 decides, the other ranks mirror.
+
+Every rank's store holds its own share of each page (its KV heads under TP, its stage's
+layers under PP) with the same page ids and the same CPU-tier capacity in pages. Rank 0's
+store decides every move as with one rank (demote a reused cached page, load a prefix hit
+back, swap a preempted request out and in) and records it in a `Journal`: the device pages it
+reads and writes and the CPU tier's calls, in order, each page's KV named by the order it
+was produced. The journal rides on the next step (`StepInputs.moves`, JSON) and every other
+rank replays it on its own store before that step's forward (`follow_moves`), so its tier
+holds the same pages in the same slots:
+
+    rank 0:  schedule ──moves recorded──▶ step + moves ──broadcast──▶ forward
+    rank r:                               step + moves ──replay on its share──▶ forward
+
+MLA's latent is the same on every TP rank, so only rank 0 keeps it in the CPU tier; the
+device pages a journal wrote are then broadcast from rank 0 once per step. The SSD tier
+stays off under TP/PP: a read can fail on one rank and not another, and rank 0 would serve
+a prefix whose KV some rank lacks.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pypto_serving.kv.host_tier import HostTier
+from pypto_serving.kv.paged_cache import PagedCache
+from pypto_serving.kv.tier import PageKV
+
+Op = list[Any]
+"""A move: its kind, then its arguments (page ids, hashes in hex, token ids, handles)."""
+
+
+class Journal:
+    """Rank 0's page moves since the last step."""
+
+    def __init__(self) -> None:
+        self.ops: list[Op] = []
+        self._kvs: list[PageKV] = []  # alive until taken, so their ids stay unique
+        self._handles: dict[int, int] = {}
+
+    def record(self, *op: object) -> None:
+        self.ops.append(list(op))
+
+    def produced(self, kv: PageKV) -> None:
+        """A page's KV came out of the device or the tier (its handle: the order)."""
+        self._handles[id(kv)] = len(self._kvs)
+        self._kvs.append(kv)
+
+    def handle(self, kv: PageKV) -> int:
+        return self._handles[id(kv)]
+
+    def take(self) -> bytes:
+        """The moves recorded so far, encoded (b"" when none), and a fresh start."""
+        moves = json.dumps(self.ops, separators=(",", ":")).encode() if self.ops else b""
+        self.ops, self._kvs, self._handles = [], [], {}
+        return moves
+
+
+class JournaledHostTier(HostTier):
+    """Rank 0's CPU tier: a HostTier that records its calls into a journal."""
+
+    def __init__(self, journal: Journal, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.journal = journal
+
+    def store(self, page_hash: bytes, token_ids: tuple[int, ...], kv: PageKV) -> None:
+        super().store(page_hash, token_ids, kv)
+        self.journal.record("store", page_hash.hex(), list(token_ids), self.journal.handle(kv))
+
+    def load(self, page_hash: bytes) -> PageKV | None:
+        kv = super().load(page_hash)
+        assert kv is not None  # the CPU tier always reads back
+        self.journal.record("load", page_hash.hex())
+        self.journal.produced(kv)
+        return kv
+
+    def discard(self, page_hash: bytes) -> bool:
+        found = super().discard(page_hash)
+        if found:
+            self.journal.record("discard", page_hash.hex())
+        return found
+
+    def hold(self, key: str, pages: list[PageKV]) -> None:
+        super().hold(key, pages)
+        self.journal.record("hold", key, [self.journal.handle(kv) for kv in pages])
+
+    def release(self, key: str) -> list[PageKV]:
+        pages = super().release(key)
+        self.journal.record("release", key)
+        for kv in pages:
+            self.journal.produced(kv)
+        return pages
+
+
+def replay(ops: list[Op], cache: PagedCache, cpu: HostTier) -> None:
+    """Do rank 0's moves on this rank's share, in order."""
+    kvs: list[PageKV] = []
+    for kind, *args in ops:
+        if kind == "read":
+            kvs.append(cache.read_page(args[0]))
+        elif kind == "write":
+            cache.write_page(args[0], kvs[args[1]])
+        elif kind == "store":
+            cpu.store(bytes.fromhex(args[0]), tuple(args[1]), kvs[args[2]])
+        elif kind == "load":
+            kv = cpu.load(bytes.fromhex(args[0]))
+            assert kv is not None
+            kvs.append(kv)
+        elif kind == "discard":
+            cpu.discard(bytes.fromhex(args[0]))
+        elif kind == "hold":
+            cpu.hold(args[0], [kvs[h] for h in args[1]])
+        elif kind == "release":
+            kvs.extend(cpu.release(args[0]))
+        else:
+            raise ValueError(f"unknown page move {kind!r}")
+
+
+def follow_moves(
+    moves: bytes, cache: PagedCache, cpu: HostTier | None, rank: int, share_written: bool
+) -> None:
+    """Before a step's forward, on every rank: ranks > 0 replay rank 0's moves on their CPU
+    tier (if they keep one); with `share_written` (MLA under TP: one copy, rank 0's) the
+    device pages the moves wrote go from rank 0 to every rank."""
+    ops: list[Op] = json.loads(moves)
+    if rank > 0 and cpu is not None:
+        replay(ops, cache, cpu)
+    written = sorted({op[1] for op in ops if op[0] == "write"})
+    if not share_written or not written:
+        return
+    shape = (len(written), cache.spec.num_tensors, *cache.spec.page_shape)
+    pages = torch.empty(shape, dtype=cache.spec.dtype, device=cache.device)
+    if rank == 0:
+        for i, page_id in enumerate(written):
+            for j, t in enumerate(cache.read_page(page_id)):
+                pages[i, j].copy_(t)
+    dist.broadcast(pages, 0)
+    if rank > 0:
+        for i, page_id in enumerate(written):
+            cache.write_page(page_id, tuple(pages[i]))

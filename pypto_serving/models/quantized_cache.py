@@ -1,0 +1,100 @@
+"""Quantized weights kept across starts: `quantize_cached` quantizes a model's linear layers
+(`ops/linear.pack_linears`, after w8a8's calibration) or reads back what an earlier start
+kept under `cache_dir()/quantized`, keyed by everything that shapes the result."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save
+
+from pypto_serving.config import CALIBRATED_QUANTIZATIONS
+from pypto_serving.device import cpu_isa, int8_weight_max
+from pypto_serving.distributed import ParallelGroups
+from pypto_serving.models import calibration
+from pypto_serving.models.llama import CausalLM
+from pypto_serving.ops.linear import Linear, pack_linears
+from pypto_serving.paths import cache_dir, trusted_cache_dir, write_atomically
+
+log = logging.getLogger(__name__)
+
+QUANTIZED_FORMAT = 1
+"""Bumped when what `Linear.quantized_tensors` keeps changes meaning."""
+
+
+def quantized_cache_path(
+    model: CausalLM, digest: str, quantization: str, groups: ParallelGroups, native: bool
+) -> Path:
+    """Where `quantize_cached` keeps a model's quantized weights: keyed by the checkpoint's
+    digest, this rank's share of it, the quantization, the code that quantizes (ops/linear.py,
+    models/calibration.py and its text) and the torch version and CPU that packed them."""
+    key = hashlib.blake2b(digest_size=16)
+    key.update(digest.encode())
+    for source in (Path(pack_linears.__code__.co_filename), Path(calibration.__file__)):
+        key.update(source.read_bytes())
+    key.update(calibration.TEXT.read_bytes())
+    ranks = [(g.rank, g.size) for g in (groups.tp, groups.pp, groups.ep)]
+    key.update(
+        f"{QUANTIZED_FORMAT}|{quantization}|{native}|{model.cfg!r}|{ranks}|{torch.__version__}|"
+        f"{torch.backends.cpu.get_cpu_capability()}|{cpu_isa()}|{int8_weight_max()}|"
+        f"{next(model.parameters()).dtype}".encode()
+    )
+    return cache_dir() / "quantized" / f"{key.hexdigest()}.safetensors"
+
+
+def quantize_cached(
+    model: CausalLM,
+    digest: str,
+    quantization: str,
+    groups: ParallelGroups,
+    tokenizer: Callable[[], Any],
+    native: bool = False,
+    pack: bool = True,
+) -> None:
+    """Quantize the model's linear layers (`pack_linears`, after w8a8's calibration), or take
+    the result of an earlier start from `cache_dir()/quantized`: reading it back is ~0.2 s
+    where quantizing SmolLM2 is 1-2 s and calibrating ~2 s more. A file that does not fit the
+    model (or cannot be read) is made again; a cache folder another user could write into is
+    neither read nor written (`trusted_cache_dir`). digest: the checkpoint's
+    (`loader.checkpoint_digest`); tokenizer: loads its tokenizer (for w8a8's calibration);
+    pack: the run plan's choice to repack bf16 weights for oneDNN (`pack_linears`)."""
+    path = quantized_cache_path(model, digest, quantization, groups, native)
+    trusted = trusted_cache_dir(path.parent.name) == path.parent
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    if trusted and path.is_file():
+        try:
+            saved: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layers}
+            # copied out of the file's mapping: tensors on a shared mapping of a cache file
+            # that another start may rewrite are not safe to keep (and crashed here)
+            for key, tensor in load_file(path).items():
+                name, _, part = key.partition("/")
+                saved[name][part] = tensor.clone()
+            if all(layers[n].fits(parts) for n, parts in saved.items()):
+                pack_linears(model, quantization, saved=saved, native=native, pack=pack)
+                return
+            log.warning("the quantized weights in %s do not fit the model: quantizing", path)
+        except (OSError, SafetensorError, KeyError) as e:
+            log.warning("unreadable quantized weights %s (%s): quantizing again", path, e)
+    smooth = None
+    if quantization in CALIBRATED_QUANTIZATIONS:  # one rank: EngineConfig.validate refuses TP/PP
+        tokens = calibration.calibration_tokens(tokenizer())
+        smooth = calibration.smoothing_factors(model, tokens)
+    pack_linears(model, quantization, smooth, native=native, pack=pack)
+    tensors = {
+        f"{name}/{part}": t.contiguous()
+        for name, m in layers.items()
+        for part, t in m.quantized_tensors().items()
+    }
+    try:
+        if trusted:
+            write_atomically(path, save(tensors))  # replicas quantizing at once: a whole file
+    except OSError as e:
+        log.warning(
+            "cannot keep the quantized weights in %s (%s): quantizing again next start", path, e
+        )

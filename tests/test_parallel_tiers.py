@@ -1,0 +1,103 @@
+"""The CPU KV tier under tensor and pipeline parallelism: rank 0 decides each page move, the
+other ranks mirror it on their own share (`kv/mirror.py`). Greedy tokens through a CPU
+reload and a swap equal the single-rank reference executor's; MLA's latent (the same on every
+TP rank) is kept once, by rank 0. The models' q and k projections are scaled up so that
+attention is far from uniform: a page with the wrong KV on any rank changes the tokens (the
+tiny llama of test_tiered_engine.py answers the same token whatever its KV).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from checkpoints import BASE, build_tokenizer
+from live_server import tiny_llm
+from test_mla_engine import build, page_bytes
+from test_tiered_engine import GREEDY, PAGE_BYTES, PROMPTS, SHORT
+
+from pypto_serving import LLM
+from pypto_serving.distributed import Group, ParallelGroups
+from pypto_serving.executor.paged import parallel_cpu_tier
+from pypto_serving.kv.spec import kv_spec_for
+
+PARALLEL = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+
+
+def sharp_llama(out: Path) -> Path:
+    """A tiny GQA llama (8 heads, 2 KV heads of dim 8: PAGE_BYTES a page) whose attention
+    is sharp enough that its tokens depend on every page's KV."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    heads = {"num_attention_heads": 8, "num_key_value_heads": 2}
+    config = AutoConfig.for_model("llama", **{**BASE, **heads})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(4)
+    model.save_pretrained(out)
+    build_tokenizer(out)
+    return out
+
+
+def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def reload_and_swap(path: Path, page: int, **parallel: object) -> None:
+    """A prefix pushed to the CPU tier and loaded back, then preemptions by swap: the tokens
+    of the reference executor, with the counters showing both paths were taken."""
+    ref = LLM(str(path), executor="reference", dtype="float32")
+    expected, short = greedy(ref, PROMPTS[:3]), greedy(ref, SHORT)
+    knobs = {"num_kv_pages": 6, "kv_cpu_bytes": 64 * page, "kv_ssd_dir": None}
+    with tiny_llm(path, **knobs, **parallel) as llm:
+        store = llm.engine.executor.kv  # rank 0's: 64 pages of its share (MLA: all of it)
+        assert store.cpu is not None and store.cpu.capacity == 64
+        if store.cache.spec.kind == "mla":
+            assert store.page_bytes == page  # the whole latent: the one copy is rank 0's
+        outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS[:3]]
+        last = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]
+        assert [o.outputs[0].token_ids for o in [*outs, last]] == [*expected, expected[0]]
+        assert last.cached_tokens_by_tier == {"cpu": 32}
+    knobs = {"num_kv_pages": 7, "kv_cpu_bytes": 64 * page, "max_num_seqs": 4}
+    with tiny_llm(path, **knobs, **parallel) as llm:
+        assert greedy(llm, SHORT) == short
+        stats = llm.engine.stats()
+        assert stats.num_swapped > 0 and llm.engine.executor.kv.num_swap_ins == stats.num_swapped
+
+
+@pytest.mark.parametrize("parallel", list(PARALLEL))
+def test_gqa_cpu_tier_under_tp_and_pp(tmp_path: Path, parallel: str) -> None:
+    reload_and_swap(sharp_llama(tmp_path / "llama"), PAGE_BYTES, **PARALLEL[parallel])
+
+
+def test_mla_cpu_tier_under_tp2(tmp_path: Path) -> None:
+    path = build(tmp_path / "mla", 16)
+    reload_and_swap(path, page_bytes("native"), tensor_parallel_size=2, enable_expert_parallel=True)
+
+
+def test_each_rank_keeps_its_share_and_mla_is_kept_once() -> None:
+    """kv_cpu_bytes is the engine's budget: each GQA rank holds as many pages of its share;
+    MLA's latent lives in rank 0's tier only (one copy, the whole budget)."""
+    budget = 1 << 20
+    gqa = SimpleNamespace(num_kv_heads=2, head_dim=8, num_layers=4)  # one TP rank's share
+    mla = SimpleNamespace(kv_lora_rank=32, qk_rope_head_dim=16, num_layers=4)
+    for tp_rank in (0, 1):
+        groups = ParallelGroups(tp=Group(tp_rank, 2))
+        spec = kv_spec_for(gqa, 4, 16, torch.float32)
+        model = SimpleNamespace(cfg=gqa, groups=groups)
+        pages, journal = parallel_cpu_tier(model, spec, budget)  # type: ignore[arg-type]
+        assert pages == budget // (2 * spec.page_bytes) and (journal is None) == (tp_rank > 0)
+        spec = kv_spec_for(mla, 4, 16, torch.float32)
+        model = SimpleNamespace(cfg=mla, groups=groups)
+        pages, _ = parallel_cpu_tier(model, spec, budget)  # type: ignore[arg-type]
+        assert spec.page_bytes == 4 * 16 * (32 + 16) * 4
+        assert pages == (budget // spec.page_bytes if tp_rank == 0 else 0)
+    stages = ParallelGroups(pp=Group(1, 2))  # a stage holds half the layers: pages of half
+    spec = kv_spec_for(gqa, 2, 16, torch.float32)
+    pages, _ = parallel_cpu_tier(SimpleNamespace(cfg=gqa, groups=stages), spec, budget)  # type: ignore[arg-type]
+    assert pages == budget // (2 * spec.page_bytes)

@@ -1,0 +1,105 @@
+"""The run plan (engine/plan.py): the kernel switches are config fields with flags, resolved
+once where the machine allows them, and the engine runs what the plan says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import build_checkpoint, build_tokenizer
+from live_server import tiny_llm
+
+from pypto_serving.cli import build_parser
+from pypto_serving.config import EngineConfig, engine_config
+from pypto_serving.device import cpu_packs_bf16
+from pypto_serving.engine.plan import RunPlan, plan_run
+from pypto_serving.errors import PyptoError
+from pypto_serving.flags import engine_knobs
+from pypto_serving.models.loader import load_model
+from pypto_serving.ops.linear import Linear
+from pypto_serving.sampling import SamplingParams
+
+SWITCHES = ("native_attention", "native_decode", "pack_linear")
+
+
+def test_the_switches_are_flags_of_every_engine_command():
+    off = ["--no-native-attention", "--no-native-decode", "--no-pack-linear", "--num-threads", "1"]
+    for command in (["serve"], ["generate", "--prompt", "x"], ["chat"], ["bench", "latency"]):
+        knobs = engine_knobs(build_parser().parse_args([*command, *off]))
+        assert knobs == dict.fromkeys(SWITCHES, False) | {"num_threads": 1}, command
+        plan = plan_run(engine_config(device="cpu", **knobs))
+        assert (plan.native_attention, plan.native_decode, plan.pack_linear) == (False,) * 3
+        assert plan.num_threads == 1
+    assert engine_knobs(build_parser().parse_args(["serve", "--native-decode"])) == {
+        "native_decode": True
+    }
+
+
+def test_the_plan_takes_the_switches_where_the_machine_allows(monkeypatch):
+    # the environment no longer switches kernels: only the config does
+    for name in ("PYPTO_NATIVE_ATTENTION", "PYPTO_NATIVE_DECODE", "PYPTO_PACK_LINEAR"):
+        monkeypatch.setenv(name, "0")
+    plan = plan_run(EngineConfig(device="cpu", dtype="bfloat16", quantization="int4"))
+    assert plan == RunPlan(
+        device=torch.device("cpu"),
+        dtype=torch.bfloat16,
+        num_threads=plan.num_threads,
+        native_attention=True,
+        native_decode=True,
+        pack_linear=cpu_packs_bf16(),
+        quantization="int4",
+    )
+    assert plan.num_threads >= 1
+    assert not plan_run(EngineConfig(device="cpu", dtype="float32")).pack_linear
+    # the native decode step needs native attention
+    no_attention = plan_run(EngineConfig(device="cpu", native_attention=False))
+    assert not no_attention.native_attention and not no_attention.native_decode
+    with pytest.raises(PyptoError, match="num_threads must be >= 1"):
+        engine_config(num_threads=0)
+
+
+@pytest.fixture(scope="module")
+def grid_model(tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("qwen3-hd32-gqa4")
+    build_checkpoint("qwen3-hd32-gqa4", out)
+    build_tokenizer(out)
+    return out
+
+
+def test_the_engine_runs_what_its_plan_says(grid_model):
+    """Native attention and the native decode step on by default (bf16 on the CPU), each off
+    by its field; the greedy tokens stay the same."""
+    prompts = [[(7 * i + 3 * j) % 300 + 3 for j in range(2 + 5 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    knobs = {"dtype": "bfloat16"}
+    results = {}
+    for off in ((), ("native_decode",), ("native_attention",)):
+        with tiny_llm(grid_model, **knobs, **dict.fromkeys(off, False)) as llm:
+            engine = llm.engine
+            assert engine.plan.native_attention == ("native_attention" not in off)
+            assert (engine.executor.attention_kernel is not None) == engine.plan.native_attention
+            assert (engine.executor.native is not None) == (not off)
+            results[off] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert results[("native_decode",)] == results[("native_attention",)] == results[()]
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["no-pack-linear", "pack-linear"])
+def test_the_engine_packs_linear_weights_as_its_plan_says(grid_model, pack):
+    """--no-pack-linear reaches the loader: every Linear keeps its plain weight only; with the
+    switch on, every one is packed for oneDNN where the CPU packs bf16."""
+    with tiny_llm(grid_model, dtype="bfloat16", pack_linear=pack) as llm:
+        assert llm.engine.plan.pack_linear == (pack and cpu_packs_bf16())
+        layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+        assert layers and all((m.packed is not None) == llm.engine.plan.pack_linear for m in layers)
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["no-pack-linear", "pack-linear"])
+def test_quantized_loads_pack_as_asked(grid_model, tmp_path, monkeypatch, pack):
+    """int4 keeps the packed bf16 weight for prefill-sized matmuls only where packing is on,
+    whether it quantizes or reads back the kept weights (`quantize_cached`)."""
+    monkeypatch.setenv("PYPTO_CACHE_DIR", str(tmp_path))
+    for _ in range(2):  # quantized, then read back
+        model = load_model(grid_model, torch.bfloat16, torch.device("cpu"), None, "int4", pack=pack)
+        layers = [m for m in model.modules() if isinstance(m, Linear)]
+        assert layers and all(m.quantized is not None for m in layers)
+        assert all((m.packed is not None) == (pack and cpu_packs_bf16()) for m in layers)
+    assert len(list((tmp_path / "quantized").glob("*.safetensors"))) == 1
