@@ -231,7 +231,7 @@ def fake_kv_store(num_pages: int, page_size: int, **options: Any) -> Any:
     from pypto_serving.kv.spec import KVSpec
     from pypto_serving.kv.store import PagedKVStore
 
-    spec = KVSpec("gqa", 1, 1, 2, 2, page_size, torch.float32)
+    spec = KVSpec("gqa", 1, 1, 2, 2, page_size, torch.float32, num_tensors=2)
     return PagedKVStore(PagedCache(spec, num_pages, torch.device("cpu")), **options)
 
 

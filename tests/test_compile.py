@@ -154,18 +154,20 @@ def test_a_background_compile_serves_eagerly_until_its_graph_is_ready(
     llm.close()
 
 
-def test_the_active_step_is_per_thread():
+def test_the_active_step_is_per_thread(monkeypatch):
     """The attention op reads the step its own thread made active: a background warm-up's
     steps and the serving thread's never see each other's metadata."""
     from pypto_serving.kv import paged_attention as pa
+    from pypto_serving.kv.kinds import gqa
 
     class Marked:
         def __init__(self, value: float) -> None:
             self.value = value
 
-        def attend(self, layer: int, q: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
-            return torch.full_like(q, self.value)
+    def attend(step: Marked, layer: int, q: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(q, step.value)
 
+    monkeypatch.setattr(gqa, "paged_attend", attend)  # what the op runs on the active step
     q, kv, layer = torch.zeros(1, 2, 4), torch.zeros(1, 1, 4), torch.tensor(0)
     inside, read = threading.Event(), threading.Event()
     seen: list[torch.Tensor] = []
@@ -174,13 +176,13 @@ def test_the_active_step_is_per_thread():
         with pa.active_step(Marked(2.0)):  # type: ignore[arg-type]
             inside.set()
             assert read.wait(patience(30))
-            seen.append(pa.paged_attention(q, kv, kv, layer))
+            seen.append(gqa.paged_attention(q, kv, kv, layer))
 
     thread = threading.Thread(target=other)
     thread.start()
     assert inside.wait(patience(30))
     with pa.active_step(Marked(1.0)):  # type: ignore[arg-type]
-        mine = pa.paged_attention(q, kv, kv, layer)
+        mine = gqa.paged_attention(q, kv, kv, layer)
         read.set()
         thread.join(patience(30))
     assert mine.eq(1).all() and seen[0].eq(2).all()

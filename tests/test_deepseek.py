@@ -65,7 +65,8 @@ def test_prompt_logits_match_hf(tiny_model, name):
         hidden = [ours(ids[:30], torch.arange(30), kv), ours(ids[30:], torch.arange(30, 50), kv)]
         got = ours.logits(torch.cat(hidden))
     assert (got - want).abs().max().item() < 1e-4
-    assert kv.latent[0].shape == (50, ours.cfg.kv_lora_rank + ours.cfg.qk_rope_head_dim)
+    (entries,) = kv.layers[0]  # one latent entry a token
+    assert entries.shape == (50, ours.cfg.kv_lora_rank + ours.cfg.qk_rope_head_dim)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -1,4 +1,5 @@
-"""Imports flow one way: cli → server / bench / chat → engine → ... (docs/architecture.md).
+"""Imports flow one way: cli → server / bench / chat → engine → ... → models → kv → ops
+(docs/architecture.md).
 
 Read from the source with `ast` (lazy imports inside functions count too), so a circle cannot
 hide behind an import placed in a function body.
@@ -81,5 +82,18 @@ def test_layers_below_the_front_do_not_import_it():
         for m, names in graph().items()
         for n in names
         if top(m) not in (*FRONT, "cli", "") and top(n) in FRONT
+    ]
+    assert offenders == []
+
+
+def test_models_call_kv_and_kv_calls_ops_never_upward():
+    """models → kv → ops: the model code calls its attention kind (`kv/kinds/`), so nothing
+    in kv imports models, and nothing in ops imports kv or models."""
+    order = {"ops": 0, "kv": 1, "models": 2}
+    offenders = [
+        (m, n)
+        for m, names in graph().items()
+        for n in names
+        if top(m) in order and top(n) in order and order[top(n)] > order[top(m)]
     ]
     assert offenders == []

@@ -2,7 +2,7 @@
 kind's KV costs, MLA pages through the CPU and SSD tiers, and the rule that only the operators
 map slots.
 
-The MLA operator (`StepAttention.attend_latent`) is checked on both attention paths (PyTorch's
+The MLA operator (`kv/kinds/mla.py`) is checked on both attention paths (PyTorch's
 and the native kernels) over steps that mix decodes and prefill chunks, cross pages and share a
 prefix page between two requests: each output equals softmax(q entries^T E**-0.5) @ entries
 over the sequence's entries, computed in float64 from what the operator was given.
@@ -25,9 +25,10 @@ from pypto_serving.errors import PyptoError
 from pypto_serving.executor.paged import build_kv_store
 from pypto_serving.kv.disk_tier import MAGIC, SUFFIX
 from pypto_serving.kv.host_tier import HostTier
+from pypto_serving.kv.kinds import gqa, mla
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, active_step
 from pypto_serving.kv.paged_cache import PagedCache
-from pypto_serving.kv.spec import KVSpec, kv_spec_for
+from pypto_serving.kv.spec import KVSpec
 from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
@@ -44,7 +45,7 @@ def mla_store(
     entry: int = E,
     **options: object,
 ) -> PagedKVStore:
-    spec = KVSpec("mla", LAYERS, 1, entry, entry, page_size, dtype)
+    spec = KVSpec("mla", LAYERS, 1, entry, entry, page_size, dtype, num_tensors=1)
     return PagedKVStore(PagedCache(spec, num_pages, CPU), **options)  # type: ignore[arg-type]
 
 
@@ -112,9 +113,9 @@ def run_step(
         entry = torch.randn(total, E, generator=gen).to(dtype)
         if layer == 0:  # through the custom op the model calls
             with active_step(step):
-                got = PagedKV().attend_latent(torch.tensor(layer), q, entry)
+                got = mla.attend(PagedKV(), torch.tensor(layer), q, entry)
         else:
-            got = step.attend_latent(layer, q, entry)
+            got = mla.paged_attend(step, layer, q, entry)
         first = 0
         for r, n in plan:
             want = ref.attend(r.request_id, layer, q[first : first + n], entry[first : first + n])
@@ -169,24 +170,25 @@ V3 = SimpleNamespace(
 
 
 def test_mla_kv_bytes_per_token_per_layer_are_the_latent_size() -> None:
-    spec = kv_spec_for(V3, 61, 64, torch.bfloat16)
+    spec = mla.kv_spec(V3, 61, 64, torch.bfloat16)
     assert spec.kind == "mla" and spec.num_tensors == 1 and spec.num_heads == 1
     assert spec.token_bytes_per_layer == (512 + 64) * 2  # not heads x head_dim, not K and V
     assert spec.page_bytes == 61 * 64 * (512 + 64) * 2
     assert spec.page_shape == (61, 1, 64, 576)
-    gqa = kv_spec_for(SimpleNamespace(num_kv_heads=8, head_dim=128), 32, 64, torch.bfloat16)
-    assert gqa.kind == "gqa" and gqa.token_bytes_per_layer == 2 * 8 * 128 * 2
-    int8 = kv_spec_for(
-        SimpleNamespace(num_kv_heads=8, head_dim=128), 32, 64, torch.bfloat16, "int8"
-    )
+    llama = SimpleNamespace(num_kv_heads=8, head_dim=128)
+    grouped = gqa.kv_spec(llama, 32, 64, torch.bfloat16)
+    assert grouped.kind == "gqa" and grouped.token_bytes_per_layer == 2 * 8 * 128 * 2
+    int8 = gqa.kv_spec(llama, 32, 64, torch.bfloat16, "int8")
     assert int8.dtype == torch.int8 and int8.token_bytes_per_layer == 2 * 8 * (128 + 4)
     with pytest.raises(PyptoError, match="int8 is for grouped-query attention"):
-        kv_spec_for(V3, 61, 64, torch.bfloat16, "int8")
+        mla.kv_spec(V3, 61, 64, torch.bfloat16, "int8")
 
 
 def test_the_store_and_its_tiers_hold_mla_pages_at_the_latent_size() -> None:
     cfg = SimpleNamespace(kv_lora_rank=32, qk_rope_head_dim=16, num_heads=4, num_kv_heads=4)
-    model = SimpleNamespace(cfg=cfg, num_local_layers=LAYERS, groups=SimpleNamespace(world_size=1))
+    model = SimpleNamespace(
+        cfg=cfg, num_local_layers=LAYERS, groups=SimpleNamespace(world_size=1), attention_kind=mla
+    )
     page = LAYERS * PS * E * 2  # bf16
     cache = CacheConfig(page_size=PS, num_kv_pages=5, kv_cpu_bytes=3 * page)
     store = build_kv_store(model, CPU, torch.bfloat16, cache, 0, "d", describe=False)  # type: ignore[arg-type]
@@ -276,9 +278,9 @@ def test_mla_pages_survive_a_restart_and_never_mix_with_gqa_pages(tmp_path: Path
     assert compute(again, a2) == 2 * TPS
     assert_entries(again, a2)
     again.close()
-    gqa = KVSpec("gqa", LAYERS, 1, TE // 2, TE // 2, TPS, torch.float32)  # same bytes a page
-    assert gqa.page_bytes == again.page_bytes
-    other = PagedKVStore(PagedCache(gqa, 3, CPU), ssd_dir=tmp_path, ssd_pages=4, digest="m")
+    grouped = KVSpec("gqa", LAYERS, 1, TE // 2, TE // 2, TPS, torch.float32, num_tensors=2)
+    assert grouped.page_bytes == again.page_bytes  # same bytes a page
+    other = PagedKVStore(PagedCache(grouped, 3, CPU), ssd_dir=tmp_path, ssd_pages=4, digest="m")
     assert other.ssd is not None and other.ssd.num_found == 0  # another folder, not a mix
     assert other.num_cached_tokens(request("a3", A)) == 0
     other.close()
@@ -310,7 +312,7 @@ def test_block_tables_and_slot_mappings_are_computed_only_by_the_attention_opera
     offenders = []
     for path in sorted([*package.rglob("*.py"), *(root / "bench").rglob("*.py")]):
         name = path.relative_to(package if path.is_relative_to(package) else root).as_posix()
-        if name in OPERATOR_FILES:
+        if name in OPERATOR_FILES or name.startswith("kv/kinds/"):  # the kinds' operators
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#")[0]

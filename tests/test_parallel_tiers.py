@@ -21,7 +21,7 @@ from test_tiered_engine import GREEDY, PAGE_BYTES, PROMPTS, SHORT
 from pypto_serving import LLM
 from pypto_serving.distributed import Group, ParallelGroups
 from pypto_serving.executor.paged import parallel_cpu_tier
-from pypto_serving.kv.spec import kv_spec_for
+from pypto_serving.kv.kinds import gqa, mla
 
 PARALLEL = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
 
@@ -84,20 +84,20 @@ def test_each_rank_keeps_its_share_and_mla_is_kept_once() -> None:
     """kv_cpu_bytes is the engine's budget: each GQA rank holds as many pages of its share;
     MLA's latent lives in rank 0's tier only (one copy, the whole budget)."""
     budget = 1 << 20
-    gqa = SimpleNamespace(num_kv_heads=2, head_dim=8, num_layers=4)  # one TP rank's share
-    mla = SimpleNamespace(kv_lora_rank=32, qk_rope_head_dim=16, num_layers=4)
+    llama = SimpleNamespace(num_kv_heads=2, head_dim=8, num_layers=4)  # one TP rank's share
+    deepseek = SimpleNamespace(kv_lora_rank=32, qk_rope_head_dim=16, num_layers=4)
     for tp_rank in (0, 1):
         groups = ParallelGroups(tp=Group(tp_rank, 2))
-        spec = kv_spec_for(gqa, 4, 16, torch.float32)
-        model = SimpleNamespace(cfg=gqa, groups=groups)
+        spec = gqa.kv_spec(llama, 4, 16, torch.float32)
+        model = SimpleNamespace(cfg=llama, groups=groups)
         pages, journal = parallel_cpu_tier(model, spec, budget)  # type: ignore[arg-type]
         assert pages == budget // (2 * spec.page_bytes) and (journal is None) == (tp_rank > 0)
-        spec = kv_spec_for(mla, 4, 16, torch.float32)
-        model = SimpleNamespace(cfg=mla, groups=groups)
+        spec = mla.kv_spec(deepseek, 4, 16, torch.float32)
+        model = SimpleNamespace(cfg=deepseek, groups=groups)
         pages, _ = parallel_cpu_tier(model, spec, budget)  # type: ignore[arg-type]
         assert spec.page_bytes == 4 * 16 * (32 + 16) * 4
         assert pages == (budget // spec.page_bytes if tp_rank == 0 else 0)
     stages = ParallelGroups(pp=Group(1, 2))  # a stage holds half the layers: pages of half
-    spec = kv_spec_for(gqa, 2, 16, torch.float32)
-    pages, _ = parallel_cpu_tier(SimpleNamespace(cfg=gqa, groups=stages), spec, budget)  # type: ignore[arg-type]
+    spec = gqa.kv_spec(llama, 2, 16, torch.float32)
+    pages, _ = parallel_cpu_tier(SimpleNamespace(cfg=llama, groups=stages), spec, budget)  # type: ignore[arg-type]
     assert pages == budget // (2 * spec.page_bytes)

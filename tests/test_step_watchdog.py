@@ -34,9 +34,9 @@ def slow_layers(monkeypatch: pytest.MonkeyPatch, seconds) -> None:
     """Each layer's attention first sleeps seconds(tokens of the step)."""
     attend = StepAttention.attend
 
-    def slow(self, layer, q, k, v):
+    def slow(self, q, k_cache, v_cache):
         time.sleep(seconds(len(q)))
-        return attend(self, layer, q, k, v)
+        return attend(self, q, k_cache, v_cache)
 
     monkeypatch.setattr(StepAttention, "attend", slow)
 
@@ -61,11 +61,11 @@ def test_a_step_stuck_inside_a_layer_is_still_a_hang(tiny_model, monkeypatch):
     stuck, release = threading.Event(), threading.Event()
     attend = StepAttention.attend
 
-    def hang_in_the_second_layer(self, layer, q, k, v):
-        if int(layer) == 1 and not release.is_set():
+    def hang_in_the_second_layer(self, q, k_cache, v_cache):
+        if self.layers == 1 and not release.is_set():  # the step's second layer
             stuck.set()
             release.wait(60)
-        return attend(self, layer, q, k, v)
+        return attend(self, q, k_cache, v_cache)
 
     monkeypatch.setattr(StepAttention, "attend", hang_in_the_second_layer)
     llm = tiny_llm(tiny_model(MODEL), step_timeout_s=limit)

@@ -40,10 +40,11 @@ from pypto_serving.executor.native_decode import MAX_ROWS as NATIVE_MAX_ROWS
 from pypto_serving.executor.native_decode import NativeDecoder
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.disk_tier import HEADER_BYTES
+from pypto_serving.kv.kinds import gqa
 from pypto_serving.kv.mirror import Journal, follow_moves
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, StepProgress, active_step
 from pypto_serving.kv.paged_cache import PagedCache
-from pypto_serving.kv.spec import KVSpec, kv_spec_for
+from pypto_serving.kv.spec import KVSpec
 from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.models.loader import checkpoint_digest
@@ -72,13 +73,13 @@ def build_kv_store(
     digest: str,
     describe: bool = True,
 ) -> PagedKVStore:
-    """The attention operator's KV (its kind's spec from the model config: MLA where the model
-    has `kv_lora_rank`, else GQA) and the store of its pages, with tiers sized from the cache
+    """The attention operator's KV (the spec of the model's attention kind, from its config)
+    and the store of its pages, with tiers sized from the cache
     config's byte budgets. Under tensor parallelism it holds this rank's KV heads, under
     pipeline parallelism its stage's layers, with the same page ids on every rank (the page
     count depends only on the config); its CPU tier mirrors rank 0's (`kv/mirror.py`), and
     there is no SSD tier."""
-    spec = kv_spec_for(
+    spec = model.attention_kind.kv_spec(
         model.cfg, model.num_local_layers, cache.page_size, dtype, cache.kv_cache_dtype
     )
     cpu_pages, journal = cache.kv_cpu_bytes // spec.page_bytes, None
@@ -115,13 +116,13 @@ def build_kv_store(
 
 def parallel_cpu_tier(model: CausalLM, spec: KVSpec, budget: int) -> tuple[int, Journal | None]:
     """Under TP/PP: this rank's CPU-tier pages, the same count on every rank (the byte budget
-    over one page of the whole engine, every rank's share together; MLA's latent, the same on
-    every TP rank, is counted and kept once, by rank 0), and rank 0's journal of the page
+    over one page of the whole engine, every rank's share together; a KV the same on every TP
+    rank, MLA's latent, is counted and kept once, by rank 0), and rank 0's journal of the page
     moves the other ranks mirror."""
-    g, mla = model.groups, spec.kind == "mla"
-    heads = spec.num_heads * (1 if mla else g.tp.size)
+    g, same = model.groups, spec.same_on_tp_ranks
+    heads = spec.num_heads * (1 if same else g.tp.size)
     whole = replace(spec, num_layers=model.cfg.num_layers, num_heads=heads)
-    pages = budget // whole.page_bytes if not (mla and g.tp.rank > 0) else 0
+    pages = budget // whole.page_bytes if not (same and g.tp.rank > 0) else 0
     return pages, Journal() if g.rank == 0 and pages > 0 else None
 
 
@@ -177,7 +178,7 @@ class PagedExecutor:
         attention_kernels: attention may run on the native kernels (the run plan's choice)."""
         self.model, self.device, self.dtype, self.groups = model, device, dtype, model.groups
         cfg = model.cfg
-        spec = kv_spec_for(
+        spec = model.attention_kind.kv_spec(
             cfg, model.num_local_layers, cache.page_size, dtype, cache.kv_cache_dtype
         )
         self.attention_kernel = (
@@ -201,9 +202,9 @@ class PagedExecutor:
         self.native: NativeDecoder | None = None
         """Runs steps of up to NATIVE_MAX_ROWS decodes in one native call; other steps run on
         the graphs."""
-        if native and self.attention_kernel is not None and spec.kind == "gqa":
+        if native and self.attention_kernel is not None and spec.kind == gqa.NAME:
             self.native = NativeDecoder(model, self.kv.cache, self.attention_kernel)
-        elif native:  # the native step is GQA's; MLA decodes run on the graphs
+        elif native:  # the native step is GQA's; other kinds' decodes run on the graphs
             log.warning("no native decode step here: decodes run on the compiled graphs")
         self.run_layer = None if enforce_eager else CompiledLayers()
         """How the model's decoder layers run: compiled, or eagerly (None)."""
@@ -306,8 +307,8 @@ class PagedExecutor:
         if g.world_size > 1 and g.rank == 0:
             broadcast_step(step, self.device)
         if step.moves:  # rank 0's page moves, mirrored on every rank's share
-            mla_tp = self.kv.cache.spec.kind == "mla" and g.tp.size > 1
-            follow_moves(step.moves, self.kv.cache, self.kv.cpu, g.rank, mla_tp)
+            shared = self.kv.cache.spec.same_on_tp_ranks and g.tp.size > 1
+            follow_moves(step.moves, self.kv.cache, self.kv.cpu, g.rank, shared)
         hidden = None
         if g.pp.rank > 0:
             size = self.model.cfg.hidden_size

@@ -124,8 +124,8 @@ def follow_moves(
     moves: bytes, cache: PagedCache, cpu: HostTier | None, rank: int, share_written: bool
 ) -> None:
     """Before a step's forward, on every rank: ranks > 0 replay rank 0's moves on their CPU
-    tier (if they keep one); with `share_written` (MLA under TP: one copy, rank 0's) the
-    device pages the moves wrote go from rank 0 to every rank."""
+    tier (if they keep one); with `share_written` (a KV the same on every TP rank, MLA's:
+    one copy, rank 0's) the device pages the moves wrote go from rank 0 to every rank."""
     ops: list[Op] = json.loads(moves)
     if rank > 0 and cpu is not None:
         replay(ops, cache, cpu)

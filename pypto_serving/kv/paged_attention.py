@@ -1,24 +1,22 @@
-"""The paged attention operator: writes a step's new K/V into their slots, reads pages.
+"""The paged attention operator's machinery, shared by every attention kind (`kv/kinds/`).
 
 Tokens of a step arrive flat ([T], sequences concatenated, decodes first), with the
 sequences' page lists from the pool: from them the operator computes its block table and slot
 mapping itself (`paged_cache.block_table`, `slot_mapping`; slot = page * page_size + offset).
-For each layer it scatters the new k/v into its cache's slots (`paged_cache.PagedCache`), then
+For each layer the kind writes its new entries into its cache's slots
+(`paged_cache.PagedCache`, through `StepAttention.slot_mapping`), then `StepAttention.attend`
 attends for the decodes and for the prefill chunks separately. On the CPU the native kernels
 (`native_attention`) read the pages in place. Otherwise (CUDA, no compiler, a shape they do
 not take) PyTorch's path gathers each sequence's keys and values page by page through its
 block table into a padded [kv_head, B, ctx] batch: decodes attend with two batched matmuls,
-prefill chunks with one masked, causal, GQA-aware scaled-dot-product attention.
+prefill chunks with one masked, causal, GQA-aware scaled-dot-product attention. A kind whose
+keys and values are one tensor (MLA's latent) passes it as both, and it is gathered once.
 
-MLA (`attend_latent`) is the same attention with one KV head whose keys and values are one
-latent tensor: each token's entry (kv_lora_rank + qk_rope_head_dim values) is stored once and
-read as both, by the same kernels and PyTorch path.
-
-To the compiler the operator is one opaque custom op, `pypto::paged_attention(q, k, v,
-layer)` (MLA: `pypto::paged_latent_attention(q, entry, layer)`): the step's metadata and the
-KV tensors are reached through the active `StepAttention`
-(set by the executor around the forward), so a compiled model never sees cache mutation or
-the per-step shapes of the metadata (the vLLM "forward context" pattern).
+To the compiler each kind's operator is one opaque custom op (GQA: `pypto::paged_attention(q,
+k, v, layer)`): the step's metadata and the KV tensors are reached through the active
+`StepAttention` (`current_step`, set by the executor around the forward), so a compiled model
+never sees cache mutation or the per-step shapes of the metadata (the vLLM "forward context"
+pattern). The model is given a `PagedKV`, which tells its kinds to take that path.
 
 Each layer's attention also advances the executor's `StepProgress`: the step watchdogs tell a
 long step (layers keep coming) from a hung one by it, and the layer costs it measures let the
@@ -38,8 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from pypto_serving.kv.native_attention import paged_attention as native_attention
-from pypto_serving.kv.native_attention import store_kv
 from pypto_serving.kv.paged_cache import PagedCache, block_table, slot_mapping
+from pypto_serving.ops.attention import KVAttention
 
 
 class _ActiveSteps(threading.local):
@@ -145,7 +143,7 @@ class _Group:
                 self.q_lens,
             )
         keys = self.gather(k_cache)
-        values = keys if v_cache is k_cache else self.gather(v_cache)  # MLA: one latent
+        values = keys if v_cache is k_cache else self.gather(v_cache)  # one tensor: gathered once
         if self.decode:
             return self._decode(q, keys, values)
         queries = q[self.q_index].transpose(1, 2)  # [B, H, max_q, D]
@@ -176,7 +174,8 @@ class _Group:
 
 class StepAttention:
     """The attention operator over a PagedCache for one step (built once, used by every layer):
-    it computes the step's block table and slot mapping from the sequences' page lists.
+    it computes the step's block table and slot mapping from the sequences' page lists, which
+    each attention kind's paged operator writes through and attends over (`attend`).
 
     The step's sequences come decodes first (`num_decodes` of them, one token each), then
     prefill chunks; each kind runs its own attention, so a decode never pays for the padding
@@ -205,6 +204,8 @@ class StepAttention:
         """[T] the cache slot of each new token."""
         self.q_lens, self.ctx_lens = q_lens, ctx_lens
         self.num_decodes, self.max_q = num_decodes, max_q
+        self.layers = 0
+        """Layers this step has attended so far."""
         self.attention_seconds = self.prefill_seconds = 0.0
         """Time spent attending so far (all layers), and of it the prefill chunks'."""
         nd = num_decodes
@@ -221,7 +222,7 @@ class StepAttention:
         return self._groups
 
     def _make_groups(self) -> list[_Group]:
-        heads, page, nd = self.cache.k_cache.shape[1], self.cache.page_size, self.num_decodes
+        heads, page, nd = self.cache.spec.num_heads, self.cache.page_size, self.num_decodes
         table, q_lens, ctx_lens, kernel = self.block_table, self.q_lens, self.ctx_lens, self.kernel
         groups = []
         if nd > 0:
@@ -244,32 +245,10 @@ class StepAttention:
             )
         return groups
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """GQA: write k, v [T, Hkv, D] into their slots, attend q [T, H, D]."""
-        k_cache, v_cache = self.cache.k_cache[layer], self.cache.v_cache[layer]
-        if self.kernel is None or not store_kv(
-            self.kernel, k, v, k_cache, v_cache, self.slot_mapping
-        ):
-            if k_cache.dtype == torch.int8:  # the kernel quantizes: give it contiguous rows
-                assert self.kernel is not None, "an int8 cache is built with the kernels"
-                k, v = k.contiguous(), v.contiguous()
-                stored = store_kv(self.kernel, k, v, k_cache, v_cache, self.slot_mapping)
-                assert stored, "contiguous keys and values are always stored"
-            else:
-                k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
-                v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
-        return self._attend(q, k_cache, v_cache)
-
-    def attend_latent(self, layer: int, q: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
-        """MLA: write entry [T, E] into its slots (once), attend q [T, H, E] over the entries
-        as keys and values both (one KV head)."""
-        latent = self.cache.k_cache[layer]  # [1, slots, E]
-        latent[0].index_copy_(0, self.slot_mapping, entry)
-        return self._attend(q, latent, latent)
-
-    def _attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Attend q [T, H, D] over the step's pages of one layer's keys and values [Hkv, slots,
+        D] (written by the kind first; one tensor passed as both where keys are values); every
+        kind's paged operator ends here, once per layer."""
         outs = []
         for g in self.groups:
             start = time.perf_counter()
@@ -277,6 +256,7 @@ class StepAttention:
             seconds = time.perf_counter() - start
             self.attention_seconds += seconds
             self.prefill_seconds += 0.0 if g.decode else seconds
+        self.layers += 1
         if self.progress is not None:
             self.progress.layers += 1
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -292,39 +272,11 @@ def active_step(step: StepAttention) -> Iterator[None]:
         _active.steps.pop()
 
 
-@torch.library.custom_op("pypto::paged_attention", mutates_args=())
-def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor
-) -> torch.Tensor:
-    return _active.steps[-1].attend(int(layer), q, k, v)
+def current_step() -> StepAttention:
+    """The step this thread made active: what a kind's custom op attends with."""
+    return _active.steps[-1]
 
 
-@paged_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(q)
-
-
-@torch.library.custom_op("pypto::paged_latent_attention", mutates_args=())
-def paged_latent_attention(
-    q: torch.Tensor, entry: torch.Tensor, layer: torch.Tensor
-) -> torch.Tensor:
-    return _active.steps[-1].attend_latent(int(layer), q, entry)
-
-
-@paged_latent_attention.register_fake
-def _(q: torch.Tensor, entry: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(q)
-
-
-class PagedKV:
-    """What the model sees on the paged path: attention through the custom ops."""
-
-    def attend(
-        self, layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        return paged_attention(q, k, v, layer)
-
-    def attend_latent(
-        self, layer: torch.Tensor, q: torch.Tensor, entry: torch.Tensor
-    ) -> torch.Tensor:
-        return paged_latent_attention(q, entry, layer)
+class PagedKV(KVAttention):
+    """What the model is given on the paged path: its attention kinds run their paged
+    operators, through their custom ops, over the active step."""

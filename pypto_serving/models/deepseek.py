@@ -19,11 +19,14 @@ by columns, their partial sum joining the experts' in one all-reduce.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pypto_serving.distributed import Group, ParallelGroups, tp_all_reduce
+from pypto_serving.kv.kinds import AttentionKind, mla
 from pypto_serving.models.config import ModelConfig
 from pypto_serving.models.llama import MLP, CausalLM, DecoderLayer
 from pypto_serving.ops.activation import silu_and_mul
@@ -38,7 +41,7 @@ LORA_NORM_EPS = 1e-6
 
 
 class MLAttention(nn.Module):
-    """Multi-head latent attention over `kv.attend_latent` (this rank's heads)."""
+    """Multi-head latent attention over `kv/kinds/mla.py` (this rank's heads)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, tp: Group) -> None:
         super().__init__()
@@ -80,7 +83,7 @@ class MLAttention(nn.Module):
         entry = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
         q = torch.cat([q_latent, apply_rope(q_pe, cos, sin)], dim=-1) * self.q_scale
-        out = kv.attend_latent(self.layer, q, entry)[..., : cfg.kv_lora_rank]
+        out = mla.attend(kv, self.layer, q, entry)[..., : cfg.kv_lora_rank]
         out = torch.bmm(out.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)
         return self.o_proj(out.reshape(len(x), -1))
 
@@ -163,3 +166,4 @@ class DeepseekForCausalLM(CausalLM):
     RoPE tables over qk_rope_head_dim (ModelConfig.rope_inv_freq)."""
 
     layer_type = DeepseekDecoderLayer
+    attention_kind: ClassVar[AttentionKind] = mla

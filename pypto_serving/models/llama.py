@@ -3,7 +3,8 @@
 Parameter names follow Hugging Face's, except that q/k/v and gate/up are fused into
 `qkv_proj` and `gate_up_proj`; `loader.py` is the one place that maps HF tensors onto them.
 The model works on a flat batch of tokens [T] (sequences concatenated) and leaves all
-KV-cache handling to the `KVAttention` object it is given. Matmuls run in the weights' dtype
+KV-cache handling to its attention kind (`kv/kinds/gqa.py`), with the `KVAttention` it is
+given. Matmuls run in the weights' dtype
 (bf16 or fp32); the residual stream is kept in float32, as llama.cpp keeps its activations,
 so bf16 weights cost little accuracy.
 """
@@ -11,12 +12,13 @@ so bf16 weights cost little accuracy.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import ClassVar, cast
 
 import torch
 from torch import nn
 
 from pypto_serving.distributed import Group, ParallelGroups, tp_all_gather, tp_all_reduce
+from pypto_serving.kv.kinds import AttentionKind, gqa
 from pypto_serving.models.config import ModelConfig
 from pypto_serving.ops.activation import silu_and_mul
 from pypto_serving.ops.attention import KVAttention
@@ -51,7 +53,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = kv.attend(self.layer, q, k, v)
+        out = gqa.attend(kv, self.layer, q, k, v)
         return self.o_proj(out.reshape(-1, cfg.q_size))
 
 
@@ -155,6 +157,8 @@ class CausalLM(nn.Module):
 
     layer_type: type[DecoderLayer] = DecoderLayer
     """The decoder layers' class (DeepSeek's model gives its own)."""
+    attention_kind: ClassVar[AttentionKind] = gqa
+    """The kind its layers' attention is (`kv/kinds/`): the executor builds its KV from it."""
     inv_freq: torch.Tensor
     """RoPE's inverse frequencies (a buffer, not in the checkpoint)."""
 
