@@ -1,19 +1,23 @@
 """DeepSeek-V2/V3 (MLA, YaRN with DeepSeek's mscale, dense first layers, routed experts chosen
 by groups, shared experts) against HF transformers on tiny random checkpoints: prompt logits
 within 1e-4 in fp32, and greedy tokens equal to HF `generate` through the reference executor,
-the paged one, `pypto generate`, `pypto serve`'s API, tensor plus expert parallelism, and
+the paged one, `pypto generate`, `pypto serve` (in-process and as its own process), tensor
+plus expert parallelism, and
 pipeline parallelism."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import httpx
 import pytest
 import torch
 from checkpoints import TINY_DEEPSEEK, hf_greedy
-from live_server import serving, tiny_llm
+from live_server import free_port, serving, tiny_llm
+from patience import patience, wait_for
 
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.cli import main
@@ -86,10 +90,10 @@ def test_paged_greedy_matches_hf_generate(tiny_model, expected, name):
     assert llm.engine.executor.num_recompilations == 0
 
 
-def test_pypto_generate_matches_hf(tiny_model, tmp_path, capsys):
+@pytest.mark.parametrize("name", NAMES)
+def test_pypto_generate_matches_hf(tiny_model, tmp_path, capsys, name):
     from transformers import AutoTokenizer
 
-    name = "deepseekv3-qlora-yarn"
     path = tiny_model(name)
     texts = ["hello world", "the quick brown fox", "what is the capital", "paris is"]
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -100,14 +104,16 @@ def test_pypto_generate_matches_hf(tiny_model, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     argv = ["generate", "--model", str(path), "--prompts-file", str(prompts)]
     argv += ["--output", str(out), "--max-tokens", "32", "--temperature", "0"]
+    if name != "deepseekv3-qlora-yarn":  # one shape compiled, the others eager
+        argv.append("--enforce-eager")
     assert main([*argv, "--dtype", "float32"]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["token_ids"] for r in rows] == want  # no EOS among them: 32 tokens each
     assert all(r["finish_reason"] == "length" for r in rows)
 
 
-def test_pypto_serve_matches_hf(tiny_model, expected):
-    name = "deepseekv3-yarn-2dense"
+@pytest.mark.parametrize("name", NAMES)
+def test_pypto_serve_matches_hf(tiny_model, expected, name):
     with tiny_llm(tiny_model(name)) as llm, serving(llm) as live:
         offline = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert tokens(offline) == expected(name)
@@ -117,6 +123,45 @@ def test_pypto_serve_matches_hf(tiny_model, expected):
             choice = r.json()["choices"][0]
             assert (choice["text"], choice["finish_reason"]) == (out.outputs[0].text, "length")
             assert r.json()["usage"]["completion_tokens"] == 32
+
+
+def serving_at(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_the_pypto_serve_process_matches_hf(tiny_model, expected, name):
+    """`pypto serve` as users start it (a process of its own, the paged executor), asked
+    over HTTP for each prompt's 32 greedy tokens: the text of an offline run whose tokens are
+    HF's."""
+    offline = LLM(str(tiny_model(name)), dtype="float32", enforce_eager=True, page_size=16)
+    outputs = offline.generate(PROMPTS, GREEDY, use_tqdm=False)
+    offline.close()
+    assert tokens(outputs) == expected(name)
+    port = free_port()
+    argv = [sys.executable, "-m", "pypto_serving.cli", "serve", "--model", str(tiny_model(name))]
+    argv += ["--port", str(port), "--dtype", "float32", "--enforce-eager", "--page-size", "16"]
+    argv += ["--served-model-name", "tiny"]
+    process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: serving_at(url) or process.poll() is not None, 120, "the server started")
+        assert process.poll() is None, process.communicate()[1][-2000:]
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 32, "temperature": 0}
+            body |= {"ignore_eos": True}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=patience(120))
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 32
+            assert r.json()["choices"][0]["text"] == out.outputs[0].text
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
 
 
 def test_tp2_expert_parallel_matches_hf(tiny_model, expected):
