@@ -2,8 +2,7 @@
 by groups, shared experts) against HF transformers on tiny random checkpoints: prompt logits
 within 1e-4 in fp32, and greedy tokens equal to HF `generate` through the reference executor,
 the paged one, `pypto generate`, `pypto serve` (in-process and as its own process), tensor
-plus expert parallelism, and
-pipeline parallelism."""
+plus expert parallelism, and pipeline parallelism."""
 
 from __future__ import annotations
 
