@@ -57,9 +57,11 @@ class CacheConfig:
     requests preempted by swap (0: no CPU tier); under TP/PP the engine's, each rank holding
     its share."""
     kv_ssd_dir: str | None = None
-    """Directory of the SSD tier (None: no SSD tier); pages there survive restarts."""
+    """Directory of the SSD tier (None: no SSD tier); pages there survive restarts (under
+    TP/PP each rank keeps its share in `<kv_ssd_dir>/rank<r>`)."""
     kv_ssd_bytes: int = 16 << 30
-    """Byte budget of the SSD tier when kv_ssd_dir is set."""
+    """Byte budget of the SSD tier when kv_ssd_dir is set; under TP/PP the engine's, each
+    rank holding its share."""
     kv_cache_dtype: str = "auto"
     """How keys and values are stored: auto (the model's dtype) or int8 (each token's row of a
     head quantized with its own scale: about half of bf16's bytes, so decode attention reads
@@ -292,10 +294,6 @@ class EngineConfig:
             raise PyptoError(
                 f"quantization {self.quantization} is not available with tensor or pipeline "
                 "parallelism yet (its calibration runs the whole model on one rank)"
-            )
-        if p.ranks_per_engine > 1 and self.cache.kv_ssd_dir is not None:
-            raise PyptoError(
-                "the SSD KV tier is not available with tensor or pipeline parallelism yet"
             )
 
 

@@ -191,7 +191,18 @@ def receive_from(shape: tuple[int, ...], rank: int, device: torch.device) -> tor
 
 HEADER = 8
 """Ints in a step header: tokens, sequences, pages (all sequences'), decodes, longest query,
-logits rows, stop flag, bytes of the page moves."""
+logits rows, the message kind (0: a step, else a `Control`'s), bytes of the page moves (or of
+the control's data)."""
+STOP, SSD_LOAD = 1, 2
+"""`Control` kinds: stop (after the last page moves), an SSD load to agree on (`kv/mirror.py`)."""
+
+
+@dataclass(slots=True)
+class Control:
+    """A message from rank 0 that is not a step: its kind and its bytes."""
+
+    kind: int
+    data: bytes = b""
 
 
 @dataclass(slots=True)
@@ -222,12 +233,14 @@ class StepInputs:
         ]
 
 
-def broadcast_step(step: StepInputs | None, device: torch.device) -> None:
-    """Rank 0: send a step's inputs to the other ranks (None: tell them to stop)."""
+def broadcast_step(step: StepInputs | Control, device: torch.device) -> None:
+    """Rank 0: send a step's inputs, or a control message, to the other ranks."""
     header = torch.zeros(HEADER, dtype=torch.int64, device=device)
-    if step is None:
-        header[6] = 1
+    if isinstance(step, Control):
+        header[6], header[7] = step.kind, len(step.data)
         dist.broadcast(header, 0)
+        if step.data:
+            dist.broadcast(torch.frombuffer(bytearray(step.data), dtype=torch.uint8).to(device), 0)
         return
     t, b, p = len(step.input_ids), len(step.q_lens), sum(len(x) for x in step.pages)
     header[:6] = torch.tensor(
@@ -240,21 +253,25 @@ def broadcast_step(step: StepInputs | None, device: torch.device) -> None:
         dist.broadcast(torch.frombuffer(bytearray(step.moves), dtype=torch.uint8).to(device), 0)
 
 
-def receive_step(device: torch.device) -> StepInputs | None:
-    """Ranks > 0: the next step's inputs from rank 0, or None when told to stop."""
+def _receive_bytes(num_bytes: int, device: torch.device) -> bytes:
+    if not num_bytes:
+        return b""
+    raw = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dist.broadcast(raw, 0)
+    return raw.cpu().numpy().tobytes()
+
+
+def receive_step(device: torch.device) -> StepInputs | Control:
+    """Ranks > 0: the next step's inputs from rank 0, or a control message."""
     header = torch.empty(HEADER, dtype=torch.int64, device=device)
     dist.broadcast(header, 0)
-    t, b, p, num_decodes, max_q, n, stop, num_bytes = header.tolist()
-    if stop:
-        return None
+    t, b, p, num_decodes, max_q, n, kind, num_bytes = header.tolist()
+    if kind:
+        return Control(kind, _receive_bytes(num_bytes, device))
     payload = torch.empty(2 * t + p + 3 * b + n, dtype=torch.int64, device=device)
     dist.broadcast(payload, 0)
     ids, pos, num_pages, flat, q_lens, ctx_lens, index = payload.split([t, t, b, p, b, b, n])
     ends, page_ids = torch.cumsum(num_pages, 0).tolist(), flat.tolist()
     pages = [page_ids[end - k : end] for end, k in zip(ends, num_pages.tolist(), strict=True)]
-    moves = b""
-    if num_bytes:
-        raw = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-        dist.broadcast(raw, 0)
-        moves = raw.cpu().numpy().tobytes()
+    moves = _receive_bytes(num_bytes, device)
     return StepInputs(ids, pos, pages, q_lens, ctx_lens, index, num_decodes, max_q, moves)

@@ -59,7 +59,6 @@ def test_more_stages_than_layers_is_refused(tiny_model):
         ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be an integer >= 1"),
         ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, "together are not supported"),
         ({"pipeline_parallel_size": 2, "devices": "cpu"}, "pipeline_parallel_size 2 / nnodes 1"),
-        ({"pipeline_parallel_size": 2, "kv_ssd_dir": "/tmp/x"}, "SSD KV tier is not available"),
         (
             {"pipeline_parallel_size": 2, "quantization": "w8a8"},
             "w8a8 is not available with tensor",

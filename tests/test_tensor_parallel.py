@@ -97,7 +97,6 @@ def test_tp_must_divide_the_kv_heads(tiny_model):
             {"tensor_parallel_size": 2, "devices": "cpu"},
             "tensor_parallel_size 2 x pipeline_parallel_size 1 / nnodes 1); give one",
         ),
-        ({"tensor_parallel_size": 2, "kv_ssd_dir": "/tmp/x"}, "SSD KV tier is not available"),
         ({"tensor_parallel_size": 2, "quantization": "w8a8"}, "w8a8 is not available with tensor"),
         ({"tensor_parallel_size": 2, "executor": "reference"}, "need the paged executor"),
     ],

@@ -23,6 +23,9 @@ from tqdm import tqdm
 from pypto_serving.config import CacheConfig, EngineConfig
 from pypto_serving.device import synchronize
 from pypto_serving.distributed import (
+    SSD_LOAD,
+    STOP,
+    Control,
     StepInputs,
     broadcast_step,
     receive_from,
@@ -41,7 +44,7 @@ from pypto_serving.executor.native_decode import NativeDecoder
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.disk_tier import HEADER_BYTES
 from pypto_serving.kv.kinds import gqa
-from pypto_serving.kv.mirror import Journal, follow_moves
+from pypto_serving.kv.mirror import Journal, agree_ssd_loads, follow_moves, ssd_load_message
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, StepProgress, active_step
 from pypto_serving.kv.paged_cache import PagedCache
 from pypto_serving.kv.spec import KVSpec
@@ -77,21 +80,22 @@ def build_kv_store(
     and the store of its pages, with tiers sized from the cache
     config's byte budgets. Under tensor parallelism it holds this rank's KV heads, under
     pipeline parallelism its stage's layers, with the same page ids on every rank (the page
-    count depends only on the config); its CPU tier mirrors rank 0's (`kv/mirror.py`), and
-    there is no SSD tier."""
+    count depends only on the config); its CPU and SSD tiers mirror rank 0's (`kv/mirror.py`),
+    each rank's SSD pages in `<kv_ssd_dir>/rank<r>`."""
     spec = model.attention_kind.kv_spec(
         model.cfg, model.num_local_layers, cache.page_size, dtype, cache.kv_cache_dtype
     )
     cpu_pages, journal = cache.kv_cpu_bytes // spec.page_bytes, None
-    if model.groups.world_size > 1:
-        cpu_pages, journal = parallel_cpu_tier(model, spec, cache.kv_cpu_bytes)
-        if cache.kv_ssd_dir:
-            log.info("the SSD KV tier is off under tensor/pipeline parallelism")
-        cache = replace(cache, kv_ssd_dir=None)
-    page_bytes = spec.page_bytes
+    page_bytes, g = spec.page_bytes, model.groups
     num_pages = num_pages_for(cache, page_bytes, -(-max_tokens_in_use // cache.page_size))
     ssd_dir = Path(cache.kv_ssd_dir).expanduser() if cache.kv_ssd_dir else None
     ssd_pages = cache.kv_ssd_bytes // (page_bytes + HEADER_BYTES)
+    if g.world_size > 1:
+        cpu_pages, journal = parallel_cpu_tier(model, spec, cache.kv_cpu_bytes)
+        if ssd_dir is not None:  # each rank its share, in its own folder (MLA: rank 0's)
+            ssd_pages, keeps = parallel_ssd_pages(model, spec, cache.kv_ssd_bytes)
+            ssd_dir = ssd_dir / f"rank{g.rank}" if keeps else None
+            journal = Journal() if g.rank == 0 else None
     if ssd_dir is not None and ssd_pages == 0:
         raise PyptoError(
             f"kv_ssd_bytes ({cache.kv_ssd_bytes}) is less than one page file "
@@ -106,6 +110,7 @@ def build_kv_store(
             ssd_pages=ssd_pages,
             digest=digest,
             journal=journal,
+            follows=g.rank > 0,
         )
     except OSError as e:
         raise PyptoError(f"cannot use kv_ssd_dir {ssd_dir}: {e}") from None
@@ -124,6 +129,17 @@ def parallel_cpu_tier(model: CausalLM, spec: KVSpec, budget: int) -> tuple[int, 
     whole = replace(spec, num_layers=model.cfg.num_layers, num_heads=heads)
     pages = budget // whole.page_bytes if not (same and g.tp.rank > 0) else 0
     return pages, Journal() if g.rank == 0 and pages > 0 else None
+
+
+def parallel_ssd_pages(model: CausalLM, spec: KVSpec, budget: int) -> tuple[int, bool]:
+    """Under TP/PP: this rank's SSD-tier pages, the same count on every rank keeping one
+    (the byte budget over one page of the whole engine and every rank's file header; MLA's
+    latent is kept once per stage, by its TP rank 0), and whether this rank keeps one."""
+    g, same = model.groups, spec.same_on_tp_ranks
+    heads = spec.num_heads * (1 if same else g.tp.size)
+    whole = replace(spec, num_layers=model.cfg.num_layers, num_heads=heads)
+    files = g.world_size // (g.tp.size if same else 1)
+    return budget // (whole.page_bytes + files * HEADER_BYTES), not (same and g.tp.rank > 0)
 
 
 def build_paged_executor(
@@ -196,6 +212,8 @@ class PagedExecutor:
                 f"{cfg.head_dim}, or --no-native-attention / no C++ compiler: see the log)"
             )
         self.kv = build_kv_store(model, device, dtype, cache, max_tokens_in_use, digest)
+        if self.groups.world_size > 1 and self.groups.rank == 0 and self.kv.ssd is not None:
+            self.kv.agree = self._agree_ssd_loads
         self.paged_kv = PagedKV()
         self.progress = StepProgress()
         """Layers attended so far, and what a layer costs here (read by the watchdogs)."""
@@ -307,8 +325,7 @@ class PagedExecutor:
         if g.world_size > 1 and g.rank == 0:
             broadcast_step(step, self.device)
         if step.moves:  # rank 0's page moves, mirrored on every rank's share
-            shared = self.kv.cache.spec.same_on_tp_ranks and g.tp.size > 1
-            follow_moves(step.moves, self.kv.cache, self.kv.cpu, g.rank, shared)
+            self._follow_moves(step.moves)
         hidden = None
         if g.pp.rank > 0:
             size = self.model.cfg.hidden_size
@@ -339,11 +356,38 @@ class PagedExecutor:
             out = receive_from(shape, g.world_size - 1, self.device)
         return out
 
+    def _follow_moves(self, moves: bytes) -> None:
+        g, kv = self.groups, self.kv
+        shared = kv.cache.spec.same_on_tp_ranks and g.tp.size > 1
+        follow_moves(moves, kv.cache, kv.cpu, g.rank, shared, kv.ssd, kv.agreed)
+
+    def _on_ssd_load(self, message: bytes) -> int:
+        g, kv = self.groups, self.kv
+        shared = kv.cache.spec.same_on_tp_ranks and g.tp.size > 1
+        return agree_ssd_loads(message, kv.cache, kv.cpu, kv.ssd, kv.agreed, g.rank, shared)
+
+    def _agree_ssd_loads(self, hashes: list[bytes], loaded: int) -> int:
+        """Rank 0, at admission: how many of the SSD pages it read every rank read too."""
+        assert self.kv.journal is not None
+        message = ssd_load_message(self.kv.journal.take(), hashes, loaded)
+        broadcast_step(Control(SSD_LOAD, message), self.device)
+        return self._on_ssd_load(message)
+
     @torch.inference_mode()
     def follow(self) -> None:
-        """Ranks > 0: run the steps rank 0 broadcasts until it says stop."""
-        while (step := receive_step(self.device)) is not None:
-            self.run(step)
+        """Ranks > 0: run the steps rank 0 broadcasts until it says stop (after the last
+        page moves: its spill to the SSD tier), then finish the SSD tier's writes."""
+        while True:
+            step = receive_step(self.device)
+            if isinstance(step, StepInputs):
+                self.run(step)
+            elif step.kind == SSD_LOAD:
+                self._on_ssd_load(step.data)
+            else:
+                break
+        if step.data:
+            self._follow_moves(step.data)
+        self.kv.close()
 
     def close(self) -> None:
         """Tell the other ranks to stop (rank 0), finish the KV store's background work and
@@ -354,7 +398,9 @@ class PagedExecutor:
             self.wait_compiled()
         if self.groups.world_size > 1 and self.groups.rank == 0:
             try:
-                broadcast_step(None, self.device)
+                self.kv.keep_on_ssd()  # the spill's moves ride on the stop message
+                moves = b"" if self.kv.journal is None else self.kv.journal.take()
+                broadcast_step(Control(STOP, moves), self.device)
             except RuntimeError:  # a rank died: the others stop when rank 0 leaves the group
                 log.warning("could not tell every rank to stop; they stop with this process")
         self.kv.close()

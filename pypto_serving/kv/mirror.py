@@ -12,10 +12,18 @@ holds the same pages in the same slots:
     rank 0:  schedule ──moves recorded──▶ step + moves ──broadcast──▶ forward
     rank r:                               step + moves ──replay on its share──▶ forward
 
-MLA's latent is the same on every TP rank, so only rank 0 keeps it in the CPU tier; the
-device pages a journal wrote are then broadcast from rank 0 once per step. The SSD tier
-stays off under TP/PP: a read can fail on one rank and not another, and rank 0 would serve
-a prefix whose KV some rank lacks.
+MLA's latent is the same on every TP rank, so only rank 0 keeps it in the CPU and SSD tiers;
+the device pages a journal wrote are then broadcast from rank 0 once per step.
+
+The SSD tier: every rank keeps its share in its own folder (`<kv_ssd_dir>/rank<r>`), and its
+stores and evictions are journaled like the CPU tier's (a rank whose index differs, after a
+failed write or a damaged file found at start-up, replays them tolerantly). A read can fail
+on one rank and not another, so SSD loads are agreed before rank 0 counts them: at
+admission rank 0 reads its pages, then sends every rank a control message (`SSD_LOAD`: the
+moves so far, the pages to load); each rank loads its share and a MIN all-reduce tells how
+many leading pages every rank read. Rank 0 keeps only those (the rest: a miss, recomputed),
+the other ranks keep theirs until the journal writes them into device pages. A clean
+shutdown's spill rides on the stop message.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pypto_serving.kv.disk_tier import DiskTier
 from pypto_serving.kv.host_tier import HostTier
 from pypto_serving.kv.paged_cache import PagedCache
 from pypto_serving.kv.tier import PageKV
@@ -96,15 +105,63 @@ class JournaledHostTier(HostTier):
         return pages
 
 
-def replay(ops: list[Op], cache: PagedCache, cpu: HostTier) -> None:
-    """Do rank 0's moves on this rank's share, in order."""
+class JournaledDiskTier(DiskTier):
+    """Rank 0's SSD tier: a DiskTier whose stores and evictions go into a journal (its loads
+    are agreed instead: `agree_ssd_loads`)."""
+
+    def __init__(self, journal: Journal, *args: Any, **kwargs: Any) -> None:
+        self.journal = journal
+        super().__init__(*args, **kwargs)
+
+    def store(self, page_hash: bytes, token_ids: tuple[int, ...], kv: PageKV) -> None:
+        super().store(page_hash, token_ids, kv)
+        self.journal.record("ssd_store", page_hash.hex(), list(token_ids), self.journal.handle(kv))
+
+    def discard(self, page_hash: bytes) -> bool:
+        found = super().discard(page_hash)
+        if found:
+            self.journal.record("ssd_discard", page_hash.hex())
+        return found
+
+
+def _store_on_ssd(ssd: DiskTier, page_hash: bytes, token_ids: tuple[int, ...], kv: PageKV) -> None:
+    """Rank 0's SSD store, on a rank whose index may differ from rank 0's (a failed write,
+    a damaged file found at start-up): make room as needed; a rank with no room drops it."""
+    ssd.discard(page_hash)
+    while len(ssd) >= ssd.capacity and (victim := ssd.lru_hash()) is not None:
+        ssd.discard(victim)
+    if len(ssd) < ssd.capacity:
+        ssd.store(page_hash, token_ids, kv)
+
+
+def replay(
+    ops: list[Op],
+    cache: PagedCache,
+    cpu: HostTier | None,
+    ssd: DiskTier | None = None,
+    agreed: dict[bytes, PageKV] | None = None,
+) -> None:
+    """Do rank 0's moves on this rank's share, in order (agreed: the SSD pages this rank
+    loaded at rank 0's `SSD_LOAD`, taken as the moves write them into the device)."""
     kvs: list[PageKV] = []
     for kind, *args in ops:
+        if kind.startswith("ssd_"):
+            assert ssd is not None and agreed is not None
+            if kind == "ssd_store":
+                _store_on_ssd(ssd, bytes.fromhex(args[0]), tuple(args[1]), kvs[args[2]])
+            elif kind == "ssd_discard":
+                ssd.discard(bytes.fromhex(args[0]))
+            else:  # ssd_load
+                kvs.append(agreed.pop(bytes.fromhex(args[0])))
+            continue
         if kind == "read":
             kvs.append(cache.read_page(args[0]))
-        elif kind == "write":
+            continue
+        if kind == "write":
             cache.write_page(args[0], kvs[args[1]])
-        elif kind == "store":
+            continue
+        assert cpu is not None
+        if kind == "store":
             cpu.store(bytes.fromhex(args[0]), tuple(args[1]), kvs[args[2]])
         elif kind == "load":
             kv = cpu.load(bytes.fromhex(args[0]))
@@ -121,14 +178,20 @@ def replay(ops: list[Op], cache: PagedCache, cpu: HostTier) -> None:
 
 
 def follow_moves(
-    moves: bytes, cache: PagedCache, cpu: HostTier | None, rank: int, share_written: bool
+    moves: bytes,
+    cache: PagedCache,
+    cpu: HostTier | None,
+    rank: int,
+    share_written: bool,
+    ssd: DiskTier | None = None,
+    agreed: dict[bytes, PageKV] | None = None,
 ) -> None:
     """Before a step's forward, on every rank: ranks > 0 replay rank 0's moves on their CPU
-    tier (if they keep one); with `share_written` (a KV the same on every TP rank, MLA's:
-    one copy, rank 0's) the device pages the moves wrote go from rank 0 to every rank."""
+    and SSD tiers (if they keep them); with `share_written` (a KV the same on every TP rank,
+    MLA's: one copy, rank 0's) the device pages the moves wrote go from rank 0 to every rank."""
     ops: list[Op] = json.loads(moves)
-    if rank > 0 and cpu is not None:
-        replay(ops, cache, cpu)
+    if rank > 0 and (cpu is not None or ssd is not None):
+        replay(ops, cache, cpu, ssd, agreed)
     written = sorted({op[1] for op in ops if op[0] == "write"})
     if not share_written or not written:
         return
@@ -142,3 +205,48 @@ def follow_moves(
     if rank > 0:
         for i, page_id in enumerate(written):
             cache.write_page(page_id, tuple(pages[i]))
+
+
+def ssd_load_message(moves: bytes, hashes: list[bytes], loaded: int) -> bytes:
+    """Rank 0's `SSD_LOAD`: its moves so far, the pages it read (each rank loads its share)
+    and the one it could not (each rank drops it, as rank 0's tier did)."""
+    message = {
+        "moves": moves.decode(),
+        "load": [h.hex() for h in hashes[:loaded]],
+        "drop": [h.hex() for h in hashes[loaded : loaded + 1]],
+    }
+    return json.dumps(message, separators=(",", ":")).encode()
+
+
+def agree_ssd_loads(
+    message: bytes,
+    cache: PagedCache,
+    cpu: HostTier | None,
+    ssd: DiskTier | None,
+    agreed: dict[bytes, PageKV],
+    rank: int,
+    share_written: bool,
+) -> int:
+    """On every rank, at rank 0's `SSD_LOAD`: mirror the moves so far, load this rank's share
+    of the pages (ranks > 0; a rank without an SSD tier keeps none and agrees to all), and
+    return how many leading pages every rank read (a MIN all-reduce over the world). Ranks
+    > 0 keep those in `agreed` until the journal writes them into device pages."""
+    msg = json.loads(message)
+    if msg["moves"]:
+        follow_moves(msg["moves"].encode(), cache, cpu, rank, share_written, ssd, agreed)
+    hashes = [bytes.fromhex(h) for h in msg["load"]]
+    count, mine = len(hashes), list[tuple[bytes, PageKV]]()
+    if rank > 0 and ssd is not None:
+        for page_hash in hashes:  # each load removes the page, as on rank 0
+            kv = ssd.load(page_hash)
+            if kv is None:
+                count = min(count, len(mine))
+            elif len(mine) < count:
+                mine.append((page_hash, kv))
+        for h in msg["drop"]:
+            ssd.discard(bytes.fromhex(h))
+    agreed_count = torch.tensor([count], dtype=torch.int64, device=cache.device)
+    dist.all_reduce(agreed_count, op=dist.ReduceOp.MIN)
+    n = int(agreed_count.item())
+    agreed.update(mine[:n])
+    return n

@@ -37,13 +37,14 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pypto_serving.device import pin_host_memory
 from pypto_serving.kv.disk_tier import DiskTier
 from pypto_serving.kv.host_tier import HostTier
-from pypto_serving.kv.mirror import Journal, JournaledHostTier
+from pypto_serving.kv.mirror import Journal, JournaledDiskTier, JournaledHostTier
 from pypto_serving.kv.page_pool import PagePool, hash_page
 from pypto_serving.kv.paged_cache import PagedCache
 from pypto_serving.kv.tier import PageKV, PageTier, TierStats
@@ -111,12 +112,14 @@ class PagedKVStore:
         ssd_pages: int = 0,
         digest: str = "",
         journal: Journal | None = None,
+        follows: bool = False,
     ) -> None:
         """cache: the attention operator's KV, whose pages this store hands out; cpu_pages /
         ssd_pages: capacities of the lower tiers (0: none); digest identifies the model and
         configuration whose KV this is (SSD pages of another digest or KV spec are ignored);
         journal: rank 0's under TP/PP, recording its page moves for the other ranks to
-        mirror (`kv/mirror.py`)."""
+        mirror (`kv/mirror.py`); follows: a rank > 0's store under TP/PP (it mirrors rank 0's
+        moves, and never spills on its own)."""
         spec, num_pages = cache.spec, cache.num_pages
         self.cache, self.journal = cache, journal
         self.pool = PagePool(num_pages, spec.page_size, enable_prefix_caching, self._demote)
@@ -134,7 +137,8 @@ class PagedKVStore:
         if ssd_dir is not None and ssd_pages > 0:
             layout = f"{FORMAT_VERSION}|{digest}|{spec.describe()}".encode()
             full_digest = hashlib.blake2b(layout, digest_size=16).hexdigest()
-            self.ssd = DiskTier(ssd_dir, ssd_pages, shape, spec.dtype, full_digest, n)
+            args = (ssd_dir, ssd_pages, shape, spec.dtype, full_digest, n)
+            self.ssd = DiskTier(*args) if journal is None else JournaledDiskTier(journal, *args)
         self.lower: list[PageTier] = [t for t in (self.cpu, self.ssd) if t is not None]
         """The tiers below the device, fastest first."""
         self.stats = {"device": TierStats("device", num_pages, self.page_bytes)}
@@ -145,6 +149,13 @@ class PagedKVStore:
             load_s_per_page={"cpu": self.page_bytes / 4e9, "ssd": self.page_bytes / 1e9}
         )
         self.swapped: dict[str, _Swapped] = {}
+        self.follows = follows
+        self.agree: Callable[[list[bytes], int], int] | None = None
+        """Under TP/PP, rank 0's: sends the SSD pages it read to every rank, returns how many
+        leading ones every rank read (`kv/mirror.py`)."""
+        self.agreed: dict[bytes, PageKV] = {}
+        """Ranks > 0: the SSD pages agreed on, until the journal writes them into the device."""
+        self._spilled = False
         self._closed = False
         self._lookups: dict[str, Counter[tuple[str, str]]] = {}
         """Hits and misses of a claim, counted once its request is admitted (allocate)."""
@@ -190,11 +201,17 @@ class PagedKVStore:
     def close(self) -> None:
         """Keep what the faster tiers cache on the SSD tier (`spill`), then let it finish its
         queued writes. Called on a clean shutdown; idempotent."""
-        if self.ssd is not None and not self._closed:
-            self.spill()
+        self.keep_on_ssd()
         self._closed = True
         for tier in self.lower:
             tier.close()
+
+    def keep_on_ssd(self) -> None:
+        """Spill once, on a clean shutdown (not on a rank that mirrors rank 0's moves: it
+        replays rank 0's spill)."""
+        if self.ssd is not None and not self._spilled and not self.follows:
+            self.spill()
+        self._spilled = True
 
     def spill(self) -> int:
         """Store the cached pages of the device and the CPU tier on the SSD tier, so a restart
@@ -367,12 +384,21 @@ class PagedKVStore:
         """Copy the lower-tier hits into fresh device pages (stopping at an unreadable page)."""
         loaded: list[tuple[_Hit, PageKV]] = []
         seconds: dict[str, float] = dict.fromkeys(self.costs.load_s_per_page, 0.0)
+        start = time.perf_counter()
+        agreed = self._agree_ssd(hits) if self.agree is not None else None
+        seconds["ssd"] = time.perf_counter() - start
         for i, h in enumerate(hits):
-            if h.tier is None:
+            if (tier := h.tier) is None:
                 continue
-            start = time.perf_counter()
-            kv = h.tier.load(h.page_hash)
-            seconds[h.tier.name] += time.perf_counter() - start
+            name, start = tier.name, time.perf_counter()
+            if agreed is not None and tier is self.ssd:  # read already, on every rank
+                kv = agreed.pop(h.page_hash, None)
+                if kv is not None and self.journal is not None:
+                    self.journal.record("ssd_load", h.page_hash.hex())
+                    self.journal.produced(kv)
+            else:
+                kv = tier.load(h.page_hash)
+            seconds[name] += time.perf_counter() - start
             if kv is None:  # e.g. a corrupted SSD file: a miss from here on
                 hits = self._cut(hits, i)
                 break
@@ -393,6 +419,21 @@ class PagedKVStore:
             self.costs.observe_load(name, n, total)
         self.stats["device"].stored += len(loaded)
         return hits
+
+    def _agree_ssd(self, hits: list[_Hit]) -> dict[bytes, PageKV]:
+        """Under TP/PP: read the SSD hits (up to the first unreadable one) and keep the
+        leading ones every rank read too (the rest: misses)."""
+        assert self.agree is not None and self.ssd is not None
+        hashes = [h.page_hash for h in hits if h.tier is self.ssd]
+        if not hashes:
+            return {}
+        kvs: list[tuple[bytes, PageKV]] = []
+        for page_hash in hashes:
+            kv = self.ssd.load(page_hash)
+            if kv is None:
+                break
+            kvs.append((page_hash, kv))
+        return dict(kvs[: self.agree(hashes, len(kvs))])
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Give the request pages for `num_new_tokens` more tokens; False if there are too few."""
