@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from pypto_serving.config import CacheConfig
+from pypto_serving.distributed import ParallelGroups
 from pypto_serving.executor.paged import build_kv_store
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, active_step, current_step
 from pypto_serving.kv.spec import KVSpec
@@ -73,7 +74,7 @@ def toy_store() -> PagedKVStore:
     model = SimpleNamespace(
         cfg=SimpleNamespace(head_dim=D),
         num_local_layers=LAYERS,
-        groups=SimpleNamespace(world_size=1),
+        groups=ParallelGroups(),
         attention_kind=toy,
     )
     cache = CacheConfig(page_size=PAGE, num_kv_pages=12, kv_cpu_bytes=0)
