@@ -107,7 +107,7 @@ def applies(
     """Whether an engine's decodes of a few run through the native step: bf16 or int4 weights
     on the CPU (bf16), one rank, no mixture-of-experts layer, sizes in whole groups of 32, an
     attention shape the native kernels take, and a C++ compiler to build them with
-    (PYPTO_NATIVE_DECODE=0 turns it off)."""
+    (`--no-native-decode` turns it off)."""
     return (
         quantization in QUANTIZATIONS
         and use_native_decode(device)

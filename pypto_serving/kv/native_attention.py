@@ -51,7 +51,7 @@ def library_for(
     page_size: int,
 ) -> ctypes.CDLL | None:
     """The library for a model's attention where the kernels apply (on the CPU unless
-    PYPTO_NATIVE_ATTENTION=0, for a shape they take), built or loaded now; None means
+    `--no-native-attention`, for a shape they take), built or loaded now; None means
     PyTorch's attention (logged)."""
     if not use_native_attention(device):
         return None
