@@ -124,6 +124,70 @@ TINY_DEEPSEEK: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
+# DeepSeek-V4 (sliding window + compressed caches, hyper-connections, hash and scored MoE):
+# tests/test_deepseek_v4.py runs these.
+V4 = dict(
+    num_attention_heads=4,
+    head_dim=32,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=8,
+    index_head_dim=16,
+)
+CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
+TINY_DEEPSEEK_V4: dict[str, tuple[str, dict[str, Any]]] = {
+    "deepseekv4-swa-csa-hca-hash": (  # window 8, CSA 4:1 top 2, HCA 8:1; a hash layer first
+        "deepseek_v4",
+        dict(
+            **V4,
+            num_hidden_layers=3,
+            layer_types=[SWA, CSA, HCA],
+            mlp_layer_types=["hash_moe", "moe", "moe"],
+            compress_rates={CSA: 4, HCA: 8},
+            sliding_window=8,
+            index_topk=2,
+            hc_mult=2,
+        ),
+    ),
+    "deepseekv4-hca-csa-yarn-nohash": (  # HCA first, window 6, YaRN on the compressed RoPE
+        "deepseek_v4",
+        dict(
+            **V4,
+            num_hidden_layers=3,
+            layer_types=[HCA, CSA, CSA],
+            mlp_layer_types=["moe", "moe", "moe"],
+            compress_rates={CSA: 4, HCA: 16},
+            sliding_window=6,
+            index_topk=3,
+            hc_mult=3,
+            scoring_func="sigmoid",
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        ),
+    ),
+    "deepseekv4-csa2-window5-2hash": (  # a short window, 2:1 CSA, two hash layers
+        "deepseek_v4",
+        dict(
+            **V4,
+            num_hidden_layers=4,
+            layer_types=[CSA, SWA, HCA, CSA],
+            mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+            compress_rates={CSA: 2, HCA: 8},
+            sliding_window=5,
+            index_topk=4,
+            hc_mult=2,
+        ),
+    ),
+}
+
 BASE = dict(
     vocab_size=320,
     hidden_size=64,
@@ -143,7 +207,7 @@ def build_checkpoint(name: str, out: Path, seed: int = 0, grid: bool = False) ->
     each group of 32 inputs spanning 0 to 15, which int4 quantization keeps exactly."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    family, overrides = {**TINY, **TINY_DEEPSEEK}[name]
+    family, overrides = {**TINY, **TINY_DEEPSEEK, **TINY_DEEPSEEK_V4}[name]
     config = AutoConfig.for_model(family, **{**BASE, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -151,8 +215,15 @@ def build_checkpoint(name: str, out: Path, seed: int = 0, grid: bool = False) ->
         for pname, p in model.named_buffers():
             if pname.endswith("e_score_correction_bias"):  # DeepSeek-V3's router
                 p.copy_(torch.randn_like(p) * 0.1)
+            elif pname.endswith("tid2eid"):  # DeepSeek-V4's hash layers: distinct experts
+                experts = config.n_routed_experts
+                p.copy_(torch.stack([torch.randperm(experts)[: p.shape[1]] for _ in p]))
         for pname, p in model.named_parameters():
-            if pname.endswith("bias") or "norm" in pname:
+            if pname.endswith(("sinks", "position_bias", "hc.base", "hc_base")):
+                p.copy_(torch.randn_like(p) * 0.5)  # DeepSeek-V4's zero-initialised ones
+            elif pname.endswith(("hc.scale", "hc_scale")):
+                p.uniform_(0.5, 1.5)
+            elif pname.endswith("bias") or "norm" in pname:
                 p.add_(torch.randn_like(p) * 0.1)
             elif pname.endswith("mlp.gate.weight") and "deepseek" in family:
                 p.mul_(20)  # routing scores far apart: no near-tie for rounding to flip

@@ -22,9 +22,45 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "DeepseekV4ForCausalLM",
 )
 DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+DEEPSEEK_V4 = "DeepseekV4ForCausalLM"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True, slots=True)
+class CompressedAttentionConfig:
+    """DeepSeek-V4's attention and residual: per layer a sliding window over the last raw
+    tokens, plus (CSA) a 4:1-style compressed cache read through a lightning indexer's top-k
+    or (HCA) a heavily compressed cache read whole; manifold hyper-connections."""
+
+    compress_ratios: tuple[int, ...]
+    """Per layer: 0 (the sliding window alone), or the compression ratio of its cache."""
+    indexed: tuple[bool, ...]
+    """Per layer: whether its compressed cache is read through the indexer's top-k (CSA)."""
+    sliding_window: int
+    """Raw tokens a query sees: its own and the window - 1 before it."""
+    o_groups: int
+    o_lora_rank: int
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    main_inv_freq: tuple[float, ...]
+    """RoPE of the sliding-window-only layers (over qk_rope_head_dim, interleaved pairs)."""
+    compress_inv_freq: tuple[float, ...]
+    """RoPE of the compressed layers, their compressors and indexers (YaRN's frequencies
+    where the checkpoint asks for it; cos/sin are never scaled: its attention factor is 1)."""
+    hc_mult: int
+    """Residual streams (manifold hyper-connections)."""
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    swiglu_limit: float
+    """Routed and shared experts clamp their gate (above) and up (both sides) projections."""
+    scoring_func: str
+    """The router's scores: sqrtsoftplus or sigmoid."""
+    hash_layers: tuple[int, ...]
+    """Layers whose experts are chosen by a fixed token-id table (tid2eid)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +121,8 @@ class ModelConfig:
     """The checkpoint's roped dims come in pairs (DeepSeek): the loader de-interleaves them."""
     extra_layers: int = 0
     """Checkpoint layers after the decoder's (DeepSeek-V3's multi-token prediction): skipped."""
+    compressed: CompressedAttentionConfig | None = None
+    """DeepSeek-V4's compressed attention and hyper-connections (None for other models)."""
 
     @property
     def q_size(self) -> int:
@@ -108,6 +146,11 @@ class ModelConfig:
             raise ModelLoadError(
                 "a mixture-of-experts model under tensor parallelism needs "
                 "enable_expert_parallel (splitting each expert by columns is not supported)"
+            )
+        if self.compressed is not None and (tp > 1 or pp > 1):
+            raise ModelLoadError(
+                f"{self.architecture} runs on one rank per replica for now: tensor and "
+                "pipeline parallelism are not supported for it"
             )
         if pp > self.num_layers:
             raise ModelLoadError(
@@ -135,8 +178,12 @@ class ModelConfig:
         )
 
 
-def _rope(hf: Any, head_dim: int) -> tuple[tuple[float, ...], float]:
-    params = dict(getattr(hf, "rope_parameters", None) or {})
+def _rope(
+    hf: Any, head_dim: int, params: dict[str, Any] | None = None, layer_type: str | None = None
+) -> tuple[tuple[float, ...], float]:
+    """RoPE's inverse frequencies over `head_dim` and its cos/sin factor, from the model's
+    rope parameters (or `params`, one layer type's: DeepSeek-V4's "main" / "compress")."""
+    params = dict(params if params is not None else getattr(hf, "rope_parameters", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
@@ -148,7 +195,8 @@ def _rope(hf: Any, head_dim: int) -> tuple[tuple[float, ...], float]:
         return tuple(inv.tolist()), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv, factor = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    inv, factor = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"), **kwargs)
     return tuple(inv.double().tolist()), float(factor)
 
 
@@ -180,8 +228,13 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         raise ModelLoadError("mlp_bias=true is not supported")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     attention_bias = bool(getattr(hf, "attention_bias", False))
-    inv_freq, rope_scaling = _rope(hf, head_dim)  # DeepSeek: head_dim is qk_rope_head_dim
-    extra = _deepseek(hf, raw, arch) if arch in DEEPSEEK else _moe(hf, arch)
+    inv_freq: tuple[float, ...] = ()  # DeepSeek-V4 keeps its two RoPEs in `compressed`
+    rope_scaling = 1.0
+    if arch == DEEPSEEK_V4:
+        extra = _deepseek_v4(hf, raw)
+    else:
+        inv_freq, rope_scaling = _rope(hf, head_dim)  # DeepSeek: head_dim is qk_rope_head_dim
+        extra = _deepseek(hf, raw, arch) if arch in DEEPSEEK else _moe(hf, arch)
     eos = hf.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
@@ -189,7 +242,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         architecture=arch,
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
+        intermediate_size=getattr(hf, "intermediate_size", None) or hf.moe_intermediate_size,
         num_layers=hf.num_hidden_layers,
         num_heads=hf.num_attention_heads,
         num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
@@ -295,4 +348,70 @@ def _deepseek(hf: Any, raw: dict[str, Any], arch: str) -> dict[str, Any]:
         "softmax_scale": softmax_scale,
         "rope_interleave": bool(getattr(hf, "rope_interleave", True)) if v3 else True,
         "extra_layers": int(raw.get("num_nextn_predict_layers") or 0),
+    }
+
+
+def _deepseek_v4(hf: Any, raw: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V4's fields: shared-KV MQA (one KV head of head_dim, partly roped) with a
+    sliding window and, per layer, a compressed cache (CSA: indexed, HCA: read whole), the
+    grouped output projection, hyper-connections, and experts routed by score or by a fixed
+    token table (hash layers) beside one shared expert."""
+    arch = DEEPSEEK_V4
+    if raw.get("quantization_config"):
+        raise ModelLoadError(
+            f"quantized {arch} checkpoints (quantization_config) are not supported; "
+            "dequantize the weights first"
+        )
+    if int(getattr(hf, "num_key_value_heads", 1) or 1) != 1:
+        raise ModelLoadError(f"{arch} with num_key_value_heads != 1 is not supported")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{arch} with hidden_act={hf.hidden_act!r} is not supported")
+    if hf.scoring_func not in ("sqrtsoftplus", "sigmoid"):
+        raise ModelLoadError(f"{arch} with scoring_func={hf.scoring_func!r} is not supported")
+    n = hf.num_hidden_layers
+    rates = dict(hf.compress_rates)
+    ratios, indexed = [], []
+    for kind in hf.layer_types:
+        ratios.append(0 if kind == "sliding_attention" else int(rates[kind]))
+        indexed.append(kind == "compressed_sparse_attention")
+    rope = int(hf.qk_rope_head_dim)
+    if rope % 2 or rope > hf.head_dim or rope > hf.index_head_dim:
+        raise ModelLoadError(f"{arch}: qk_rope_head_dim {rope} does not fit its heads")
+    params = hf.rope_parameters
+    main_inv, _ = _rope(hf, rope, params["main"], "main")
+    compress_inv, compress_scaling = _rope(hf, rope, params["compress"], "compress")
+    if compress_scaling != 1.0:
+        raise ModelLoadError(f"{arch} with a RoPE attention factor != 1 is not supported")
+    compressed = CompressedAttentionConfig(
+        compress_ratios=tuple(ratios),
+        indexed=tuple(indexed),
+        sliding_window=int(hf.sliding_window),
+        o_groups=int(hf.o_groups),
+        o_lora_rank=int(hf.o_lora_rank),
+        index_heads=int(hf.index_n_heads),
+        index_head_dim=int(hf.index_head_dim),
+        index_topk=int(hf.index_topk),
+        main_inv_freq=main_inv,
+        compress_inv_freq=compress_inv,
+        hc_mult=int(hf.hc_mult),
+        hc_sinkhorn_iters=int(hf.hc_sinkhorn_iters),
+        hc_eps=float(hf.hc_eps),
+        swiglu_limit=float(hf.swiglu_limit or 0.0),
+        scoring_func=str(hf.scoring_func),
+        hash_layers=tuple(i for i, t in enumerate(hf.mlp_layer_types) if t == "hash_moe"),
+    )
+    if (hf.num_attention_heads * hf.head_dim) % compressed.o_groups:
+        raise ModelLoadError(f"{arch}: o_groups {hf.o_groups} does not divide the heads")
+    return {
+        "num_kv_heads": 1,
+        "num_experts": int(hf.n_routed_experts),
+        "num_experts_per_tok": int(hf.num_experts_per_tok),
+        "moe_intermediate_size": int(hf.moe_intermediate_size),
+        "norm_topk_prob": True,
+        "moe_layers": tuple(range(n)),
+        "shared_intermediate_size": int(hf.moe_intermediate_size),
+        "routed_scaling_factor": float(hf.routed_scaling_factor),
+        "q_lora_rank": int(hf.q_lora_rank),
+        "qk_rope_head_dim": rope,
+        "compressed": compressed,
     }

@@ -21,8 +21,9 @@ from safetensors import SafetensorError, safe_open
 from pypto_serving.device import use_packed_linear
 from pypto_serving.distributed import Group, ParallelGroups
 from pypto_serving.errors import ModelLoadError, PyptoError
-from pypto_serving.models.config import DEEPSEEK, ModelConfig, load_model_config
+from pypto_serving.models.config import DEEPSEEK, DEEPSEEK_V4, ModelConfig, load_model_config
 from pypto_serving.models.deepseek import DeepseekForCausalLM, DeepseekMoE
+from pypto_serving.models.deepseek_v4 import DeepseekV4ForCausalLM, V4MoE
 from pypto_serving.models.llama import CausalLM, MoE
 from pypto_serving.models.quantized_cache import quantize_cached
 from pypto_serving.ops.linear import pack_linears
@@ -68,7 +69,15 @@ def expected_loads(cfg: ModelConfig, param_name: str, param: torch.Tensor) -> in
     return len(fused_slices(cfg, fused, 0)) if fused in ("qkv_proj", "gate_up_proj") else 1
 
 
-EXPERT = re.compile(r"(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+EXPERT = re.compile(
+    r"(model\.layers\.\d+\.(?:mlp|ffn))\.experts\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
+)
+V4_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+"""DeepSeek-V4's expert names (w1 gate, w3 up, w2 down) as the other models'."""
+V4_RENAMED = {"head.weight": "lm_head.weight"}
+V4_SKIPPED = ("mtp.",)
+"""DeepSeek-V4's multi-token prediction layers: not served."""
 
 
 def expert_target(
@@ -80,9 +89,10 @@ def expert_target(
     match = EXPERT.fullmatch(name)
     if match is None:
         return None
-    prefix, expert, proj = match[1], int(match[2]), match[3]
+    prefix, expert = match[1], int(match[2])
+    proj = V4_PROJECTIONS.get(match[3], match[3]).removesuffix("_proj")
     moe = model.get_submodule(prefix)
-    assert isinstance(moe, MoE | DeepseekMoE), f"{prefix} holds no experts"
+    assert isinstance(moe, MoE | DeepseekMoE | V4MoE), f"{prefix} holds no experts"
     if expert not in moe.held:
         return prefix, None
     j = moe.held.index(expert)
@@ -160,6 +170,10 @@ def pipeline_targets(model: CausalLM, hf_name: str) -> list[str]:
     layers, the embedding on the first stage, the norm and LM head on the last (a tied LM
     head on a last stage that is not the first gets its own copy of the embedding)."""
     cfg, first, last = model.cfg, model.first_stage, model.last_stage
+    if cfg.compressed is not None:
+        if hf_name.startswith(V4_SKIPPED):
+            return []
+        hf_name = V4_RENAMED.get(hf_name, hf_name)
     layer = re.match(r"model\.layers\.(\d+)\.", hf_name)
     if layer is not None:
         i = int(layer[1])
@@ -286,6 +300,13 @@ def load_tokenizer(model_dir: Path) -> Any:
     return tokenizer
 
 
+def model_class(cfg: ModelConfig) -> type[CausalLM]:
+    """Our model code for the checkpoint's architecture."""
+    if cfg.architecture == DEEPSEEK_V4:
+        return DeepseekV4ForCausalLM
+    return DeepseekForCausalLM if cfg.architecture in DEEPSEEK else CausalLM
+
+
 def load_model(
     model_dir: Path,
     dtype: torch.dtype,
@@ -314,7 +335,7 @@ def load_model(
     )
     files = safetensors_files(model_dir)
     with torch.device("meta"):
-        model = (DeepseekForCausalLM if cfg.architecture in DEEPSEEK else CausalLM)(cfg, groups)
+        model = model_class(cfg)(cfg, groups)
     model = model.to_empty(device=device).to(dtype)
     embed, head = model.model.embed_tokens, model.lm_head
     if cfg.tie_word_embeddings and embed is not None and head is not None:
@@ -322,6 +343,8 @@ def load_model(
     with torch.no_grad():
         load_weights(model, iter_checkpoint(files))
     model.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32, device=device)
+    if isinstance(model, DeepseekV4ForCausalLM):
+        model.set_rope(device)
     model = model.eval().requires_grad_(False)
     if quantization is not None:
         digest, tokenizer = checkpoint_digest(model_dir), lambda: load_tokenizer(model_dir)

@@ -32,15 +32,20 @@ def moe_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     expert_ids: list[int],
+    swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
     """x [T, H]; topk_ids, topk_weights [T, k]; gate_up [E, 2I, H] and down [E, H, I] of the
-    experts held here, whose global ids are expert_ids [E]. Returns [T, H] in float32."""
+    experts held here, whose global ids are expert_ids [E]; swiglu_limit > 0 clamps the gate
+    projection above and the up projection on both sides (DeepSeek-V4). Returns [T, H] in
+    float32."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for j, expert in enumerate(expert_ids):
         token, slot = torch.where(topk_ids == expert)
         if token.numel() == 0:
             continue
         gate, up = F.linear(x[token], gate_up[j]).chunk(2, dim=-1)
+        if swiglu_limit > 0:
+            gate, up = clamp_swiglu(gate, up, swiglu_limit)
         y = F.linear(F.silu(gate) * up, down[j]) * topk_weights[token, slot, None]
         out.index_add_(0, token, y.float())
     return out
@@ -54,8 +59,16 @@ def _(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     expert_ids: list[int],
+    swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
     return torch.empty(x.shape, dtype=torch.float32, device=x.device)
+
+
+def clamp_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, limit: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's clamped SwiGLU inputs: the gate at most `limit`, up within +-limit."""
+    return gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
 
 
 def route(
@@ -102,3 +115,30 @@ def route_grouped(
     if normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return ids, weights * scaling
+
+
+SCORES = {
+    "sigmoid": torch.sigmoid,
+    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
+}
+"""DeepSeek-V4's router score functions, over float32 logits."""
+
+
+def route_scored(
+    router_logits: torch.Tensor,
+    scoring: str,
+    top_k: int,
+    bias: torch.Tensor | None,
+    fixed_ids: torch.Tensor | None,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's expert choice: (expert ids, float32 weights) [T, k]. Scores by `scoring`;
+    the experts are `fixed_ids` (a hash layer's token table rows) or the top k of score +
+    `bias`; the weights are their scores, renormalised, times `scaling`."""
+    scores = SCORES[scoring](router_logits.float())
+    if fixed_ids is None:
+        choice = scores if bias is None else scores + bias.float()
+        fixed_ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, fixed_ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return fixed_ids, weights * scaling

@@ -1,0 +1,174 @@
+"""DeepSeek-V4 (sliding window + compressed caches with a lightning indexer, shared-KV MQA with
+sinks, the grouped output projection, hyper-connections, hash-routed and scored experts)
+against HF transformers on tiny random checkpoints: prompt logits within 1e-4 in fp32 (whole
+and in chunks that split compressor windows), and 32 greedy tokens equal to HF `generate` on
+four prompts longer than the window and than several compressor windows, through the
+reference executor, `pypto generate` and `pypto serve`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import httpx
+import pytest
+import torch
+from checkpoints import TINY_DEEPSEEK_V4, hf_greedy
+from live_server import serving, tiny_llm
+
+from pypto_serving import LLM, SamplingParams
+from pypto_serving.cli import main
+from pypto_serving.errors import ModelLoadError, PyptoError
+from pypto_serving.models.config import load_model_config
+from pypto_serving.models.deepseek_v4 import Compressor, DeepseekV4ForCausalLM
+from pypto_serving.models.loader import load_model
+from pypto_serving.ops.attention import DenseKV
+
+NAMES = sorted(TINY_DEEPSEEK_V4)
+PROMPTS = [list(range(40, 90)), [5, 17, 33, 90, 12] * 4, [7] * 9 + [250, 251] * 4, [200, 3] * 9]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model):
+    """HF's greedy 32 tokens for each PROMPTS, per checkpoint."""
+    made: dict[str, list[list[int]]] = {}
+
+    def get(name: str) -> list[list[int]]:
+        if name not in made:
+            hf = hf_model(tiny_model(name))
+            made[name] = [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+        return made[name]
+
+    return get
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_prompt_logits_match_hf(tiny_model, name):
+    path = tiny_model(name)
+    ours = load_model(path, torch.float32, torch.device("cpu"))
+    assert isinstance(ours, DeepseekV4ForCausalLM)
+    ids = torch.tensor(PROMPTS[0])
+    with torch.no_grad():
+        want = hf_model(path)(ids[None]).logits[0]
+        whole = ours.logits(ours(ids, torch.arange(50), DenseKV(ours.cfg.num_layers)))
+        kv = DenseKV(ours.cfg.num_layers)  # chunks that end inside compressor windows
+        bounds = [0, 13, 14, 31, 50]
+        hidden = [ours(ids[a:b], torch.arange(a, b), kv) for a, b in itertools.pairwise(bounds)]
+        chunked = ours.logits(torch.cat(hidden))
+    assert (whole - want).abs().max().item() < 1e-4
+    assert (chunked - want).abs().max().item() < 1e-4
+
+
+def test_every_cache_changes_the_logits(tiny_model):
+    """The checkpoint exercises what the test compares: reading more entries through the
+    indexer, or none of the compressed ones, changes the logits (the window alone is not
+    the whole answer)."""
+    path = tiny_model("deepseekv4-swa-csa-hca-hash")
+    ours = load_model(path, torch.float32, torch.device("cpu"))
+    ids, positions = torch.tensor(PROMPTS[0]), torch.arange(50)
+
+    def logits() -> torch.Tensor:
+        with torch.no_grad():
+            return ours.logits(ours(ids, positions, DenseKV(ours.cfg.num_layers)))
+
+    base = logits()
+    csa, hca = ours.model.layers[1].attn, ours.model.layers[2].attn
+    assert csa.indexer is not None and hca.compressor is not None and hca.indexer is None
+    csa.indexer.topk = 100  # every entry instead of the top 2
+    assert (logits() - base).abs().max().item() > 1e-3
+    csa.indexer.topk = 2
+    hca.ratio = hca.compressor.ratio = 1000  # no HCA entries at all
+    assert (logits() - base).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reference_greedy_matches_hf_generate(tiny_model, expected, name):
+    # chunks of 12 tokens: prefill continues over the window and half-filled windows
+    knobs = {"max_num_batched_tokens": 12, "long_prefill_token_threshold": 12}
+    llm = LLM(str(tiny_model(name)), executor="reference", dtype="float32", **knobs)
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
+
+
+def test_pypto_generate_matches_hf(tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    path = tiny_model(NAMES[0])
+    texts = ["hello world " * 4, "the quick brown fox " * 3, "what is the capital of france"]
+    texts.append("paris is " * 6)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    hf = hf_model(path)
+    want = [hf_greedy(hf, tokenizer.encode(t), 32) for t in texts]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--model", str(path), "--prompts-file", str(prompts)]
+    argv += ["--output", str(out), "--max-tokens", "32", "--temperature", "0"]
+    assert main([*argv, "--dtype", "float32", "--executor", "reference"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["token_ids"] for r in rows] == want
+
+
+def test_pypto_serve_matches_hf(tiny_model, expected):
+    name = NAMES[1]
+    with tiny_llm(tiny_model(name), executor="reference") as llm, serving(llm) as live:
+        offline = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert tokens(offline) == expected(name)
+        for prompt, out in zip(PROMPTS, offline, strict=True):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 32, "temperature": 0}
+            r = httpx.post(live.url + "/v1/completions", json=body | {"ignore_eos": True})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert (choice["text"], choice["finish_reason"]) == (out.outputs[0].text, "length")
+            assert r.json()["usage"]["completion_tokens"] == 32
+
+
+def test_paged_executor_is_a_clear_error(tiny_model, capsys):
+    path = tiny_model(NAMES[0])
+    with pytest.raises(PyptoError, match="--executor reference"):
+        LLM(str(path), dtype="float32", enforce_eager=True)
+    argv = ["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "2"]
+    assert main([*argv, "--dtype", "float32"]) != 0
+    assert "--executor reference" in capsys.readouterr().err
+
+
+def test_config_reads_compressed_attention(tiny_model):
+    cfg = load_model_config(tiny_model("deepseekv4-hca-csa-yarn-nohash"))
+    v4 = cfg.compressed
+    assert v4 is not None
+    assert v4.compress_ratios == (16, 4, 4) and v4.indexed == (False, True, True)
+    assert (v4.sliding_window, v4.index_topk, v4.hc_mult, v4.scoring_func) == (6, 3, 3, "sigmoid")
+    assert v4.hash_layers == () and cfg.num_kv_heads == 1 and cfg.qk_rope_head_dim == 8
+    assert v4.compress_inv_freq != v4.main_inv_freq  # YaRN's frequencies on the compressed
+    with pytest.raises(ModelLoadError, match="tensor and pipeline parallelism"):
+        cfg.parallel_shard(2, ep=True)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_pooling_a_window_at_a_time_equals_pooling_all(overlap):
+    """What a paged cache does (pool the windows as they complete, the previous window's rows
+    leading with overlap) gives the entries of pooling the whole sequence at once."""
+    torch.manual_seed(0)
+    comp = Compressor(hidden=16, dim=8, ratio=4, overlap=overlap, eps=1e-6)
+    with torch.no_grad():
+        comp.ape.normal_()
+        comp.norm.weight.normal_()
+    comp.inv_freq = 1.0 / (1e4 ** (torch.arange(0, 4, 2).float() / 4))
+    kv, gate = torch.randn(24, comp.ape.shape[1]), torch.randn(24, comp.ape.shape[1])
+    with torch.no_grad():
+        whole = comp.pool(kv, gate, 0)
+        for w in range(1, 6):
+            lead = 4 if overlap else 0
+            rows = slice(4 * w - lead, 4 * (w + 1))
+            one = comp.pool(kv[rows], gate[rows], w)
+            assert torch.allclose(one, whole[w : w + 1], atol=1e-6), w
