@@ -138,6 +138,7 @@ V4 = dict(
     o_lora_rank=16,
     index_n_heads=8,
     index_head_dim=16,
+    max_position_embeddings=4096,  # room for a long generation over the window
 )
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 TINY_DEEPSEEK_V4: dict[str, tuple[str, dict[str, Any]]] = {

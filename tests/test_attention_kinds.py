@@ -14,7 +14,7 @@ import torch
 
 from pypto_serving.config import CacheConfig
 from pypto_serving.distributed import ParallelGroups
-from pypto_serving.executor.paged import build_kv_store
+from pypto_serving.executor.kv_stores import build_kv_store
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, active_step, current_step
 from pypto_serving.kv.spec import KVSpec
 from pypto_serving.kv.store import PagedKVStore

@@ -3,7 +3,8 @@ sinks, the grouped output projection, hyper-connections, hash-routed and scored 
 against HF transformers on tiny random checkpoints: prompt logits within 1e-4 in fp32 (whole
 and in chunks that split compressor windows), and 32 greedy tokens equal to HF `generate` on
 four prompts longer than the window and than several compressor windows, through the
-reference executor, `pypto generate` and `pypto serve`."""
+reference executor, the paged executor (its KV: tests/test_deepseek_v4_kv.py), `pypto
+generate` and `pypto serve`."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from live_server import serving, tiny_llm
 
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.cli import main
-from pypto_serving.errors import ModelLoadError, PyptoError
+from pypto_serving.errors import ModelLoadError
 from pypto_serving.models.config import load_model_config
 from pypto_serving.models.deepseek_v4 import Compressor, DeepseekV4ForCausalLM
 from pypto_serving.models.loader import load_model
@@ -100,10 +101,20 @@ def test_reference_greedy_matches_hf_generate(tiny_model, expected, name):
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
 
 
-def test_pypto_generate_matches_hf(tiny_model, tmp_path):
+@pytest.mark.parametrize("name", NAMES)
+def test_paged_greedy_matches_hf_generate(tiny_model, expected, name):
+    # pages of 6 (ending inside compressor windows), chunks of 12 tokens
+    knobs = {"page_size": 6, "max_num_batched_tokens": 12, "long_prefill_token_threshold": 12}
+    llm = LLM(str(tiny_model(name)), dtype="float32", **knobs)
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
+    assert llm.engine.executor.num_recompilations == 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pypto_generate_matches_hf(tiny_model, tmp_path, name):
     from transformers import AutoTokenizer
 
-    path = tiny_model(NAMES[0])
+    path = tiny_model(name)
     texts = ["hello world " * 4, "the quick brown fox " * 3, "what is the capital of france"]
     texts.append("paris is " * 6)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -114,14 +125,14 @@ def test_pypto_generate_matches_hf(tiny_model, tmp_path):
     out = tmp_path / "out.jsonl"
     argv = ["generate", "--model", str(path), "--prompts-file", str(prompts)]
     argv += ["--output", str(out), "--max-tokens", "32", "--temperature", "0"]
-    assert main([*argv, "--dtype", "float32", "--executor", "reference"]) == 0
+    assert main([*argv, "--dtype", "float32"]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["token_ids"] for r in rows] == want
 
 
-def test_pypto_serve_matches_hf(tiny_model, expected):
-    name = NAMES[1]
-    with tiny_llm(tiny_model(name), executor="reference") as llm, serving(llm) as live:
+@pytest.mark.parametrize("name", NAMES)
+def test_pypto_serve_matches_hf(tiny_model, expected, name):
+    with tiny_llm(tiny_model(name)) as llm, serving(llm) as live:
         offline = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert tokens(offline) == expected(name)
         for prompt, out in zip(PROMPTS, offline, strict=True):
@@ -131,15 +142,6 @@ def test_pypto_serve_matches_hf(tiny_model, expected):
             choice = r.json()["choices"][0]
             assert (choice["text"], choice["finish_reason"]) == (out.outputs[0].text, "length")
             assert r.json()["usage"]["completion_tokens"] == 32
-
-
-def test_paged_executor_is_a_clear_error(tiny_model, capsys):
-    path = tiny_model(NAMES[0])
-    with pytest.raises(PyptoError, match="--executor reference"):
-        LLM(str(path), dtype="float32", enforce_eager=True)
-    argv = ["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "2"]
-    assert main([*argv, "--dtype", "float32"]) != 0
-    assert "--executor reference" in capsys.readouterr().err
 
 
 def test_config_reads_compressed_attention(tiny_model):

@@ -23,7 +23,7 @@ from pypto_serving import native
 from pypto_serving.config import CacheConfig
 from pypto_serving.distributed import ParallelGroups
 from pypto_serving.errors import PyptoError
-from pypto_serving.executor.paged import build_kv_store
+from pypto_serving.executor.kv_stores import build_kv_store
 from pypto_serving.kv.disk_tier import MAGIC, SUFFIX
 from pypto_serving.kv.host_tier import HostTier
 from pypto_serving.kv.kinds import gqa, mla

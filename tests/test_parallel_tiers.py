@@ -20,7 +20,7 @@ from test_tiered_engine import GREEDY, PAGE_BYTES, PROMPTS, SHORT
 
 from pypto_serving import LLM
 from pypto_serving.distributed import Group, ParallelGroups
-from pypto_serving.executor.paged import parallel_cpu_tier
+from pypto_serving.executor.kv_stores import parallel_cpu_tier
 from pypto_serving.kv.kinds import gqa, mla
 
 PARALLEL = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}

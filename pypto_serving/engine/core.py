@@ -27,6 +27,7 @@ from pypto_serving.kv import native_attention
 from pypto_serving.kv.paged_attention import StepProgress
 from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.kv.tier import TierStats, merge_tier_stats
+from pypto_serving.kv.windowed_store import WindowedKVStore
 from pypto_serving.models.config import ModelConfig, load_model_config
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
@@ -275,7 +276,9 @@ class EngineCore:
             isinstance(self.executor, PagedExecutor) and self.executor.compiling,
             self.prompt_tokens,
             self.generation_tokens,
-            tuple(kv.tier_stats()) if isinstance(kv := self.executor.kv, PagedKVStore) else (),
+            tuple(kv.tier_stats())
+            if isinstance(kv := self.executor.kv, PagedKVStore | WindowedKVStore)
+            else (),
             layer_costs=self.layer_costs,
         )
 

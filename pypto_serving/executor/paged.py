@@ -14,8 +14,8 @@ import copy
 import logging
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import torch
 from tqdm import tqdm
@@ -39,16 +39,15 @@ from pypto_serving.executor.compiled import (
     forward_logits,
     trust_cpu_vector_isa,
 )
+from pypto_serving.executor.kv_stores import build_kv_store
 from pypto_serving.executor.native_decode import MAX_ROWS as NATIVE_MAX_ROWS
 from pypto_serving.executor.native_decode import NativeDecoder
 from pypto_serving.kv import native_attention
-from pypto_serving.kv.disk_tier import HEADER_BYTES
-from pypto_serving.kv.kinds import gqa
-from pypto_serving.kv.mirror import Journal, agree_ssd_loads, follow_moves, ssd_load_message
+from pypto_serving.kv.kinds import WindowedKind, gqa
+from pypto_serving.kv.mirror import agree_ssd_loads, follow_moves, ssd_load_message
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, StepProgress, active_step
-from pypto_serving.kv.paged_cache import PagedCache
-from pypto_serving.kv.spec import KVSpec
 from pypto_serving.kv.store import PagedKVStore
+from pypto_serving.kv.windowed_store import WindowedKVStore
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.models.loader import checkpoint_digest
 from pypto_serving.ops.sampler import Sampled, SamplingRow, sample
@@ -57,89 +56,6 @@ from pypto_serving.sampling import SamplingParams
 from pypto_serving.scheduler import ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
-
-
-def num_pages_for(cache: CacheConfig, page_bytes: int, max_pages_in_use: int) -> int:
-    """Device pages to allocate: num_kv_pages if given, else the byte budget, but never more
-    than all running sequences at their longest could hold at once."""
-    if cache.num_kv_pages:
-        return cache.num_kv_pages
-    return max(min(cache.kv_device_bytes // page_bytes, max_pages_in_use), 1)
-
-
-def build_kv_store(
-    model: CausalLM,
-    device: torch.device,
-    dtype: torch.dtype,
-    cache: CacheConfig,
-    max_tokens_in_use: int,
-    digest: str,
-    describe: bool = True,
-) -> PagedKVStore:
-    """The attention operator's KV (the spec of the model's attention kind, from its config)
-    and the store of its pages, with tiers sized from the cache
-    config's byte budgets. Under tensor parallelism it holds this rank's KV heads, under
-    pipeline parallelism its stage's layers, with the same page ids on every rank (the page
-    count depends only on the config); its CPU and SSD tiers mirror rank 0's (`kv/mirror.py`),
-    each rank's SSD pages in `<kv_ssd_dir>/rank<r>`."""
-    spec = model.attention_kind.kv_spec(
-        model.cfg, model.num_local_layers, cache.page_size, dtype, cache.kv_cache_dtype
-    )
-    cpu_pages, journal = cache.kv_cpu_bytes // spec.page_bytes, None
-    page_bytes, g = spec.page_bytes, model.groups
-    num_pages = num_pages_for(cache, page_bytes, -(-max_tokens_in_use // cache.page_size))
-    ssd_dir = Path(cache.kv_ssd_dir).expanduser() if cache.kv_ssd_dir else None
-    ssd_pages = cache.kv_ssd_bytes // (page_bytes + HEADER_BYTES)
-    if g.world_size > 1:
-        cpu_pages, journal = parallel_cpu_tier(model, spec, cache.kv_cpu_bytes)
-        if ssd_dir is not None:  # each rank its share, in its own folder (MLA: rank 0's)
-            ssd_pages, keeps = parallel_ssd_pages(model, spec, cache.kv_ssd_bytes)
-            ssd_dir = ssd_dir / f"rank{g.rank}" if keeps else None
-            journal = Journal() if g.rank == 0 else None
-    if ssd_dir is not None and ssd_pages == 0:
-        raise PyptoError(
-            f"kv_ssd_bytes ({cache.kv_ssd_bytes}) is less than one page file "
-            f"({page_bytes + HEADER_BYTES} bytes)"
-        )
-    try:
-        store = PagedKVStore(
-            PagedCache(spec, num_pages, device),
-            cache.enable_prefix_caching,
-            cpu_pages=cpu_pages,
-            ssd_dir=ssd_dir,
-            ssd_pages=ssd_pages,
-            digest=digest,
-            journal=journal,
-            follows=g.rank > 0,
-        )
-    except OSError as e:
-        raise PyptoError(f"cannot use kv_ssd_dir {ssd_dir}: {e}") from None
-    if describe:
-        log.info(store.describe())
-    return store
-
-
-def parallel_cpu_tier(model: CausalLM, spec: KVSpec, budget: int) -> tuple[int, Journal | None]:
-    """Under TP/PP: this rank's CPU-tier pages, the same count on every rank (the byte budget
-    over one page of the whole engine, every rank's share together; a KV the same on every TP
-    rank, MLA's latent, is counted and kept once, by rank 0), and rank 0's journal of the page
-    moves the other ranks mirror."""
-    g, same = model.groups, spec.same_on_tp_ranks
-    heads = spec.num_heads * (1 if same else g.tp.size)
-    whole = replace(spec, num_layers=model.cfg.num_layers, num_heads=heads)
-    pages = budget // whole.page_bytes if not (same and g.tp.rank > 0) else 0
-    return pages, Journal() if g.rank == 0 and pages > 0 else None
-
-
-def parallel_ssd_pages(model: CausalLM, spec: KVSpec, budget: int) -> tuple[int, bool]:
-    """Under TP/PP: this rank's SSD-tier pages, the same count on every rank keeping one
-    (the byte budget over one page of the whole engine and every rank's file header; MLA's
-    latent is kept once per stage, by its TP rank 0), and whether this rank keeps one."""
-    g, same = model.groups, spec.same_on_tp_ranks
-    heads = spec.num_heads * (1 if same else g.tp.size)
-    whole = replace(spec, num_layers=model.cfg.num_layers, num_heads=heads)
-    files = g.world_size // (g.tp.size if same else 1)
-    return budget // (whole.page_bytes + files * HEADER_BYTES), not (same and g.tp.rank > 0)
 
 
 def build_paged_executor(
@@ -167,6 +83,7 @@ def build_paged_executor(
         checkpoint_digest(model_dir) + (f"|{config.quantization}" if config.quantization else ""),
         native,
         attention_kernels,
+        (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens),
     )
 
 
@@ -187,16 +104,21 @@ class PagedExecutor:
         digest: str = "",
         native: bool = False,
         attention_kernels: bool = True,
+        running: tuple[int, int] = (1, 1),
     ) -> None:
         """max_tokens_in_use: the most tokens all running sequences can hold at once; digest:
         identifies the checkpoint (keys the SSD tier's pages); native: decodes of a few run
         through the native step (`native_decode.applies`; the loader packed the model for it);
-        attention_kernels: attention may run on the native kernels (the run plan's choice)."""
+        attention_kernels: attention may run on the native kernels (the run plan's choice);
+        running: (max_num_seqs, max_num_batched_tokens), what a windowed kind's rows hold."""
         self.model, self.device, self.dtype, self.groups = model, device, dtype, model.groups
         cfg = model.cfg
         spec = model.attention_kind.kv_spec(
             cfg, model.num_local_layers, cache.page_size, dtype, cache.kv_cache_dtype
         )
+        windowed = isinstance(model.attention_kind, WindowedKind)
+        attention_kernels = attention_kernels and not windowed  # its own attention, eager
+        enforce_eager = enforce_eager or windowed
         self.attention_kernel = (
             native_attention.library_for(
                 device, dtype, cfg.num_heads, spec.num_heads, spec.head_dim, cache.page_size
@@ -211,7 +133,11 @@ class PagedExecutor:
                 f"does not have ({device.type}, {str(dtype).removeprefix('torch.')}, head_dim "
                 f"{cfg.head_dim}, or --no-native-attention / no C++ compiler: see the log)"
             )
-        self.kv = build_kv_store(model, device, dtype, cache, max_tokens_in_use, digest)
+        self.kv = build_kv_store(
+            model, device, dtype, cache, max_tokens_in_use, digest, running=running
+        )
+        self._step_requests: list[str] = []
+        """The running step's requests (a windowed kind's step reads their row pages)."""
         if self.groups.world_size > 1 and self.groups.rank == 0 and self.kv.ssd is not None:
             self.kv.agree = self._agree_ssd_loads
         self.paged_kv = PagedKV()
@@ -254,6 +180,7 @@ class PagedExecutor:
         starts = [r.num_computed_tokens for r in reqs]
         counts = [s.num_new_tokens for s in scheduled]
         num_decodes = sum(n == 1 for n in counts)
+        self._step_requests = [r.request_id for r in reqs]
         token_ids: list[int] = []
         for r, start, n in zip(reqs, starts, counts, strict=True):
             token_ids += r.tokens(start, start + n)
@@ -269,7 +196,7 @@ class PagedExecutor:
         step = StepInputs(
             torch.tensor(token_ids, device=dev),
             positions,
-            self.kv.pages([r.request_id for r in reqs]),
+            self.kv.pages(self._step_requests),
             q_lens,
             ctx_lens,
             logits_index,
@@ -282,7 +209,7 @@ class PagedExecutor:
             self.kv.cache_full_pages(r, start + n)
         if len(token_ids) >= self.kv.page_size:  # prefill-heavy: the rate recompute would cost
             synchronize(dev)
-            self.kv.costs.observe_compute(len(token_ids), time.perf_counter() - started)
+            self.kv.observe_compute(len(token_ids), time.perf_counter() - started)
         if not done:
             return {}
         rows = [
@@ -302,16 +229,30 @@ class PagedExecutor:
         stage receives the previous stage's hidden states and sends its own to the next, and
         the last stage's logits go back to rank 0, which samples."""
         g = self.groups
-        attention = StepAttention(
-            self.kv.cache,
-            step.pages,
-            step.positions,
-            step.q_lens,
-            step.ctx_lens,
-            step.num_decodes,
-            step.max_q,
-            self.attention_kernel,
-            self.progress,
+        attention = (
+            cast(WindowedKind, self.model.attention_kind).windowed_step(
+                self.kv,
+                self.model.cfg,
+                self._step_requests,
+                step.positions,
+                step.q_lens,
+                step.ctx_lens,
+                step.num_decodes,
+                step.max_q,
+                self.progress,
+            )
+            if isinstance(self.kv, WindowedKVStore)
+            else StepAttention(
+                self.kv.cache,
+                step.pages,
+                step.positions,
+                step.q_lens,
+                step.ctx_lens,
+                step.num_decodes,
+                step.max_q,
+                self.attention_kernel,
+                self.progress,
+            )
         )  # the operator: it maps the step's slots from the page lists
         if self.native is not None and step.max_q == 1 and len(step.q_lens) <= NATIVE_MAX_ROWS:
             logits = self.native.logits(
@@ -358,11 +299,13 @@ class PagedExecutor:
 
     def _follow_moves(self, moves: bytes) -> None:
         g, kv = self.groups, self.kv
+        assert isinstance(kv, PagedKVStore)  # a windowed store runs on one rank
         shared = kv.cache.spec.same_on_tp_ranks and g.tp.size > 1
         follow_moves(moves, kv.cache, kv.cpu, g.rank, shared, kv.ssd, kv.agreed)
 
     def _on_ssd_load(self, message: bytes) -> int:
         g, kv = self.groups, self.kv
+        assert isinstance(kv, PagedKVStore)  # a windowed store runs on one rank
         shared = kv.cache.spec.same_on_tp_ranks and g.tp.size > 1
         return agree_ssd_loads(message, kv.cache, kv.cpu, kv.ssd, kv.agreed, g.rank, shared)
 

@@ -61,10 +61,16 @@ FORMAT_VERSION = "2"
 
 @dataclass(slots=True)
 class PageTable:
-    """A request's pages, and the hash chain of its leading full pages that are cached."""
+    """A request's pages, and the hash chain of its leading full pages that are cached. A
+    store that keeps only a window of recent tokens (`release_before`) leaves -1 in place of
+    the leading pages it gave back (`released` of them)."""
 
     pages: list[int]
     hashes: list[bytes]
+    released: int = 0
+    sources: list[str] = field(default_factory=list, compare=False)
+    """Where each page of the admission's prefix claim came from ("device", "cpu", "ssd";
+    "" for a page left out)."""
 
 
 @dataclass(slots=True)
@@ -79,10 +85,12 @@ class _Hit:
 
 @dataclass(slots=True)
 class _Swapped:
-    """A request preempted by swap: its computed tokens and full pages' hashes."""
+    """A request preempted by swap: its computed tokens, full pages' hashes, and how many
+    leading pages it had released (held as -1, not swapped)."""
 
     num_tokens: int
     hashes: list[bytes]
+    released: int = 0
 
 
 @dataclass(slots=True)
@@ -100,6 +108,15 @@ class Costs:
     def observe_load(self, tier: str, num_pages: int, seconds: float) -> None:
         rate, old = seconds / max(num_pages, 1), self.load_s_per_page[tier]
         self.load_s_per_page[tier] = old + EMA * (rate - old)
+
+
+def _window_end(hits: list[_Hit], span: int) -> int:
+    """The longest prefix of `hits` whose last `span` pages are all held somewhere (a gap is
+    a hit with page_id -1 and no tier): what a sliding window needs of a prefix."""
+    end = len(hits)
+    while end > 0 and any(h.page_id < 0 and h.tier is None for h in hits[max(end - span, 0) : end]):
+        end -= 1
+    return end
 
 
 class PagedKVStore:
@@ -311,42 +328,61 @@ class PagedKVStore:
 
     # --- capacity questions from the scheduler -------------------------------------------
 
-    def num_cached_tokens(self, request: Request) -> int | None:
+    def num_cached_tokens(
+        self, request: Request, limit: int | None = None, window: int | None = None
+    ) -> int | None:
         """Claim the longest prefix of the request's tokens whose KV any tier holds (loading
         lower-tier pages into the device), leaving at least the last token to compute (its
-        logits are needed); a request preempted by swap gets its KV back. Returns the tokens
-        covered, or None when a swapped request's KV does not fit the device yet."""
+        logits are needed), and at most `limit` tokens; a request preempted by swap gets its
+        KV back. With `window`, only the pages holding the prefix's last `window` tokens need
+        to be cached, and only they are claimed (the ones before are left out, -1). Returns
+        the tokens covered, or None when a swapped request's KV does not fit the device yet."""
         if request.request_id in self.swapped:
             return self._swap_in(request)
-        hits = self._lookup(request)
+        span = None if window is None else -(-window // self.page_size)
+        hits = self._lookup(request, limit, gaps=span is not None)
+        if span is not None:  # the window's pages, and gaps (page_id -1, no tier) before it
+            end = _window_end(hits, span)
+            gaps = [_Hit(h.page_hash, h.token_ids, None) for h in hits[: max(end - span, 0)]]
+            hits = gaps + hits[len(gaps) : end]
         hits = self._affordable(hits)
-        self.pool.acquire([h.page_id for h in hits if h.tier is None])
+        self.pool.acquire([h.page_id for h in hits if h.tier is None and h.page_id >= 0])
         lower = [i for i, h in enumerate(hits) if h.tier is not None]
         if len(lower) > self.pool.num_free:  # no room to load them all: keep what fits
             hits = self._cut(hits, lower[self.pool.num_free])
         hits = self._load(hits)
-        self.tables[request.request_id] = PageTable(
-            [h.page_id for h in hits], [h.page_hash for h in hits]
-        )
+        if span is not None:  # a cut above may have left a gap inside the window
+            end = _window_end(hits, span)
+            self.pool.free([h.page_id for h in reversed(hits[end:]) if h.page_id >= 0])
+            hits = hits[:end]
+        released = sum(h.page_id < 0 and h.tier is None for h in hits)
+        sources = [""] * released + [
+            h.tier.name if h.tier is not None else "device" for h in hits[released:]
+        ]
+        table = PageTable([h.page_id for h in hits], [h.page_hash for h in hits], released, sources)
+        self.tables[request.request_id] = table
         if request.num_preemptions == 0:  # the first admission's breakdown is what users see
-            by_tier: dict[str, int] = {}
-            for h in hits:
-                name = "device" if h.tier is None else h.tier.name
-                by_tier[name] = by_tier.get(name, 0) + self.page_size
-            request.cached_tokens_by_tier = by_tier
+            request.cached_tokens_by_tier = self._by_tier(sources)
         self._log_pressure()
         return len(hits) * self.page_size
 
-    def _lookup(self, request: Request) -> list[_Hit]:
+    def _by_tier(self, sources: list[str]) -> dict[str, int]:
+        """Tokens of a claim per tier it came from."""
+        counts = Counter(name for name in sources if name)
+        return {name: n * self.page_size for name, n in counts.items()}
+
+    def _lookup(self, request: Request, limit: int | None = None, gaps: bool = False) -> list[_Hit]:
         """The cached pages of the request's prefix, tier by tier, and the hits and misses
-        (counted into the tiers' stats if the request is admitted)."""
+        (counted into the tiers' stats if the request is admitted). gaps: go on past a page
+        no tier holds (a `_Hit` with page_id -1 and no tier stands for it)."""
         hits: list[_Hit] = []
         counts: Counter[tuple[str, str]] = Counter()
         self._lookups[request.request_id] = counts
         if not self.pool.enable_prefix_caching:
             return hits
         tokens, ps, parent = request.token_ids, self.page_size, None
-        for start in range(0, len(tokens) - ps, ps):  # `- ps`: the last token stays out
+        end = len(tokens) - ps if limit is None else min(len(tokens) - ps, limit - ps + 1)
+        for start in range(0, end, ps):  # `- ps`: the last token stays out
             chunk = tuple(tokens[start : start + ps])
             parent = hash_page(parent, chunk, request.cache_salt)
             page_id = self.pool.get(parent, chunk)
@@ -362,7 +398,9 @@ class PagedKVStore:
                     break
                 counts[tier.name, "misses"] += 1
             else:
-                break
+                if not gaps:
+                    break
+                hits.append(_Hit(parent, chunk, None))
         return hits
 
     def _affordable(self, hits: list[_Hit]) -> list[_Hit]:
@@ -373,11 +411,13 @@ class PagedKVStore:
         if load_s <= len(lower) * self.page_size * self.costs.recompute_s_per_token:
             return hits
         first = next(i for i, h in enumerate(hits) if h.tier is not None)
-        return hits[:first]
+        return hits[:first] if all(h.page_id >= 0 for h in hits[:first]) else []
 
     def _cut(self, hits: list[_Hit], end: int) -> list[_Hit]:
         """Keep hits[:end]; release the device pages acquired beyond it."""
-        self.pool.free([h.page_id for h in reversed(hits[end:]) if h.tier is None])
+        self.pool.free(
+            [h.page_id for h in reversed(hits[end:]) if h.tier is None and h.page_id >= 0]
+        )
         return hits[:end]
 
     def _load(self, hits: list[_Hit]) -> list[_Hit]:
@@ -435,11 +475,16 @@ class PagedKVStore:
             kvs.append((page_hash, kv))
         return dict(kvs[: self.agree(hashes, len(kvs))])
 
+    def pages_needed(self, request: Request, num_new_tokens: int) -> int:
+        """Device pages `allocate(request, num_new_tokens)` would take."""
+        table = self.tables.get(request.request_id)
+        total = request.num_computed_tokens + num_new_tokens
+        return max(-(-total // self.page_size) - (len(table.pages) if table else 0), 0)
+
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Give the request pages for `num_new_tokens` more tokens; False if there are too few."""
         table = self.tables.get(request.request_id) or PageTable([], [])
-        total = request.num_computed_tokens + num_new_tokens
-        needed = -(-total // self.page_size) - len(table.pages)
+        needed = self.pages_needed(request, num_new_tokens)
         if needed > self.pool.num_free:
             return False
         if needed > 0:
@@ -456,10 +501,42 @@ class PagedKVStore:
         self._lookups.pop(request.request_id, None)
         table = self.tables.pop(request.request_id, None)
         if table is not None:  # tail pages first into the LRU, so they are evicted first
-            self.pool.free(table.pages[::-1])
-        if request.finished and self.swapped.pop(request.request_id, None) is not None:
+            self.pool.free(table.pages[table.released :][::-1])
+        if request.finished:
+            self.drop_swap(request)
+
+    def drop_swap(self, request: Request) -> None:
+        """Forget the request's swapped KV (if any): it recomputes instead."""
+        if self.swapped.pop(request.request_id, None) is not None:
             assert self.cpu is not None
             self.cpu.release(request.request_id)
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Keep only the claimed pages that cover the request's first `num_tokens` tokens (a
+        claim cut back to what another store of the same KV holds)."""
+        table = self.tables[request.request_id]
+        keep = num_tokens // self.page_size
+        self.pool.free([p for p in table.pages[keep:][::-1] if p >= 0])
+        del table.pages[keep:], table.hashes[keep:]
+        del table.sources[keep:]
+        if request.num_preemptions == 0:
+            request.cached_tokens_by_tier = self._by_tier(table.sources)
+
+    def release_before(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's full pages that lie wholly before token `num_tokens` (a
+        sliding window moved past them): they stay cached, to the LRU like a freed page's."""
+        table = self.tables.get(request.request_id)
+        end = min(num_tokens // self.page_size, len(table.pages)) if table else 0
+        if table is None or end <= table.released:
+            return
+        self.pool.free(table.pages[table.released : end])
+        table.pages[table.released : end] = [-1] * (end - table.released)
+        table.released = end
+
+    def observe_compute(self, num_tokens: int, seconds: float) -> None:
+        """A prefill-heavy step computed `num_tokens` tokens in `seconds`: what recomputing
+        costs, against which loads from the lower tiers are weighed."""
+        self.costs.observe_compute(num_tokens, seconds)
 
     # --- preemption by swap -----------------------------------------------------------------
 
@@ -469,7 +546,8 @@ class PagedKVStore:
         it; returns True if it did."""
         table = self.tables.get(request.request_id)
         num_tokens = request.num_computed_tokens
-        num_pages = -(-num_tokens // self.page_size)
+        released = table.released if table is not None else 0
+        num_pages = -(-num_tokens // self.page_size) - released
         swap = (
             self.cpu is not None
             and table is not None
@@ -481,30 +559,37 @@ class PagedKVStore:
         if swap:
             assert self.cpu is not None and table is not None
             self._make_room(0, num_pages)
-            self.cpu.hold(request.request_id, [self._page_kv(p) for p in table.pages[:num_pages]])
+            held = table.pages[released : released + num_pages]
+            self.cpu.hold(request.request_id, [self._page_kv(p) for p in held])
             full = num_tokens // self.page_size
-            self.swapped[request.request_id] = _Swapped(num_tokens, table.hashes[:full])
+            self.swapped[request.request_id] = _Swapped(num_tokens, table.hashes[:full], released)
             self.stats["cpu"].stored += num_pages
         self.free(request)
         return swap
 
+    def swap_in_fits(self, request: Request) -> bool:
+        """Whether a swapped request's KV and its next token fit the device now."""
+        entry = self.swapped[request.request_id]
+        return -(-(entry.num_tokens + 1) // self.page_size) - entry.released <= self.pool.num_free
+
     def _swap_in(self, request: Request) -> int | None:
         entry = self.swapped[request.request_id]
-        num_pages = -(-entry.num_tokens // self.page_size)
-        if -(-(entry.num_tokens + 1) // self.page_size) > self.pool.num_free:
+        num_pages = -(-entry.num_tokens // self.page_size) - entry.released
+        if not self.swap_in_fits(request):
             return None  # wait until it and its next token fit
         assert self.cpu is not None
         start = time.perf_counter()
         del self.swapped[request.request_id]
         held = self.cpu.release(request.request_id)
-        page_ids = self.pool.allocate(num_pages)
-        for page_id, kv in zip(page_ids, held, strict=True):
+        page_ids = [-1] * entry.released + self.pool.allocate(num_pages)
+        for page_id, kv in zip(page_ids[entry.released :], held, strict=True):
             self._write_page(page_id, kv)
         tokens = request.token_ids
-        for i, page_hash in enumerate(entry.hashes):
+        for i, page_hash in enumerate(entry.hashes[entry.released :], entry.released):
             chunk = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
             self._cache_on_device(page_ids[i], page_hash, chunk)
-        self.tables[request.request_id] = PageTable(page_ids, list(entry.hashes))
+        table = PageTable(page_ids, list(entry.hashes), entry.released)
+        self.tables[request.request_id] = table
         seconds = time.perf_counter() - start
         self.stats["cpu"].loaded += num_pages
         self.stats["cpu"].observe_load(seconds)
@@ -527,7 +612,8 @@ class PagedKVStore:
         for i in range(len(table.hashes), num_full):
             chunk = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
             parent = hash_page(parent, chunk, request.cache_salt)
-            self._cache_on_device(table.pages[i], parent, chunk)
+            if table.pages[i] >= 0:
+                self._cache_on_device(table.pages[i], parent, chunk)
             table.hashes.append(parent)
 
     def pages(self, request_ids: list[str]) -> list[list[int]]:

@@ -26,16 +26,21 @@ length restores it by keeping those rows (docs/attention_kinds.md).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from pypto_serving.errors import PyptoError
+from pypto_serving.kv.paged_attention import StepAttention, StepProgress, current_step
+from pypto_serving.kv.paged_cache import block_table
 from pypto_serving.kv.spec import KVSpec
+from pypto_serving.kv.windowed_store import WindowedKVStore
 from pypto_serving.ops.attention import DenseKV, KVAttention
 
 NAME = "compressed"
+ROWS, ENTRIES = "compressed-rows", "compressed-entries"
+"""The names of the kind's two caches' specs (they key the SSD tier's folders apart)."""
 
 Pool = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 """(kv rows, gate rows of whole windows, the first window's index) -> their entries [n, D]
@@ -72,17 +77,91 @@ class Compression:
     """The CSA layer's indexer; None for HCA (its entries are read whole)."""
 
 
-PAGED_NOT_YET = (
-    "DeepSeek-V4's compressed attention runs on the reference executor for now "
-    "(--executor reference): its paged KV is not built yet"
-)
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where each layer keeps what in the kind's two caches (`layout`):
+
+    rows     [slots, row_width] in the model's dtype, a token's row: per layer, from
+             `rows[layer]`, its raw row [head_dim], then its compressor's kv and gate
+             [c * head_dim each], then its indexer's kv and gate [2 * index_head_dim each]
+    entries  [slots, page_width] in the model's dtype, a page's page_size rows read as one
+             flat block: per compressed layer, from `entries[layer]`, room for the entries
+             of the windows that end in the page (`per_page`: ceil(page_size / ratio)) [head_dim
+             each], and from `index_keys[layer]` the indexer's keys; window w's entry is in
+             the page of its last token, (w + 1) * ratio - 1, at w - floor(page * page_size /
+             ratio) (`entry_slots`)
+    """
+
+    page_size: int
+    keep: int
+    """Tokens before the next one whose rows a sequence still reads: the window's, and the
+    rows of the windows its compressors have not pooled yet (CSA: and the one before)."""
+    row_width: int
+    page_width: int
+    rows: tuple[int, ...]
+    entries: tuple[int, ...]
+    index_keys: tuple[int, ...]
+
+
+def per_page(page_size: int, ratio: int) -> int:
+    """Most windows of `ratio` tokens that can end in one page."""
+    return -(-page_size // ratio)
+
+
+def entry_slots(
+    table: torch.Tensor, first: int, end: int, ratio: int, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page ids, slots within the page) of windows first .. end - 1's entries, for one
+    sequence's entry pages `table` [pages]."""
+    w = torch.arange(first, end, device=table.device)
+    page = ((w + 1) * ratio - 1) // page_size
+    return table[page], w - page * page_size // ratio
+
+
+def layout(cfg: Any, num_layers: int, page_size: int) -> Layout:
+    """The layout of this model's layers (`cfg.compressed`)."""
+    v4, dim = cfg.compressed, cfg.head_dim
+    rows, entries, index_keys = [], [], []
+    row = flat = 0
+    keep = v4.sliding_window - 1
+    for ratio, indexed in zip(v4.compress_ratios, v4.indexed, strict=True):
+        rows.append(row)
+        row += dim
+        entries.append(flat)
+        index_keys.append(flat + (per_page(page_size, ratio) * dim if ratio else 0))
+        if ratio:
+            row += 2 * (2 if indexed else 1) * dim + (4 * v4.index_head_dim if indexed else 0)
+            flat += per_page(page_size, ratio) * (dim + (v4.index_head_dim if indexed else 0))
+            keep = max(keep, (2 * ratio if indexed else ratio) - 1)
+    return Layout(
+        page_size,
+        keep,
+        row,
+        max(-(-flat // page_size), 1),
+        *map(tuple, (rows, entries, index_keys)),
+    )
 
 
 def kv_spec(
     cfg: Any, num_layers: int, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> KVSpec:
-    """The paged executor asks for this kind's pages: not yet (a clear error)."""
-    raise PyptoError(PAGED_NOT_YET, "executor")
+    """The pages kept whole: the compressed entries (and the indexer's keys) of page_size
+    tokens, every layer's, one flat block a page (`Layout`)."""
+    if kv_cache_dtype == "int8":
+        raise PyptoError("kv_cache_dtype int8 is for grouped-query attention", "kv_cache_dtype")
+    width = layout(cfg, num_layers, page_size).page_width
+    return KVSpec(ENTRIES, 1, 1, width, width, page_size, dtype, num_tensors=1)
+
+
+def row_spec(
+    cfg: Any, num_layers: int, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> tuple[KVSpec, int]:
+    """The per-token rows kept for the sliding window, in the model's dtype (the projections
+    come out of its matmuls in it: kept exactly), and how many tokens of them a sequence
+    keeps (`Layout.keep`)."""
+    lay = layout(cfg, num_layers, page_size)
+    spec = KVSpec(ROWS, 1, 1, lay.row_width, lay.row_width, page_size, dtype, num_tensors=1)
+    return spec, lay.keep
 
 
 def attend(
@@ -100,7 +179,9 @@ def attend(
     return [T, H, D]. `positions` [T] are the new tokens'; `layer` a 0-d CPU tensor."""
     if isinstance(kv, DenseKV):
         return dense_attend(kv, int(layer), q, positions, raw, sinks, window, compression)
-    raise PyptoError(PAGED_NOT_YET, "executor")
+    step = current_step()
+    assert isinstance(step, CompressedStep), "a compressed model runs on its own step"
+    return step.attend_layer(int(layer), q, raw, sinks, window, compression)
 
 
 def dense_attend(
@@ -130,8 +211,8 @@ def dense_attend(
         entries = compression.pool(rows[1][:whole], rows[2][:whole], 0)
         seen = window_seen(positions, len(entries), ratio)
         indexer = compression.indexer
-        if indexer is not None:
-            index_keys = indexer.pool(rows[3][:whole], rows[4][:whole], 0)
+        if indexer is not None:  # the keys as a cache of the model's dtype keeps them
+            index_keys = indexer.pool(rows[3][:whole], rows[4][:whole], 0).to(q.dtype)
             seen = indexer_choice(indexer, index_keys, seen)
         keys = torch.cat([keys, entries.to(keys.dtype)])
         bias = torch.cat([bias, masked_bias(seen)], dim=1)
@@ -150,9 +231,7 @@ def window_seen(positions: torch.Tensor, num_entries: int, ratio: int) -> torch.
     return w[None, :] < ((positions + 1) // ratio)[:, None]
 
 
-def indexer_choice(
-    indexer: IndexerInputs, keys: torch.Tensor, seen: torch.Tensor
-) -> torch.Tensor:
+def indexer_choice(indexer: IndexerInputs, keys: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
     """[T, n] the entries each query reads: the indexer's top-k of those it may see, by
     score(t, w) = sum over heads h of weights[t, h] * relu(q[t, h] . keys[w])."""
     scores = torch.relu(torch.einsum("thd,nd->thn", indexer.q.float(), keys.float()))
@@ -173,3 +252,164 @@ def sink_attention(
     sink = sinks.float()[None, :, None].expand(scores.shape[0], -1, 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.einsum("ths,sd->thd", probs, keys.float()).to(q.dtype)
+
+
+class CompressedStep(StepAttention):
+    """The kind's operator over one step: StepAttention's block table and slot mapping over
+    the rows' pages (-1 where the window has given a page back), and the entries' block table.
+    Each layer (`attend_layer`) writes its new rows, pools the windows its sequences complete
+    into their entries' pages, and attends each sequence over the rows of its window and its
+    entries: the dense oracle's arithmetic on what the pages hold."""
+
+    def __init__(
+        self,
+        store: WindowedKVStore,
+        layout: Layout,
+        row_pages: list[list[int]],
+        entry_pages: list[list[int]],
+        positions: torch.Tensor,
+        q_lens: torch.Tensor,
+        ctx_lens: torch.Tensor,
+        num_decodes: int,
+        max_q: int,
+        progress: StepProgress | None = None,
+    ) -> None:
+        cache = store.rows.cache
+        super().__init__(
+            cache, row_pages, positions, q_lens, ctx_lens, num_decodes, max_q, None, progress
+        )
+        self.layout, self.positions = layout, positions
+        self.rows = cache.k_cache[0, 0]  # [slots, row_width]
+        entries = store.pages_store.cache.k_cache[0, 0]
+        self.entries = entries.view(-1, layout.page_size * entries.shape[-1])  # a page a row
+        self.entry_table = block_table(entry_pages, cache.device)
+        firsts = (torch.cumsum(q_lens, 0) - q_lens).tolist()
+        self.spans = list(zip(firsts, q_lens.tolist(), ctx_lens.tolist(), strict=True))
+        """Per sequence: its first token in the step, its new tokens, its context after."""
+
+    def attend_layer(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        raw: torch.Tensor,
+        sinks: torch.Tensor,
+        window: int,
+        compression: Compression | None,
+    ) -> torch.Tensor:
+        """Layer `layer`'s paged attention for the step's tokens (as `attend` promises)."""
+        new = [raw.float()]
+        if compression is not None:
+            new += [compression.kv, compression.gate]
+            if compression.indexer is not None:
+                new += [compression.indexer.kv, compression.indexer.gate]
+        fresh = torch.cat(new, dim=1)
+        offset = self.layout.rows[layer]
+        rows = self.rows[:, offset : offset + fresh.shape[1]]
+        rows.index_copy_(0, self.slot_mapping, fresh.to(rows.dtype))
+        outs = []
+        for b, (first, count, ctx) in enumerate(self.spans):
+            tokens, start = slice(first, first + count), ctx - count
+            lo = max(start - window + 1, 0)
+            if compression is not None:  # and the rows of the windows it may pool now
+                lead = 2 if compression.indexer is not None else 1
+                lo = min(lo, max(start // compression.ratio - lead + 1, 0) * compression.ratio)
+            seq_rows = rows[self._slots(b, lo, ctx)].float()  # positions lo .. ctx - 1
+            positions = self.positions[tokens]
+            j = torch.arange(lo, ctx, device=q.device)[None, :]
+            bias = masked_bias((j <= positions[:, None]) & (j > positions[:, None] - window))
+            keys = seq_rows[:, : raw.shape[1]]
+            if compression is not None:
+                entries, index_keys = self._entries(b, layer, compression, seq_rows, lo, start)
+                seen = window_seen(positions, len(entries), compression.ratio)
+                if compression.indexer is not None and index_keys is not None:
+                    indexer = compression.indexer
+                    mine = replace(indexer, q=indexer.q[tokens], weights=indexer.weights[tokens])
+                    seen = indexer_choice(mine, index_keys, seen)
+                keys = torch.cat([keys, entries.float()])
+                bias = torch.cat([bias, masked_bias(seen)], dim=1)
+            outs.append(sink_attention(q[tokens], keys, bias, sinks))
+        self.layers += 1
+        if self.progress is not None:
+            self.progress.layers += 1
+        return torch.cat(outs)
+
+    def _slots(self, b: int, lo: int, hi: int) -> torch.Tensor:
+        """The rows' slots of sequence b's positions lo .. hi - 1."""
+        page = self.layout.page_size
+        pos = torch.arange(lo, hi, device=self.block_table.device)
+        return self.block_table[b, pos // page] * page + pos % page
+
+    def _entries(
+        self,
+        b: int,
+        layer: int,
+        compression: Compression,
+        seq_rows: torch.Tensor,
+        lo: int,
+        start: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pool the windows sequence b completes in this step (from `seq_rows`, its rows of
+        positions lo ..) into its entries' pages; return its entries so far, and the
+        indexer's keys (None without an indexer)."""
+        ratio, lay = compression.ratio, self.layout
+        ctx = lo + len(seq_rows)
+        done, total = start // ratio, ctx // ratio
+        indexer = compression.indexer
+        width = compression.kv.shape[1]  # the compressor's rows: c * head_dim
+        dim = width // (2 if indexer is not None else 1)  # head_dim, the raw row's width
+        # per cache: (first column of its kv rows, their width, its entries' offset, their
+        # width, its pool); the gate rows follow the kv rows
+        parts = [(dim, width, lay.entries[layer], dim, compression.pool)]
+        if indexer is not None:
+            index_width = indexer.kv.shape[1]
+            parts.append(
+                (
+                    dim + 2 * width,
+                    index_width,
+                    lay.index_keys[layer],
+                    index_width // 2,
+                    indexer.pool,
+                )
+            )
+        pages, slots = entry_slots(self.entry_table[b], 0, total, ratio, lay.page_size)
+        room = per_page(lay.page_size, ratio)
+        lead = 1 if indexer is not None and done > 0 else 0
+        span = slice((done - lead) * ratio - lo, total * ratio - lo)
+        out = []
+        for column, rows_width, offset, entry_width, pool in parts:
+            flat = self.entries[:, offset : offset + room * entry_width]
+            block = flat.unflatten(1, (room, entry_width))
+            if total > done:  # windows done .. total - 1 complete now
+                kv = seq_rows[span, column : column + rows_width]
+                gate = seq_rows[span, column + rows_width : column + 2 * rows_width]
+                pooled = pool(kv, gate, done).to(block.dtype)
+                block[pages[done:], slots[done:]] = pooled
+            out.append(block[pages, slots])
+        return out[0], out[1] if indexer is not None else None
+
+
+def windowed_step(
+    store: WindowedKVStore,
+    cfg: Any,
+    request_ids: list[str],
+    positions: torch.Tensor,
+    q_lens: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    num_decodes: int,
+    max_q: int,
+    progress: StepProgress | None = None,
+) -> CompressedStep:
+    """The step's operator over the executor's `WindowedKVStore`."""
+    lay = layout(cfg, len(cfg.compressed.compress_ratios), store.page_size)
+    return CompressedStep(
+        store,
+        lay,
+        store.row_pages(request_ids),
+        store.pages(request_ids),
+        positions,
+        q_lens,
+        ctx_lens,
+        num_decodes,
+        max_q,
+        progress,
+    )

@@ -1,0 +1,160 @@
+"""DeepSeek-V4 on the paged executor: where a prefill and a decode step's time goes per cache
+kind (sliding window only, CSA, HCA), and KV bytes per token of V4 against a V3-style (MLA)
+model of the same width (issue 25, item 5).
+
+    python bench/deepseek_v4_profile.py [--prompt-len 2048] [--decode 64] [--dtype bfloat16]
+
+The profile runs a small random V4 (built here with transformers: 6 layers of width 512, two
+of each kind, window 128, CSA 4:1 with top-64 of 8 indexer heads, HCA 32:1, 8 experts) and
+times each layer's attention (`CompressedStep.attend_layer`: rows written, windows pooled,
+attention) by its kind; the rest of the step is the projections, experts, hyper-connections
+and the head. The bytes come from the kind's own specs (kv/kinds/compressed.py) on the
+published V4-Flash shape and on a V3-style MLA model of the same width and depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from pypto_serving import LLM, SamplingParams
+from pypto_serving.kv.kinds import compressed, mla
+from pypto_serving.models.config import load_model_config
+
+
+def build_v4(out: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, PreTrainedTokenizerFast
+
+    csa, hca, swa = (
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "sliding_attention",
+    )
+    config = DeepseekV4Config(
+        vocab_size=4096,
+        hidden_size=512,
+        moe_intermediate_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        head_dim=64,
+        q_lora_rank=256,
+        qk_rope_head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=128,
+        o_groups=2,
+        o_lora_rank=256,
+        index_n_heads=8,
+        index_head_dim=32,
+        index_topk=64,
+        hc_mult=4,
+        layer_types=[swa, csa, hca, swa, csa, hca],
+        mlp_layer_types=["hash_moe"] + ["moe"] * 5,
+        compress_rates={csa: 4, hca: 32},
+        max_position_embeddings=16384,
+    )
+    torch.manual_seed(0)
+    DeepseekV4ForCausalLM(config).save_pretrained(out)
+    vocab = {f"t{i}": i for i in range(4096)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1").save_pretrained(out)
+    return out
+
+
+def kind_of(compression: compressed.Compression | None) -> str:
+    if compression is None:
+        return "sliding window"
+    return "CSA (window + indexed 4:1)" if compression.indexer else "HCA (window + 32:1)"
+
+
+def profile(model: Path, prompt_len: int, decode: int, dtype: str) -> None:
+    seconds: dict[str, float] = defaultdict(float)
+    attend = compressed.CompressedStep.attend_layer
+
+    def timed(self, layer, q, raw, sinks, window, compression):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        out = attend(self, layer, q, raw, sinks, window, compression)
+        seconds[kind_of(compression)] += time.perf_counter() - start
+        return out
+
+    compressed.CompressedStep.attend_layer = timed  # type: ignore[method-assign]
+    knobs = {"page_size": 32, "max_num_batched_tokens": prompt_len}
+    llm = LLM(str(model), dtype=dtype, enable_prefix_caching=False, **knobs)
+    llm.generate([[5] * 64], SamplingParams(max_tokens=4), use_tqdm=False)  # warm
+    prompt = [[(7 * i) % 4000 + 2 for i in range(prompt_len)]]
+
+    def run(tokens: int) -> tuple[float, dict[str, float]]:
+        seconds.clear()
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
+        start = time.perf_counter()
+        llm.generate(prompt, params, use_tqdm=False)
+        return time.perf_counter() - start, dict(seconds)
+
+    prefill, prefill_kinds = run(1)
+    both, both_kinds = run(decode + 1)
+    decode_kinds = {k: v - prefill_kinds.get(k, 0.0) for k, v in both_kinds.items()}
+    for phase, total, kinds, steps in (
+        ("prefill", prefill, prefill_kinds, 1),
+        ("decode", both - prefill, decode_kinds, decode),
+    ):
+        print(f"\n{phase} at {prompt_len} tokens ({dtype}): {total * 1e3 / steps:.1f} ms a step")
+        for kind, s in sorted(kinds.items()):
+            print(f"  {kind:28s} {s * 1e3 / steps:8.2f} ms  {s / total:6.1%}")
+        rest = total - sum(kinds.values())
+        print(f"  {'everything else':28s} {rest * 1e3 / steps:8.2f} ms  {rest / total:6.1%}")
+    compressed.CompressedStep.attend_layer = attend  # type: ignore[method-assign]
+
+
+def kv_bytes() -> None:
+    from transformers import DeepseekV3Config, DeepseekV4Config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        v4_dir, v3_dir = Path(tmp, "v4"), Path(tmp, "v3")
+        flash = DeepseekV4Config()  # the published V4 shape: 43 layers of width 4096
+        flash.save_pretrained(v4_dir)
+        layers = flash.num_hidden_layers
+        DeepseekV3Config(hidden_size=flash.hidden_size, num_hidden_layers=layers).save_pretrained(
+            v3_dir
+        )
+        for d, arch in ((v4_dir, "DeepseekV4ForCausalLM"), (v3_dir, "DeepseekV3ForCausalLM")):
+            raw = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps(raw | {"architectures": [arch]}))
+        v4, v3 = load_model_config(v4_dir), load_model_config(v3_dir)
+    page, dtype = 128, torch.bfloat16
+    entries = compressed.kv_spec(v4, layers, page, dtype)
+    rows, keep = compressed.row_spec(v4, layers, page, dtype)
+    latent = mla.kv_spec(v3, layers, page, dtype)
+    per_token_v4 = entries.page_bytes / page
+    window_rows = (-(-keep // page) + 1) * rows.page_bytes  # the window and the page written
+    per_token_v3 = latent.page_bytes / page
+    print(f"\nKV bytes, bf16, {layers} layers of width {flash.hidden_size} (pages of {page}):")
+    print(f"  V4 entries (CSA 4:1 + indexer keys, HCA 128:1): {per_token_v4:,.0f} B a token")
+    print(f"  V4 window rows (kept {keep} tokens): {window_rows:,} B a sequence")
+    print(f"  V3-style MLA (512 + 64 latent): {per_token_v3:,.0f} B a token")
+    for n in (4096, 65536, 1 << 20):
+        ratio = (per_token_v4 * n + window_rows) / (per_token_v3 * n)
+        print(f"  at {n:>9,} tokens V4 keeps {ratio:.3f}x the MLA model's bytes")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    kv_bytes()
+    with tempfile.TemporaryDirectory() as tmp:
+        profile(build_v4(Path(tmp)), args.prompt_len, args.decode, args.dtype)
+
+
+if __name__ == "__main__":
+    main()

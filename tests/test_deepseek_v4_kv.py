@@ -1,0 +1,152 @@
+"""DeepSeek-V4's KV on the paged executor (kv/kinds/compressed.py over kv/windowed_store.py):
+the same greedy tokens as the reference executor whichever way the KV got there - recomputed,
+hit on the device at page boundaries that are and are not multiples of the compression
+ratios, loaded back from the CPU tier or the SSD (also after a restart), swapped out and in,
+or recomputed after preemption - and the sliding window gives its rows' pages back, so a long
+generation fits a pool too small for the whole sequence's raw KV.
+
+What a prefix hit restores (docs/attention_kinds.md): the entries of every window complete
+before the hit (the whole pages), and the rows of its last `keep` tokens (the window's raw
+rows, and the compressor inputs of the windows not pooled yet: with the previous window's
+for CSA's overlap), from which the next token's compressor state is rebuilt.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from live_server import tiny_llm
+
+from pypto_serving import LLM, SamplingParams
+from pypto_serving.kv.windowed_store import WindowedKVStore
+
+NAME = "deepseekv4-swa-csa-hca-hash"  # window 8, CSA 4:1 (top 2), HCA 8:1
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+rng = random.Random(5)
+PROMPTS = [[rng.randrange(3, 320) for _ in range(40)] for _ in range(3)]
+SHARED = PROMPTS[0][:29]
+FORKS = [SHARED + [rng.randrange(3, 320) for _ in range(n)] for n in (11, 3, 20)]
+
+
+def reference(model: Path, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list:
+    llm = LLM(str(model), executor="reference", dtype="float32")
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model) -> Path:
+    return tiny_model(NAME)
+
+
+@pytest.fixture(scope="module")
+def expected(model: Path) -> list[list[int]]:
+    return reference(model, PROMPTS)
+
+
+def one_by_one(llm: LLM, prompts: list[list[int]]) -> list[Any]:
+    return [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+
+
+def store_of(llm: LLM) -> WindowedKVStore:
+    store = llm.engine.executor.kv
+    assert isinstance(store, WindowedKVStore)
+    return store
+
+
+@pytest.mark.parametrize("page_size", [8, 6])
+def test_prefix_hits_at_page_boundaries_give_the_reference_tokens(model, page_size):
+    """Pages of 8 hold whole windows of both ratios; pages of 6 end inside windows (a hit of
+    6, 18 or 30 tokens is a multiple of neither 4 nor 8): the next tokens pool the partial
+    window from the rows the hit kept."""
+    with tiny_llm(model, page_size=page_size) as llm:
+        outs = one_by_one(llm, FORKS)
+        assert [o.outputs[0].token_ids for o in outs] == reference(model, FORKS)
+        hit = len(SHARED) // page_size * page_size
+        assert [o.num_cached_tokens for o in outs] == [0, hit, hit]
+        assert outs[1].cached_tokens_by_tier == {"device": hit}
+
+
+PATHS = {  # six entry pages of 8 tokens hold one 48-token request
+    "recompute": ({"enable_prefix_caching": False}, {}),
+    "device": ({"num_kv_pages": 64}, {"device": 32}),
+    "cpu": ({"num_kv_pages": 6, "kv_cpu_bytes": 1 << 20}, {"cpu": 32}),
+    "ssd": ({"num_kv_pages": 6, "kv_cpu_bytes": 0}, {"ssd": 32}),
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_greedy_outputs_are_identical_on_every_kv_path(model, expected, tmp_path, path):
+    knobs, by_tier = PATHS[path]
+    if path == "ssd":
+        knobs = knobs | {"kv_ssd_dir": str(tmp_path)}
+    with tiny_llm(model, page_size=8, max_num_seqs=2, **knobs) as llm:
+        store = store_of(llm)
+        outs = one_by_one(llm, PROMPTS)
+        for group in (store.rows, store.pages_store):
+            if group.ssd is not None:
+                group.ssd.flush()
+        last = one_by_one(llm, PROMPTS[:1])[0]
+        assert [o.outputs[0].token_ids for o in [*outs, last]] == [*expected, expected[0]]
+        assert last.cached_tokens_by_tier == by_tier
+
+
+def test_pages_on_ssd_are_found_after_a_restart(model, expected, tmp_path):
+    knobs = {"page_size": 8, "kv_cpu_bytes": 0, "kv_ssd_dir": str(tmp_path)}
+    with tiny_llm(model, **knobs) as first:
+        one_by_one(first, PROMPTS[:2])
+    with tiny_llm(model, **knobs) as second:
+        store = store_of(second)
+        ssd = store.pages_store.ssd
+        assert ssd is not None and ssd.num_found == 10  # 47 tokens computed: 5 full pages each
+        outs = one_by_one(second, PROMPTS[:2])
+        assert [o.outputs[0].token_ids for o in outs] == expected[:2]
+        assert [o.cached_tokens_by_tier for o in outs] == [{"ssd": 32}] * 2
+
+
+@pytest.mark.parametrize("cpu_bytes", [1 << 20, 0], ids=["swap", "recompute"])
+def test_preemption_by_swap_or_recompute_gives_identical_outputs(model, cpu_bytes):
+    short = [p[:30] for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    knobs = {"page_size": 8, "num_kv_pages": 8, "kv_cpu_bytes": cpu_bytes}
+    with tiny_llm(model, max_num_seqs=3, **knobs) as llm:
+        outs = llm.generate(short, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference(model, short, params)
+        stats = llm.engine.stats()
+        assert stats.num_preemptions > 0 and (stats.num_swapped > 0) == bool(cpu_bytes)
+
+
+@pytest.mark.slow
+def test_the_window_gives_pages_back_so_a_long_generation_fits(model):
+    """2,000 tokens on a pool whose bytes hold about 600 tokens of the raw KV a full cache
+    would keep (every token's head_dim row in each of the 3 layers): the window's rows hold a
+    few pages at any time, the entries a row per window. Tokens: the reference's."""
+    params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+    prompt = PROMPTS[0][:20]
+    full_kv_bytes = 3 * 32 * 4  # a token's raw rows in every layer, float32
+    budget = 600 * full_kv_bytes
+    knobs = {"num_kv_pages": None, "kv_device_bytes": budget, "max_num_seqs": 1}
+    knobs |= {"max_num_batched_tokens": 32}
+    with tiny_llm(model, page_size=8, **knobs) as llm:
+        store = store_of(llm)
+        device = store.rows.num_pages * store.rows.page_bytes
+        device += store.pages_store.num_pages * store.pages_store.page_bytes
+        assert device <= budget < 2020 * full_kv_bytes
+        held: list[int] = []
+        allocate = store.rows.allocate
+
+        def counted(request: Any, num_new_tokens: int) -> bool:
+            ok = allocate(request, num_new_tokens)
+            held.append(store.rows.pool.num_pages - store.rows.pool.num_free)
+            return ok
+
+        store.rows.allocate = counted  # type: ignore[method-assign]
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 2000
+        assert llm.engine.stats().num_preemptions == 0
+        # the prompt's 3 pages at first, then the window's page and the one being written
+        assert len(held) >= 2000 and max(held) <= 3 and max(held[10:]) == 2
+        assert store.rows.pool.num_free == store.rows.pool.num_pages  # all given back
+    assert out.outputs[0].token_ids == reference(model, [prompt], params)[0]
