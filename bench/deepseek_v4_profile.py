@@ -2,7 +2,7 @@
 kind (sliding window only, CSA, HCA), and KV bytes per token of V4 against a V3-style (MLA)
 model of the same width (issue 25, item 5).
 
-    python bench/deepseek_v4_profile.py [--prompt-len 2048] [--decode 64] [--dtype bfloat16]
+    python bench/deepseek_v4_profile.py [--prompt-len 2048] [--decode 64] [--chunk 512]
 
 The profile runs a small random V4 (built here with transformers: 6 layers of width 512, two
 of each kind, window 128, CSA 4:1 with top-64 of 8 indexer heads, HCA 32:1, 8 experts) and
@@ -75,41 +75,51 @@ def kind_of(compression: compressed.Compression | None) -> str:
     return "CSA (window + indexed 4:1)" if compression.indexer else "HCA (window + 32:1)"
 
 
-def profile(model: Path, prompt_len: int, decode: int, dtype: str) -> None:
-    seconds: dict[str, float] = defaultdict(float)
+def profile(model: Path, prompt_len: int, decode: int, dtype: str, chunk: int) -> None:
+    """Time each step of one request (a prefill of `prompt_len` in chunks of `chunk`, then
+    `decode` decodes), and within it each layer's attention by its kind."""
+    kinds: dict[str, float] = defaultdict(float)
     attend = compressed.CompressedStep.attend_layer
 
     def timed(self, layer, q, raw, sinks, window, compression):  # type: ignore[no-untyped-def]
         start = time.perf_counter()
         out = attend(self, layer, q, raw, sinks, window, compression)
-        seconds[kind_of(compression)] += time.perf_counter() - start
+        kinds[kind_of(compression)] += time.perf_counter() - start
         return out
 
     compressed.CompressedStep.attend_layer = timed  # type: ignore[method-assign]
     knobs = {"page_size": 32, "max_num_batched_tokens": prompt_len}
+    knobs |= {"long_prefill_token_threshold": chunk}
     llm = LLM(str(model), dtype=dtype, enable_prefix_caching=False, **knobs)
     llm.generate([[5] * 64], SamplingParams(max_tokens=4), use_tqdm=False)  # warm
-    prompt = [[(7 * i) % 4000 + 2 for i in range(prompt_len)]]
+    executor = llm.engine.executor
+    execute = executor.execute
+    phases: dict[str, list[tuple[float, dict[str, float]]]] = defaultdict(list)
 
-    def run(tokens: int) -> tuple[float, dict[str, float]]:
-        seconds.clear()
-        params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
+    def step(out):  # type: ignore[no-untyped-def]
+        kinds.clear()
         start = time.perf_counter()
-        llm.generate(prompt, params, use_tqdm=False)
-        return time.perf_counter() - start, dict(seconds)
+        result = execute(out)
+        phase = "prefill" if any(s.num_new_tokens > 1 for s in out.scheduled) else "decode"
+        phases[phase].append((time.perf_counter() - start, dict(kinds)))
+        return result
 
-    prefill, prefill_kinds = run(1)
-    both, both_kinds = run(decode + 1)
-    decode_kinds = {k: v - prefill_kinds.get(k, 0.0) for k, v in both_kinds.items()}
-    for phase, total, kinds, steps in (
-        ("prefill", prefill, prefill_kinds, 1),
-        ("decode", both - prefill, decode_kinds, decode),
-    ):
-        print(f"\n{phase} at {prompt_len} tokens ({dtype}): {total * 1e3 / steps:.1f} ms a step")
-        for kind, s in sorted(kinds.items()):
-            print(f"  {kind:28s} {s * 1e3 / steps:8.2f} ms  {s / total:6.1%}")
-        rest = total - sum(kinds.values())
-        print(f"  {'everything else':28s} {rest * 1e3 / steps:8.2f} ms  {rest / total:6.1%}")
+    executor.execute = step  # type: ignore[method-assign]
+    prompt = [[(7 * i) % 4000 + 2 for i in range(prompt_len)]]
+    params = SamplingParams(max_tokens=decode + 1, ignore_eos=True, temperature=0)
+    llm.generate(prompt, params, use_tqdm=False)
+    for phase, steps in phases.items():
+        total = sum(t for t, _ in steps)
+        print(
+            f"\n{phase} at {prompt_len} tokens ({dtype}, {len(steps)} steps): "
+            f"{total * 1e3 / len(steps):.1f} ms a step"
+        )
+        names = sorted({k for _, by_kind in steps for k in by_kind})
+        for kind in names:
+            s = sum(by_kind.get(kind, 0.0) for _, by_kind in steps)
+            print(f"  {kind:28s} {s * 1e3 / len(steps):8.2f} ms  {s / total:6.1%}")
+        rest = total - sum(sum(by_kind.values()) for _, by_kind in steps)
+        print(f"  {'everything else':28s} {rest * 1e3 / len(steps):8.2f} ms  {rest / total:6.1%}")
     compressed.CompressedStep.attend_layer = attend  # type: ignore[method-assign]
 
 
@@ -149,11 +159,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--chunk", type=int, default=512, help="prefill tokens a step")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     kv_bytes()
     with tempfile.TemporaryDirectory() as tmp:
-        profile(build_v4(Path(tmp)), args.prompt_len, args.decode, args.dtype)
+        profile(build_v4(Path(tmp)), args.prompt_len, args.decode, args.dtype, args.chunk)
 
 
 if __name__ == "__main__":

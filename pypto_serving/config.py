@@ -17,6 +17,8 @@ EXECUTORS = ("paged", "reference")
 LOAD_BALANCE = ("least_pending_tokens", "round_robin")
 BACKENDS = ("gloo", "nccl")
 PLACEMENTS = ("linear", "round_robin")
+ALL2ALL_BACKENDS = ("all_to_all", "allgather_reducescatter")
+DATA_PARALLEL_BACKENDS = ("mp",)
 QUANTIZATIONS = ("int8", "int4", "w8a8", "int4-w8a8")
 CALIBRATED_QUANTIZATIONS = ("w8a8", "int4-w8a8")
 """Those with int8 activations, whose smoothing factors come from running the whole model."""
@@ -120,10 +122,20 @@ class ParallelConfig:
     from stage to stage point-to-point, rank 0 (the first stage) schedules."""
     enable_expert_parallel: bool = False
     """Mixture-of-experts models: place whole experts across the tensor-parallel ranks
-    (instead of every rank holding every expert) and sum their outputs with an all-reduce."""
+    (their outputs summed with an all-reduce) or, with data_parallel_size > 1 and no tensor
+    parallelism, across the data-parallel replicas (DP attention + EP: each replica's tokens
+    sent to the replicas holding their experts), instead of every rank holding every expert."""
     expert_placement_strategy: str = "linear"
     """Which experts a rank holds with expert parallelism: linear (contiguous blocks) or
     round_robin (every N-th)."""
+    all2all_backend: str = "all_to_all"
+    """DP attention + EP: how a replica's tokens reach the experts of the others and come
+    back. all_to_all: each token row goes only to the replicas holding its chosen experts and
+    their weighted outputs come back, by all-to-all; allgather_reducescatter: every replica
+    gathers all replicas' tokens, runs its experts on them and a reduce-scatter returns each
+    replica the sums of its own tokens (more traffic, simpler collectives)."""
+    data_parallel_backend: str = "mp"
+    """How data-parallel replicas run: mp (a process each on this machine; the only kind)."""
     distributed_backend: str | None = None
     """torch.distributed backend of the tensor-parallel ranks: gloo or nccl (None: nccl on
     CUDA, gloo on the CPU)."""
@@ -196,11 +208,7 @@ class ParallelConfig:
                 f"expert_placement_strategy must be one of {', '.join(PLACEMENTS)}, "
                 f"got {self.expert_placement_strategy!r}"
             )
-        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
-            raise PyptoError(
-                "enable_expert_parallel places experts across the tensor-parallel ranks: "
-                "set tensor_parallel_size > 1"
-            )
+        self._validate_expert_parallel()
         if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
             raise PyptoError(
                 "tensor_parallel_size and pipeline_parallel_size together are not supported "
@@ -216,6 +224,11 @@ class ParallelConfig:
                 f"data_parallel_load_balance must be one of {', '.join(LOAD_BALANCE)}, "
                 f"got {self.data_parallel_load_balance!r}"
             )
+        if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
+            raise PyptoError(
+                "data_parallel_backend must be 'mp' (each replica a process on this machine, "
+                f"the only kind there is), got {self.data_parallel_backend!r}"
+            )
         devices = self.device_list()
         if devices is not None:
             if any(not d for d in devices):
@@ -227,6 +240,31 @@ class ParallelConfig:
                     f"tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
                     f"{self.pipeline_parallel_size} / nnodes {self.nnodes}); give one per process"
                 )
+
+    def _validate_expert_parallel(self) -> None:
+        if self.all2all_backend not in ALL2ALL_BACKENDS:
+            raise PyptoError(
+                f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS)}, "
+                f"got {self.all2all_backend!r}"
+            )
+        if not self.enable_expert_parallel:
+            return
+        if self.tensor_parallel_size == 1 and self.data_parallel_size == 1:
+            raise PyptoError(
+                "enable_expert_parallel places experts across the tensor-parallel ranks or the "
+                "data-parallel replicas: set tensor_parallel_size > 1 (or data_parallel_size > 1)"
+            )
+        if self.data_parallel_size > 1 and self.ranks_per_engine > 1:
+            raise PyptoError(
+                "enable_expert_parallel with data_parallel_size > 1 (DP attention + EP) needs "
+                "tensor_parallel_size 1 and pipeline_parallel_size 1: its expert group is the "
+                "replicas (an expert group over replicas x ranks is not supported)"
+            )
+
+    @property
+    def expert_parallel_over_dp(self) -> bool:
+        """DP attention + EP: the replicas' MoE layers form one expert-parallel group."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
 
 @dataclass(slots=True)

@@ -1,10 +1,15 @@
-"""torch.distributed for tensor and pipeline parallelism: rendezvous, group metadata,
+"""torch.distributed for tensor, pipeline and expert parallelism: rendezvous, group metadata,
 collectives and point-to-point transfers.
 
-Model code learns its place from a `Group` (rank and size in the tensor-parallel group) and
-calls the collectives below, which are custom ops: torch.compile treats them as opaque calls
+Model code learns its place from `ParallelGroups` (its rank and size in the TP, PP, DP and EP
+groups) and calls the collectives below, which are custom ops (or run inside one, as the
+experts' token exchange does in ops/moe.py): torch.compile treats them as opaque calls
 (like the paged attention op), so one compiled graph per shape serves every step. Partial
 sums are reduced in float32 (the residual stream's dtype), so TP does not add rounding.
+
+Under DP attention + EP the torch.distributed world of a replica process is the replicas
+themselves (tensor_parallel_size 1): its MoE layers exchange tokens over it, and the
+replicas agree on every step with `all_ranks_max` (engine/replica.py).
 
 The group is one engine's ranks: rank 0 runs the scheduler and broadcasts each step's
 inputs as int64 tensors (never pickled objects); the other ranks follow. On one machine the
@@ -37,7 +42,7 @@ WAIT_FOREVER_S = 10 * 365 * 86400.0
 
 @dataclass(frozen=True, slots=True)
 class Group:
-    """This process's rank and the size of one parallel group (TP here)."""
+    """This process's rank and the size of one parallel group (TP, PP, DP or EP)."""
 
     rank: int = 0
     size: int = 1
@@ -51,10 +56,23 @@ class ParallelGroups:
     tp: Group = Group()
     pp: Group = Group()
     dp: Group = Group()
-    """Replica index among the data-parallel replicas (they share no collective)."""
+    """This replica's index and the number of data-parallel replicas (they share no
+    collective, except the MoE layers' under DP attention + EP)."""
     ep: Group = Group()
-    """Expert parallelism: the TP ranks when enabled (each holds some whole experts)."""
+    """Expert parallelism: the TP ranks when enabled, or the DP replicas under DP attention +
+    EP (each holds some whole experts)."""
     expert_placement: str = "linear"
+    all2all_backend: str = "all_to_all"
+    """How tokens reach experts held by other replicas (DP attention + EP only)."""
+
+    @property
+    def expert_exchange(self) -> str:
+        """How a MoE layer reaches the experts it does not hold: "none" (it holds them all),
+        "all_reduce" (EP over TP: every rank has every token, the partial sums are added) or,
+        EP over the DP replicas (each its own tokens), the all2all_backend."""
+        if self.ep.size == 1:
+            return "none"
+        return "all_reduce" if self.ep == self.tp else self.all2all_backend
 
     @property
     def rank(self) -> int:
@@ -72,12 +90,18 @@ def resolve_groups(
     pp_size: int,
     expert_parallel: bool = False,
     expert_placement: str = "linear",
+    dp: Group = Group(),
+    all2all_backend: str = "all_to_all",
 ) -> ParallelGroups:
-    """The groups of engine rank `rank` in a world of pp_size stages x tp_size ranks; with
-    expert parallelism the experts are spread over the TP group."""
+    """The groups of engine rank `rank` in a world of pp_size stages x tp_size ranks, in
+    replica `dp`; with expert parallelism the experts are spread over the TP group, or over
+    the replicas when there is no TP (DP attention + EP)."""
     tp = Group(rank % tp_size, tp_size)
-    ep = tp if expert_parallel else Group()
-    return ParallelGroups(tp, Group(rank // tp_size, pp_size), Group(), ep, expert_placement)
+    ep = Group()
+    if expert_parallel:
+        ep = dp if tp_size == 1 and pp_size == 1 and dp.size > 1 else tp
+    pp = Group(rank // tp_size, pp_size)
+    return ParallelGroups(tp, pp, dp, ep, expert_placement, all2all_backend)
 
 
 STORE_FILE_ENV = "PYPTO_RENDEZVOUS_FILE"
@@ -90,7 +114,13 @@ def local_rendezvous() -> None:
     network: a FileStore in a private directory, and gloo's pairs on the loopback device."""
     global _made_store_dir
     _made_store_dir = Path(tempfile.mkdtemp(prefix="pypto-rendezvous-"))
-    os.environ[STORE_FILE_ENV] = str(_made_store_dir / "store")
+    use_rendezvous(str(_made_store_dir / "store"))
+
+
+def use_rendezvous(store_file: str) -> None:
+    """Meet the other ranks through `store_file` (made in a private directory by whoever
+    started them), gloo's pairs on the loopback device."""
+    os.environ[STORE_FILE_ENV] = store_file
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
@@ -150,6 +180,12 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def ranks_in_world() -> int:
+    """Ranks of this process's torch.distributed world (1 outside one): under DP attention
+    + EP, the replicas of the expert-parallel group."""
+    return _world()
+
+
 @torch.library.custom_op("pypto::tp_all_reduce", mutates_args=())
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum over the tensor-parallel group of every rank's `x` (float32)."""
@@ -175,6 +211,54 @@ def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
 @tp_all_gather.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], x.shape[-1] * _world())
+
+
+def all_ranks_max(values: list[int]) -> list[int]:
+    """Each value's maximum over the world (DP attention + EP: whether any replica has work,
+    or is stopping)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(v) for v in t.tolist()]
+
+
+def all_to_all_rows(
+    x: torch.Tensor, send_counts: list[int], recv_counts: list[int] | None = None
+) -> tuple[torch.Tensor, list[int]]:
+    """Rows of `x` to every rank: the first send_counts[0] to rank 0, the next to rank 1, ...
+    Returns the rows received (rank 0's first) and how many came from each rank (exchanged
+    first, unless `recv_counts` already says)."""
+    if recv_counts is None:
+        counts = torch.tensor(send_counts, dtype=torch.int64)
+        got = torch.empty_like(counts)
+        dist.all_to_all_single(got, counts)
+        recv_counts = [int(n) for n in got.tolist()]
+    out = x.new_empty(sum(recv_counts), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts)
+    return out, recv_counts
+
+
+def all_to_all_back(
+    y: torch.Tensor, recv_counts: list[int], send_counts: list[int]
+) -> torch.Tensor:
+    """The reverse of `all_to_all_rows`: rows computed for the ranks that sent them go back,
+    each rank getting its rows in the order it sent them."""
+    out = y.new_empty(sum(send_counts), *y.shape[1:])
+    dist.all_to_all_single(out, y.contiguous(), send_counts, recv_counts)
+    return out
+
+
+def all_gather_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """Every rank's `x` [rows, ...] (each padded to the same `rows`), rank 0's first."""
+    out = x.new_empty(_world() * rows, *x.shape[1:])
+    dist.all_gather_single(out, x.contiguous())
+    return out
+
+
+def reduce_scatter_rows(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the ranks of `x` [world * rows, ...]; this rank's block of rows."""
+    out = x.new_empty(len(x) // _world(), *x.shape[1:])
+    dist.reduce_scatter_single(out, x.contiguous())
+    return out
 
 
 def send_to(tensor: torch.Tensor, rank: int) -> None:

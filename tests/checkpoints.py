@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -279,6 +280,34 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def hf_model(path: Path) -> Any:
+    """The checkpoint in HF transformers, float32, for ground truth."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_expected(
+    tiny_model: Callable[[str], Path], prompts: list[list[int]], max_new_tokens: int
+) -> Callable[[str], list[list[int]]]:
+    """expected(name): HF's greedy continuation of each prompt on checkpoint `name` (made
+    once per name)."""
+    made: dict[str, list[list[int]]] = {}
+
+    def get(name: str) -> list[list[int]]:
+        if name not in made:
+            hf = hf_model(tiny_model(name))
+            made[name] = [hf_greedy(hf, p, max_new_tokens) for p in prompts]
+        return made[name]
+
+    return get
+
+
+def token_ids(outputs: list[Any]) -> list[list[int]]:
+    """Each RequestOutput's first sample's token ids."""
+    return [o.outputs[0].token_ids for o in outputs]
 
 
 def assert_top5_rule(expected: list[Any], got: list[Any]) -> int:

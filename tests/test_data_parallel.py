@@ -21,6 +21,7 @@ from live_server import FAST_KNOBS, serving, tiny_llm
 from parallel_checks import children_of, config_error, gone
 from patience import patience, wait_for
 
+from pypto_serving.distributed import Group
 from pypto_serving.engine.dp import DPEngine, ReplicaDiedError
 from pypto_serving.engine.replica import FAIL_START_ENV, HANG_START_ENV
 from pypto_serving.errors import PyptoError, RequestFailedError
@@ -60,6 +61,9 @@ def test_dp2_gives_each_request_the_single_engine_tokens(tiny_model, single):
         assert isinstance(engine, DPEngine)
         pids = [r.pid for r in engine.replicas]
         assert len(set(pids)) == 2 and os.getpid() not in pids
+        groups = [r.info.groups for r in engine.replicas if r.info is not None]
+        assert [g.dp for g in groups] == [Group(0, 2), Group(1, 2)]  # each knows its place
+        assert all(g.ep == Group() and g.expert_exchange == "none" for g in groups)
         assert outputs(llm, GREEDY) == single["greedy"]
         assert outputs(llm, SAMPLED) == single["sampled"]
         assert engine.router.pending == [0, 0]  # accounting back to zero

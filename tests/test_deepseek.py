@@ -14,7 +14,7 @@ import sys
 import httpx
 import pytest
 import torch
-from checkpoints import TINY_DEEPSEEK, hf_greedy
+from checkpoints import TINY_DEEPSEEK, hf_expected, hf_greedy, hf_model, token_ids
 from live_server import free_port, serving, tiny_llm
 from patience import patience, wait_for
 
@@ -32,28 +32,10 @@ PROMPTS = [[5, 17, 33, 90, 12], [200, 3, 4], list(range(40, 90)), [7] * 9 + [250
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
-def hf_model(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
 @pytest.fixture(scope="module")
 def expected(tiny_model):
     """HF's greedy 32 tokens for each PROMPTS, per checkpoint."""
-    made: dict[str, list[list[int]]] = {}
-
-    def get(name: str) -> list[list[int]]:
-        if name not in made:
-            hf = hf_model(tiny_model(name))
-            made[name] = [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
-        return made[name]
-
-    return get
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
+    return hf_expected(tiny_model, PROMPTS, GREEDY.max_tokens)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -75,7 +57,7 @@ def test_prompt_logits_match_hf(tiny_model, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_reference_greedy_matches_hf_generate(tiny_model, expected, name):
     llm = LLM(str(tiny_model(name)), executor="reference", dtype="float32")
-    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -85,7 +67,7 @@ def test_paged_greedy_matches_hf_generate(tiny_model, expected, name):
     compiled = name == "deepseekv3-qlora-yarn"
     knobs = {"page_size": 16, "max_num_batched_tokens": 24, "long_prefill_token_threshold": 24}
     llm = LLM(str(tiny_model(name)), dtype="float32", enforce_eager=not compiled, **knobs)
-    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
     assert llm.engine.executor.num_recompilations == 0
 
 
@@ -115,7 +97,7 @@ def test_pypto_generate_matches_hf(tiny_model, tmp_path, capsys, name):
 def test_pypto_serve_matches_hf(tiny_model, expected, name):
     with tiny_llm(tiny_model(name)) as llm, serving(llm) as live:
         offline = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert tokens(offline) == expected(name)
+        assert token_ids(offline) == expected(name)
         for prompt, out in zip(PROMPTS, offline, strict=True):
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 32, "temperature": 0}
             r = httpx.post(live.url + "/v1/completions", json=body | {"ignore_eos": True})
@@ -140,7 +122,7 @@ def test_the_pypto_serve_process_matches_hf(tiny_model, expected, name):
     offline = LLM(str(tiny_model(name)), dtype="float32", enforce_eager=True, page_size=16)
     outputs = offline.generate(PROMPTS, GREEDY, use_tqdm=False)
     offline.close()
-    assert tokens(outputs) == expected(name)
+    assert token_ids(outputs) == expected(name)
     port = free_port()
     argv = [sys.executable, "-m", "pypto_serving.cli", "serve", "--model", str(tiny_model(name))]
     argv += ["--port", str(port), "--dtype", "float32", "--enforce-eager", "--page-size", "16"]
@@ -169,14 +151,14 @@ def test_tp2_expert_parallel_matches_hf(tiny_model, expected):
         moe = llm.engine.model.model.layers[1].mlp
         assert moe.held == [0, 1, 2, 3]  # rank 0's half of the 8 experts
         assert llm.engine.model.cfg.num_heads == 2  # and of the 4 heads
-        assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
+        assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
 
 
 def test_pp2_matches_hf(tiny_model, expected):
     name = "deepseekv3-yarn-2dense"  # 4 layers: stage 0 the dense two, stage 1 the MoE two
     with tiny_llm(tiny_model(name), pipeline_parallel_size=2) as llm:
         assert list(llm.engine.model.model.local) == [0, 1]
-        assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
+        assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
 
 
 def test_config_reads_mla_and_routing(tiny_model):

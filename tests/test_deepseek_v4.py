@@ -14,7 +14,7 @@ import json
 import httpx
 import pytest
 import torch
-from checkpoints import TINY_DEEPSEEK_V4, hf_greedy
+from checkpoints import TINY_DEEPSEEK_V4, hf_expected, hf_greedy, hf_model, token_ids
 from live_server import serving, tiny_llm
 
 from pypto_serving import LLM, SamplingParams
@@ -30,28 +30,10 @@ PROMPTS = [list(range(40, 90)), [5, 17, 33, 90, 12] * 4, [7] * 9 + [250, 251] * 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
-def hf_model(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
 @pytest.fixture(scope="module")
 def expected(tiny_model):
     """HF's greedy 32 tokens for each PROMPTS, per checkpoint."""
-    made: dict[str, list[list[int]]] = {}
-
-    def get(name: str) -> list[list[int]]:
-        if name not in made:
-            hf = hf_model(tiny_model(name))
-            made[name] = [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
-        return made[name]
-
-    return get
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
+    return hf_expected(tiny_model, PROMPTS, GREEDY.max_tokens)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -98,7 +80,7 @@ def test_reference_greedy_matches_hf_generate(tiny_model, expected, name):
     # chunks of 12 tokens: prefill continues over the window and half-filled windows
     knobs = {"max_num_batched_tokens": 12, "long_prefill_token_threshold": 12}
     llm = LLM(str(tiny_model(name)), executor="reference", dtype="float32", **knobs)
-    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -106,7 +88,7 @@ def test_paged_greedy_matches_hf_generate(tiny_model, expected, name):
     # pages of 6 (ending inside compressor windows), chunks of 12 tokens
     knobs = {"page_size": 6, "max_num_batched_tokens": 12, "long_prefill_token_threshold": 12}
     llm = LLM(str(tiny_model(name)), dtype="float32", **knobs)
-    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
     assert llm.engine.executor.num_recompilations == 0
 
 
@@ -134,7 +116,7 @@ def test_pypto_generate_matches_hf(tiny_model, tmp_path, name):
 def test_pypto_serve_matches_hf(tiny_model, expected, name):
     with tiny_llm(tiny_model(name)) as llm, serving(llm) as live:
         offline = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert tokens(offline) == expected(name)
+        assert token_ids(offline) == expected(name)
         for prompt, out in zip(PROMPTS, offline, strict=True):
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 32, "temperature": 0}
             r = httpx.post(live.url + "/v1/completions", json=body | {"ignore_eos": True})

@@ -27,7 +27,7 @@ NAME = "deepseekv4-swa-csa-hca-hash"  # window 8, CSA 4:1 (top 2), HCA 8:1
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 rng = random.Random(5)
 PROMPTS = [[rng.randrange(3, 320) for _ in range(40)] for _ in range(3)]
-SHARED = PROMPTS[0][:29]
+SHARED = PROMPTS[0][:31]
 FORKS = [SHARED + [rng.randrange(3, 320) for _ in range(n)] for n in (11, 3, 20)]
 
 
@@ -58,13 +58,13 @@ def store_of(llm: LLM) -> WindowedKVStore:
 
 @pytest.mark.parametrize("page_size", [8, 6])
 def test_prefix_hits_at_page_boundaries_give_the_reference_tokens(model, page_size):
-    """Pages of 8 hold whole windows of both ratios; pages of 6 end inside windows (a hit of
-    6, 18 or 30 tokens is a multiple of neither 4 nor 8): the next tokens pool the partial
-    window from the rows the hit kept."""
+    """A shared prefix of 31 tokens: with pages of 8 the hit is 24 tokens (whole windows of
+    both ratios); with pages of 6 it is 30, a multiple of neither 4 nor 8: the next tokens
+    pool the partial windows from the rows the hit kept."""
     with tiny_llm(model, page_size=page_size) as llm:
         outs = one_by_one(llm, FORKS)
         assert [o.outputs[0].token_ids for o in outs] == reference(model, FORKS)
-        hit = len(SHARED) // page_size * page_size
+        hit = {8: 24, 6: 30}[page_size]
         assert [o.num_cached_tokens for o in outs] == [0, hit, hit]
         assert outs[1].cached_tokens_by_tier == {"device": hit}
 

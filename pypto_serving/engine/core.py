@@ -13,6 +13,7 @@ import torch
 from pypto_serving.config import EngineConfig
 from pypto_serving.distributed import (
     COLLECTIVE_TIMEOUT_S,
+    Group,
     set_collective_timeout,
     shutdown_distributed,
 )
@@ -147,13 +148,22 @@ class EngineCore:
     degraded: str | None = None
     """Serving with less than it started with (a DPEngine may lose replicas; this never)."""
 
-    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+    def __init__(self, config: EngineConfig, model_dir: Path, dp: Group | None = None) -> None:
+        """dp: this engine's place among the data-parallel replicas (engine/replica.py)."""
         config.validate()
-        self.config, self.model_dir = config, model_dir
+        self.config, self.model_dir, self.dp = config, model_dir, dp or Group()
         self._closed = False
         p = config.parallel
         if p.node_rank > 0:
             raise PyptoError("node_rank > 0 only hosts tensor-parallel ranks: run `pypto serve`")
+        self.lockstep = p.expert_parallel_over_dp
+        """DP attention + EP: this replica steps with the others (engine/replica.py), and
+        joins their MoE layers' exchanges when it has no tokens."""
+        if self.lockstep and self.dp.size != p.data_parallel_size:
+            raise PyptoError(
+                "DP attention + EP runs as data-parallel replicas (LLM with "
+                "data_parallel_size > 1), not as one EngineCore"
+            )
         self.workers: list[ChildProcess] = []
         self._threads = (os.sched_getaffinity(0), torch.get_num_threads())  # restored by close
         self._deadline = StartupDeadline.after(p.startup_timeout_s)
@@ -185,16 +195,23 @@ class EngineCore:
                 self._build_kernels_soon(load_model_config(self.model_dir))
             if not config.enforce_eager:
                 trust_cpu_vector_isa_soon()  # while the model loads; warm-up compiles for it
-        groups = join_group(config, 0, backend_for(config, own.device), self._deadline.left())
+        backend = backend_for(config, own.device)
+        groups = join_group(config, 0, backend, self._deadline.left(), self.dp)
         share = load_share(config, plan, self.model_dir, groups)  # as every rank does
         self.model, self.executor, self.native = share.model, share.executor, share.native
+        if self.lockstep and not self.model.held_experts:  # its MoE blocks are not RoutedExperts
+            raise PyptoError(
+                f"{self.model.cfg.architecture} does not support DP attention + expert "
+                "parallelism yet (enable_expert_parallel with data_parallel_size > 1)"
+            )
         self.model_config = cfg = self.model.cfg
         limits = [cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings]
         if isinstance(self.executor, PagedExecutor):
             if self.workers:  # warm-up steps are collective: wait until every rank follows
                 wait_ranks(self.workers, 1, Loaded, self._deadline)
-            self.executor.warmup(config.background_compile)
-        if p.ranks_per_engine > 1:  # started: collectives get the serving limit
+            # warm-up steps under DP attention + EP are collective: in the foreground
+            self.executor.warmup(config.background_compile and not self.lockstep)
+        if p.ranks_per_engine > 1 or self.lockstep:  # started: collectives get the serving limit
             set_collective_timeout(COLLECTIVE_TIMEOUT_S)
         if isinstance(self.executor, PagedExecutor):  # a request must fit the whole pool
             limits.append(self.executor.kv.capacity_tokens)
@@ -285,8 +302,10 @@ class EngineCore:
     @property
     def layer_costs(self) -> tuple[float, float]:
         """What a layer costs here, as `EngineStats.layer_costs` (zeros before a prefill
-        step, and off the paged executor)."""
-        if not isinstance(self.executor, PagedExecutor):
+        step, and off the paged executor). None learnt under DP attention + EP: a step's time
+        there includes waiting, at every MoE layer, for the other replicas' steps (as under TP,
+        whose steps the executor does not time)."""
+        if not isinstance(self.executor, PagedExecutor) or self.lockstep:
             return (0.0, 0.0)
         p = self.executor.progress
         return (p.attention_s_per_work, p.other_s_per_token)
@@ -309,11 +328,16 @@ class EngineCore:
             self._stop_workers()
             os.sched_setaffinity(0, self._threads[0])
             torch.set_num_threads(self._threads[1])
+        elif self.lockstep:
+            shutdown_distributed()
 
     def step(self) -> list[Request]:
         """One engine step; returns the requests that got a new token or finished."""
         out = self.scheduler.schedule()
         if not out.scheduled:
+            if self.lockstep:  # the other replicas' tokens may need this one's experts
+                with torch.inference_mode():
+                    self.model.join_expert_exchange()
             return []
         for s in out.scheduled:
             r = s.request

@@ -15,6 +15,11 @@ the others keep serving. `degraded` says so (the server's /health turns 503). A 
 polls the replica processes, so one that exits is noticed within REPLICA_CHECK_S even while
 the engine is idle (no step reads its pipe). Only when the last replica is lost does `step()`
 raise.
+
+Under DP attention + EP (`enable_expert_parallel` with data_parallel_size > 1) the replicas'
+MoE layers form one expert-parallel group over torch.distributed (they meet through a file in
+a private directory made here) and step together (engine/replica.py); requests are still
+routed to one replica each. One lost replica breaks the group: every replica is lost with it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import replace
@@ -60,9 +67,13 @@ class ReplicaDiedError(EngineDeadError):
     """Every replica process failed, exited or hung while serving."""
 
 
-def replica_specs(config: EngineConfig, model_dir: Path) -> list[ReplicaSpec]:
+def replica_specs(
+    config: EngineConfig, model_dir: Path, rendezvous: str | None = None
+) -> list[ReplicaSpec]:
     """Each replica's own engine config: its device(s), its share of the cores, its SSD dir.
-    With tensor or pipeline parallelism a replica gets the devices and cores of its ranks."""
+    With tensor or pipeline parallelism a replica gets the devices and cores of its ranks;
+    under DP attention + EP it keeps data_parallel_size (its MoE layers span the replicas,
+    which meet through the `rendezvous` file)."""
     p = config.parallel
     n, tp = p.data_parallel_size, p.ranks_per_engine
     plan = plan_devices(n * tp, p.device_list(), config.device)
@@ -76,11 +87,12 @@ def replica_specs(config: EngineConfig, model_dir: Path) -> list[ReplicaSpec]:
             cache = replace(cache, kv_ssd_dir=str(Path(cache.kv_ssd_dir) / f"dp{i}"))
         threads = config.num_threads or (len(cpus) if cpus and tp == 1 else None)
         devices = ",".join(d for d, _ in ranks) if tp > 1 else None
-        parallel = replace(p, data_parallel_size=1, devices=devices)
+        size = n if p.expert_parallel_over_dp else 1
+        parallel = replace(p, data_parallel_size=size, devices=devices)
         own = replace(
             config, device=ranks[0][0], num_threads=threads, cache=cache, parallel=parallel
         )
-        specs.append(ReplicaSpec(i, own, model_dir, cpus, level))
+        specs.append(ReplicaSpec(i, own, model_dir, cpus, level, n, rendezvous))
     return specs
 
 
@@ -91,11 +103,17 @@ class DPEngine:
         config.validate()
         self.config, self.model_dir = config, model_dir
         self.model_config = load_model_config(model_dir)
-        specs = replica_specs(config, model_dir)
+        self.lockstep = config.parallel.expert_parallel_over_dp
+        """DP attention + EP: the replicas step together; losing one loses them all."""
+        self._rendezvous: Path | None = None
+        if self.lockstep:  # errors before any process starts
+            self.model_config.parallel_shard(1, 1, ep=True)
+            self._rendezvous = Path(tempfile.mkdtemp(prefix="pypto-rendezvous-"))
+        store = None if self._rendezvous is None else str(self._rendezvous / "store")
         self._closed = False
         self.replicas: list[Replica] = []
         try:
-            for spec in specs:  # all start loading at once
+            for spec in replica_specs(config, model_dir, store):  # all start loading at once
                 self.replicas.append(Replica(spec))
             wait_ready(self.replicas, StartupDeadline.after(config.parallel.startup_timeout_s))
         except BaseException:
@@ -136,7 +154,9 @@ class DPEngine:
             "%d data-parallel replicas ready: %s",
             len(infos),
             ", ".join(
-                f"dp{r.index} pid {r.pid} on {i.device} ({i.num_threads} threads)"
+                f"dp{r.index} pid {r.pid} on {i.device} ({i.num_threads} threads"
+                + (f", experts {i.experts}" if self.lockstep else "")
+                + ")"
                 for r, i in zip(self.replicas, infos, strict=True)
             ),
         )
@@ -276,6 +296,9 @@ class DPEngine:
             request = self._requests.pop(rid)
             request.fail(message)
             self._changed.append(request)
+        if self.lockstep:  # the others' MoE layers cannot go on without its experts
+            for other in list(self._by_conn.values()):
+                self._lose(other, f"replica {replica.index} of its expert-parallel group stopped")
 
     def _apply(self, delta: TokenDelta) -> Request | None:
         request = self._requests.get(delta.request_id)
@@ -312,4 +335,6 @@ class DPEngine:
             r.request_stop()
         for r in self.replicas:
             r.stop()
+        if self._rendezvous is not None:
+            shutil.rmtree(self._rendezvous, ignore_errors=True)
         atexit.unregister(self.close)

@@ -9,6 +9,13 @@ The server (or offline `LLM`) process holds a `Replica` handle per process. Mess
 The channel and the process handling are engine/process.py's: a socketpair inherited by a
 fresh interpreter, never a listening socket. A replica whose parent goes away (its pipe
 closes) exits on its own: at its next message read or result write.
+
+Under DP attention + EP (`EngineCore.lockstep`) the replicas' MoE layers exchange tokens, so
+they step together (`_serve_lockstep`): before every step each says, in one MAX all-reduce,
+whether it has work and whether it is stopping. While any has work all step, and a replica
+with nothing scheduled joins each MoE layer's exchange with no tokens of its own; when none
+has work none steps (each waits LOCKSTEP_IDLE_S for a message, then they agree again); a
+replica told to stop stops them all at that agreement.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Any
 import torch
 
 from pypto_serving.config import EngineConfig
+from pypto_serving.distributed import Group, ParallelGroups, all_ranks_max, use_rendezvous
 from pypto_serving.engine.core import EngineCore, EngineStats
 from pypto_serving.engine.process import ChildProcess, StartFailed, StartupDeadline, describe
 from pypto_serving.errors import PyptoError
@@ -48,6 +56,10 @@ replica's, index *) take `seconds` longer: long steps that still make progress."
 HEARTBEAT_S = 1.0
 """Most time between a replica's heartbeats while its steps make progress (a quarter of
 step_timeout_s where that is shorter)."""
+LOCKSTEP_IDLE_S = 0.005
+"""DP attention + EP, no replica with work: how long each waits for a message before they
+agree again (the added latency of a request that arrives then; the cost of idling is one
+small all-reduce per period)."""
 
 
 @dataclass(slots=True)
@@ -61,6 +73,10 @@ class ReplicaSpec:
     cpus: list[int] | None = None
     """Cores to pin the process to (CPU replicas), None: no pinning."""
     log_level: int = logging.INFO
+    dp_size: int = 1
+    """The number of replicas (`index` is this one's rank among them)."""
+    rendezvous: str | None = None
+    """DP attention + EP: the file the replicas' torch.distributed group meets through."""
 
 
 @dataclass(slots=True)
@@ -93,6 +109,10 @@ class Ready:
     dtype: str
     num_threads: int
     stats: EngineStats
+    groups: ParallelGroups
+    """Its place in each parallel group (dp: its index and the replica count)."""
+    experts: list[int]
+    """The routed experts it holds ([] for a dense model)."""
 
 
 @dataclass(slots=True)
@@ -144,7 +164,9 @@ def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
         slow, _, seconds = os.environ.get(SLOW_LAYERS_ENV, "").partition(":")
         if slow in ("*", str(spec.index)):
             _slow_layers(float(seconds))
-        engine = EngineCore(spec.config, spec.model_dir)
+        if spec.rendezvous is not None:
+            use_rendezvous(spec.rendezvous)
+        engine = EngineCore(spec.config, spec.model_dir, Group(spec.index, spec.dp_size))
     except BaseException as e:  # reported to the parent, which stops every replica
         conn.send(StartFailed(os.getpid(), describe(e)))
         sys.exit(1)
@@ -160,6 +182,8 @@ def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
                 str(engine.dtype),
                 torch.get_num_threads(),
                 engine.stats(),
+                engine.model.groups,
+                engine.model.held_experts,
             )
         )
         serve(engine, conn)
@@ -214,7 +238,7 @@ def serve(engine: EngineCore, conn: Connection) -> None:
     """Apply the parent's messages between steps; block on the pipe only while idle."""
     beat = _Heartbeat(engine, conn, min(HEARTBEAT_S, engine.config.step_timeout_s / 4))
     try:
-        _serve(engine, conn, beat.send)
+        (_serve_lockstep if engine.lockstep else _serve)(engine, conn, beat.send)
     finally:
         beat.stop()
 
@@ -225,43 +249,80 @@ def _serve(engine: EngineCore, conn: Connection, send: Callable[[object], None])
             message = conn.recv()
             if message is None:
                 return
-            if isinstance(message, NewRequest):
-                engine.add_request(
-                    Request(
-                        message.request_id,
-                        message.prompt_token_ids,
-                        message.params,
-                        message.eos_token_ids,
-                        message.priority,
-                        message.arrival,
-                        message.arrival_time,
-                        cache_salt=message.cache_salt,
-                    )
-                )
-            else:
-                engine.abort(message.request_ids, message.reason)
+            _apply(engine, message)
+        if not _step(engine, send):
+            return
+
+
+def _serve_lockstep(engine: EngineCore, conn: Connection, send: Callable[[object], None]) -> None:
+    """DP attention + EP: step with the other replicas (see the module's docstring)."""
+    stopping = False
+    while True:
+        wait = 0.0 if engine.has_unfinished() else LOCKSTEP_IDLE_S
+        while not stopping and conn.poll(wait):
+            message = conn.recv()
+            stopping = message is None
+            if message is not None:
+                _apply(engine, message)
+            wait = 0.0
+        busy = engine.has_unfinished()
         try:
-            changed = engine.step()
-        except Exception as e:
-            log.exception("engine step failed")
+            any_busy, any_stopping = all_ranks_max([int(busy), int(stopping)])
+        except RuntimeError as e:  # a replica of the group is gone
             send(StepFailed(describe(e)))
             return
-        deltas = [
-            TokenDelta(
-                r.request_id,
-                Sampled(-1, 0.0, None, r.error)
-                if r.error is not None
-                else r.output_logprobs[-1]
-                if r.params.logprobs is not None
-                else Sampled(r.output_token_ids[-1], 0.0, None),
-                r.finish_reason if r.finished else None,
-                r.num_cached_tokens,
-                r.scheduled_time,
-                dict(r.cached_tokens_by_tier) if r.finished else {},
+        if any_stopping:
+            return
+        if any_busy and not _step(engine, send, report=busy):
+            return
+
+
+def _apply(engine: EngineCore, message: NewRequest | Abort) -> None:
+    if isinstance(message, NewRequest):
+        engine.add_request(
+            Request(
+                message.request_id,
+                message.prompt_token_ids,
+                message.params,
+                message.eos_token_ids,
+                message.priority,
+                message.arrival,
+                message.arrival_time,
+                cache_salt=message.cache_salt,
             )
-            for r in changed
-        ]
-        send(StepResult(deltas, engine.stats()))
+        )
+    else:
+        engine.abort(message.request_ids, message.reason)
+
+
+def _step(engine: EngineCore, send: Callable[[object], None], report: bool = True) -> bool:
+    """One engine step and its result to the parent (unless `report` is off: a replica with
+    no requests); False if it failed (reported)."""
+    try:
+        changed = engine.step()
+    except Exception as e:
+        log.exception("engine step failed")
+        send(StepFailed(describe(e)))
+        return False
+    if not report:
+        return True
+    deltas = [
+        TokenDelta(
+            r.request_id,
+            Sampled(-1, 0.0, None, r.error)
+            if r.error is not None
+            else r.output_logprobs[-1]
+            if r.params.logprobs is not None
+            else Sampled(r.output_token_ids[-1], 0.0, None),
+            r.finish_reason if r.finished else None,
+            r.num_cached_tokens,
+            r.scheduled_time,
+            dict(r.cached_tokens_by_tier) if r.finished else {},
+        )
+        for r in changed
+    ]
+    send(StepResult(deltas, engine.stats()))
+    return True
 
 
 class Replica(ChildProcess):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pypto_serving.config import EngineConfig
-from pypto_serving.distributed import ParallelGroups, init_distributed, resolve_groups
+from pypto_serving.distributed import Group, ParallelGroups, init_distributed, resolve_groups
 from pypto_serving.engine.plan import RunPlan
 from pypto_serving.executor.paged import PagedExecutor, build_paged_executor
 from pypto_serving.executor.reference import ReferenceExecutor
@@ -30,17 +30,25 @@ class Share:
     """Its decodes of a few run through the native decode step."""
 
 
-def join_group(config: EngineConfig, rank: int, backend: str, timeout_s: float) -> ParallelGroups:
-    """Join the engine's torch.distributed group (within `timeout_s`) as `rank`; this rank's
-    place in each of its groups (TP, PP, EP)."""
-    p = config.parallel
-    init_distributed(rank, p.ranks_per_engine, backend, timeout_s)
+def join_group(
+    config: EngineConfig, rank: int, backend: str, timeout_s: float, dp: Group | None = None
+) -> ParallelGroups:
+    """Join the engine's torch.distributed group (within `timeout_s`) as `rank` of replica
+    `dp`; this rank's place in each of its groups (TP, PP, DP, EP). Under DP attention + EP
+    the group is the replicas: this replica joins as rank dp.rank of dp.size."""
+    p, dp = config.parallel, dp or Group()
+    if p.expert_parallel_over_dp:
+        init_distributed(dp.rank, dp.size, backend, timeout_s)
+    else:
+        init_distributed(rank, p.ranks_per_engine, backend, timeout_s)
     return resolve_groups(
         rank,
         p.tensor_parallel_size,
         p.pipeline_parallel_size,
         p.enable_expert_parallel,
         p.expert_placement_strategy,
+        dp,
+        p.all2all_backend,
     )
 
 

@@ -25,14 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pypto_serving.distributed import Group, ParallelGroups, tp_all_reduce
+from pypto_serving.distributed import Group, ParallelGroups
 from pypto_serving.kv.kinds import AttentionKind, mla
 from pypto_serving.models.config import ModelConfig
-from pypto_serving.models.llama import MLP, CausalLM, DecoderLayer
+from pypto_serving.models.llama import MLP, CausalLM, DecoderLayer, RoutedExperts
 from pypto_serving.ops.activation import silu_and_mul
 from pypto_serving.ops.attention import KVAttention
 from pypto_serving.ops.linear import Linear, RowParallelLinear
-from pypto_serving.ops.moe import expert_placement, moe_experts, route_grouped
+from pypto_serving.ops.moe import route_grouped
 from pypto_serving.ops.norm import RMSNorm
 from pypto_serving.ops.rope import apply_rope
 
@@ -128,27 +128,20 @@ class SharedExperts(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
-class DeepseekMoE(nn.Module):
+class DeepseekMoE(RoutedExperts):
     """Routed experts (this rank's, under expert parallelism) plus the shared experts."""
 
+    float32_routing: ClassVar[bool] = True
+
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
-        super().__init__()
-        ep = groups.ep
+        super().__init__(cfg, groups)
         self.gate = Router(cfg)
-        self.held = expert_placement(cfg.num_experts, ep.rank, ep.size, groups.expert_placement)
-        """Global ids of the experts this rank holds, in the order of the stacks below."""
-        n, size, hidden = len(self.held), cfg.moe_intermediate_size, cfg.hidden_size
-        self.experts_gate_up = nn.Parameter(torch.empty(n, 2 * size, hidden))
-        self.experts_down = nn.Parameter(torch.empty(n, hidden, size))
         self.shared_experts = SharedExperts(cfg) if cfg.shared_intermediate_size else None
-        self.reduce = ep.size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
-        out = moe_experts(x, ids, weights, self.experts_gate_up, self.experts_down, self.held)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x).float()
-        return tp_all_reduce(out) if self.reduce else out
+        shared = None if self.shared_experts is None else self.shared_experts(x).float()
+        return self.experts(x, ids, weights, shared)
 
 
 class DeepseekDecoderLayer(DecoderLayer):

@@ -26,7 +26,7 @@ from torch import nn
 from pypto_serving.distributed import ParallelGroups
 from pypto_serving.kv.kinds import AttentionKind, compressed
 from pypto_serving.models.config import CompressedAttentionConfig, ModelConfig
-from pypto_serving.models.llama import CausalLM, Decoder, DecoderLayer
+from pypto_serving.models.llama import CausalLM, Decoder, DecoderLayer, RoutedExperts
 from pypto_serving.ops.attention import KVAttention
 from pypto_serving.ops.hyper_connection import (
     hyper_head,
@@ -35,7 +35,7 @@ from pypto_serving.ops.hyper_connection import (
     unweighted_rms_norm,
 )
 from pypto_serving.ops.linear import Linear
-from pypto_serving.ops.moe import clamp_swiglu, expert_placement, moe_experts, route_scored
+from pypto_serving.ops.moe import clamp_swiglu, route_scored
 from pypto_serving.ops.norm import RMSNorm
 from pypto_serving.ops.rope import apply_rope_interleaved, rope_angles
 
@@ -202,21 +202,18 @@ class Gate(nn.Module):
             self.bias = nn.Parameter(torch.empty(cfg.num_experts))
 
 
-class V4MoE(nn.Module):
+class V4MoE(RoutedExperts):
     """Routed experts (this rank's, under expert parallelism) plus the shared expert."""
 
+    float32_routing: ClassVar[bool] = True
+
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, index: int) -> None:
-        super().__init__()
+        super().__init__(cfg, groups)
         v4 = cfg.compressed
         assert v4 is not None
-        self.cfg, self.v4, ep = cfg, v4, groups.ep
+        self.v4, self.swiglu_limit = v4, v4.swiglu_limit
         self.hashed = index in v4.hash_layers
         self.gate = Gate(cfg, self.hashed)
-        self.held = expert_placement(cfg.num_experts, ep.rank, ep.size, groups.expert_placement)
-        """Global ids of the experts this rank holds, in the order of the stacks below."""
-        n, size, hidden = len(self.held), cfg.moe_intermediate_size, cfg.hidden_size
-        self.experts_gate_up = nn.Parameter(torch.empty(n, 2 * size, hidden))
-        self.experts_down = nn.Parameter(torch.empty(n, hidden, size))
         self.shared_experts = SharedExpert(cfg, v4.swiglu_limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -232,16 +229,7 @@ class V4MoE(nn.Module):
             fixed,
             cfg.routed_scaling_factor,
         )
-        out = moe_experts(
-            x,
-            ids,
-            weights,
-            self.experts_gate_up,
-            self.experts_down,
-            self.held,
-            self.v4.swiglu_limit,
-        )
-        return out + self.shared_experts(x).float()
+        return self.experts(x, ids, weights, self.shared_experts(x).float())
 
 
 class V4DecoderLayer(DecoderLayer):

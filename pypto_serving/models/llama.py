@@ -17,13 +17,19 @@ from typing import ClassVar, cast
 import torch
 from torch import nn
 
-from pypto_serving.distributed import Group, ParallelGroups, tp_all_gather, tp_all_reduce
+from pypto_serving.distributed import Group, ParallelGroups, tp_all_gather
 from pypto_serving.kv.kinds import AttentionKind, gqa
 from pypto_serving.models.config import ModelConfig
 from pypto_serving.ops.activation import silu_and_mul
 from pypto_serving.ops.attention import KVAttention
 from pypto_serving.ops.linear import Linear, RowParallelLinear, VocabParallelEmbedding
-from pypto_serving.ops.moe import expert_placement, moe_experts, route
+from pypto_serving.ops.moe import (
+    expert_owners,
+    expert_placement,
+    join_exchange,
+    route,
+    routed_experts,
+)
 from pypto_serving.ops.norm import RMSNorm
 from pypto_serving.ops.rope import apply_rope, rope_cos_sin
 
@@ -67,26 +73,74 @@ class MLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
-class MoE(nn.Module):
-    """Qwen3-MoE's sparse block: a router (replicated) and the experts this rank holds (all of
-    them, or its share under expert parallelism, then summed over the ranks)."""
+class RoutedExperts(nn.Module):
+    """The routed experts a rank holds (all of them, or its share under expert parallelism)
+    and how it reaches the others' (`ops/moe.py`'s `routed_experts`, by the groups'
+    `expert_exchange`). A model's MoE block subclasses it with its router."""
+
+    float32_routing: ClassVar[bool] = False
+    """The router's weights are float32 (else the model's dtype)."""
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
         super().__init__()
         self.cfg, ep = cfg, groups.ep
-        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.held = expert_placement(cfg.num_experts, ep.rank, ep.size, groups.expert_placement)
         """Global ids of the experts this rank holds, in the order of the stacks below."""
         n, size, hidden = len(self.held), cfg.moe_intermediate_size, cfg.hidden_size
         self.experts_gate_up = nn.Parameter(torch.empty(n, 2 * size, hidden))
         self.experts_down = nn.Parameter(torch.empty(n, hidden, size))
-        self.reduce = ep.size > 1
+        self.exchange = groups.expert_exchange
+        self.owners = expert_owners(cfg.num_experts, ep.size, groups.expert_placement)
+        self.swiglu_limit = 0.0
+        """Clamp the experts' gate and up projections (DeepSeek-V4's; 0: none)."""
+
+    def experts(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        partial: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Every token's routed experts' weighted outputs (plus `partial`), float32 [T, H]."""
+        gate_up, down = self.experts_gate_up, self.experts_down
+        return routed_experts(
+            x,
+            ids,
+            weights,
+            gate_up,
+            down,
+            self.held,
+            self.exchange,
+            self.owners,
+            partial,
+            self.swiglu_limit,
+        )
+
+    def join_idle(self) -> None:
+        """DP attention + EP, no tokens here this step: join the layer's token exchange."""
+        dtype = torch.float32 if self.float32_routing else self.experts_gate_up.dtype
+        join_exchange(
+            self.experts_gate_up,
+            self.experts_down,
+            self.held,
+            self.cfg.num_experts_per_tok,
+            self.exchange,
+            dtype,
+            self.swiglu_limit,
+        )
+
+
+class MoE(RoutedExperts):
+    """Qwen3-MoE's sparse block: a router (replicated) and the routed experts."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
+        super().__init__(cfg, groups)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         ids, weights = route(self.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob, x.dtype)
-        out = moe_experts(x, ids, weights, self.experts_gate_up, self.experts_down, self.held)
-        return tp_all_reduce(out) if self.reduce else out
+        return self.experts(x, ids, weights)
 
 
 class DecoderLayer(nn.Module):
@@ -205,6 +259,22 @@ class CausalLM(nn.Module):
                 else run_layer(layer, hidden, cos, sin, kv)
             )
         return hidden if self.model.norm is None else self.model.norm(hidden)
+
+    @property
+    def held_experts(self) -> list[int]:
+        """The routed experts this rank holds (every MoE layer holds the same); [] if dense."""
+        for module in self.modules():
+            if isinstance(module, RoutedExperts):
+                return list(module.held)
+        return []
+
+    def join_expert_exchange(self) -> None:
+        """DP attention + EP, a replica with no tokens this step: join every MoE layer's
+        token exchange in layer order, as a forward would (its experts compute the other
+        replicas' tokens); no attention, no KV page touched."""
+        for module in self.model.modules():  # in layer order
+            if isinstance(module, RoutedExperts):
+                module.join_idle()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the given hidden states [N, hidden] (last stage)."""

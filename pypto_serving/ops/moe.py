@@ -5,13 +5,30 @@ The expert computation is one opaque custom op, `pypto::moe_experts`: which toke
 which expert is data, so a compiled graph calls it like the attention op and stays one graph
 per shape. A rank holds some of the experts (all of them without expert parallelism); the op
 sums, for every token, the weighted outputs of the experts held here that the token was
-routed to, and the model adds the ranks' sums with an all-reduce.
+routed to. How the other ranks' experts are reached is `routed_experts`' (the group's
+`expert_exchange`): under TP every rank has every token, and their sums are added with an
+all-reduce; under DP attention + EP each replica has its own tokens, and `pypto::moe_dispatch`
+sends them to the replicas holding their experts and brings the results back:
+
+    all_to_all:               token rows ──all-to-all──▶ owners' experts ──all-to-all──▶ back
+    allgather_reducescatter:  all tokens gathered everywhere, each rank's experts on all of
+                              them, a reduce-scatter returns each rank its own tokens' sums
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from pypto_serving.distributed import (
+    all_gather_rows,
+    all_ranks_max,
+    all_to_all_back,
+    all_to_all_rows,
+    ranks_in_world,
+    reduce_scatter_rows,
+    tp_all_reduce,
+)
 
 PLACEMENTS = ("linear", "round_robin")
 
@@ -22,6 +39,15 @@ def expert_placement(num_experts: int, rank: int, size: int, strategy: str) -> l
     if strategy == "round_robin":
         return list(range(rank, num_experts, size))
     return list(range(num_experts * rank // size, num_experts * (rank + 1) // size))
+
+
+def expert_owners(num_experts: int, size: int, strategy: str) -> list[int]:
+    """The rank of `size` holding each expert (`expert_placement`'s inverse)."""
+    owners = [0] * num_experts
+    for rank in range(size):
+        for expert in expert_placement(num_experts, rank, size, strategy):
+            owners[expert] = rank
+    return owners
 
 
 @torch.library.custom_op("pypto::moe_experts", mutates_args=())
@@ -69,6 +95,132 @@ def clamp_swiglu(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V4's clamped SwiGLU inputs: the gate at most `limit`, up within +-limit."""
     return gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+
+
+def routed_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    expert_ids: list[int],
+    exchange: str,
+    owners: list[int],
+    partial: torch.Tensor | None = None,
+    swiglu_limit: float = 0.0,
+) -> torch.Tensor:
+    """Every token's weighted expert outputs [T, H] float32, plus `partial` (DeepSeek's
+    shared experts: under TP this rank's columns' partial sum, joining the same all-reduce).
+    exchange: the groups' `expert_exchange`; owners: each expert's rank in the EP group;
+    swiglu_limit: as `moe_experts`'."""
+    experts = (gate_up, down, expert_ids)
+    if exchange in ("none", "all_reduce"):
+        out = moe_experts(x, topk_ids, topk_weights, *experts, swiglu_limit)
+        out = out if partial is None else out + partial
+        return tp_all_reduce(out) if exchange == "all_reduce" else out
+    out = moe_dispatch(x, topk_ids, topk_weights, *experts, owners, exchange, swiglu_limit)
+    return out if partial is None else out + partial
+
+
+def join_exchange(
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    expert_ids: list[int],
+    top_k: int,
+    exchange: str,
+    weight_dtype: torch.dtype,
+    swiglu_limit: float = 0.0,
+) -> None:
+    """DP attention + EP, a replica with no tokens this step: run its part of the layer's
+    exchange with none of its own (its experts compute the other replicas' tokens, weighted
+    in `weight_dtype`, the routing weights' dtype of the model's router)."""
+    x = gate_up.new_empty(0, gate_up.shape[-1])
+    ids = torch.empty(0, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(0, top_k, dtype=weight_dtype, device=x.device)
+    moe_dispatch(x, ids, weights, gate_up, down, expert_ids, [], exchange, swiglu_limit)
+
+
+@torch.library.custom_op("pypto::moe_dispatch", mutates_args=())
+def moe_dispatch(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    expert_ids: list[int],
+    owners: list[int],
+    backend: str,
+    swiglu_limit: float = 0.0,
+) -> torch.Tensor:
+    """DP attention + EP: this rank's tokens x [T, H], routed to topk_ids with topk_weights
+    [T, k], through the experts wherever they are held (owners: each expert's rank; [] when
+    T is 0). Every rank of the EP group calls it once per MoE layer and step. Returns [T, H]
+    float32; all_to_all adds each token's expert outputs in the order of the expert ids, as
+    `moe_experts` does on one rank (the experts' matmuls, over other row counts, may round
+    differently)."""
+    x, topk_ids = x.to(gate_up.dtype), topk_ids.long()  # the same dtypes on every rank
+    if backend == "allgather_reducescatter":
+        return _gather_scatter(x, topk_ids, topk_weights, gate_up, down, expert_ids, swiglu_limit)
+    num, k = topk_ids.shape
+    world = ranks_in_world()
+    owner = torch.tensor(owners or [0], dtype=torch.int64, device=x.device)[topk_ids.flatten()]
+    order = torch.argsort(owner, stable=True)  # (token, slot) pairs grouped by owner
+    token = order // k
+    counts = torch.bincount(owner, minlength=world).tolist()
+    rows, recv_counts = all_to_all_rows(x[token], counts)
+    chosen = [topk_ids.flatten()[order].float(), topk_weights.flatten()[order].float()]
+    choice, _ = all_to_all_rows(torch.stack(chosen, 1), counts, recv_counts)  # id, weight
+    ids, weights = choice[:, :1].long(), choice[:, 1:].to(topk_weights.dtype)
+    y = moe_experts(rows, ids, weights, gate_up, down, expert_ids, swiglu_limit)
+    back = all_to_all_back(y, recv_counts, counts)
+    pairs = torch.empty_like(back).index_copy_(0, order, back).view(num, k, x.shape[-1])
+    slots = torch.argsort(topk_ids, dim=1)  # each token's experts in id order
+    out = torch.zeros(num, x.shape[-1], dtype=torch.float32, device=x.device)
+    for s in range(k):
+        out += pairs[torch.arange(num, device=x.device), slots[:, s]]
+    return out
+
+
+def _gather_scatter(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    expert_ids: list[int],
+    swiglu_limit: float,
+) -> torch.Tensor:
+    """allgather_reducescatter: every rank's tokens (padded to the most any rank has, the
+    padding routed to no expert) through this rank's experts, summed over the ranks."""
+    num = len(topk_ids)
+    rows = all_ranks_max([num])[0]
+    if rows == 0:
+        return torch.zeros(0, x.shape[-1], dtype=torch.float32, device=x.device)
+    pad = rows - num
+    ids = F.pad(topk_ids, (0, 0, 0, pad), value=-1)
+    weights = F.pad(topk_weights.float(), (0, 0, 0, pad))
+    every_x = all_gather_rows(F.pad(x, (0, 0, 0, pad)), rows)
+    every_ids, every_weights = all_gather_rows(ids, rows), all_gather_rows(weights, rows)
+    every_weights = every_weights.to(topk_weights.dtype)
+    partial = moe_experts(
+        every_x, every_ids, every_weights, gate_up, down, expert_ids, swiglu_limit
+    )
+    return reduce_scatter_rows(partial)[:num]
+
+
+@moe_dispatch.register_fake
+def _(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    expert_ids: list[int],
+    owners: list[int],
+    backend: str,
+    swiglu_limit: float = 0.0,
+) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=torch.float32, device=x.device)
 
 
 def route(
