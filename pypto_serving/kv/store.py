@@ -411,7 +411,7 @@ class PagedKVStore:
         if load_s <= len(lower) * self.page_size * self.costs.recompute_s_per_token:
             return hits
         first = next(i for i, h in enumerate(hits) if h.tier is not None)
-        return hits[:first] if all(h.page_id >= 0 for h in hits[:first]) else []
+        return hits[:first]
 
     def _cut(self, hits: list[_Hit], end: int) -> list[_Hit]:
         """Keep hits[:end]; release the device pages acquired beyond it."""

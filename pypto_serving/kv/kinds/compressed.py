@@ -40,6 +40,9 @@ from pypto_serving.ops.attention import DenseKV, KVAttention
 
 NAME = "compressed"
 ROWS, ENTRIES = "compressed-rows", "compressed-entries"
+QUERY_BLOCK = 256
+"""A prefill chunk's queries attend in blocks of this many, each over its band of the window's
+rows (block + window keys, not chunk + window)."""
 """The names of the kind's two caches' specs (they key the SSD tier's folders apart)."""
 
 Pool = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -258,8 +261,9 @@ class CompressedStep(StepAttention):
     """The kind's operator over one step: StepAttention's block table and slot mapping over
     the rows' pages (-1 where the window has given a page back), and the entries' block table.
     Each layer (`attend_layer`) writes its new rows, pools the windows its sequences complete
-    into their entries' pages, and attends each sequence over the rows of its window and its
-    entries: the dense oracle's arithmetic on what the pages hold."""
+    into their entries' pages, and attends each sequence's queries, a block at a time, over
+    the band of rows their windows cover and the entries: the dense oracle's arithmetic on
+    what the pages hold."""
 
     def __init__(
         self,
@@ -308,30 +312,57 @@ class CompressedStep(StepAttention):
         rows.index_copy_(0, self.slot_mapping, fresh.to(rows.dtype))
         outs = []
         for b, (first, count, ctx) in enumerate(self.spans):
-            tokens, start = slice(first, first + count), ctx - count
-            lo = max(start - window + 1, 0)
-            if compression is not None:  # and the rows of the windows it may pool now
+            start = ctx - count
+            entries: tuple[torch.Tensor, torch.Tensor | None] | None = None
+            if compression is not None:  # pool what completes now; every entry so far
                 lead = 2 if compression.indexer is not None else 1
-                lo = min(lo, max(start // compression.ratio - lead + 1, 0) * compression.ratio)
-            seq_rows = rows[self._slots(b, lo, ctx)].float()  # positions lo .. ctx - 1
-            positions = self.positions[tokens]
-            j = torch.arange(lo, ctx, device=q.device)[None, :]
-            bias = masked_bias((j <= positions[:, None]) & (j > positions[:, None] - window))
-            keys = seq_rows[:, : raw.shape[1]]
-            if compression is not None:
-                entries, index_keys = self._entries(b, layer, compression, seq_rows, lo, start)
-                seen = window_seen(positions, len(entries), compression.ratio)
-                if compression.indexer is not None and index_keys is not None:
-                    indexer = compression.indexer
-                    mine = replace(indexer, q=indexer.q[tokens], weights=indexer.weights[tokens])
-                    seen = indexer_choice(mine, index_keys, seen)
-                keys = torch.cat([keys, entries.float()])
-                bias = torch.cat([bias, masked_bias(seen)], dim=1)
-            outs.append(sink_attention(q[tokens], keys, bias, sinks))
+                lo = max(start // compression.ratio - lead + 1, 0) * compression.ratio
+                seq_rows = rows[self._slots(b, lo, ctx)].float()
+                entries = self._entries(b, layer, compression, seq_rows, lo, start)
+            for q_start in range(start, ctx, QUERY_BLOCK):  # the window: a band of keys
+                q_end = min(q_start + QUERY_BLOCK, ctx)
+                tokens = slice(first + q_start - start, first + q_end - start)
+                outs.append(
+                    self._attend_block(
+                        b, tokens, q, rows, raw.shape[1], sinks, window, compression, entries
+                    )
+                )
         self.layers += 1
         if self.progress is not None:
             self.progress.layers += 1
         return torch.cat(outs)
+
+    def _attend_block(
+        self,
+        b: int,
+        tokens: slice,
+        q: torch.Tensor,
+        rows: torch.Tensor,
+        dim: int,
+        sinks: torch.Tensor,
+        window: int,
+        compression: Compression | None,
+        entries: tuple[torch.Tensor, torch.Tensor | None] | None,
+    ) -> torch.Tensor:
+        """Queries `tokens` of sequence b over the raw rows of their windows (a band) and,
+        for a compressed layer, the entries their windows completed (CSA: the indexer's
+        choice among them)."""
+        positions = self.positions[tokens]
+        first, last = int(positions[0]), int(positions[-1])
+        lo = max(first - window + 1, 0)
+        keys = rows[self._slots(b, lo, last + 1), :dim].float()
+        j = torch.arange(lo, last + 1, device=q.device)[None, :]
+        bias = masked_bias((j <= positions[:, None]) & (j > positions[:, None] - window))
+        if compression is not None and entries is not None:
+            values, index_keys = entries
+            seen = window_seen(positions, len(values), compression.ratio)
+            indexer = compression.indexer
+            if indexer is not None and index_keys is not None:
+                mine = replace(indexer, q=indexer.q[tokens], weights=indexer.weights[tokens])
+                seen = indexer_choice(mine, index_keys, seen)
+            keys = torch.cat([keys, values.float()])
+            bias = torch.cat([bias, masked_bias(seen)], dim=1)
+        return sink_attention(q[tokens], keys, bias, sinks)
 
     def _slots(self, b: int, lo: int, hi: int) -> torch.Tensor:
         """The rows' slots of sequence b's positions lo .. hi - 1."""
