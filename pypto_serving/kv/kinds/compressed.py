@@ -25,6 +25,7 @@ length restores it by keeping those rows (docs/attention_kinds.md).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -121,8 +122,10 @@ def entry_slots(
     return table[page], w - page * page_size // ratio
 
 
+@functools.cache
 def layout(cfg: Any, num_layers: int, page_size: int) -> Layout:
-    """The layout of this model's layers (`cfg.compressed`)."""
+    """The layout of this model's layers (`cfg.compressed`), worked out once (every step's
+    operator asks for it)."""
     v4, dim = cfg.compressed, cfg.head_dim
     rows, entries, index_keys = [], [], []
     row = flat = 0
