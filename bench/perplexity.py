@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from pypto_serving import LLM, SamplingParams
+from pypto_serving.device import linear_packing
 from pypto_serving.kv.paged_attention import StepAttention
 from pypto_serving.models.default_model import resolve_model_path
 from pypto_serving.models.loader import load_model, load_tokenizer
@@ -104,7 +105,9 @@ def main() -> int:
         if variant == "int4-native":
             model = LLM(str(model_dir), quantization="int4", enforce_eager=True)
         else:
-            model = load_model(model_dir, dtype, torch.device("cpu"), None, quantization)
+            cpu = torch.device("cpu")  # bf16 packed as the engine packs it (panels on AVX2)
+            pack = linear_packing(cpu, dtype)
+            model = load_model(model_dir, dtype, cpu, None, quantization, pack=pack)
         for name, chunks in texts.items():
             nll, count, top = (score_native if variant == "int4-native" else score)(model, chunks)
             reference.setdefault(name, top)

@@ -29,7 +29,7 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 # The CPU's instruction sets, decided here for the whole package: dtype "auto", oneDNN's bf16
-# packing (use_packed_linear), the native kernels' -march (native/__init__.py) and Inductor's
+# packing (linear_packing), the native kernels' -march (native/__init__.py) and Inductor's
 # vector width (executor/compiled.py) all ask `cpu_flags()` / `cpu_isa()`.
 
 CPU_ISA_ENV = "PYPTO_CPU_ISA"
@@ -45,8 +45,10 @@ _V2 = frozenset(
     | {"cx16", "lahf_lm", "popcnt", "pni", "ssse3", "sse4_1", "sse4_2"}
 )
 _V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
-LEVEL_FLAGS = {"default": _V2, "avx2": _V3}
-"""The flags (/proc/cpuinfo's names) an x86 level keeps: x86-64-v2's and x86-64-v3's."""
+LEVEL_FLAGS = {"default": _V2, "avx2": _V3 | {"avx_vnni"}}
+"""The flags (/proc/cpuinfo's names) an x86 level keeps: x86-64-v2's, and x86-64-v3's with
+AVX-VNNI (the 256-bit int8 dot products of Intel's AVX2 cores since Alder Lake), where the CPU
+has it."""
 _LEVEL_NEEDS = {
     "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
     "avx2": {"avx2", "fma", "f16c"},
@@ -118,12 +120,16 @@ def cpu_isa() -> str:
     return next((isa for isa, needs in _LEVEL_NEEDS.items() if needs <= flags), "default")
 
 
-def cpu_march() -> str:
-    """The C++ compiler's -march for code built for `cpu_isa()` (the native kernels): native at
-    AVX-512 and off x86; below, the x86-64 level itself, as -march=native would take features
-    a cap masks (or the host's under an emulator, where the compiler runs on the host)."""
-    levels = {"avx2": "-march=x86-64-v3", "default": "-march=x86-64-v2"}
-    return levels.get(cpu_isa(), "-march=native") if _is_x86() else "-march=native"
+def cpu_march() -> tuple[str, ...]:
+    """The C++ compiler's flags for code built for `cpu_isa()` (the native kernels): -march=
+    native at AVX-512 and off x86; below, the x86-64 level itself, as -march=native would take
+    features a cap masks (or the host's under an emulator, where the compiler runs on the
+    host), and at AVX2 AVX-VNNI where `cpu_flags()` has it."""
+    if not _is_x86() or cpu_isa() == "avx512":
+        return ("-march=native",)
+    if cpu_isa() == "default":
+        return ("-march=x86-64-v2",)
+    return ("-march=x86-64-v3", *(["-mavxvnni"] if "avx_vnni" in cpu_flags() else []))
 
 
 def cpu_has_native_bf16() -> bool:
@@ -164,14 +170,32 @@ def int8_weight_max() -> int:
     return 127 if dot and not _int8_gemm_saturates() else 64
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' is bfloat16 on CUDA and on CPUs with native bf16, else float32."""
+def resolve_dtype(name: str, device: torch.device, native: bool = False) -> torch.dtype:
+    """'auto' is `auto_dtype`'s choice; else the dtype named."""
     if name == "auto":
-        native = device.type == "cuda" or cpu_has_native_bf16()
-        return torch.bfloat16 if native else torch.float32
+        return auto_dtype(device, native)[0]
     if name not in DTYPES:
         raise PyptoError(f"unsupported dtype {name!r}; choose one of: auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def auto_dtype(device: torch.device, native: bool = False) -> tuple[torch.dtype, str]:
+    """The fastest correct dtype here, and why: bfloat16 on CUDA and on CPUs that compute it
+    natively (AVX512-BF16, AMX); also on x86 CPUs with AVX2 when the native kernels can be
+    built (`native`): bf16 weights are half the bytes a token reads, and the kernels compute
+    them in float32 (native/gemm.cpp, native/decode.cpp). Else float32: PyTorch's own bf16
+    matmuls there run at a fifth of its float32 ones."""
+    if device.type == "cuda":
+        return torch.bfloat16, "CUDA computes bf16"
+    if cpu_has_native_bf16():
+        return torch.bfloat16, "the CPU computes bf16 (AVX512-BF16 or AMX)"
+    if native and cpu_isa() in ("avx2", "avx512"):
+        return (
+            torch.bfloat16,
+            f"bf16 weights computed in float32 by the native kernels ({cpu_isa()})",
+        )
+    why = "no C++ compiler for the native kernels" if not native else f"ISA {cpu_isa()}"
+    return torch.float32, f"no bf16 compute here ({why})"
 
 
 def default_num_threads() -> int:
@@ -179,10 +203,14 @@ def default_num_threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def use_packed_linear(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether linear weights can be repacked for oneDNN: CPU, bf16, a CPU oneDNN packs bf16
-    on (`cpu_packs_bf16`). Whether they are is the run plan's choice (engine/plan.py)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and cpu_packs_bf16()
+def linear_packing(device: torch.device, dtype: torch.dtype) -> str | None:
+    """How bf16 linear weights can be packed for wide matmuls here: "onednn" where oneDNN
+    packs bf16 (`cpu_packs_bf16`), "panels" on other CPUs (the native GEMM, native/gemm.cpp,
+    if it builds), None off the CPU or for other dtypes. Whether they are is the run plan's
+    choice (engine/plan.py)."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    return "onednn" if cpu_packs_bf16() else "panels"
 
 
 def use_native_attention(device: torch.device) -> bool:

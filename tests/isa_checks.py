@@ -2,8 +2,9 @@
 ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 are in its environment before torch
 loads, so torch's kernels (oneDNN's int8 GEMM among them) run their AVX2 code too.
 
-`python isa_checks.py MODEL_DIR`: the decisions of an AVX2 CPU are taken (no oneDNN bf16
-packing, 7-bit w8a8 weights, native kernels for x86-64-v3), then bf16, each quantization and
+`python isa_checks.py MODEL_DIR`: the decisions of an AVX2 CPU are taken (bf16 weights in
+panels for the native GEMM instead of oneDNN's packing, 7-bit w8a8 weights, native kernels for
+x86-64-v3), then bf16, each quantization and
 the int8 KV cache follow the same engine in float32, greedy, by the top-5 rule of the bf16
 tests. Prints one line per run; exits non-zero (an assertion) on a difference.
 """
@@ -24,11 +25,12 @@ from pypto_serving.device import (
     cpu_isa,
     cpu_march,
     int8_weight_max,
-    use_packed_linear,
+    linear_packing,
 )
 from pypto_serving.ops.linear import Linear, int8_linear, quantize_w8a8
 
 RUNS: dict[str, dict[str, str]] = {
+    "auto": {"dtype": "auto"},  # bf16 weights, computed in float32 by the native kernels
     "bfloat16": {},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
@@ -42,9 +44,9 @@ KNOBS = {"enforce_eager": True, "num_kv_pages": 64, "page_size": 16}
 def check_decisions() -> None:
     """The AVX2 decisions, and torch itself on its AVX2 code."""
     assert torch.backends.cpu.get_cpu_capability() == "AVX2"
-    assert cpu_isa() == "avx2" and cpu_march() == "-march=x86-64-v3"
+    assert cpu_isa() == "avx2" and cpu_march() == ("-march=x86-64-v3",)
     assert not any(f.startswith(("avx512", "amx")) for f in cpu_flags())
-    assert not use_packed_linear(torch.device("cpu"), torch.bfloat16)
+    assert linear_packing(torch.device("cpu"), torch.bfloat16) == "panels"
     assert int8_weight_max() == 64
     # oneDNN's AVX2 int8 GEMM sums pairs of products in int16: 7-bit weights keep it exact
     torch.manual_seed(0)
@@ -65,13 +67,17 @@ def main(model_dir: str) -> None:
     with LLM(model_dir, dtype="float32", **KNOBS) as llm:
         expected = llm.generate(prompts, params, use_tqdm=False)
     for name, extra in RUNS.items():
-        with LLM(model_dir, dtype="bfloat16", **KNOBS, **extra) as llm:
+        with LLM(model_dir, **({"dtype": "bfloat16"} | KNOBS | extra)) as llm:
             got = llm.generate(prompts, params, use_tqdm=False)
             linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
-            assert all(m.packed is None for m in linears)
+            # bf16 weights in panels for the native GEMM (w8a8's wide matmuls run in int8)
+            wide_int8 = name.endswith("w8a8")
+            assert all((m.packed is None) == wide_int8 for m in linears)
+            assert all(m.packed is None or not m.packed.is_mkldnn for m in linears)
             if name.endswith("w8a8"):
                 assert all(m.int8[0].abs().max() <= 64 for m in linears)
             native = llm.engine.native
+            assert llm.engine.dtype == torch.bfloat16  # auto too, the native kernels at hand
         diverged = assert_top5_rule(expected, got)
         print(f"{name}: follows float32 (diverged {diverged}/{len(prompts)}, native {native})")
 

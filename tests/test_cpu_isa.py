@@ -31,13 +31,14 @@ from test_native_attention import (
 from pypto_serving import device, native
 from pypto_serving.device import (
     LEVEL_FLAGS,
+    auto_dtype,
     cpu_flags,
     cpu_isa,
     cpu_march,
     cpu_packs_bf16,
     int8_weight_max,
+    linear_packing,
     resolve_dtype,
-    use_packed_linear,
 )
 from pypto_serving.errors import PyptoError
 from pypto_serving.executor.compiled import trust_cpu_vector_isa
@@ -60,9 +61,13 @@ def test_the_avx2_cap_masks_the_flags_to_x86_64_v3(monkeypatch):
     assert flags <= LEVEL_FLAGS["avx2"] and {"avx2", "fma", "f16c", "bmi2"} <= flags
     assert not any(f.startswith(("avx512", "amx")) for f in flags) and not flags & AVX512_ONLY
     cpu = torch.device("cpu")
-    assert cpu_isa() == "avx2" and cpu_march() == "-march=x86-64-v3"
-    assert not cpu_packs_bf16() and not use_packed_linear(cpu, torch.bfloat16)
-    assert resolve_dtype("auto", cpu) == torch.float32  # no native bf16
+    assert cpu_isa() == "avx2" and cpu_march() == ("-march=x86-64-v3",)
+    assert not cpu_packs_bf16() and linear_packing(cpu, torch.bfloat16) == "panels"
+    assert resolve_dtype("auto", cpu) == torch.float32  # no native bf16, no native kernels
+    # with the native kernels bf16 weights are computed in float32: half the bytes a token reads
+    assert auto_dtype(cpu, native=True) == (torch.bfloat16, auto_dtype(cpu, True)[1])
+    assert "float32 by the native kernels (avx2)" in auto_dtype(cpu, True)[1]
+    assert "no C++ compiler" in auto_dtype(cpu, False)[1]
     assert int8_weight_max() == 64  # no int8 dot products
     monkeypatch.setenv("PYPTO_CPU_ISA", "avx3")
     with pytest.raises(PyptoError, match="PYPTO_CPU_ISA='avx3': choose one of"):
@@ -190,4 +195,4 @@ def test_an_avx2_engine_follows_its_float32_self(tiny_model, avx2_cache):
         text=True,
     )
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
-    assert run.stdout.count("follows float32") == 6, run.stdout
+    assert run.stdout.count("follows float32") == 7, run.stdout  # isa_checks.RUNS

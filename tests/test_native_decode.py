@@ -88,7 +88,7 @@ def kernels(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return lib
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
 def test_bf16_products_are_exact_over_the_bf16_operands(kernels, rows):
     torch.manual_seed(rows)
     n, k = 40, 96
@@ -121,6 +121,43 @@ def test_packed_products_are_the_quantized_products(kernels, fmt, rows):
     exact = x.double() @ weight.double().T + bias.double()
     assert relative_error(out, exact) < (0.15 if fmt == NATIVE_Q4 else 0.01)
     assert relative_error(dequantized, weight) < (0.15 if fmt == NATIVE_Q4 else 0.01)
+
+
+@pytest.mark.parametrize("fmt", [NATIVE_Q4, NATIVE_Q8])
+def test_avx2_and_avx512_give_the_same_packed_products(tmp_path, monkeypatch, fmt):
+    """The integer sums are exact on both (vpmaddubsw/vpmaddwd, or VNNI) and the float steps
+    the same: the two builds agree bit for bit, so a model's output does not depend on which
+    CPU it ran on. The AVX-VNNI variant of the AVX2 build (Intel's AVX2 cores) is built too,
+    and run where the CPU has it."""
+    if not {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags():
+        pytest.skip("this CPU cannot run the AVX-512 build")
+    wide = native.build(2, 16, tmp_path / "wide")
+    variants = [((), "avx2"), (("-mavxvnni",), "avx_vnni")]
+    monkeypatch.setenv("PYPTO_CPU_ISA", "avx2")
+    builds = [
+        (native.build(2, 16, tmp_path / f"v{i}", extra_flags=f), flag)
+        for i, (f, flag) in enumerate(variants)
+    ]
+    monkeypatch.delenv("PYPTO_CPU_ISA")
+    assert wide is not None and all(path is not None for path, _ in builds)
+    torch.manual_seed(fmt)
+    n, k, rows = 48, 128, 5
+    weight = torch.randn(n, k) * torch.rand(n, 1) * 3
+    records = (pack_q4 if fmt == NATIVE_Q4 else pack_q8)(weight)
+    w = Matrix(records.data_ptr(), None, n, k, fmt)
+    x = torch.randn(rows, k) * 4
+
+    def product(path: Path) -> torch.Tensor:
+        lib, out = native.load(path), torch.empty(rows, n)
+        assert lib is not None
+        assert lib.pypto_packed_product(ctypes.byref(w), x.data_ptr(), rows, out.data_ptr(), 2) == 0
+        return out
+
+    expected = product(wide)
+    for path, flag in builds:
+        assert path is not None
+        if flag in cpu_flags() or flag == "avx2":
+            assert torch.equal(product(path), expected), flag
 
 
 def test_packing_keeps_values_on_the_int4_grid_exactly():

@@ -27,7 +27,7 @@ def test_the_switches_are_flags_of_every_engine_command():
         knobs = engine_knobs(build_parser().parse_args([*command, *off]))
         assert knobs == dict.fromkeys(SWITCHES, False) | {"num_threads": 1}, command
         plan = plan_run(engine_config(device="cpu", **knobs))
-        assert (plan.native_attention, plan.native_decode, plan.pack_linear) == (False,) * 3
+        assert (plan.native_attention, plan.native_decode, plan.pack_linear) == (False, False, None)
         assert plan.num_threads == 1
     assert engine_knobs(build_parser().parse_args(["serve", "--native-decode"])) == {
         "native_decode": True
@@ -45,7 +45,7 @@ def test_the_plan_takes_the_switches_where_the_machine_allows(monkeypatch):
         num_threads=plan.num_threads,
         native_attention=True,
         native_decode=True,
-        pack_linear=cpu_packs_bf16(),
+        pack_linear="onednn" if cpu_packs_bf16() else "panels",
         quantization="int4",
     )
     assert plan.num_threads >= 1
@@ -85,11 +85,14 @@ def test_the_engine_runs_what_its_plan_says(grid_model):
 @pytest.mark.parametrize("pack", [False, True], ids=["no-pack-linear", "pack-linear"])
 def test_the_engine_packs_linear_weights_as_its_plan_says(grid_model, pack):
     """--no-pack-linear reaches the loader: every Linear keeps its plain weight only; with the
-    switch on, every one is packed for oneDNN where the CPU packs bf16."""
+    switch on, every one is packed: for oneDNN where the CPU packs bf16, else in panels for
+    the native GEMM."""
     with tiny_llm(grid_model, dtype="bfloat16", pack_linear=pack) as llm:
-        assert llm.engine.plan.pack_linear == (pack and cpu_packs_bf16())
+        form = ("onednn" if cpu_packs_bf16() else "panels") if pack else None
+        assert llm.engine.plan.pack_linear == form
         layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
-        assert layers and all((m.packed is not None) == llm.engine.plan.pack_linear for m in layers)
+        assert layers and all((m.packed is not None) == pack for m in layers)
+        assert all(m.packed is None or m.packed.is_mkldnn == (form == "onednn") for m in layers)
 
 
 @pytest.mark.parametrize("pack", [False, True], ids=["no-pack-linear", "pack-linear"])
@@ -97,9 +100,10 @@ def test_quantized_loads_pack_as_asked(grid_model, tmp_path, monkeypatch, pack):
     """int4 keeps the packed bf16 weight for prefill-sized matmuls only where packing is on,
     whether it quantizes or reads back the kept weights (`quantize_cached`)."""
     monkeypatch.setenv("PYPTO_CACHE_DIR", str(tmp_path))
+    form = ("onednn" if cpu_packs_bf16() else "panels") if pack else None
     for _ in range(2):  # quantized, then read back
-        model = load_model(grid_model, torch.bfloat16, torch.device("cpu"), None, "int4", pack=pack)
+        model = load_model(grid_model, torch.bfloat16, torch.device("cpu"), None, "int4", pack=form)
         layers = [m for m in model.modules() if isinstance(m, Linear)]
         assert layers and all(m.quantized is not None for m in layers)
-        assert all((m.packed is not None) == (pack and cpu_packs_bf16()) for m in layers)
+        assert all((m.packed is not None) == pack for m in layers)
     assert len(list((tmp_path / "quantized").glob("*.safetensors"))) == 1

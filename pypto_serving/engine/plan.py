@@ -9,22 +9,27 @@ code below takes the plan's answers as arguments: nothing asks the environment o
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from pypto_serving import native
 from pypto_serving.config import EngineConfig
 from pypto_serving.device import (
+    auto_dtype,
     default_num_threads,
+    linear_packing,
     resolve_device,
     resolve_dtype,
     use_native_attention,
     use_native_decode,
-    use_packed_linear,
 )
 from pypto_serving.distributed import ParallelGroups
 from pypto_serving.executor import native_decode
 from pypto_serving.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True)
@@ -40,8 +45,9 @@ class RunPlan:
     native_decode: bool
     """Decode steps of a few sequences as one native call, where the model allows it
     (`decodes_natively` says for a model)."""
-    pack_linear: bool
-    """bf16 linear weights repacked for oneDNN."""
+    pack_linear: str | None
+    """How bf16 linear weights are repacked for wide matmuls: "onednn", "panels" (the
+    native GEMM, where oneDNN cannot pack bf16), or None (not at all)."""
     quantization: str | None
     """The linear layers' quantization (config.py's names), or None."""
 
@@ -56,7 +62,11 @@ def plan_run(config: EngineConfig) -> RunPlan:
     """The plan of a rank whose config (device, num_threads) is its own (`plan_ranks`): the
     config's switches where the machine allows them."""
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    if config.dtype == "auto":  # bf16 on AVX2 hinges on the native GEMM's panels
+        dtype, why = auto_dtype(device, config.pack_linear and native.compiler() is not None)
+        log.info("dtype auto: %s, %s", str(dtype).removeprefix("torch."), why)
+    else:
+        dtype = resolve_dtype(config.dtype, device)
     attention = config.native_attention and use_native_attention(device)
     return RunPlan(
         device=device,
@@ -64,6 +74,16 @@ def plan_run(config: EngineConfig) -> RunPlan:
         num_threads=config.num_threads or default_num_threads(),
         native_attention=attention,
         native_decode=attention and config.native_decode and use_native_decode(device),
-        pack_linear=config.pack_linear and use_packed_linear(device, dtype),
+        pack_linear=_packing(config, device, dtype),
         quantization=config.quantization,
     )
+
+
+def _packing(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str | None:
+    """The linear weights' packing: the machine's (`device.linear_packing`) unless the config
+    turns it off; panels only where the native GEMM builds (else said, and plain weights)."""
+    form = linear_packing(device, dtype) if config.pack_linear else None
+    if form == "panels" and native.gemm_library() is None:
+        log.warning("the native GEMM did not build: bf16 matmuls of many rows run on PyTorch's")
+        return None
+    return form

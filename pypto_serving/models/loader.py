@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pypto_serving.device import use_packed_linear
 from pypto_serving.distributed import Group, ParallelGroups
 from pypto_serving.errors import ModelLoadError, PyptoError
 from pypto_serving.models.config import DEEPSEEK, DEEPSEEK_V4, ModelConfig, load_model_config
@@ -314,19 +313,22 @@ def load_model(
     groups: ParallelGroups | None = None,
     quantization: str | None = None,
     native: bool = False,
-    pack: bool = True,
+    pack: str | None = None,
 ) -> CausalLM:
     """Build our model for `model_dir` (this rank's share of it under tensor and pipeline
     parallelism) and fill it with the checkpoint's weights, quantized if asked (int8, int4,
     w8a8, int4-w8a8: CPU and bfloat16 only). native: its few decodes run through the native
-    decode step, which takes int4's weights in its own packing (`pack_linears`). pack: bf16
-    weights are repacked for oneDNN where the CPU allows it (the run plan's `pack_linear`)."""
+    decode step, which takes int4's weights in its own packing (`pack_linears`). pack: how bf16
+    weights are repacked for wide matmuls ("onednn", "panels", or None: the run plan's
+    `pack_linear`)."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory not found: {model_dir}")
     if quantization is not None and (device.type != "cpu" or dtype != torch.bfloat16):
         raise PyptoError(
             f"quantization {quantization} runs on CPU with dtype bfloat16; this engine has "
-            f"{device.type} and {str(dtype).removeprefix('torch.')}",
+            f"{device.type} and {str(dtype).removeprefix('torch.')}: pass --device cpu "
+            "--dtype bfloat16 (dtype auto picks it on CPUs with AVX2 or AVX-512 where the "
+            "native kernels build), or drop --quantization",
             "quantization",
         )
     groups = groups or ParallelGroups()
@@ -349,6 +351,6 @@ def load_model(
     if quantization is not None:
         digest, tokenizer = checkpoint_digest(model_dir), lambda: load_tokenizer(model_dir)
         quantize_cached(model, digest, quantization, groups, tokenizer, native, pack)
-    elif pack and use_packed_linear(device, dtype):
-        pack_linears(model)
+    elif pack is not None:
+        pack_linears(model, pack=pack)
     return model

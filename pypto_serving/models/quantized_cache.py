@@ -55,7 +55,7 @@ def quantize_cached(
     groups: ParallelGroups,
     tokenizer: Callable[[], Any],
     native: bool = False,
-    pack: bool = True,
+    pack: str | None = None,
 ) -> None:
     """Quantize the model's linear layers (`pack_linears`, after w8a8's calibration), or take
     the result of an earlier start from `cache_dir()/quantized`: reading it back is ~0.2 s
@@ -63,7 +63,7 @@ def quantize_cached(
     model (or cannot be read) is made again; a cache folder another user could write into is
     neither read nor written (`trusted_cache_dir`). digest: the checkpoint's
     (`loader.checkpoint_digest`); tokenizer: loads its tokenizer (for w8a8's calibration);
-    pack: the run plan's choice to repack bf16 weights for oneDNN (`pack_linears`)."""
+    pack: the run plan's choice of packing for the bf16 weights (`pack_linears`)."""
     path = quantized_cache_path(model, digest, quantization, groups, native)
     trusted = trusted_cache_dir(path.parent.name) == path.parent
     layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}

@@ -2,16 +2,22 @@
 
 - `attention.cpp`: paged attention over the KV pages in place (decodes, prefill chunks) and
   the K/V writes; called by the attention operator (`kv/native_attention.py`).
+- `gemm.cpp`: matmuls of many rows over bf16 weights in panels, in float32 (where oneDNN
+  cannot pack bf16: AVX2 CPUs), each output one chain of FMAs whatever the batch; its own
+  library (`gemm_library`), called by `ops/linear.py`.
 - `decode.cpp`: the fused decode step, the whole forward of a step of a few decodes in one
-  call over weights packed by `ops/linear.py` (4-bit and 8-bit records, AVX512-VNNI dot
-  products, plain loops without); called by `executor/native_decode.py`.
+  call over weights packed by `ops/linear.py` (4-bit and 8-bit records: AVX512-VNNI dot
+  products, AVX2's vpmaddubsw/vpmaddwd or AVX-VNNI, plain loops elsewhere; bf16 weights:
+  AVX512-BF16 dot products, or widened to float32 and FMAs on AVX2); called by
+  `executor/native_decode.py`.
 
 The library is compiled on first use with the C++ compiler Inductor also uses (`$CXX`, else
-g++), for this CPU's ISA (`device.cpu_march`: -march=native, or x86-64-v3 for an AVX2 CPU,
-PYPTO_CPU_ISA included) and for one attention shape (query heads per KV head and head_dim as
-constants, so loops unroll and the decode queries stay in registers; a few seconds of
-compiling). It is cached under `cache_dir()/kernels` by a key of the sources, flags, compiler
-and the CPU's flags, so a restart only loads it (loading a library runs its code: one is only
+g++), for this CPU's ISA, which picks each kernel's code path (`device.cpu_march`:
+-march=native, or x86-64-v3 for an AVX2 CPU, with AVX-VNNI where it has it; PYPTO_CPU_ISA
+included), and for one attention shape (query heads per KV head and head_dim as constants, so
+loops unroll and the decode queries stay in registers; a few seconds of compiling).
+It is cached under `cache_dir()/kernels` by a key of the sources, flags, compiler and the
+CPU's flags, so a restart only loads it (loading a library runs its code: one is only
 loaded from a cache folder no other user can write, and only if it is this user's file that no
 one else can write; elsewhere it is built in a private temporary folder instead). Without a
 compiler, or when the build fails, `library()` is None (said once in the log) and attention
@@ -40,6 +46,9 @@ from pypto_serving.paths import trusted_cache_dir, untrusted
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.cpp", "decode.cpp"))
+"""The kernels built per attention shape (GROUP and HEAD_DIM defined)."""
+GEMM_SOURCES = (Path(__file__).with_name("gemm.cpp"),)
+"""The panel GEMM, which no shape constant touches: one library for every model."""
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -59,6 +68,25 @@ def build(
     unless already there), or None when there is no compiler or the build fails (logged).
     extra_flags: appended to the compiler's (tests build the portable code paths with
     `-mno-avx512vnni`)."""
+    defines = (f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}")
+    return _build(SOURCES, defines, f"kernels-g{group}-d{head_dim}", out_dir, cxx, extra_flags)
+
+
+def build_gemm(
+    out_dir: Path, cxx: str | None = None, extra_flags: tuple[str, ...] = ()
+) -> Path | None:
+    """The panel GEMM's library (gemm.cpp) in `out_dir`, as `build`."""
+    return _build(GEMM_SOURCES, (), "gemm", out_dir, cxx, extra_flags)
+
+
+def _build(
+    sources: tuple[Path, ...],
+    defines: tuple[str, ...],
+    name: str,
+    out_dir: Path,
+    cxx: str | None,
+    extra_flags: tuple[str, ...],
+) -> Path | None:
     found = compiler(cxx)
     if found is None:
         log.warning("no C++ compiler %r: the native kernels are off", cxx or "g++")
@@ -70,14 +98,14 @@ def build(
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("C++ compiler %s unusable (%s): the native kernels are off", found, e)
         return None
-    flags = (*FLAGS, cpu_march(), *extra_flags, f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}")
+    flags = (*FLAGS, *cpu_march(), *extra_flags, *defines)
     key = hashlib.sha256()
-    parts: list[bytes | str] = [*(s.read_bytes() for s in SOURCES), " ".join(flags), found, version]
+    parts: list[bytes | str] = [*(s.read_bytes() for s in sources), " ".join(flags), found, version]
     for part in parts:
         key.update(part.encode() if isinstance(part, str) else part)
     for flag in sorted(cpu_flags()):
         key.update(flag.encode())
-    target = out_dir / f"kernels-g{group}-d{head_dim}-{key.hexdigest()[:16]}.so"
+    target = out_dir / f"{name}-{key.hexdigest()[:16]}.so"
     if target.exists():
         why = untrusted(target)
         if why is None:
@@ -88,7 +116,7 @@ def build(
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         built = Path(tmp) / target.name
         run = subprocess.run(
-            [found, *flags, "-o", str(built), *map(str, SOURCES)], capture_output=True, text=True
+            [found, *flags, "-o", str(built), *map(str, sources)], capture_output=True, text=True
         )
         if run.returncode != 0:
             log.warning(
@@ -125,6 +153,19 @@ def load(path: Path) -> ctypes.CDLL | None:
     return lib
 
 
+def load_gemm(path: Path) -> ctypes.CDLL | None:
+    """The panel GEMM's library at `path` with its signature, or None (logged)."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        log.warning("cannot load %s (%s): the native GEMM is off", path, e)
+        return None
+    c_int, c_int64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    lib.pypto_panel_gemm.restype = c_int
+    lib.pypto_panel_gemm.argtypes = [ptr, c_int64, ptr, ptr, ptr, c_int64, *[c_int] * 4]
+    return lib
+
+
 _library_lock = threading.Lock()
 
 
@@ -137,9 +178,27 @@ def library(group: int, head_dim: int) -> ctypes.CDLL | None:
 
 @cache
 def _library(group: int, head_dim: int) -> ctypes.CDLL | None:
+    path = build(group, head_dim, _out_dir())
+    return None if path is None else load(path)
+
+
+def gemm_library() -> ctypes.CDLL | None:
+    """The loaded panel GEMM (built on first need), or None (no compiler, or it failed)."""
+    with _library_lock:
+        return _gemm_library()
+
+
+@cache
+def _gemm_library() -> ctypes.CDLL | None:
+    path = build_gemm(_out_dir())
+    return None if path is None else load_gemm(path)
+
+
+@cache
+def _out_dir() -> Path:
+    """Where the libraries are built: the trusted cache, else a private temporary folder."""
     out_dir = trusted_cache_dir("kernels")
     if out_dir is None:  # said in the log: built where no one else can plant a library
         out_dir = Path(tempfile.mkdtemp(prefix="pypto-kernels-"))
         atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
-    path = build(group, head_dim, out_dir)
-    return None if path is None else load(path)
+    return out_dir

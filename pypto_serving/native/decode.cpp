@@ -14,10 +14,16 @@
 // A row's records follow each other along its inputs, and a block of 16 rows' records lie
 // together, so each thread streams its blocks once. The activations are quantized to int8
 // per group of 32 (a scale each: llama.cpp's Q8_1), and the products summed in int32 with
-// AVX512-VNNI dot products (u8 x s8); without VNNI the same layout is read by plain loops.
+// AVX512-VNNI dot products (u8 x s8). On AVX2 the same records are read 8 rows (half a
+// record) at a time with the instructions llama.cpp uses there: vpmaddubsw (u8 x s8 pairs into
+// int16) and vpmaddwd (pairs of int16 into int32), or AVX-VNNI's vpdpbusd where the CPU has it.
+// The integer sums are exact on every path (Q4: 8 products of at most 15 x 127 per int16;
+// Q8: |weight| x sign-adjusted activation, at most 2 x 127 x 127), and the float steps are
+// the same, so AVX2 and AVX-512 give the same results. Elsewhere plain loops read the layout.
 //
 // Unquantized bf16 models' weights are read where they lie, row by row ([rows, cols]), with
-// the activations rounded to bf16 and AVX512-BF16 dot products.
+// the activations rounded to bf16: AVX512-BF16 dot products, or on AVX2 each bf16 widened to
+// float32 (a 16-bit shift) and FMAs.
 //
 // Everything else is float32: the residual stream, norms, RoPE and the attention's queries;
 // keys and values go into the bfloat16 or int8 KV cache through attention.cpp. The work is
@@ -34,6 +40,8 @@
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
 #define PYPTO_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PYPTO_AVX2 1  // 8 rows a register: two halves of a record's 16
 #endif
 
 extern "C" void pypto_store_kv_head(int kv_int8, const float* k, const float* v, void* k_cache,
@@ -113,11 +121,13 @@ inline float fp16(uint16_t h) {
 // Activations of up to MAX_ROWS rows as the next matmul reads them: for Q4 and Q8 weights
 // quantized per group of 32, q [rows][k] and per group its scale and the sum of its values;
 // for bf16 weights rounded to bf16, bf [rows][k].
+// (bf16 weights on AVX2: the same bf16 values as float32, f [rows][k].)
 struct Activations {
     std::vector<int8_t> q;
     std::vector<float> scale;
     std::vector<int32_t> sum;
     std::vector<uint16_t> bf;
+    std::vector<float> f;
     int k = 0, groups = 0;
 
     void resize(int cols) {
@@ -127,6 +137,7 @@ struct Activations {
         scale.resize(size_t(MAX_ROWS) * groups);
         sum.resize(size_t(MAX_ROWS) * groups);
         bf.resize(size_t(MAX_ROWS) * cols);
+        f.resize(size_t(MAX_ROWS) * cols);
     }
 };
 
@@ -140,7 +151,10 @@ inline uint16_t to_bf16(float f) {  // rounding to nearest even
 void quantize(const float* x, int rows, int cols, int format, Activations& out) {
     out.resize(cols);
     if (format == BF16) {
-        for (int64_t i = 0; i < int64_t(rows) * cols; ++i) out.bf[i] = to_bf16(x[i]);
+        for (int64_t i = 0; i < int64_t(rows) * cols; ++i) {
+            out.bf[i] = to_bf16(x[i]);
+            out.f[i] = bf16(out.bf[i]);
+        }
         return;
     }
     for (int m = 0; m < rows; ++m)
@@ -176,6 +190,26 @@ void bf16_rows(const Matrix& w, int64_t n0, int64_t n, const Activations& x, flo
                 a[m] = _mm512_dpbf16_ps(a[m], v, (__m512bh)_mm512_loadu_si512(&x.bf[m * k + i]));
         }
         for (int m = 0; m < M; ++m) acc[m][r] = _mm512_reduce_add_ps(a[m]);
+#elif defined(PYPTO_AVX2)
+        // NA chains of FMAs per row of x, so that a few rows still keep both FMA units busy
+        constexpr int NA = M >= 4 ? 1 : (M >= 2 ? 2 : 4);
+        __m256 a[M][NA];
+        for (int m = 0; m < M; ++m)
+            for (int j = 0; j < NA; ++j) a[m][j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < k; i += 8 * NA)  // k is a multiple of 32
+            for (int j = 0; j < NA; ++j) {
+                const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 8 * j));
+                const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+                for (int m = 0; m < M; ++m)
+                    a[m][j] = _mm256_fmadd_ps(v, _mm256_loadu_ps(&x.f[m * k + i + 8 * j]), a[m][j]);
+            }
+        for (int m = 0; m < M; ++m) {
+            __m256 t = a[m][0];
+            for (int j = 1; j < NA; ++j) t = _mm256_add_ps(t, a[m][j]);
+            const __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+            const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            acc[m][r] = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+        }
 #else
         for (int m = 0; m < M; ++m) {
             float s = 0.0f;
@@ -243,6 +277,86 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, float acc[M][
         }
     }
     for (int m = 0; m < M; ++m) _mm512_storeu_ps(acc[m], facc[m]);
+#elif defined(PYPTO_AVX2)
+    __m256 facc[M][2];
+    for (int m = 0; m < M; ++m) facc[m][0] = facc[m][1] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+#if !defined(__AVXVNNI__)
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
+#endif
+    for (int g = 0; g < groups; ++g, rec += RECORD[w.format]) {
+        const int8_t* xg = x.q.data() + g * GROUP_K;
+        for (int half = 0; half < 2; ++half) {  // rows 8 half .. 8 half + 7
+            __m256i a[M];
+            for (int m = 0; m < M; ++m) a[m] = _mm256_setzero_si256();
+            if (w.format == Q4) {
+                for (int c = 0; c < 4; ++c) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(rec + 64 * c + 32 * half));
+                    const __m256i lo = _mm256_and_si256(v, low);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    for (int m = 0; m < M; ++m) {
+                        int32_t x0, x1;
+                        std::memcpy(&x0, xg + int64_t(m) * x.k + 8 * c, 4);
+                        std::memcpy(&x1, xg + int64_t(m) * x.k + 8 * c + 4, 4);
+#if defined(__AVXVNNI__)
+                        a[m] = _mm256_dpbusd_avx_epi32(a[m], lo, _mm256_set1_epi32(x0));
+                        a[m] = _mm256_dpbusd_avx_epi32(a[m], hi, _mm256_set1_epi32(x1));
+#else  // int16 sums: 4 chunks x 2 x 2 products of at most 15 x 127 stay below 2^15
+                        const __m256i p = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
+                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+                        a[m] = _mm256_add_epi16(a[m], p);
+#endif
+                    }
+                }
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 256 + 16 * half)));
+                const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 288 + 16 * half)));
+                for (int m = 0; m < M; ++m) {
+#if defined(__AVXVNNI__)
+                    const __m256 s = _mm256_cvtepi32_ps(a[m]);
+#else
+                    const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(a[m], ones));
+#endif
+                    const float sx = x.scale[m * groups + g];
+                    facc[m][half] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(sx)), facc[m][half]);
+                    const float xs = sx * float(x.sum[m * groups + g]);
+                    facc[m][half] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs), facc[m][half]);
+                }
+            } else {
+                for (int c = 0; c < 8; ++c) {
+                    const __m256i u = _mm256_loadu_si256((const __m256i*)(rec + 64 * c + 32 * half));
+#if !defined(__AVXVNNI__)
+                    const __m256i sw = _mm256_xor_si256(u, flip);  // the signed value u - 128
+                    const __m256i aw = _mm256_abs_epi8(sw);
+#endif
+                    for (int m = 0; m < M; ++m) {
+                        int32_t x0;
+                        std::memcpy(&x0, xg + int64_t(m) * x.k + 4 * c, 4);
+#if defined(__AVXVNNI__)
+                        a[m] = _mm256_dpbusd_avx_epi32(a[m], u, _mm256_set1_epi32(x0));
+#else  // |w| x (x with w's sign): pairs of at most 127 x 127 fit int16
+                        const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(x0), sw);
+                        a[m] = _mm256_add_epi32(a[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+#endif
+                    }
+                }
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 512 + 16 * half)));
+                for (int m = 0; m < M; ++m) {
+#if defined(__AVXVNNI__)
+                    const __m256i s = _mm256_sub_epi32(a[m], _mm256_set1_epi32(128 * x.sum[m * groups + g]));
+#else
+                    const __m256i s = a[m];
+#endif
+                    const __m256 sx = _mm256_set1_ps(x.scale[m * groups + g]);
+                    facc[m][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, sx), facc[m][half]);
+                }
+            }
+        }
+    }
+    for (int m = 0; m < M; ++m) {
+        _mm256_storeu_ps(acc[m], facc[m][0]);
+        _mm256_storeu_ps(acc[m] + 8, facc[m][1]);
+    }
 #else
     for (int g = 0; g < groups; ++g, rec += RECORD[w.format]) {
         const uint16_t* scales = reinterpret_cast<const uint16_t*>(rec + (w.format == Q4 ? 256 : 512));

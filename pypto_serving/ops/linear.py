@@ -1,10 +1,16 @@
 """Linear layers (plain, and split across a tensor-parallel group) and the vocab-parallel
-embedding; weights can be repacked once for the CPU's bf16 GEMM (oneDNN), or quantized.
+embedding; weights can be repacked once for the CPU's bf16 GEMM (oneDNN, or our panel GEMM),
+or quantized.
 
 A plain bf16 `F.linear` on CPU reorders its weight on every call; packing it once at load
 time makes decode-sized matmuls about 1.6x faster. The packed weight is an opaque oneDNN
 tensor, so the matmul runs as the custom op `pypto::packed_linear`, which torch.compile
-treats as a black box. Whether to pack is decided in `device.py`.
+treats as a black box. oneDNN packs bf16 only on CPUs with AVX-512 (BW, VL, DQ) or
+AVX-NE-CONVERT; elsewhere (AVX2) bf16 weights are packed in panels for native/gemm.cpp
+(`pack_panels`: [ceil(N / 16), K, 16] bf16), which computes in float32 with FMAs, each
+output one chain over the inputs whatever the rows: `pypto::panel_linear`. Both forms live in
+`Linear.packed` and run through `dense_linear`. Which, if any, is the run plan's choice
+(`device.linear_packing`).
 
 Weight-only quantization (`quantization`: int8 or int4) stores each weight in fewer bits and
 multiplies with PyTorch's CPU kernels, which dequantize on the fly: a decode step streams
@@ -37,7 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pypto_serving.device import cpu_isa, cpu_packs_bf16, int8_weight_max, use_packed_linear
+from pypto_serving import native as native_kernels
+from pypto_serving.device import cpu_isa, cpu_packs_bf16, int8_weight_max
 from pypto_serving.distributed import Group, tp_all_reduce
 from pypto_serving.errors import PyptoError
 
@@ -67,6 +74,61 @@ def _(
     return x.new_empty(x.shape[0], out_features)
 
 
+@torch.library.custom_op("pypto::panel_linear", mutates_args=())
+def panel_linear(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) through native/gemm.cpp, the weight in panels (`pack_panels`),
+    in float32; the result in x's dtype."""
+    lib = native_kernels.gemm_library()
+    assert lib is not None, "panels are only packed where the native GEMM is built"
+    xf = x.float().contiguous()
+    rows, cols = xf.shape
+    width = panels.shape[0] * 16
+    out = torch.empty(rows, width)
+    assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
+    failed = lib.pypto_panel_gemm(
+        xf.data_ptr(),
+        cols,
+        panels.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        width,
+        rows,
+        out_features,
+        cols,
+        torch.get_num_threads(),
+    )
+    assert not failed, (rows, out_features, cols)
+    return (out if width == out_features else out[:, :out_features]).to(x.dtype)
+
+
+@panel_linear.register_fake
+def _(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] as native/gemm.cpp's panels: [ceil(N / 16), K, 16], panel p
+    holding output rows 16p .. 16p + 15 input by input (rows past N zero)."""
+    n, k = weight.shape
+    padded = F.pad(weight.detach(), (0, 0, 0, -n % 16))
+    return padded.view(-1, 16, k).transpose(1, 2).contiguous()
+
+
+def dense_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, form: str
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) over a packed bf16 weight in `form`: "onednn" (the opaque form)
+    or "panels". The form is passed, not read off the tensor: under torch.compile's tracing a
+    oneDNN tensor's fake does not say it is one."""
+    if form == "onednn":
+        return packed_linear(x, packed, bias, out_features)
+    return panel_linear(x, packed, bias, out_features)
+
+
 def dequantizing_matmul(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int
 ) -> torch.Tensor:
@@ -87,11 +149,11 @@ def quantized_linear(
     dense: torch.Tensor | None,
 ) -> torch.Tensor:
     """`dequantizing_matmul`, but with more than QUANTIZED_MAX_ROWS rows (prefill) and the
-    oneDNN-packed bf16 weight at hand, the bf16 GEMM runs instead: the dequantizing kernels
-    win only while memory-bound. The choice is made in here, out of torch.compile's sight,
-    so it adds no guard."""
-    if dense is not None and x.shape[0] > QUANTIZED_MAX_ROWS:
-        return packed_linear(x, dense, None, out_features)
+    packed bf16 weight at hand (oneDNN's or panels), the bf16 GEMM runs instead: the
+    dequantizing kernels win only while memory-bound. The choice is made in here, out of
+    torch.compile's sight, so it adds no guard."""
+    if dense is not None and x.shape[0] > QUANTIZED_MAX_ROWS:  # real tensors in here
+        return dense_linear(x, dense, None, out_features, "onednn" if dense.is_mkldnn else "")
     return dequantizing_matmul(x, qweight, scales, group)
 
 
@@ -207,6 +269,9 @@ class Linear(nn.Linear):
     weight-only quantization."""
 
     packed: torch.Tensor | None = None
+    """The bf16 weight packed for a GEMM: oneDNN's opaque form, or panels (`pack_panels`)."""
+    packed_form: str = ""
+    """Which: "onednn" or "panels" (`pack`'s form)."""
     quantized: tuple[torch.Tensor, torch.Tensor, int] | None = None
     """(weight, scales, group): group 0 is int8 per row, else int4 groups."""
     int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
@@ -216,11 +281,16 @@ class Linear(nn.Linear):
     """(records, NATIVE_Q4 or NATIVE_Q8): the weight packed for the native decode step
     (`pack_q4`, `pack_q8`), which alone reads it."""
 
-    def pack(self) -> None:
-        """Repack the (loaded) weight for oneDNN; the plain weight stays for tying/loading.
-        bf16 only where oneDNN packs it (`device.cpu_packs_bf16`: AVX-512 BW, VL and DQ, or
-        AVX-NE-CONVERT); elsewhere a clear error, not oneDNN's."""
+    def pack(self, form: str = "onednn") -> None:
+        """Repack the (loaded) weight for oneDNN, or in panels for the native GEMM (`form`
+        "panels"); the plain weight stays for tying/loading. oneDNN's bf16 only where oneDNN
+        packs it (`device.cpu_packs_bf16`: AVX-512 BW, VL and DQ, or AVX-NE-CONVERT);
+        elsewhere a clear error, not oneDNN's."""
         weight = self.weight.detach()
+        self.packed_form = form
+        if form == "panels":
+            self.packed = pack_panels(weight)
+            return
         if weight.dtype == torch.bfloat16 and not cpu_packs_bf16():
             raise PyptoError(
                 f"oneDNN packs bf16 weights only on CPUs with AVX-512 BW, VL and DQ, or "
@@ -330,7 +400,7 @@ class Linear(nn.Linear):
                 out = quantized_linear(x, *self.quantized, self.out_features, self.packed)
             return out if bias is None else out + bias
         if self.packed is not None:
-            return packed_linear(x, self.packed, bias, self.out_features)
+            return dense_linear(x, self.packed, bias, self.out_features, self.packed_form)
         return F.linear(x, self.weight, bias)
 
 
@@ -377,28 +447,27 @@ def pack_linears(
     smooth: dict[Linear, torch.Tensor] | None = None,
     saved: dict[str, dict[str, torch.Tensor]] | None = None,
     native: bool = False,
-    pack: bool = True,
+    pack: str | None = None,
 ) -> int:
-    """Pack (unless `pack` is False, the run plan's choice; where oneDNN packs the weights'
-    dtype on this CPU: `device.use_packed_linear`;
-    elsewhere wide matmuls run on the plain or quantized weights) and quantize every `Linear`
-    of the model; returns how many there were. Under int4 the LM head gets int8, as llama.cpp
-    keeps its output tensor above 4 bits (Q8_0 in SmolLM2's Q4_1 file): the logits are where
-    small models lose most to quantization; under int4-w8a8 it gets w8a8, whose one-row matmul
-    is 1.4x the weight-only int8 kernel's (the head is a fifth of SmolLM2's weights). w8a8 and
-    int4-w8a8 keep no bf16 weight packed (their wide matmuls run in int8), and take each
-    layer's smoothing factors. saved: each layer's `quantized_tensors` by module name, from an
-    earlier load, taken instead of quantizing. native: the model's decodes of a few run through
-    the native decode step (executor/native_decode.py), so the int4 of int4 and int4-w8a8 is
-    its Q4 (`pack_q4`) and the head gets its Q8 too: the compiled graphs then never meet int4,
-    and their wide form (the packed bf16 weight, or w8a8) serves every step they run."""
+    """Pack in the form `pack` names (the run plan's choice, `device.linear_packing`: "onednn"
+    or "panels"; None: wide matmuls run on the plain or quantized weights) and quantize every
+    `Linear` of the model; returns how many there were. Under int4 the LM head gets int8, as
+    llama.cpp keeps its output tensor above 4 bits (Q8_0 in SmolLM2's Q4_1 file): the logits are
+    where small models lose most to quantization; under int4-w8a8 it gets w8a8, whose one-row
+    matmul is 1.4x the weight-only int8 kernel's (the head is a fifth of SmolLM2's weights).
+    w8a8 and int4-w8a8 keep no bf16 weight packed (their wide matmuls run in int8), and take
+    each layer's smoothing factors. saved: each layer's `quantized_tensors` by module name, from
+    an earlier load, taken instead of quantizing. native: the model's decodes of a few run
+    through the native decode step (executor/native_decode.py), so the int4 of int4 and
+    int4-w8a8 is its Q4 (`pack_q4`) and the head gets its Q8 too: the compiled graphs then never
+    meet int4, and their wide form (the packed bf16 weight, or w8a8) serves every step they
+    run."""
     head = getattr(model, "lm_head", None)
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
     int8_wide = quantization is not None and quantization.endswith("w8a8")
     for name, layer in layers:
-        w = layer.weight
-        if pack and not int8_wide and use_packed_linear(w.device, w.dtype):
-            layer.pack()  # quantized layers keep it for prefill-sized matmuls
+        if pack is not None and not int8_wide:
+            layer.pack(pack)  # quantized layers keep it for prefill-sized matmuls
         if quantization is None:
             continue
         if saved is not None:
