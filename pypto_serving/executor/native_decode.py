@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from ctypes import POINTER, c_float, c_int32, c_int64, c_void_p
 
 import torch
 
 from pypto_serving.device import use_native_decode
 from pypto_serving.distributed import ParallelGroups
+from pypto_serving.executor.team_size import TeamSize
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.paged_cache import PagedCache
 from pypto_serving.models.config import ModelConfig
@@ -147,6 +149,7 @@ class NativeDecoder:
         assert model.lm_head is not None and decoder.embed_tokens is not None
         assert decoder.norm is not None
         self.lib, self.vocab = lib, cfg.vocab_size
+        self.team = TeamSize(torch.get_num_threads())
         layers = []
         for i, layer in enumerate(decoder.layers):
             assert isinstance(layer, DecoderLayer)
@@ -204,13 +207,12 @@ class NativeDecoder:
         rows = len(tokens)
         tables = [t.contiguous() for t in (tokens, positions, slots, block_table, ctx_lens)]
         out = torch.empty(rows, self.vocab)
+        threads = self.team.threads()  # fewer where another process competes for the cores
         step = _Step(
-            rows,
-            block_table.shape[1],
-            torch.get_num_threads(),
-            *(t.data_ptr() for t in tables),
-            out.data_ptr(),
+            rows, block_table.shape[1], threads, *(t.data_ptr() for t in tables), out.data_ptr()
         )
+        start = time.perf_counter()
         if self.lib.pypto_decode_step(ctypes.byref(self._model), ctypes.byref(step)):
             raise ValueError(f"the native decode step does not take {rows} rows")
+        self.team.record(rows, threads, time.perf_counter() - start)
         return out
