@@ -130,12 +130,18 @@ def _build(
     return target
 
 
-def load(path: Path) -> ctypes.CDLL | None:
-    """The library at `path` with its entry points' signatures, or None (logged)."""
+def _open(path: Path) -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(path))
     except OSError as e:
         log.warning("cannot load %s (%s): the native kernels are off", path, e)
+        return None
+
+
+def load(path: Path) -> ctypes.CDLL | None:
+    """The library at `path` with its entry points' signatures, or None (logged)."""
+    lib = _open(path)
+    if lib is None:
         return None
     c_int, c_int64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     fn = lib.pypto_paged_attention
@@ -155,14 +161,13 @@ def load(path: Path) -> ctypes.CDLL | None:
 
 def load_gemm(path: Path) -> ctypes.CDLL | None:
     """The panel GEMM's library at `path` with its signature, or None (logged)."""
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        log.warning("cannot load %s (%s): the native GEMM is off", path, e)
+    lib = _open(path)
+    if lib is None:
         return None
-    c_int, c_int64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    lib.pypto_panel_gemm.restype = c_int
-    lib.pypto_panel_gemm.argtypes = [ptr, c_int64, ptr, ptr, ptr, c_int64, *[c_int] * 4]
+    ptr = ctypes.c_void_p
+    lib.pypto_panel_gemm.restype = ctypes.c_int
+    lib.pypto_panel_gemm.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, ctypes.c_int64]
+    lib.pypto_panel_gemm.argtypes += [ctypes.c_int] * 4
     return lib
 
 

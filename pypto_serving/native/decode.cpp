@@ -220,6 +220,13 @@ void bf16_rows(const Matrix& w, int64_t n0, int64_t n, const Activations& x, flo
     }
 }
 
+// Four int8 activations as one int32, to broadcast to every row's lane.
+inline int32_t four(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
 // acc[m][r] = x[m] . weight[16 b + r] over block b of a Q4 or Q8 weight's records.
 template <int M>
 void packed_rows(const Matrix& w, int64_t b, const Activations& x, float acc[M][16]) {
@@ -239,11 +246,9 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, float acc[M][
                 const __m512i lo = _mm512_and_si512(v, low);
                 const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                 for (int m = 0; m < M; ++m) {
-                    int32_t x0, x1;
-                    std::memcpy(&x0, xg + int64_t(m) * x.k + 8 * c, 4);
-                    std::memcpy(&x1, xg + int64_t(m) * x.k + 8 * c + 4, 4);
-                    a0[m] = _mm512_dpbusd_epi32(a0[m], lo, _mm512_set1_epi32(x0));
-                    a1[m] = _mm512_dpbusd_epi32(a1[m], hi, _mm512_set1_epi32(x1));
+                    const int8_t* xm = xg + int64_t(m) * x.k + 8 * c;
+                    a0[m] = _mm512_dpbusd_epi32(a0[m], lo, _mm512_set1_epi32(four(xm)));
+                    a1[m] = _mm512_dpbusd_epi32(a1[m], hi, _mm512_set1_epi32(four(xm + 4)));
                 }
             }
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 256)));
@@ -260,11 +265,9 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, float acc[M][
                 const __m512i v0 = _mm512_loadu_si512(rec + 64 * c);
                 const __m512i v1 = _mm512_loadu_si512(rec + 64 * c + 64);
                 for (int m = 0; m < M; ++m) {
-                    int32_t x0, x1;
-                    std::memcpy(&x0, xg + int64_t(m) * x.k + 4 * c, 4);
-                    std::memcpy(&x1, xg + int64_t(m) * x.k + 4 * c + 4, 4);
-                    a0[m] = _mm512_dpbusd_epi32(a0[m], v0, _mm512_set1_epi32(x0));
-                    a1[m] = _mm512_dpbusd_epi32(a1[m], v1, _mm512_set1_epi32(x1));
+                    const int8_t* xm = xg + int64_t(m) * x.k + 4 * c;
+                    a0[m] = _mm512_dpbusd_epi32(a0[m], v0, _mm512_set1_epi32(four(xm)));
+                    a1[m] = _mm512_dpbusd_epi32(a1[m], v1, _mm512_set1_epi32(four(xm + 4)));
                 }
             }
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 512)));
@@ -295,9 +298,8 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, float acc[M][
                     const __m256i lo = _mm256_and_si256(v, low);
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                     for (int m = 0; m < M; ++m) {
-                        int32_t x0, x1;
-                        std::memcpy(&x0, xg + int64_t(m) * x.k + 8 * c, 4);
-                        std::memcpy(&x1, xg + int64_t(m) * x.k + 8 * c + 4, 4);
+                        const int32_t x0 = four(xg + int64_t(m) * x.k + 8 * c);
+                        const int32_t x1 = four(xg + int64_t(m) * x.k + 8 * c + 4);
 #if defined(__AVXVNNI__)
                         a[m] = _mm256_dpbusd_avx_epi32(a[m], lo, _mm256_set1_epi32(x0));
                         a[m] = _mm256_dpbusd_avx_epi32(a[m], hi, _mm256_set1_epi32(x1));
@@ -330,8 +332,7 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, float acc[M][
                     const __m256i aw = _mm256_abs_epi8(sw);
 #endif
                     for (int m = 0; m < M; ++m) {
-                        int32_t x0;
-                        std::memcpy(&x0, xg + int64_t(m) * x.k + 4 * c, 4);
+                        const int32_t x0 = four(xg + int64_t(m) * x.k + 4 * c);
 #if defined(__AVXVNNI__)
                         a[m] = _mm256_dpbusd_avx_epi32(a[m], u, _mm256_set1_epi32(x0));
 #else  // |w| x (x with w's sign): pairs of at most 127 x 127 fit int16
