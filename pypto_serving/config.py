@@ -293,7 +293,15 @@ class EngineConfig:
     native_decode: bool = True
     """Steps of up to 8 decodes as one native C++ call where the model allows (off: graphs)."""
     pack_linear: bool = True
-    """Repack bf16 linear weights for oneDNN where the CPU packs bf16 (off: plain weights)."""
+    """Repack bf16 linear weights for oneDNN where the CPU packs bf16, else in panels for the
+    native GEMM (off: plain weights)."""
+    batch_invariant: bool = False
+    """A row's result does not depend on the rows that share its step, how its prompt was
+    chunked, or whether its prefix came from the cache: greedy outputs are the same bits
+    alone or in any batch. Every matmul of a bf16 or float32 model runs on the native GEMM
+    (each output one chain of FMAs whatever the rows), and decodes on the compiled graphs,
+    not the native decode step, whose numerics differ (CPU only; with --quantization only
+    w8a8, whose integer products are exact). Costs speed: see docs/performance.md."""
     quantization: str | None = None
     """Quantization of the linear layers (CPU, bfloat16). Weight-only: int8 (a scale per
     output row) or int4 (scale and minimum per 32 inputs, as llama.cpp's Q4_1): fewer bytes
@@ -318,6 +326,14 @@ class EngineConfig:
             raise PyptoError(
                 f"quantization must be one of {QUANTIZATIONS} (or unset), got {self.quantization!r}"
             )
+        if self.batch_invariant and self.quantization not in (None, "w8a8"):
+            raise PyptoError(
+                f"--batch-invariant takes bf16 or float32 weights, or --quantization w8a8; "
+                f"{self.quantization} switches kernels by a step's rows (drop one of the two)",
+                "batch_invariant",
+            )
+        if self.batch_invariant and self.executor != "paged":
+            raise PyptoError("--batch-invariant needs the paged executor", "batch_invariant")
         if not isinstance(self.step_timeout_s, int | float) or not self.step_timeout_s > 0:
             raise PyptoError(f"step_timeout_s must be > 0, got {self.step_timeout_s!r}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -190,6 +190,19 @@ TINY_DEEPSEEK_V4: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
+WIDE: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-wide": (  # dims where the GEMMs' blocking shows (batch-invariance tests)
+        "llama",
+        dict(
+            hidden_size=256,
+            intermediate_size=512,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
 BASE = dict(
     vocab_size=320,
     hidden_size=64,
@@ -209,7 +222,7 @@ def build_checkpoint(name: str, out: Path, seed: int = 0, grid: bool = False) ->
     each group of 32 inputs spanning 0 to 15, which int4 quantization keeps exactly."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    family, overrides = {**TINY, **TINY_DEEPSEEK, **TINY_DEEPSEEK_V4}[name]
+    family, overrides = {**TINY, **TINY_DEEPSEEK, **TINY_DEEPSEEK_V4, **WIDE}[name]
     config = AutoConfig.for_model(family, **{**BASE, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -26,6 +26,7 @@ from pypto_serving.device import (
     use_native_decode,
 )
 from pypto_serving.distributed import ParallelGroups
+from pypto_serving.errors import PyptoError
 from pypto_serving.executor import native_decode
 from pypto_serving.models.config import ModelConfig
 
@@ -50,6 +51,9 @@ class RunPlan:
     native GEMM, where oneDNN cannot pack bf16), or None (not at all)."""
     quantization: str | None
     """The linear layers' quantization (config.py's names), or None."""
+    batch_invariant: bool = False
+    """Every matmul on the native GEMM's panels and no native decode step (config.py's
+    `batch_invariant`)."""
 
     def decodes_natively(self, cfg: ModelConfig, groups: ParallelGroups, page_size: int) -> bool:
         """Whether this model (this rank's share of it) runs its few-decode steps natively."""
@@ -73,15 +77,33 @@ def plan_run(config: EngineConfig) -> RunPlan:
         dtype=dtype,
         num_threads=config.num_threads or default_num_threads(),
         native_attention=attention,
-        native_decode=attention and config.native_decode and use_native_decode(device),
+        native_decode=attention
+        and config.native_decode
+        and use_native_decode(device)
+        and not config.batch_invariant,
         pack_linear=_packing(config, device, dtype),
         quantization=config.quantization,
+        batch_invariant=config.batch_invariant,
     )
 
 
 def _packing(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str | None:
     """The linear weights' packing: the machine's (`device.linear_packing`) unless the config
     turns it off; panels only where the native GEMM builds (else said, and plain weights)."""
+    if config.batch_invariant:
+        if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+            raise PyptoError(
+                f"--batch-invariant runs on the CPU in bfloat16 or float32; this engine has "
+                f"{device.type} and {str(dtype).removeprefix('torch.')}",
+                "batch_invariant",
+            )
+        if native.gemm_library() is None:
+            raise PyptoError(
+                "--batch-invariant needs the native GEMM, which did not build (a C++ "
+                "compiler: g++, or $CXX; see the log)",
+                "batch_invariant",
+            )
+        return None if config.quantization == "w8a8" else "panels"  # w8a8: exact integers
     form = linear_packing(device, dtype) if config.pack_linear else None
     if form == "panels" and native.gemm_library() is None:
         log.warning("the native GEMM did not build: bf16 matmuls of many rows run on PyTorch's")

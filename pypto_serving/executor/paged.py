@@ -84,6 +84,7 @@ def build_paged_executor(
         native,
         attention_kernels,
         (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens),
+        config.batch_invariant,
     )
 
 
@@ -105,13 +106,16 @@ class PagedExecutor:
         native: bool = False,
         attention_kernels: bool = True,
         running: tuple[int, int] = (1, 1),
+        batch_invariant: bool = False,
     ) -> None:
         """max_tokens_in_use: the most tokens all running sequences can hold at once; digest:
         identifies the checkpoint (keys the SSD tier's pages); native: decodes of a few run
         through the native step (`native_decode.applies`; the loader packed the model for it);
         attention_kernels: attention may run on the native kernels (the run plan's choice);
-        running: (max_num_seqs, max_num_batched_tokens), what a windowed kind's rows hold."""
+        running: (max_num_seqs, max_num_batched_tokens), what a windowed kind's rows hold;
+        batch_invariant: decodes attend through the prefill kernel (`StepAttention`)."""
         self.model, self.device, self.dtype, self.groups = model, device, dtype, model.groups
+        self.batch_invariant = batch_invariant
         cfg = model.cfg
         spec = model.attention_kind.kv_spec(
             cfg, model.num_local_layers, cache.page_size, dtype, cache.kv_cache_dtype
@@ -252,6 +256,7 @@ class PagedExecutor:
                 step.max_q,
                 self.attention_kernel,
                 self.progress,
+                self.batch_invariant,
             )
         )  # the operator: it maps the step's slots from the page lists
         if self.native is not None and step.max_q == 1 and len(step.q_lens) <= NATIVE_MAX_ROWS:
@@ -404,13 +409,16 @@ class PagedExecutor:
         """Run warm-up steps on `runner` (this executor, or one sharing its model over a KV
         store of its own) until every graph is compiled, then count what follows as
         recompilations."""
+        start, compiles = time.perf_counter(), COUNTER.num_compiles
+        if self.device.type == "cpu":
+            # first: it imports Inductor (and dynamo) under its lock, which the start-up's
+            # background check holds while it imports them; importing them here at the same
+            # time failed with a circular ImportError (two threads in dynamo's __init__)
+            trust_cpu_vector_isa()
         from torch._dynamo.exc import BackendCompilerFailed  # torch.compile's (~2 s) imports
         from torch._inductor.exc import InductorError
 
         assert self.run_layer is not None
-        start, compiles = time.perf_counter(), COUNTER.num_compiles
-        if self.device.type == "cpu":
-            trust_cpu_vector_isa()
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         reqs = [Request(f"warmup-{i}", [1 + i] * (5 + 3 * i), params) for i in range(2)]
         plans = [

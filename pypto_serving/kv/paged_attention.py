@@ -192,12 +192,18 @@ class StepAttention:
         max_q: int,
         kernel: ctypes.CDLL | None = None,
         progress: StepProgress | None = None,
+        decodes_as_prefill: bool = False,
     ) -> None:
         """pages: each sequence's page ids (from the pool); positions [T] of the new tokens;
         q_lens, ctx_lens [B] (ctx includes new), all int64 on the cache's device;
         `kernel`: the native attention library (`native_attention.library_for`), or None for
-        PyTorch's path; `progress`: advanced by each layer (the executor's)."""
+        PyTorch's path; `progress`: advanced by each layer (the executor's);
+        `decodes_as_prefill`: decodes run through the native prefill kernel, as chunks of one
+        token (--batch-invariant: a token's attention is then the same bits whether it was
+        decoded or, after a preemption, recomputed in a prefill; the decode kernel sums a dot
+        product across vector lanes, the prefill kernel along it)."""
         self.cache, self.kernel, self.progress = cache, kernel, progress
+        self.decodes_as_prefill = decodes_as_prefill
         self.block_table = block_table(pages, cache.device)
         """[B, W] each sequence's page ids, padded with 0."""
         self.slot_mapping = slot_mapping(self.block_table, q_lens, positions, cache.page_size)
@@ -226,9 +232,12 @@ class StepAttention:
         table, q_lens, ctx_lens, kernel = self.block_table, self.q_lens, self.ctx_lens, self.kernel
         groups = []
         if nd > 0:
-            groups.append(
-                _Group(page, heads, table[:nd], q_lens[:nd], ctx_lens[:nd], slice(0, nd), 1, kernel)
+            decodes = _Group(
+                page, heads, table[:nd], q_lens[:nd], ctx_lens[:nd], slice(0, nd), 1, kernel
             )
+            if kernel is not None and self.decodes_as_prefill:
+                decodes.q_lens = q_lens[:nd].contiguous()
+            groups.append(decodes)
         if nd < len(q_lens):
             width = int((ctx_lens[nd:].max() + page - 1) // page)  # drop decodes' extra width
             groups.append(

@@ -165,9 +165,9 @@ def load_gemm(path: Path) -> ctypes.CDLL | None:
     if lib is None:
         return None
     ptr = ctypes.c_void_p
-    lib.pypto_panel_gemm.restype = ctypes.c_int
-    lib.pypto_panel_gemm.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, ctypes.c_int64]
-    lib.pypto_panel_gemm.argtypes += [ctypes.c_int] * 4
+    for fn in (lib.pypto_panel_gemm, lib.pypto_panel_gemm_f32):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, ctypes.c_int64, *[ctypes.c_int] * 4]
     return lib
 
 

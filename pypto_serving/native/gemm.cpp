@@ -1,6 +1,7 @@
 // Matmuls of many rows (prefill chunks, batched decodes) over bf16 weights on CPUs whose
 // oneDNN cannot pack bf16 (no AVX-512 BF16: AVX2 CPUs): out = x @ w.T (+ bias), computed in
-// float32 with FMAs, the weights staying bf16 in memory (half the bytes of float32).
+// float32 with FMAs, the weights staying bf16 in memory (half the bytes of float32). Under
+// --batch-invariant every matmul of a bf16 or float32 model runs here (float32 panels too).
 //
 // The weight [N, K] is kept in panels ([ceil(N / 16)][K][16] bf16, rows past N zero; packed
 // once at load by ops/linear.py): panel p holds output columns 16p .. 16p + 15, input by
@@ -44,12 +45,14 @@ inline vf load(const float* p) {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-inline float bf16(uint16_t h) {
+inline float widen(uint16_t h) {  // bfloat16 -> float32: its bits are the high half
     const uint32_t u = uint32_t(h) << 16;
     float f;
     std::memcpy(&f, &u, sizeof f);
     return f;
 }
+
+inline float widen(float f) { return f; }
 
 // c[0..R) (16 outputs each, rows ldc apart; the first block starts from zero) += x[0..R) . block.
 template <int R>
@@ -86,16 +89,14 @@ void rows_over(const float* x, int64_t ldx, const float* block, int kc, float* c
     }
 }
 
-}  // namespace
-
-// out [M][ldo] = x [M][ldx] @ w.T (+ bias: bf16 [N], or null), with w in panels as above;
-// float32 x and out, whose rows hold every panel's 16 columns (ldo >= 16 ceil(N / 16); the
-// columns from N on are the zero rows'). Returns 0, or 1 for shapes it does not take.
+// out [M][ldo] = x [M][ldx] @ w.T (+ bias [N] in W, or null), with w in panels of W as
+// above; float32 x and out, whose rows hold every panel's 16 columns (ldo >= 16 ceil(N / 16);
+// the columns from N on are the zero rows'). Returns 0, or 1 for shapes it does not take.
 // Loops: blocks of KC inputs, then MC rows (both stay in L2), then the panels, shared by the
 // team; the outputs carry each chain from block to block.
-extern "C" int pypto_panel_gemm(const float* x, int64_t ldx, const uint16_t* panels,
-                                const uint16_t* bias, float* out, int64_t ldo, int M, int N,
-                                int K, int threads) {
+template <typename W>
+int gemm(const float* x, int64_t ldx, const W* panels, const W* bias, float* out, int64_t ldo,
+         int M, int N, int K, int threads) {
     const int count = (N + NR - 1) / NR;
     if (M < 1 || N < 1 || K < 1 || ldo < int64_t(count) * NR) return 1;
 #pragma omp parallel num_threads(threads)
@@ -107,8 +108,8 @@ extern "C" int pypto_panel_gemm(const float* x, int64_t ldx, const uint16_t* pan
                 const int rows = M - m0 < MC ? M - m0 : MC;
 #pragma omp for schedule(static)
                 for (int p = 0; p < count; ++p) {
-                    const uint16_t* src = panels + (int64_t(p) * K + k0) * NR;
-                    for (int i = 0; i < kc * NR; ++i) block[i] = bf16(src[i]);
+                    const W* src = panels + (int64_t(p) * K + k0) * NR;
+                    for (int i = 0; i < kc * NR; ++i) block[i] = widen(src[i]);
                     rows_over(x + m0 * ldx + k0, ldx, block, kc, out + m0 * ldo + p * NR, ldo,
                               k0 == 0, rows);
                 }
@@ -117,8 +118,24 @@ extern "C" int pypto_panel_gemm(const float* x, int64_t ldx, const uint16_t* pan
         if (bias != nullptr) {
 #pragma omp for schedule(static)
             for (int m = 0; m < M; ++m)
-                for (int n = 0; n < N; ++n) out[m * ldo + n] += bf16(bias[n]);
+                for (int n = 0; n < N; ++n) out[m * ldo + n] += widen(bias[n]);
         }
     }
     return 0;
+}
+
+}  // namespace
+
+// Panels of bf16 (the weights of bf16 models) and of float32 (float32 models under
+// --batch-invariant); the arguments as `gemm`'s.
+extern "C" int pypto_panel_gemm(const float* x, int64_t ldx, const uint16_t* panels,
+                                const uint16_t* bias, float* out, int64_t ldo, int M, int N,
+                                int K, int threads) {
+    return gemm(x, ldx, panels, bias, out, ldo, M, N, K, threads);
+}
+
+extern "C" int pypto_panel_gemm_f32(const float* x, int64_t ldx, const float* panels,
+                                    const float* bias, float* out, int64_t ldo, int M, int N,
+                                    int K, int threads) {
+    return gemm(x, ldx, panels, bias, out, ldo, M, N, K, threads);
 }

@@ -78,16 +78,17 @@ def _(
 def panel_linear(
     x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) through native/gemm.cpp, the weight in panels (`pack_panels`),
-    in float32; the result in x's dtype."""
+    """x @ weight.T (+ bias) through native/gemm.cpp, the weight in panels (`pack_panels`:
+    bf16, or float32 under --batch-invariant), in float32; the result in x's dtype."""
     lib = native_kernels.gemm_library()
     assert lib is not None, "panels are only packed where the native GEMM is built"
     xf = x.float().contiguous()
     rows, cols = xf.shape
     width = panels.shape[0] * 16
     out = torch.empty(rows, width)
-    assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
-    failed = lib.pypto_panel_gemm(
+    assert bias is None or (bias.dtype == panels.dtype and bias.is_contiguous())
+    gemm = lib.pypto_panel_gemm_f32 if panels.dtype == torch.float32 else lib.pypto_panel_gemm
+    failed = gemm(
         xf.data_ptr(),
         cols,
         panels.data_ptr(),
@@ -111,8 +112,10 @@ def _(
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [N, K] as native/gemm.cpp's panels: [ceil(N / 16), K, 16], panel p
-    holding output rows 16p .. 16p + 15 input by input (rows past N zero)."""
+    """A bf16 or float32 weight [N, K] as native/gemm.cpp's panels: [ceil(N / 16), K, 16],
+    panel p holding output rows 16p .. 16p + 15 input by input (rows past N zero)."""
+    if weight.dtype not in (torch.bfloat16, torch.float32):
+        raise PyptoError(f"the native GEMM takes bf16 or float32 weights, not {weight.dtype}")
     n, k = weight.shape
     padded = F.pad(weight.detach(), (0, 0, 0, -n % 16))
     return padded.view(-1, 16, k).transpose(1, 2).contiguous()

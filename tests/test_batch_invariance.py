@@ -1,0 +1,130 @@
+"""--batch-invariant: one request's greedy tokens and logprobs are the same bits alone, after a
+prefix hit, in a batch of 16, with its prompt chunked, reloaded from the CPU tier and after a
+preemption (recomputed), in bf16, float32 and w8a8; in this process's build (AVX-512 here) and
+in the AVX2 build (a child process with torch on its AVX2 code, as tests/isa_checks.py). The
+default mode is held to differ somewhere in bf16 (the native decode step's numerics are not the
+graphs'), so the test can tell the two apart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from checkpoints import build_checkpoint, build_tokenizer
+from invariance_checks import situations
+
+from pypto_serving import LLM, native
+from pypto_serving.device import cpu_flags
+from pypto_serving.errors import PyptoError
+from pypto_serving.kv import native_attention
+from pypto_serving.kv.paged_attention import StepAttention
+from pypto_serving.kv.paged_cache import PagedCache
+from pypto_serving.kv.spec import KVSpec
+
+VARIANTS = {
+    "bfloat16": {"dtype": "bfloat16"},
+    "float32": {"dtype": "float32"},
+    "w8a8": {"dtype": "bfloat16", "quantization": "w8a8"},
+}
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("llama-wide")
+    build_checkpoint("llama-wide", out)
+    build_tokenizer(out)
+    return out
+
+
+def assert_all_equal(found: dict[str, Any]) -> None:
+    alone = found["alone"]
+    for name, got in found.items():
+        assert got[0] == alone[0], f"{name}: tokens {got[0]} != {alone[0]}"
+        assert got[1] == alone[1], f"{name}: logprobs differ from alone's"  # exact floats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_request_gets_the_same_bits_in_every_situation(wide_model, variant):
+    assert_all_equal(situations(str(wide_model), VARIANTS[variant] | {"batch_invariant": True}))
+
+
+@pytest.mark.slow
+def test_the_default_mode_does_not_promise_it(wide_model):
+    """Without the flag decodes of up to 8 run through the native step and wider steps on the
+    graphs: a batch of 16 moves A's logprobs (the check above would fail here)."""
+    found = situations(str(wide_model), {"dtype": "bfloat16"})
+    assert any(got[1] != found["alone"][1] for got in found.values())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not {"avx2", "fma", "f16c"} <= cpu_flags(), reason="the AVX2 build needs an x86-64-v3 CPU"
+)
+@pytest.mark.parametrize("variant", ["bfloat16", "w8a8"])
+def test_the_avx2_build_keeps_it_too(wide_model, tmp_path, variant):
+    env = os.environ | {
+        "PYPTO_CPU_ISA": "avx2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "PYPTO_CACHE_DIR": str(tmp_path),
+    }
+    knobs = VARIANTS[variant] | {"batch_invariant": True}
+    script = Path(__file__).with_name("invariance_checks.py")
+    run = subprocess.run(
+        [sys.executable, str(script), str(wide_model), json.dumps(knobs)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert_all_equal(json.loads(run.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "int4-w8a8"])
+def test_quantizations_that_switch_kernels_by_rows_are_refused(wide_model, quantization):
+    with pytest.raises(PyptoError, match="--batch-invariant takes bf16 or float32 weights"):
+        LLM(str(wide_model), dtype="bfloat16", quantization=quantization, batch_invariant=True)
+
+
+def test_the_flag_takes_the_native_gemm_and_no_native_step(wide_model):
+    with LLM(str(wide_model), dtype="float32", batch_invariant=True, enforce_eager=True) as llm:
+        plan = llm.engine.plan
+        assert plan.batch_invariant and plan.pack_linear == "panels" and not plan.native_decode
+        assert llm.engine.executor.native is None
+        head = llm.engine.model.lm_head
+        assert head.packed is not None and head.packed_form == "panels"
+        assert head.packed.dtype.is_floating_point and head.packed.dim() == 3
+
+
+def test_decodes_attend_through_the_prefill_kernel():
+    """The decode kernel sums a dot product across vector lanes, the prefill kernel along the
+    head: a few float32 ulps apart. Under the flag a decode takes the prefill kernel's path (a
+    chunk of one token), so a token attended as a decode and recomputed in a prefill after a
+    preemption are the same bits."""
+    lib = native.library(2, 64)
+    assert lib is not None
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 1024, 64), torch.randn(2, 1024, 64)
+    table = torch.arange(24).view(3, 8)
+    ctx, q = torch.tensor([37, 100, 5]), torch.randn(3, 4, 64)
+    ones = torch.ones(3, dtype=torch.long)
+    decode = native_attention.paged_attention(lib, q, k, v, table, ctx, 16)
+    prefill = native_attention.paged_attention(lib, q, k, v, table, ctx, 16, ones)
+    assert not torch.equal(decode, prefill) and torch.allclose(decode, prefill, atol=1e-5)
+    spec = KVSpec("gqa", 1, 2, 64, 64, 16, torch.float32, num_tensors=2)
+    cache = PagedCache(spec, 64, torch.device("cpu"))
+    cache.k_cache[0].copy_(k)
+    cache.v_cache[0].copy_(v)
+    pages = [list(range(8 * b, 8 * b + 8)) for b in range(3)]
+    for as_prefill, want in ((False, decode), (True, prefill)):
+        step = StepAttention(cache, pages, ctx - 1, ones, ctx, 3, 1, lib, None, as_prefill)
+        got = step.groups[0].attend(q, cache.k_cache[0], cache.v_cache[0])
+        assert torch.equal(got, want)
