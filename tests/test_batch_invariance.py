@@ -1,7 +1,7 @@
 """--batch-invariant: one request's greedy tokens and logprobs are the same bits alone, after a
 prefix hit, in a batch of 16, with its prompt chunked, reloaded from the CPU tier and after a
-preemption (recomputed), in bf16, float32 and w8a8; in this process's build (AVX-512 here) and
-in the AVX2 build (a child process with torch on its AVX2 code, as tests/isa_checks.py). The
+preemption (recomputed), in bf16, float32 and w8a8; in this machine's own build (AVX-512 here) and
+in the AVX2 build, each in a child process (the AVX2 one with torch on its AVX2 code). The
 default mode is held to differ somewhere in bf16 (the native decode step's numerics are not the
 graphs'), so the test can tell the two apart.
 """
@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 from checkpoints import build_checkpoint, build_tokenizer
-from invariance_checks import situations
 
 from pypto_serving import LLM, native
 from pypto_serving.device import cpu_flags
@@ -50,17 +49,36 @@ def assert_all_equal(found: dict[str, Any]) -> None:
         assert got[1] == alone[1], f"{name}: logprobs differ from alone's"  # exact floats
 
 
+AVX2_ENV = {"PYPTO_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def situations_apart(model: Path, knobs: dict[str, Any], tmp: Path, env: dict[str, str]):
+    """`invariance_checks.situations` in a child process: its own torch (the AVX2 build's is
+    chosen as torch loads) and its own dynamo caches (six engines' graphs per call would
+    crowd this process's, which later tests count)."""
+    script = Path(__file__).with_name("invariance_checks.py")
+    run = subprocess.run(
+        [sys.executable, str(script), str(model), json.dumps(knobs)],
+        env=os.environ | {"PYPTO_CACHE_DIR": str(tmp)} | env,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_a_request_gets_the_same_bits_in_every_situation(wide_model, variant):
-    assert_all_equal(situations(str(wide_model), VARIANTS[variant] | {"batch_invariant": True}))
+def test_a_request_gets_the_same_bits_in_every_situation(wide_model, tmp_path, variant):
+    knobs = VARIANTS[variant] | {"batch_invariant": True}
+    assert_all_equal(situations_apart(wide_model, knobs, tmp_path, {}))
 
 
 @pytest.mark.slow
-def test_the_default_mode_does_not_promise_it(wide_model):
+def test_the_default_mode_does_not_promise_it(wide_model, tmp_path):
     """Without the flag decodes of up to 8 run through the native step and wider steps on the
     graphs: a batch of 16 moves A's logprobs (the check above would fail here)."""
-    found = situations(str(wide_model), {"dtype": "bfloat16"})
+    found = situations_apart(wide_model, {"dtype": "bfloat16"}, tmp_path, {})
     assert any(got[1] != found["alone"][1] for got in found.values())
 
 
@@ -70,22 +88,8 @@ def test_the_default_mode_does_not_promise_it(wide_model):
 )
 @pytest.mark.parametrize("variant", ["bfloat16", "w8a8"])
 def test_the_avx2_build_keeps_it_too(wide_model, tmp_path, variant):
-    env = os.environ | {
-        "PYPTO_CPU_ISA": "avx2",
-        "ATEN_CPU_CAPABILITY": "avx2",
-        "ONEDNN_MAX_CPU_ISA": "AVX2",
-        "PYPTO_CACHE_DIR": str(tmp_path),
-    }
     knobs = VARIANTS[variant] | {"batch_invariant": True}
-    script = Path(__file__).with_name("invariance_checks.py")
-    run = subprocess.run(
-        [sys.executable, str(script), str(wide_model), json.dumps(knobs)],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert_all_equal(json.loads(run.stdout.strip().splitlines()[-1]))
+    assert_all_equal(situations_apart(wide_model, knobs, tmp_path, AVX2_ENV))
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4", "int4-w8a8"])
