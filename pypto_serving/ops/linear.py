@@ -156,7 +156,7 @@ def quantized_linear(
     dequantizing kernels win only while memory-bound. The choice is made in here, out of
     torch.compile's sight, so it adds no guard."""
     if dense is not None and x.shape[0] > QUANTIZED_MAX_ROWS:  # real tensors in here
-        return dense_linear(x, dense, None, out_features, "onednn" if dense.is_mkldnn else "")
+        return dense_linear(x, dense, None, out_features, "onednn" if dense.is_mkldnn else "panels")
     return dequantizing_matmul(x, qweight, scales, group)
 
 
