@@ -11,7 +11,8 @@ The weight-only kinds (int8, int4) use their quantized kernels only for matmuls 
 runs the same way in a forward of any size. `int4-native` scores through the native decode
 step (executor/native_decode.py, what int4 and int4-w8a8 decode with on the CPU), one token
 at a time over the paged KV cache, as a decode would see each: its Q4_1 layers, Q8_0 head
-and int8 activations.
+and int8 activations. `gguf-native` does the same with a GGUF file's own Q4_1 / Q8_0
+matrices (`--quantization gguf`, auto's choice for such a file: what llama.cpp computes).
 
     python bench/perplexity.py --text /usr/share/common-licenses/GPL-3 \\
         --quantization none,w8a8,int8,int4
@@ -82,7 +83,9 @@ def main() -> int:
     p.add_argument("--model", default="default")
     p.add_argument("--text", action="append", required=True, help="a text file (repeatable)")
     p.add_argument(
-        "--quantization", default="none,w8a8,int8,int4,int4-native", help="comma-separated"
+        "--quantization",
+        default="none,w8a8,int8,int4,int4-native,gguf-native",
+        help="comma-separated",
     )
     p.add_argument("--chunk", type=int, default=1024, help="tokens per forward")
     p.add_argument("--max-chunks", type=int, default=6, help="per text file")
@@ -102,14 +105,17 @@ def main() -> int:
     for variant in variants:
         dtype = torch.float32 if variant == "float32" else torch.bfloat16
         quantization = None if variant in ("float32", "none") else variant
-        if variant == "int4-native":
-            model = LLM(str(model_dir), quantization="int4", enforce_eager=True)
+        if variant.endswith("-native"):
+            model = LLM(
+                str(model_dir), quantization=variant.removesuffix("-native"), enforce_eager=True
+            )
         else:
             cpu = torch.device("cpu")  # bf16 packed as the engine packs it (panels on AVX2)
             pack = linear_packing(cpu, dtype)
             model = load_model(model_dir, dtype, cpu, None, quantization, pack=pack)
         for name, chunks in texts.items():
-            nll, count, top = (score_native if variant == "int4-native" else score)(model, chunks)
+            native = variant.endswith("-native")
+            nll, count, top = (score_native if native else score)(model, chunks)
             reference.setdefault(name, top)
             row = {
                 "variant": "bfloat16" if variant == "none" else variant,

@@ -186,7 +186,7 @@ def vllm_worker(spec: dict[str, Any]) -> dict[str, Any]:
         return time.perf_counter() - start, outs
 
     start = time.perf_counter()
-    llm = LLM(model=spec["model_dir"], dtype="bfloat16")
+    llm = LLM(model=spec["model_dir"], dtype=spec["vllm_dtype"])
     startup = time.perf_counter() - start
     timed([{"prompt_token_ids": spec["warmup_ids"]}], 4)
     elapsed, outs = timed(spec["w1"], spec["output_len"])
@@ -200,7 +200,8 @@ def vllm_worker(spec: dict[str, Any]) -> dict[str, Any]:
         runs.append((ttft, total - ttft, len(outs[0].outputs[0].token_ids)))
     single = single_figures(runs, "TTFT = a max_tokens=1 run; decode = (N-1)/(t_N - TTFT)")
     threads = int(os.environ.get("VLLM_CPU_OMP_THREADS", 0)) or None  # bound by vLLM itself
-    return engine_result(f"vllm {vllm.__version__}", "bfloat16", threads, startup, w1, single)
+    version = f"vllm {vllm.__version__}"
+    return engine_result(version, spec["vllm_dtype"], threads, startup, w1, single)
 
 
 def llamacpp_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -275,6 +276,7 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
         "single_prompts": prompts(0),
         "alt_prompts": prompts(7919),
         "warmup_ids": random_prompts(vocab, 1, n, seed + 1_000_003)[0],
+        "vllm_dtype": args.vllm_dtype,
     }
 
 
@@ -457,6 +459,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument(
         "--ours-args", default="", help="extra flags for pypto bench, e.g. '--dtype float32'"
+    )
+    p.add_argument(
+        "--vllm-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="vLLM-CPU's dtype (its AVX2 build is faster in float32)",
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per engine run")
     p.add_argument("--json", type=Path, help="write every figure as JSON")

@@ -19,7 +19,9 @@ BACKENDS = ("gloo", "nccl")
 PLACEMENTS = ("linear", "round_robin")
 ALL2ALL_BACKENDS = ("all_to_all", "allgather_reducescatter")
 DATA_PARALLEL_BACKENDS = ("mp",)
-QUANTIZATIONS = ("int8", "int4", "w8a8", "int4-w8a8")
+QUANTIZATIONS = ("int8", "int4", "w8a8", "int4-w8a8", "gguf")
+"""The forms a model's linear layers can take (besides its dtype)."""
+QUANTIZATION_CHOICES = ("auto", "none", *QUANTIZATIONS)
 CALIBRATED_QUANTIZATIONS = ("w8a8", "int4-w8a8")
 """Those with int8 activations, whose smoothing factors come from running the whole model."""
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -298,17 +300,22 @@ class EngineConfig:
     batch_invariant: bool = False
     """A row's result does not depend on the rows that share its step, how its prompt was
     chunked, or whether its prefix came from the cache: greedy outputs are the same bits
-    alone or in any batch. Every matmul of a bf16 or float32 model runs on the native GEMM
-    (each output one chain of FMAs whatever the rows), and decodes on the compiled graphs,
-    not the native decode step, whose numerics differ (CPU only; with --quantization only
-    w8a8, whose integer products are exact). Costs speed: see docs/performance.md."""
-    quantization: str | None = None
-    """Quantization of the linear layers (CPU, bfloat16). Weight-only: int8 (a scale per
-    output row) or int4 (scale and minimum per 32 inputs, as llama.cpp's Q4_1): fewer bytes
-    per decode step. w8a8: int8 weights and int8 activations (per token, smoothed), for
-    faster batched steps. int4-w8a8: int4 for matmuls of up to 8 rows (decoding a few
-    sequences), w8a8 above (prefill, batched decodes). None keeps the weights in dtype. Each
-    costs some accuracy."""
+    alone or in any batch. Every matmul runs on one kernel whatever its rows: a bf16 or
+    float32 model's on the native GEMM's panels (each output one chain of FMAs), an int8,
+    int4 or int4-w8a8 model's on the native decode step's records (int4's Q4, int8's and
+    every head's Q8, int8 activations per 32 inputs, exact integer sums), w8a8's on its
+    exact integer GEMM; decodes on the compiled graphs, not the native decode step, whose
+    numerics differ (CPU only). Costs speed: see docs/performance.md."""
+    quantization: str | None = "auto"
+    """Quantization of the linear layers (CPU, bfloat16). gguf: a GGUF file's own Q4_1 and
+    Q8_0 matrices as stored, for the native decode step (as llama.cpp runs them; no second
+    quantization). Weight-only: int8 (a scale per output row) or int4 (scale and minimum per
+    32 inputs, as llama.cpp's Q4_1): fewer bytes per decode step. w8a8: int8 weights and int8
+    activations (per token, smoothed), for faster batched steps. int4-w8a8: int4 for matmuls
+    of up to 8 rows (decoding a few sequences), w8a8 above (prefill, batched decodes). none
+    keeps the weights in dtype. auto: gguf for a GGUF file whose matrices are all Q4_1 or
+    Q8_0 where the native decode step runs (the start-up log says), else none. Each but none
+    costs some accuracy against the unquantized model."""
     step_timeout_s: float = 60.0
     """A step (or a data-parallel replica's step) making no progress (no layer done) for
     longer is taken for a hang: the watchdog fails the requests it held and reports the
@@ -322,15 +329,9 @@ class EngineConfig:
             raise PyptoError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise PyptoError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
-        if self.quantization not in (None, *QUANTIZATIONS):
+        if self.quantization not in (None, *QUANTIZATION_CHOICES):
             raise PyptoError(
-                f"quantization must be one of {QUANTIZATIONS} (or unset), got {self.quantization!r}"
-            )
-        if self.batch_invariant and self.quantization not in (None, "w8a8"):
-            raise PyptoError(
-                f"--batch-invariant takes bf16 or float32 weights, or --quantization w8a8; "
-                f"{self.quantization} switches kernels by a step's rows (drop one of the two)",
-                "batch_invariant",
+                f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}"
             )
         if self.batch_invariant and self.executor != "paged":
             raise PyptoError("--batch-invariant needs the paged executor", "batch_invariant")

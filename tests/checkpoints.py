@@ -359,3 +359,23 @@ def hash_chain(token_ids: list[int], page_size: int, salt: str | None = None) ->
         parent = hash_page(parent, token_ids[start : start + page_size], salt)
         hashes.append(parent)
     return hashes
+
+
+def dequantize(records: torch.Tensor, fmt: int, rows: int, cols: int) -> torch.Tensor:
+    """The weight [rows, cols] the records hold, in float64 (their layout read back)."""
+    groups, blocks = cols // 32, -(-rows // 16)
+    if fmt == 1:  # NATIVE_Q4 (ops/linear.py); else NATIVE_Q8
+        rec = records.view(blocks, groups, 320)
+        nib = rec[..., :256].reshape(blocks, groups, 4, 16, 4).long()
+        q = torch.cat([nib & 15, nib >> 4], -1)  # [B, G, c, 16, 8]: inputs 8c .. 8c + 7
+        q = q.permute(0, 3, 1, 2, 4).reshape(blocks * 16, groups, 32)
+        scale, low = (
+            rec[..., 256 + 32 * i : 288 + 32 * i].contiguous().view(torch.float16) for i in range(2)
+        )
+        scale, low = (t.permute(0, 2, 1).reshape(-1, groups, 1).double() for t in (scale, low))
+        return (q * scale + low).reshape(-1, cols)[:rows]
+    rec = records.view(blocks, groups, 544)
+    q = rec[..., :512].reshape(blocks, groups, 8, 16, 4).long() - 128
+    q = q.permute(0, 3, 1, 2, 4).reshape(blocks * 16, groups, 32)
+    scale = rec[..., 512:].contiguous().view(torch.float16).permute(0, 2, 1)
+    return (q * scale.reshape(-1, groups, 1).double()).reshape(-1, cols)[:rows]

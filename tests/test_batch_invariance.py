@@ -1,9 +1,10 @@
 """--batch-invariant: one request's greedy tokens and logprobs are the same bits alone, after a
 prefix hit, in a batch of 16, with its prompt chunked, reloaded from the CPU tier and after a
-preemption (recomputed), in bf16, float32 and w8a8; in this machine's own build (AVX-512 here) and
-in the AVX2 build, each in a child process (the AVX2 one with torch on its AVX2 code). The
-default mode is held to differ somewhere in bf16 (the native decode step's numerics are not the
-graphs'), so the test can tell the two apart.
+preemption (recomputed), in bf16, float32, w8a8, int8 and int4; in this machine's own build
+(AVX-512 here) and in the AVX2 build, each in a child process (the AVX2 one with torch on its
+AVX2 code). int4-w8a8 under the flag is held to load int4's very records (so int4's runs cover
+its bits). The default mode is held to differ somewhere in bf16 (the native decode step's
+numerics are not the graphs'), so the test can tell the two apart.
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ from checkpoints import build_checkpoint, build_tokenizer
 
 from pypto_serving import LLM, native
 from pypto_serving.device import cpu_flags
-from pypto_serving.errors import PyptoError
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.paged_attention import StepAttention
 from pypto_serving.kv.paged_cache import PagedCache
 from pypto_serving.kv.spec import KVSpec
+from pypto_serving.ops.linear import NATIVE_Q4, NATIVE_Q8, Linear
 
 VARIANTS = {
     "bfloat16": {"dtype": "bfloat16"},
     "float32": {"dtype": "float32"},
     "w8a8": {"dtype": "bfloat16", "quantization": "w8a8"},
+    "int8": {"dtype": "bfloat16", "quantization": "int8"},
+    "int4": {"dtype": "bfloat16", "quantization": "int4"},
 }
 
 
@@ -40,6 +43,13 @@ def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build_checkpoint("llama-wide", out)
     build_tokenizer(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache folder for the module's child processes: each would otherwise build the
+    native kernels again (its keys keep the builds and the compiled graphs apart)."""
+    return tmp_path_factory.mktemp("cache")
 
 
 def assert_all_equal(found: dict[str, Any]) -> None:
@@ -69,16 +79,16 @@ def situations_apart(model: Path, knobs: dict[str, Any], tmp: Path, env: dict[st
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_a_request_gets_the_same_bits_in_every_situation(wide_model, tmp_path, variant):
+def test_a_request_gets_the_same_bits_in_every_situation(wide_model, cache, variant):
     knobs = VARIANTS[variant] | {"batch_invariant": True}
-    assert_all_equal(situations_apart(wide_model, knobs, tmp_path, {}))
+    assert_all_equal(situations_apart(wide_model, knobs, cache, {}))
 
 
 @pytest.mark.slow
-def test_the_default_mode_does_not_promise_it(wide_model, tmp_path):
+def test_the_default_mode_does_not_promise_it(wide_model, cache):
     """Without the flag decodes of up to 8 run through the native step and wider steps on the
     graphs: a batch of 16 moves A's logprobs (the check above would fail here)."""
-    found = situations_apart(wide_model, {"dtype": "bfloat16"}, tmp_path, {})
+    found = situations_apart(wide_model, {"dtype": "bfloat16"}, cache, {})
     assert any(got[1] != found["alone"][1] for got in found.values())
 
 
@@ -86,16 +96,45 @@ def test_the_default_mode_does_not_promise_it(wide_model, tmp_path):
 @pytest.mark.skipif(
     not {"avx2", "fma", "f16c"} <= cpu_flags(), reason="the AVX2 build needs an x86-64-v3 CPU"
 )
-@pytest.mark.parametrize("variant", ["bfloat16", "w8a8"])
-def test_the_avx2_build_keeps_it_too(wide_model, tmp_path, variant):
+@pytest.mark.parametrize("variant", ["bfloat16", "w8a8", "int8", "int4"])
+def test_the_avx2_build_keeps_it_too(wide_model, cache, variant):
     knobs = VARIANTS[variant] | {"batch_invariant": True}
-    assert_all_equal(situations_apart(wide_model, knobs, tmp_path, AVX2_ENV))
+    assert_all_equal(situations_apart(wide_model, knobs, cache, AVX2_ENV))
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4", "int4-w8a8"])
-def test_quantizations_that_switch_kernels_by_rows_are_refused(wide_model, quantization):
-    with pytest.raises(PyptoError, match="--batch-invariant takes bf16 or float32 weights"):
-        LLM(str(wide_model), dtype="bfloat16", quantization=quantization, batch_invariant=True)
+def records(llm: LLM) -> dict[str, tuple[int, torch.Tensor]]:
+    """Each Linear's one form under the flag: its records and their format."""
+    found = {}
+    for name, layer in llm.engine.model.named_modules():
+        if isinstance(layer, Linear):
+            assert layer.packed is None and layer.quantized is None and layer.int8 is None
+            assert layer.native is not None, name
+            found[name] = (layer.native[1], layer.native[0])
+    return found
+
+
+def test_quantized_models_keep_the_native_steps_records_alone(wide_model, tmp_path, monkeypatch):
+    """Under the flag int8, int4 and int4-w8a8 keep one form of each weight, the native decode
+    step's records, which serve every matmul: int4's Q4 (its head Q8), int8's Q8; int4-w8a8 takes
+    int4's very records (its name's other half, w8a8 for wide steps, is a second kernel)."""
+    monkeypatch.setenv("PYPTO_CACHE_DIR", str(tmp_path))
+    got = {}
+    for quantization in ("int8", "int4", "int4-w8a8"):
+        with LLM(
+            str(wide_model),
+            dtype="bfloat16",
+            quantization=quantization,
+            batch_invariant=True,
+            enforce_eager=True,
+        ) as llm:
+            assert llm.engine.plan.pack_linear is None and llm.engine.executor.native is None
+            got[quantization] = records(llm)
+    formats = {q: {name: fmt for name, (fmt, _) in found.items()} for q, found in got.items()}
+    assert set(formats["int8"].values()) == {NATIVE_Q8}
+    assert formats["int4"]["lm_head"] == NATIVE_Q8
+    assert {f for name, f in formats["int4"].items() if name != "lm_head"} == {NATIVE_Q4}
+    for name, (fmt, packed) in got["int4"].items():
+        assert got["int4-w8a8"][name][0] == fmt and torch.equal(got["int4-w8a8"][name][1], packed)
 
 
 def test_the_flag_takes_the_native_gemm_and_no_native_step(wide_model):

@@ -13,8 +13,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_files import HEADS, KV_HEADS, TEMPLATE, write_tiny_gguf
 from safetensors.torch import load_file
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from pypto_serving.errors import ModelLoadError
 from pypto_serving.models import default_model
@@ -25,91 +25,6 @@ from pypto_serving.models.default_model import (
     resolve_model_path,
 )
 from pypto_serving.models.gguf_convert import MARKER_FILE, convert_gguf_to_hf, is_converted_dir
-
-HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 32, 4, 2, 64, 2
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
-
-
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf.py `LlamaModel.permute`, which the converter must undo."""
-    rows = w.shape[0]
-    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_tiny_gguf(
-    path: Path,
-    arch: str = "llama",
-    ffn_qtype: gguf.GGMLQuantizationType | None = None,
-    untied: bool = False,
-) -> dict[str, np.ndarray]:
-    """Write a 2-layer llama GGUF; return the float32 HF-layout weights it should convert to."""
-    rng = np.random.default_rng(0)
-    tokens = SPECIALS + list(bytes_to_unicode().values()) + ["Ġt"]
-    ref: dict[str, np.ndarray] = {}
-    w = gguf.GGUFWriter(path, arch=arch)
-    w.add_name("tiny")
-    for add, value in [
-        (w.add_block_count, LAYERS),
-        (w.add_context_length, 64),
-        (w.add_embedding_length, HIDDEN),
-        (w.add_feed_forward_length, FFN),
-        (w.add_head_count, HEADS),
-        (w.add_head_count_kv, KV_HEADS),
-        (w.add_rope_dimension_count, HIDDEN // HEADS),
-        (w.add_vocab_size, len(tokens)),
-        (w.add_bos_token_id, 1),
-        (w.add_eos_token_id, 2),
-        (w.add_pad_token_id, 2),
-        (w.add_unk_token_id, 0),
-    ]:
-        add(value)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
-    w.add_token_merges(["Ġ t"])
-    w.add_add_bos_token(False)
-    w.add_chat_template(TEMPLATE)
-
-    embed = rng.standard_normal((len(tokens), HIDDEN), dtype=np.float32)
-    q8 = gguf.quants.quantize(embed, gguf.GGMLQuantizationType.Q8_0)
-    w.add_tensor("token_embd.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    ref["model.embed_tokens.weight"] = gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)
-    shapes = {
-        "attn_q": ("self_attn.q_proj", (HIDDEN, HIDDEN)),
-        "attn_k": ("self_attn.k_proj", (HIDDEN // HEADS * KV_HEADS, HIDDEN)),
-        "attn_v": ("self_attn.v_proj", (HIDDEN // HEADS * KV_HEADS, HIDDEN)),
-        "attn_output": ("self_attn.o_proj", (HIDDEN, HIDDEN)),
-        "ffn_gate": ("mlp.gate_proj", (FFN, HIDDEN)),
-        "ffn_up": ("mlp.up_proj", (FFN, HIDDEN)),
-        "ffn_down": ("mlp.down_proj", (HIDDEN, FFN)),
-        "attn_norm": ("input_layernorm", (HIDDEN,)),
-        "ffn_norm": ("post_attention_layernorm", (HIDDEN,)),
-    }
-    for layer in range(LAYERS):
-        for gguf_name, (hf_name, shape) in shapes.items():
-            x = rng.standard_normal(shape, dtype=np.float32)
-            ref[f"model.layers.{layer}.{hf_name}.weight"] = x
-            heads = {"attn_q": HEADS, "attn_k": KV_HEADS}.get(gguf_name)
-            stored = x if heads is None else _permute(x, heads)
-            if gguf_name == "ffn_up" and ffn_qtype is not None:
-                raw = np.zeros(gguf.quants.quant_shape_to_byte_shape(shape, ffn_qtype), np.uint8)
-                w.add_tensor(f"blk.{layer}.{gguf_name}.weight", raw, raw_dtype=ffn_qtype)
-            else:
-                w.add_tensor(f"blk.{layer}.{gguf_name}.weight", np.ascontiguousarray(stored))
-    ref["model.norm.weight"] = rng.standard_normal((HIDDEN,), dtype=np.float32)
-    w.add_tensor("output_norm.weight", ref["model.norm.weight"])
-    if untied:
-        ref["lm_head.weight"] = rng.standard_normal((len(tokens), HIDDEN), dtype=np.float32)
-        w.add_tensor("output.weight", ref["lm_head.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return ref
 
 
 @pytest.fixture

@@ -16,15 +16,15 @@ from typing import Any
 
 import pytest
 import torch
-from checkpoints import assert_top5_rule, build_checkpoint, build_tokenizer
+from checkpoints import assert_top5_rule, build_checkpoint, build_tokenizer, dequantize
 from live_server import tiny_llm
 
 from pypto_serving import native
 from pypto_serving.device import cpu_flags
 from pypto_serving.distributed import ParallelGroups
 from pypto_serving.executor import native_decode
-from pypto_serving.executor.native_decode import Matrix
 from pypto_serving.models.config import load_model_config
+from pypto_serving.native import Matrix
 from pypto_serving.ops.linear import (
     NATIVE_BF16,
     NATIVE_Q4,
@@ -44,26 +44,6 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def dequantize(records: torch.Tensor, fmt: int, rows: int, cols: int) -> torch.Tensor:
-    """The weight [rows, cols] the records hold, in float64 (their layout read back)."""
-    groups, blocks = cols // 32, -(-rows // 16)
-    if fmt == NATIVE_Q4:
-        rec = records.view(blocks, groups, 320)
-        nib = rec[..., :256].reshape(blocks, groups, 4, 16, 4).long()
-        q = torch.cat([nib & 15, nib >> 4], -1)  # [B, G, c, 16, 8]: inputs 8c .. 8c + 7
-        q = q.permute(0, 3, 1, 2, 4).reshape(blocks * 16, groups, 32)
-        scale, low = (
-            rec[..., 256 + 32 * i : 288 + 32 * i].contiguous().view(torch.float16) for i in range(2)
-        )
-        scale, low = (t.permute(0, 2, 1).reshape(-1, groups, 1).double() for t in (scale, low))
-        return (q * scale + low).reshape(-1, cols)[:rows]
-    rec = records.view(blocks, groups, 544)
-    q = rec[..., :512].reshape(blocks, groups, 8, 16, 4).long() - 128
-    q = q.permute(0, 3, 1, 2, 4).reshape(blocks * 16, groups, 32)
-    scale = rec[..., 512:].contiguous().view(torch.float16).permute(0, 2, 1)
-    return (q * scale.reshape(-1, groups, 1).double()).reshape(-1, cols)[:rows]
-
-
 def quantized_rows(x: torch.Tensor) -> torch.Tensor:
     """x as the step quantizes it: int8 per group of 32 with a scale of its largest / 127."""
     g = x.double().reshape(len(x), -1, 32)
@@ -72,38 +52,41 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module", params=["vnni", "portable", "avx2"])
-def kernels(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The kernels with VNNI and BF16 dot products, without, and as an AVX2 CPU builds them
-    (PYPTO_CPU_ISA=avx2: -march=x86-64-v3), which every x86-64-v3 machine tests."""
+def products(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The product over records (records.h, exported by the shape-free library of gemm.cpp)
+    with VNNI and BF16 dot products, without, and as an AVX2 CPU builds it (PYPTO_CPU_ISA=avx2:
+    -march=x86-64-v3), which every x86-64-v3 machine tests."""
     if request.param == "vnni" and "avx512_vnni" not in cpu_flags():
         pytest.skip("this CPU has no AVX512-VNNI")  # the portable builds still run
     flags = ("-mno-avx512vnni", "-mno-avx512bf16") if request.param == "portable" else ()
     with pytest.MonkeyPatch.context() as mp:
         if request.param == "avx2":
             mp.setenv("PYPTO_CPU_ISA", "avx2")
-        path = native.build(2, 16, tmp_path_factory.mktemp("kernels"), extra_flags=flags)
+        path = native.build_gemm(tmp_path_factory.mktemp("gemm"), extra_flags=flags)
     assert path is not None, "the kernels must build here (g++ is what Inductor uses too)"
-    lib = native.load(path)
+    lib = native.load_gemm(path)
     assert lib is not None
     return lib
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
-def test_bf16_products_are_exact_over_the_bf16_operands(kernels, rows):
+def test_bf16_products_are_exact_over_the_bf16_operands(products, rows):
     torch.manual_seed(rows)
     n, k = 40, 96
     weight = torch.randn(n, k).to(torch.bfloat16)
     bias = torch.randn(n).to(torch.bfloat16)
     x, out = torch.randn(rows, k), torch.empty(rows, n)
     w = Matrix(weight.data_ptr(), bias.data_ptr(), n, k, NATIVE_BF16)
-    assert kernels.pypto_packed_product(ctypes.byref(w), x.data_ptr(), rows, out.data_ptr(), 2) == 0
+    assert (
+        products.pypto_packed_product(ctypes.byref(w), x.data_ptr(), rows, out.data_ptr(), 2) == 0
+    )
     expected = x.bfloat16().double() @ weight.double().T + bias.double()
     assert relative_error(out, expected) < 1e-6
 
 
 @pytest.mark.parametrize("fmt", [NATIVE_Q4, NATIVE_Q8])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_packed_products_are_the_quantized_products(kernels, fmt, rows):
+def test_packed_products_are_the_quantized_products(products, fmt, rows):
     torch.manual_seed(rows)
     n, k = 40, 96  # a block of 16 rows cut short, three groups of inputs
     weight = torch.randn(n, k) * torch.rand(n, 1) * 3
@@ -113,7 +96,9 @@ def test_packed_products_are_the_quantized_products(kernels, fmt, rows):
     x = torch.randn(rows, k)
     out = torch.empty(rows, n)
     w = Matrix(records.data_ptr(), bias.data_ptr(), n, k, fmt)
-    assert kernels.pypto_packed_product(ctypes.byref(w), x.data_ptr(), rows, out.data_ptr(), 2) == 0
+    assert (
+        products.pypto_packed_product(ctypes.byref(w), x.data_ptr(), rows, out.data_ptr(), 2) == 0
+    )
     dequantized = dequantize(records, fmt, n, k)
     expected = quantized_rows(x) @ dequantized.T + bias.double()
     assert relative_error(out, expected) < 1e-5
@@ -131,11 +116,11 @@ def test_avx2_and_avx512_give_the_same_packed_products(tmp_path, monkeypatch, fm
     and run where the CPU has it."""
     if not {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags():
         pytest.skip("this CPU cannot run the AVX-512 build")
-    wide = native.build(2, 16, tmp_path / "wide")
+    wide = native.build_gemm(tmp_path / "wide")
     variants = [((), "avx2"), (("-mavxvnni",), "avx_vnni")]
     monkeypatch.setenv("PYPTO_CPU_ISA", "avx2")
     builds = [
-        (native.build(2, 16, tmp_path / f"v{i}", extra_flags=f), flag)
+        (native.build_gemm(tmp_path / f"v{i}", extra_flags=f), flag)
         for i, (f, flag) in enumerate(variants)
     ]
     monkeypatch.delenv("PYPTO_CPU_ISA")
@@ -148,7 +133,7 @@ def test_avx2_and_avx512_give_the_same_packed_products(tmp_path, monkeypatch, fm
     x = torch.randn(rows, k) * 4
 
     def product(path: Path) -> torch.Tensor:
-        lib, out = native.load(path), torch.empty(rows, n)
+        lib, out = native.load_gemm(path), torch.empty(rows, n)
         assert lib is not None
         assert lib.pypto_packed_product(ctypes.byref(w), x.data_ptr(), rows, out.data_ptr(), 2) == 0
         return out
@@ -168,12 +153,44 @@ def test_packing_keeps_values_on_the_int4_grid_exactly():
     assert torch.equal(dequantize(pack_q4(weight), NATIVE_Q4, 32, 64), weight.double())
 
 
-def test_products_outside_the_step_are_refused(kernels):
-    records = pack_q4(torch.randn(16, 32))
-    w = Matrix(records.data_ptr(), None, 16, 32, NATIVE_Q4)
-    x, out = torch.randn(9, 32), torch.empty(9, 16)
-    assert kernels.pypto_packed_product(ctypes.byref(w), x.data_ptr(), 9, out.data_ptr(), 1) == 1
-    assert kernels.pypto_native_max_rows() == native_decode.MAX_ROWS
+@pytest.mark.parametrize("fmt", [NATIVE_Q4, NATIVE_Q8])
+def test_a_rows_product_is_the_same_bits_among_any_rows(products, fmt):
+    """Any number of rows, BLOCK_ROWS at a time over each block of the weight: a row's result
+    does not depend on how many rows came with it or where it stood among them (what
+    --batch-invariant's quantized matmuls rest on)."""
+    torch.manual_seed(fmt)
+    n, k = 40, 96
+    records = (pack_q4 if fmt == NATIVE_Q4 else pack_q8)(torch.randn(n, k))
+    w = Matrix(records.data_ptr(), None, n, k, fmt)
+    x = torch.randn(21, k) * 3
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.contiguous()
+        out = torch.empty(len(rows), n)
+        assert (
+            products.pypto_packed_product(
+                ctypes.byref(w), rows.data_ptr(), len(rows), out.data_ptr(), 2
+            )
+            == 0
+        )
+        return out
+
+    together = product(x)
+    for start, count in ((0, 1), (5, 1), (20, 1), (3, 7), (9, 12)):
+        assert torch.equal(product(x[start : start + count]), together[start : start + count])
+    assert torch.equal(product(x.flip(0)), together.flip(0))
+    bad = Matrix(records.data_ptr(), None, n, k - 16, fmt)  # inputs not in groups of 32
+    assert (
+        products.pypto_packed_product(ctypes.byref(bad), x.data_ptr(), 3, together.data_ptr(), 1)
+        == 1
+    )
+
+
+def test_the_step_takes_up_to_max_rows(tmp_path):
+    path = native.build(2, 16, tmp_path)
+    lib = None if path is None else native.load(path)
+    assert lib is not None
+    assert lib.pypto_native_max_rows() == native_decode.MAX_ROWS
 
 
 @pytest.fixture(scope="module")

@@ -72,7 +72,8 @@ def engine_info(llm: LLM) -> dict[str, Any]:
     return {
         "model_dir": str(llm.model_dir),
         "dtype": str(engine.dtype).removeprefix("torch."),
-        "quantization": engine.config.quantization,
+        # the one the engine took (auto resolved), where it says (not data-parallel replicas)
+        "quantization": getattr(engine, "plan", engine.config).quantization,
         "kv_cache_dtype": engine.config.cache.kv_cache_dtype,
         "device": str(engine.device),
         "executor": engine.config.executor,

@@ -187,7 +187,7 @@ class EngineCore:
 
     def _load(self, own: EngineConfig) -> None:
         config, p = self.config, self.config.parallel
-        self.plan = plan = plan_run(own)
+        self.plan = plan = plan_run(own, self.model_dir)
         torch.set_num_threads(plan.num_threads)
         self.device, self.dtype = plan.device, plan.dtype
         if config.executor == "paged" and self.device.type == "cpu":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -28,7 +29,8 @@ from pypto_serving.device import (
 from pypto_serving.distributed import ParallelGroups
 from pypto_serving.errors import PyptoError
 from pypto_serving.executor import native_decode
-from pypto_serving.models.config import ModelConfig
+from pypto_serving.models.config import ModelConfig, load_model_config
+from pypto_serving.models.gguf_weights import has_blocks
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,8 @@ class RunPlan:
     quantization: str | None
     """The linear layers' quantization (config.py's names), or None."""
     batch_invariant: bool = False
-    """Every matmul on the native GEMM's panels and no native decode step (config.py's
+    """Every matmul on the native GEMM's panels (bf16, float32), or on the native step's
+    records (int8, int4, int4-w8a8), or w8a8's integers, and no native decode step (config.py's
     `batch_invariant`)."""
 
     def decodes_natively(self, cfg: ModelConfig, groups: ParallelGroups, page_size: int) -> bool:
@@ -62,9 +65,10 @@ class RunPlan:
         )
 
 
-def plan_run(config: EngineConfig) -> RunPlan:
+def plan_run(config: EngineConfig, model_dir: Path | None = None) -> RunPlan:
     """The plan of a rank whose config (device, num_threads) is its own (`plan_ranks`): the
-    config's switches where the machine allows them."""
+    config's switches where the machine allows them. model_dir: the model's (Hugging Face)
+    directory, for quantization auto (`_quantization`); None: auto is none."""
     device = resolve_device(config.device)
     if config.dtype == "auto":  # bf16 on AVX2 hinges on the native GEMM's panels
         dtype, why = auto_dtype(device, config.pack_linear and native.compiler() is not None)
@@ -72,22 +76,82 @@ def plan_run(config: EngineConfig) -> RunPlan:
     else:
         dtype = resolve_dtype(config.dtype, device)
     attention = config.native_attention and use_native_attention(device)
+    decode = (
+        attention
+        and config.native_decode
+        and use_native_decode(device)
+        and not config.batch_invariant
+    )
+    quantization = _quantization(config, model_dir, device, dtype, decode)
     return RunPlan(
         device=device,
         dtype=dtype,
         num_threads=config.num_threads or default_num_threads(),
         native_attention=attention,
-        native_decode=attention
-        and config.native_decode
-        and use_native_decode(device)
-        and not config.batch_invariant,
-        pack_linear=_packing(config, device, dtype),
-        quantization=config.quantization,
+        native_decode=decode,
+        pack_linear=_packing(config, device, dtype, quantization),
+        quantization=quantization,
         batch_invariant=config.batch_invariant,
     )
 
 
-def _packing(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str | None:
+def _quantization(
+    config: EngineConfig,
+    model_dir: Path | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    decode: bool,
+) -> str | None:
+    """The config's quantization, none as None and auto resolved: gguf (the file's own Q4_1 /
+    Q8_0 matrices, models/gguf_weights.py) for a GGUF conversion that kept them, where the
+    native decode step runs them (or --batch-invariant's records serve every matmul), said
+    in the log; else none."""
+    asked = config.quantization
+    if asked not in ("auto", "gguf"):
+        return None if asked == "none" else asked
+    if model_dir is None or not has_blocks(model_dir):
+        if asked == "gguf":
+            raise PyptoError(
+                f"--quantization gguf serves a GGUF file's own Q4_1/Q8_0 matrices; "
+                f"{model_dir} has none kept (pass the .gguf file, whose every projection is "
+                f"Q4_1 or Q8_0), or use another --quantization",
+                "quantization",
+            )
+        return None
+    served = config.batch_invariant or (
+        decode
+        and native_decode.applies(
+            load_model_config(model_dir),
+            "gguf",
+            device,
+            dtype,
+            ParallelGroups(),
+            config.cache.page_size,
+        )
+    )
+    if (
+        config.executor != "paged"
+        or config.parallel.ranks_per_engine > 1
+        or dtype != torch.bfloat16
+        or not served
+    ):
+        why = (
+            "the file's Q4_1/Q8_0 matrices run through the native decode step or "
+            "--batch-invariant: the CPU, bfloat16, one rank, the paged executor, a C++ compiler"
+        )
+        if asked == "gguf":
+            raise PyptoError(
+                f"--quantization gguf cannot run in this engine: {why}", "quantization"
+            )
+        log.info("quantization auto: none (%s)", why)
+        return None
+    log.info("quantization auto: gguf, the file's own Q4_1/Q8_0 matrices as stored")
+    return "gguf"
+
+
+def _packing(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, quantization: str | None
+) -> str | None:
     """The linear weights' packing: the machine's (`device.linear_packing`) unless the config
     turns it off; panels only where the native GEMM builds (else said, and plain weights)."""
     if config.batch_invariant:
@@ -103,7 +167,8 @@ def _packing(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> 
                 "compiler: g++, or $CXX; see the log)",
                 "batch_invariant",
             )
-        return None if config.quantization == "w8a8" else "panels"  # w8a8: exact integers
+        # quantized: w8a8's exact integers, or the native step's records (`records_only`)
+        return "panels" if quantization is None else None
     form = linear_packing(device, dtype) if config.pack_linear else None
     if form == "panels" and native.gemm_library() is None:
         log.warning("the native GEMM did not build: bf16 matmuls of many rows run on PyTorch's")

@@ -192,7 +192,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
             os.sched_setaffinity(0, spec.cpus)
         if os.environ.get(FAIL_START_ENV) == str(spec.rank):
             raise RuntimeError(f"injected start-up failure ({FAIL_START_ENV}={spec.rank})")
-        plan = plan_run(config)
+        plan = plan_run(config, spec.model_dir)
         torch.set_num_threads(plan.num_threads)
     except BaseException as e:  # reported before the rendezvous, so rank 0 never waits on it
         conn.send(StartFailed(os.getpid(), describe(e)))

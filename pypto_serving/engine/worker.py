@@ -62,7 +62,14 @@ def load_share(
         cfg, groups, config.cache.page_size
     )
     model = load_model(
-        model_dir, plan.dtype, plan.device, groups, plan.quantization, native, plan.pack_linear
+        model_dir,
+        plan.dtype,
+        plan.device,
+        groups,
+        plan.quantization,
+        native,
+        plan.pack_linear,
+        records_only=plan.batch_invariant,
     )
     if config.executor == "reference":
         return Share(model, ReferenceExecutor(model, plan.device), native)
@@ -74,5 +81,6 @@ def load_share(
         model_dir,
         native,
         attention_kernels=plan.native_attention,
+        quantization=plan.quantization,
     )
     return Share(model, executor, native)

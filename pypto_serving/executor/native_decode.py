@@ -31,7 +31,7 @@ from pypto_serving.kv import native_attention
 from pypto_serving.kv.paged_cache import PagedCache
 from pypto_serving.models.config import ModelConfig
 from pypto_serving.models.llama import MLP, Attention, CausalLM, DecoderLayer
-from pypto_serving.native import compiler
+from pypto_serving.native import Matrix, compiler
 from pypto_serving.ops.linear import INT4_GROUP, NATIVE_BF16, Linear
 
 log = logging.getLogger(__name__)
@@ -39,17 +39,7 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 8
 """Sequences a native step takes (decode.cpp's MAX_ROWS): up to here the weights' bytes
 dominate; wider steps are compute-bound and run on the compiled w8a8 or bf16 graphs."""
-QUANTIZATIONS = (None, "int4", "int4-w8a8")
-
-
-class Matrix(ctypes.Structure):
-    _fields_ = [
-        ("data", c_void_p),
-        ("bias", c_void_p),
-        ("rows", c_int64),
-        ("cols", c_int64),
-        ("format", c_int32),
-    ]
+QUANTIZATIONS = (None, "int4", "int4-w8a8", "gguf")
 
 
 class _Layer(ctypes.Structure):

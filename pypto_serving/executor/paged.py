@@ -66,10 +66,12 @@ def build_paged_executor(
     model_dir: Path,
     native: bool = False,
     attention_kernels: bool = True,
+    quantization: str | None = None,
 ) -> PagedExecutor:
     """The paged executor of an engine (or of one tensor-parallel rank: every rank builds the
     same one, so page counts agree), its pool sized for the longest sequences; native: it
-    runs decodes of a few through the native step (`native_decode.applies`)."""
+    runs decodes of a few through the native step (`native_decode.applies`); quantization:
+    the model's (the run plan's, auto resolved)."""
     cfg = model.cfg
     max_len = min(cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings)
     return PagedExecutor(
@@ -80,7 +82,7 @@ def build_paged_executor(
         config.scheduler.max_num_seqs * max_len,
         config.enforce_eager,
         # the KV of a quantized model differs: its SSD pages must not mix with the plain ones
-        checkpoint_digest(model_dir) + (f"|{config.quantization}" if config.quantization else ""),
+        checkpoint_digest(model_dir) + (f"|{quantization}" if quantization else ""),
         native,
         attention_kernels,
         (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens),

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from pypto_serving.errors import ModelLoadError
-from pypto_serving.models.gguf_convert import convert_gguf_to_hf, is_converted_dir
+from pypto_serving.models.gguf_convert import convert_gguf_to_hf, is_current_conversion
 from pypto_serving.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -55,13 +55,13 @@ def resolve_model_path(model: str | None, cache: Path | None = None) -> Path:
     cache = Path(cache) if cache is not None else cache_dir()
     if model is None or model == "default":
         target = cache / "models" / DEFAULT_MODEL_NAME
-        if is_converted_dir(target):
+        if is_current_conversion(target):
             return target
         return _convert_once(find_default_gguf(), target)
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf" and path.is_file():
         target = cache / "models" / f"{path.stem}-{_file_key(path)}"
-        return target if is_converted_dir(target) else _convert_once(path, target)
+        return target if is_current_conversion(target) else _convert_once(path, target)
     if path.is_dir():
         return path
     if path.exists():
@@ -79,8 +79,8 @@ def _file_key(path: Path) -> str:
 
 
 def _convert_once(gguf_path: Path, target: Path) -> Path:
-    if target.is_dir():  # an incomplete leftover in our own cache: start over
-        logger.warning("removing incomplete conversion %s", target)
+    if target.is_dir():  # an incomplete leftover or an older conversion: start over
+        logger.warning("replacing incomplete or older conversion %s", target)
         shutil.rmtree(target)
     logger.info(
         "converting %s to a Hugging Face model in %s (one time only; later runs reuse it)",

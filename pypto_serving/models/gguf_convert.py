@@ -2,9 +2,14 @@
 
 The output is what `transformers` writes for a `LlamaForCausalLM`: `config.json`,
 `generation_config.json`, `model.safetensors` (dequantized, bfloat16 by default) and the tokenizer
-files. llama.cpp stores the q/k projections with their rows permuted (it pairs rotary dimensions
-differently); that permutation is undone here. The directory is built next to its destination and
-moved into place in one rename, so an interrupted conversion never leaves a half-written one.
+files; and beside them `gguf/blocks.safetensors`, the file's Q4_1 and Q8_0 matrices as they are
+stored (per HF tensor name: its values `.q`, one fp16 `.scale` per row and 32 inputs, and for
+Q4_1 a `.min`: weight = q * scale + min), kept when every matrix the model multiplies by is one
+of the two, which `--quantization gguf` serves without quantizing them again
+(models/gguf_weights.py). llama.cpp stores the q/k projections with their rows permuted (it
+pairs rotary dimensions differently); that permutation is undone here, in both. The directory
+is built next to its destination and moved into place in one rename, so an interrupted
+conversion never leaves a half-written one.
 """
 
 import contextlib
@@ -28,6 +33,11 @@ from pypto_serving.errors import ModelLoadError
 
 MARKER_FILE = "pypto_conversion.json"
 """Written last into a converted directory; its presence means the conversion completed."""
+BLOCKS_FILE = "gguf/blocks.safetensors"
+"""The file's Q4_1 / Q8_0 matrices as stored (values, scales, minimums), by HF tensor name: in
+a folder of its own, out of the checkpoint's `*.safetensors`."""
+CONVERSION_VERSION = 2
+"""In the marker: a conversion older than this (no BLOCKS_FILE) is made again."""
 
 _SUPPORTED_ARCHITECTURES = ("llama",)
 _GLOBAL_NAMES = {
@@ -60,6 +70,17 @@ def is_converted_dir(path: Path) -> bool:
     )
 
 
+def is_current_conversion(path: Path) -> bool:
+    """True when `path` holds a complete conversion of this version (with BLOCKS_FILE)."""
+    if not is_converted_dir(path):
+        return False
+    try:
+        marker = json.loads((path / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("version", 1) >= CONVERSION_VERSION
+
+
 def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype | None = None) -> Path:
     """Convert the llama GGUF at `gguf_path` into an HF model directory at `out_dir`.
 
@@ -82,15 +103,21 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype | None
     try:
         n_head = _int_field(reader, f"{arch}.attention.head_count")
         n_kv = _int_field(reader, f"{arch}.attention.head_count_kv", default=n_head)
-        tensors = _convert_tensors(reader, gguf_path.name, n_head, n_kv, dtype)
+        tensors, blocks = _convert_tensors(reader, gguf_path.name, n_head, n_kv, dtype)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / BLOCKS_FILE).parent.mkdir()
+        save_file(blocks, str(tmp / BLOCKS_FILE), metadata={"format": "pt"})
         with _offline():
             _save_config(gguf_path, tmp, dtype, tensors)
             _save_tokenizer(gguf_path, tmp, reader, arch)
-        marker = {"source": str(gguf_path.resolve()), "dtype": str(dtype).removeprefix("torch.")}
+        marker = {
+            "source": str(gguf_path.resolve()),
+            "dtype": str(dtype).removeprefix("torch."),
+            "version": CONVERSION_VERSION,
+        }
         (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
-        for path in tmp.iterdir():
-            path.chmod(0o644)
+        for path in tmp.rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
         tmp.chmod(0o755)
         _install(tmp, out_dir)
     finally:
@@ -147,8 +174,10 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _convert_tensors(
     reader: gguf.GGUFReader, label: str, n_head: int, n_kv: int, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The dequantized tensors by HF name, and the Q4_1 / Q8_0 matrices' stored parts."""
     out: dict[str, torch.Tensor] = {}
+    blocks: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"converting {label}", unit="tensor"):
         name = _hf_name(t.name)
         try:
@@ -158,12 +187,56 @@ def _convert_tensors(
                 f"unsupported GGUF tensor type {t.tensor_type.name} for tensor {t.name!r}"
             ) from e
         w = np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
-        if ".attn_q." in t.name:
-            w = _unpermute(w, n_head)
-        elif ".attn_k." in t.name:
-            w = _unpermute(w, n_kv)
+        parts = _stored_parts(t) if w.ndim == 2 else None
+        heads = n_head if ".attn_q." in t.name else n_kv if ".attn_k." in t.name else None
+        if heads is not None:
+            w = _unpermute(w, heads)
+            parts = None if parts is None else {k: _unpermute(v, heads) for k, v in parts.items()}
         out[name] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype).contiguous()
-    return out
+        for part, values in (parts or {}).items():
+            blocks[f"{name}.{part}"] = torch.from_numpy(np.ascontiguousarray(values))
+    return out, (blocks if _served_whole(out, blocks) else {})
+
+
+_FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _served_whole(tensors: dict[str, torch.Tensor], blocks: dict[str, torch.Tensor]) -> bool:
+    """Whether every matrix the model multiplies by (each layer's projections, the head: the
+    embedding where it is tied) has stored parts, the projections fused into one matmul all of
+    one type: else none is kept (the model then runs in its dtype)."""
+    head = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
+    projections = [n for n in tensors if n.endswith("_proj.weight")]
+    if not projections or any(f"{n}.q" not in blocks for n in (*projections, head)):
+        return False
+    for name in projections:
+        for group in _FUSED_GROUPS:
+            parts = [name.replace(group[0], p) for p in group] if group[0] in name else []
+            if len({f"{p}.min" in blocks for p in parts}) > 1:
+                return False
+    return True
+
+
+Q4_1_BYTES, Q8_0_BYTES = 20, 34
+"""Bytes of a block of 32 values: fp16 scale, fp16 minimum, 16 bytes of nibbles (Q4_1: value
+j in byte j's low nibble, value 16 + j in its high one); fp16 scale, 32 int8 (Q8_0)."""
+
+
+def _stored_parts(t: gguf.ReaderTensor) -> dict[str, np.ndarray] | None:
+    """A Q4_1 or Q8_0 matrix's values [rows, cols] (uint8 0..15, or int8), scales and (Q4_1)
+    minimums [rows, cols / 32] (fp16), as the file stores them; None for other types."""
+    kind = t.tensor_type
+    if kind not in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0):
+        return None
+    rows = int(t.shape[1])
+    size = Q4_1_BYTES if kind == gguf.GGMLQuantizationType.Q4_1 else Q8_0_BYTES
+    raw = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1, size)
+    scale = raw[..., 0:2].copy().view(np.float16)[..., 0]
+    if kind == gguf.GGMLQuantizationType.Q8_0:
+        return {"q": raw[..., 2:].copy().view(np.int8).reshape(rows, -1), "scale": scale}
+    nibbles = raw[..., 4:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
+    return {"q": q, "scale": scale, "min": raw[..., 2:4].copy().view(np.float16)[..., 0]}
 
 
 def _offline() -> contextlib.AbstractContextManager[object]:

@@ -23,6 +23,7 @@ from pypto_serving.errors import ModelLoadError, PyptoError
 from pypto_serving.models.config import DEEPSEEK, DEEPSEEK_V4, ModelConfig, load_model_config
 from pypto_serving.models.deepseek import DeepseekForCausalLM, DeepseekMoE
 from pypto_serving.models.deepseek_v4 import DeepseekV4ForCausalLM, V4MoE
+from pypto_serving.models.gguf_weights import stored_records
 from pypto_serving.models.llama import CausalLM, MoE
 from pypto_serving.models.quantized_cache import quantize_cached
 from pypto_serving.ops.linear import pack_linears
@@ -314,13 +315,15 @@ def load_model(
     quantization: str | None = None,
     native: bool = False,
     pack: str | None = None,
+    records_only: bool = False,
 ) -> CausalLM:
     """Build our model for `model_dir` (this rank's share of it under tensor and pipeline
     parallelism) and fill it with the checkpoint's weights, quantized if asked (int8, int4,
     w8a8, int4-w8a8: CPU and bfloat16 only). native: its few decodes run through the native
     decode step, which takes int4's weights in its own packing (`pack_linears`). pack: how bf16
     weights are repacked for wide matmuls ("onednn", "panels", or None: the run plan's
-    `pack_linear`)."""
+    `pack_linear`). records_only (--batch-invariant): a quantized model's weights are the
+    native step's records alone, which serve every matmul (`pack_linears`)."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory not found: {model_dir}")
     if quantization is not None and (device.type != "cpu" or dtype != torch.bfloat16):
@@ -348,9 +351,14 @@ def load_model(
     if isinstance(model, DeepseekV4ForCausalLM):
         model.set_rope(device)
     model = model.eval().requires_grad_(False)
-    if quantization is not None:
+    if quantization == "gguf":  # the file's own matrices: nothing to quantize or cache
+        saved = stored_records(model, model_dir, FUSED)
+        pack_linears(
+            model, quantization, saved=saved, native=native, pack=pack, records_only=records_only
+        )
+    elif quantization is not None:
         digest, tokenizer = checkpoint_digest(model_dir), lambda: load_tokenizer(model_dir)
-        quantize_cached(model, digest, quantization, groups, tokenizer, native, pack)
+        quantize_cached(model, digest, quantization, groups, tokenizer, native, pack, records_only)
     elif pack is not None:
         pack_linears(model, pack=pack)
     return model

@@ -29,7 +29,12 @@ QUANTIZED_FORMAT = 1
 
 
 def quantized_cache_path(
-    model: CausalLM, digest: str, quantization: str, groups: ParallelGroups, native: bool
+    model: CausalLM,
+    digest: str,
+    quantization: str,
+    groups: ParallelGroups,
+    native: bool,
+    records_only: bool = False,
 ) -> Path:
     """Where `quantize_cached` keeps a model's quantized weights: keyed by the checkpoint's
     digest, this rank's share of it, the quantization, the code that quantizes (ops/linear.py,
@@ -41,7 +46,7 @@ def quantized_cache_path(
     key.update(calibration.TEXT.read_bytes())
     ranks = [(g.rank, g.size) for g in (groups.tp, groups.pp, groups.ep)]
     key.update(
-        f"{QUANTIZED_FORMAT}|{quantization}|{native}|{model.cfg!r}|{ranks}|{torch.__version__}|"
+        f"{QUANTIZED_FORMAT}|{quantization}|{native}|{records_only}|{model.cfg!r}|{ranks}|{torch.__version__}|"
         f"{torch.backends.cpu.get_cpu_capability()}|{cpu_isa()}|{int8_weight_max()}|"
         f"{next(model.parameters()).dtype}".encode()
     )
@@ -56,6 +61,7 @@ def quantize_cached(
     tokenizer: Callable[[], Any],
     native: bool = False,
     pack: str | None = None,
+    records_only: bool = False,
 ) -> None:
     """Quantize the model's linear layers (`pack_linears`, after w8a8's calibration), or take
     the result of an earlier start from `cache_dir()/quantized`: reading it back is ~0.2 s
@@ -63,8 +69,9 @@ def quantize_cached(
     model (or cannot be read) is made again; a cache folder another user could write into is
     neither read nor written (`trusted_cache_dir`). digest: the checkpoint's
     (`loader.checkpoint_digest`); tokenizer: loads its tokenizer (for w8a8's calibration);
-    pack: the run plan's choice of packing for the bf16 weights (`pack_linears`)."""
-    path = quantized_cache_path(model, digest, quantization, groups, native)
+    pack: the run plan's choice of packing for the bf16 weights (`pack_linears`); records_only:
+    the native step's records serve every matmul (`pack_linears`; no calibration then)."""
+    path = quantized_cache_path(model, digest, quantization, groups, native, records_only)
     trusted = trusted_cache_dir(path.parent.name) == path.parent
     layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     if trusted and path.is_file():
@@ -76,16 +83,23 @@ def quantize_cached(
                 name, _, part = key.partition("/")
                 saved[name][part] = tensor.clone()
             if all(layers[n].fits(parts) for n, parts in saved.items()):
-                pack_linears(model, quantization, saved=saved, native=native, pack=pack)
+                pack_linears(
+                    model,
+                    quantization,
+                    saved=saved,
+                    native=native,
+                    pack=pack,
+                    records_only=records_only,
+                )
                 return
             log.warning("the quantized weights in %s do not fit the model: quantizing", path)
         except (OSError, SafetensorError, KeyError) as e:
             log.warning("unreadable quantized weights %s (%s): quantizing again", path, e)
     smooth = None
-    if quantization in CALIBRATED_QUANTIZATIONS:  # one rank: EngineConfig.validate refuses TP/PP
+    if quantization in CALIBRATED_QUANTIZATIONS and not records_only:  # one rank (validate)
         tokens = calibration.calibration_tokens(tokenizer())
         smooth = calibration.smoothing_factors(model, tokens)
-    pack_linears(model, quantization, smooth, native=native, pack=pack)
+    pack_linears(model, quantization, smooth, native=native, pack=pack, records_only=records_only)
     tensors = {
         f"{name}/{part}": t.contiguous()
         for name, m in layers.items()

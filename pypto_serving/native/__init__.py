@@ -3,13 +3,14 @@
 - `attention.cpp`: paged attention over the KV pages in place (decodes, prefill chunks) and
   the K/V writes; called by the attention operator (`kv/native_attention.py`).
 - `gemm.cpp`: matmuls of many rows over bf16 weights in panels, in float32 (where oneDNN
-  cannot pack bf16: AVX2 CPUs), each output one chain of FMAs whatever the batch; its own
-  library (`gemm_library`), called by `ops/linear.py`.
+  cannot pack bf16: AVX2 CPUs), each output one chain of FMAs whatever the batch, and
+  records.h's product over 4-bit and 8-bit records for any number of rows (--batch-invariant's
+  quantized matmuls); its own library (`gemm_library`), called by `ops/linear.py`.
 - `decode.cpp`: the fused decode step, the whole forward of a step of a few decodes in one
-  call over weights packed by `ops/linear.py` (4-bit and 8-bit records: AVX512-VNNI dot
-  products, AVX2's vpmaddubsw/vpmaddwd or AVX-VNNI, plain loops elsewhere; bf16 weights:
-  AVX512-BF16 dot products, or widened to float32 and FMAs on AVX2); called by
-  `executor/native_decode.py`.
+  call over weights packed by `ops/linear.py`; its matmuls are records.h's (4-bit and 8-bit
+  records: AVX512-VNNI dot products, AVX2's vpmaddubsw/vpmaddwd or AVX-VNNI, plain loops
+  elsewhere; bf16 weights: AVX512-BF16 dot products, or widened to float32 and FMAs on AVX2);
+  called by `executor/native_decode.py`.
 
 The library is compiled on first use with the C++ compiler Inductor also uses (`$CXX`, else
 g++), for this CPU's ISA, which picks each kernel's code path (`device.cpu_march`:
@@ -48,7 +49,11 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.cpp", "decode.cpp"))
 """The kernels built per attention shape (GROUP and HEAD_DIM defined)."""
 GEMM_SOURCES = (Path(__file__).with_name("gemm.cpp"),)
-"""The panel GEMM, which no shape constant touches: one library for every model."""
+"""The panel GEMM and the product over records, which no shape constant touches: one library
+for every model."""
+HEADERS = (Path(__file__).with_name("records.h"),)
+"""Included by the sources (the product over records: decode.cpp and gemm.cpp): part of every
+library's key."""
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -100,7 +105,8 @@ def _build(
         return None
     flags = (*FLAGS, *cpu_march(), *extra_flags, *defines)
     key = hashlib.sha256()
-    parts: list[bytes | str] = [*(s.read_bytes() for s in sources), " ".join(flags), found, version]
+    texts = (s.read_bytes() for s in (*sources, *HEADERS))
+    parts: list[bytes | str] = [*texts, " ".join(flags), found, version]
     for part in parts:
         key.update(part.encode() if isinstance(part, str) else part)
     for flag in sorted(cpu_flags()):
@@ -152,23 +158,35 @@ def load(path: Path) -> ctypes.CDLL | None:
         store.argtypes = [c_int, *[ptr] * 5, c_int, c_int, *[c_int64] * 3]
     lib.pypto_decode_step.restype = c_int
     lib.pypto_decode_step.argtypes = [ptr, ptr]
-    lib.pypto_packed_product.restype = c_int
-    lib.pypto_packed_product.argtypes = [ptr, ptr, c_int, ptr, c_int]
     lib.pypto_native_max_rows.restype = c_int
     lib.pypto_native_max_rows.argtypes = []
     return lib
 
 
 def load_gemm(path: Path) -> ctypes.CDLL | None:
-    """The panel GEMM's library at `path` with its signature, or None (logged)."""
+    """The panel GEMM's library at `path` with its signatures, or None (logged)."""
     lib = _open(path)
     if lib is None:
         return None
-    ptr = ctypes.c_void_p
+    c_int, ptr = ctypes.c_int, ctypes.c_void_p
     for fn in (lib.pypto_panel_gemm, lib.pypto_panel_gemm_f32):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, ctypes.c_int64, *[ctypes.c_int] * 4]
+        fn.restype = c_int
+        fn.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, ctypes.c_int64, *[c_int] * 4]
+    lib.pypto_packed_product.restype = c_int
+    lib.pypto_packed_product.argtypes = [ptr, ptr, c_int, ptr, c_int]
     return lib
+
+
+class Matrix(ctypes.Structure):
+    """records.h's Matrix: a weight as its products read it (records, or bf16 rows)."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("rows", ctypes.c_int64),
+        ("cols", ctypes.c_int64),
+        ("format", ctypes.c_int32),
+    ]
 
 
 _library_lock = threading.Lock()

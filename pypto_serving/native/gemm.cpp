@@ -13,10 +13,11 @@
 // Each output is one chain of FMAs over k = 0, 1, ..., K - 1 from zero, then + bias: the same
 // whatever the number of rows, their order or the tiling, so a row's result does not depend
 // on the batch it came in.
-#include <omp.h>
-
-#include <cstdint>
-#include <cstring>
+//
+// Also here, shape-free like the panels: records.h's product over weights in 4-bit or 8-bit
+// records for any number of rows (`pypto_packed_product`), which under --batch-invariant is
+// every matmul of a quantized model.
+#include "records.h"
 
 namespace {
 
@@ -138,4 +139,23 @@ extern "C" int pypto_panel_gemm_f32(const float* x, int64_t ldx, const float* pa
                                     const float* bias, float* out, int64_t ldo, int M, int N,
                                     int K, int threads) {
     return gemm(x, ldx, panels, bias, out, ldo, M, N, K, threads);
+}
+
+// out [rows][w.rows] = x [rows][w.cols] @ w.T (+ bias) over a weight in records (Q4, Q8) or
+// bf16 rows, x quantized per row as the native decode step quantizes it, any number of rows:
+// the team quantizes the rows, then shares the weight's blocks (records.h's `product`). Over
+// records a row's result is the same bits whatever rows share the call (the decode step's
+// matmuls compute exactly this for its rows). Returns 0, or 1 for a shape it does not take.
+extern "C" int pypto_packed_product(const Matrix* w, const float* x, int rows, float* out,
+                                    int threads) {
+    if (rows < 1 || w->cols % GROUP_K || w->format < Q4 || w->format > BF16) return 1;
+    Activations qx;
+    qx.resize(rows, int(w->cols));
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int m = 0; m < rows; ++m) quantize_row(x, m, w->format, qx);
+        product(*w, qx, rows, out, w->rows, false);
+    }
+    return 0;
 }

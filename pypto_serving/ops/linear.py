@@ -35,9 +35,16 @@ w8a8 above (prefill and batched decodes: compute-bound, where int8 dot products 
 choice is a branch taken when torch.compile traces the layer, so each side fuses into its
 graph (executor/compiled.py keeps a graph per side), and no bf16 weight is kept: 0.75x of
 bf16's weight bytes. Its LM head is w8a8 alone.
+
+Under --batch-invariant a quantized model (int8, int4, int4-w8a8) keeps each weight in the
+native decode step's records alone (`pack_q4`, `pack_q8`), and they serve every matmul of any
+rows (`pypto::records_linear`, native/records.h): one kernel, so a row's result does not depend
+on the rows beside it.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +115,32 @@ def panel_linear(
 def _(
     x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+@torch.library.custom_op("pypto::records_linear", mutates_args=())
+def records_linear(
+    x: torch.Tensor, records: torch.Tensor, fmt: int, out_features: int
+) -> torch.Tensor:
+    """x @ weight.T through native/records.h's product over the weight's records (`pack_q4`,
+    `pack_q8`: fmt NATIVE_Q4 or NATIVE_Q8), x quantized to int8 per group of 32 inputs as the
+    native decode step quantizes it; any number of rows, each row's result the same bits
+    whatever rows come with it (--batch-invariant's quantized matmuls). In x's dtype."""
+    lib = native_kernels.gemm_library()
+    assert lib is not None, "records serve every matmul only where the native GEMM is built"
+    xf = x.float().contiguous()
+    rows, cols = xf.shape
+    out = torch.empty(rows, out_features)
+    w = native_kernels.Matrix(records.data_ptr(), None, out_features, cols, fmt)
+    failed = lib.pypto_packed_product(
+        ctypes.byref(w), xf.data_ptr(), rows, out.data_ptr(), torch.get_num_threads()
+    )
+    assert not failed, (rows, out_features, cols, fmt)
+    return out.to(x.dtype)
+
+
+@records_linear.register_fake
+def _(x: torch.Tensor, records: torch.Tensor, fmt: int, out_features: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 
 
@@ -238,20 +271,46 @@ def _fp16_bytes(t: torch.Tensor) -> torch.Tensor:
     return half.view(torch.uint8).reshape(*half.shape[:2], 32)
 
 
+def _blocks(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Per-row values [N, groups * w] as [blocks of 16 rows, 16, groups, w], rows padded with
+    zeros to a multiple of 16."""
+    n = t.shape[0]
+    return F.pad(t, (0, 0, 0, -n % 16)).reshape(-1, 16, groups, t.shape[1] // groups)
+
+
+def q4_records(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """Q4 records (`pack_q4`'s layout) of 4-bit values q [N, K] (0..15), and per row and group
+    of 32 inputs an fp16 scale and minimum [N, K / 32]: weight = q * scale + minimum. The
+    weights of a GGUF's Q4_1 tensor are these exactly."""
+    groups = q.shape[1] // INT4_GROUP
+    q = _blocks(q.to(torch.uint8), groups).reshape(-1, 16, groups, 4, 8)
+    nibbles = (q[..., :4] | (q[..., 4:] << 4)).permute(0, 2, 3, 1, 4)  # [B, G, c, 16, 4]
+    nibbles = nibbles.reshape(q.shape[0], groups, 256)
+    scale, low = (_blocks(t.float(), groups)[..., 0] for t in (scale, low))
+    return torch.cat([nibbles, _fp16_bytes(scale), _fp16_bytes(low)], -1).flatten()
+
+
+def q8_records(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Q8 records (`pack_q8`'s layout) of int8 values q [N, K] and an fp16 scale per row and
+    group of 32 inputs [N, K / 32]: weight = q * scale. A GGUF's Q8_0 tensor is these exactly."""
+    groups = q.shape[1] // INT4_GROUP
+    u = (_blocks(q.to(torch.int16), groups) + 128).to(torch.uint8)
+    u = u.reshape(-1, 16, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [B, G, c, 16, 4]
+    scale = _blocks(scale.float(), groups)[..., 0]
+    return torch.cat([u.reshape(u.shape[0], groups, 512), _fp16_bytes(scale)], -1).flatten()
+
+
 def pack_q4(weight: torch.Tensor) -> torch.Tensor:
     """The weight [N, K] (K a multiple of 32) as the native step's Q4 records: per block of 16
     rows and group of 32 inputs, 4 x 64 bytes of 4-bit values (lane r, byte j: inputs 8c + j
     and 8c + 4 + j of row r, low and high nibble), then the 16 rows' fp16 scales and fp16
     minimums (weight = q * scale + minimum). Flat uint8, 320 bytes a record."""
-    w = _records(weight)
-    blocks, _, groups, _ = w.shape
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // INT4_GROUP, INT4_GROUP)
     low = w.amin(-1).clamp(-65504, 65504).half().float()
     scale = ((w.amax(-1) - low) / 15).clamp(max=65504).half().float()
     q = torch.where(scale[..., None] > 0, (w - low[..., None]) / scale[..., None], 0)
-    q = q.round().clamp(0, 15).to(torch.uint8).reshape(blocks, 16, groups, 4, 8)
-    nibbles = (q[..., :4] | (q[..., 4:] << 4)).permute(0, 2, 3, 1, 4)  # [B, G, c, 16, 4]
-    nibbles = nibbles.reshape(blocks, groups, 256)
-    return torch.cat([nibbles, _fp16_bytes(scale), _fp16_bytes(low)], -1).flatten()
+    return q4_records(q.round().clamp(0, 15).reshape(n, k), scale, low)
 
 
 def pack_q8(weight: torch.Tensor) -> torch.Tensor:
@@ -259,12 +318,11 @@ def pack_q8(weight: torch.Tensor) -> torch.Tensor:
     rows and group of 32 inputs, 8 x 64 bytes of int8 values + 128 (lane r: inputs 4c to
     4c + 3 of row r), then the 16 rows' fp16 scales (weight = (u - 128) * scale). Flat uint8,
     544 bytes a record."""
-    w = _records(weight)
-    blocks, _, groups, _ = w.shape
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // INT4_GROUP, INT4_GROUP)
     scale = (w.abs().amax(-1) / 127).clamp(max=65504).half().float()
     q = torch.where(scale[..., None] > 0, w / scale[..., None], 0).round().clamp(-127, 127)
-    q = (q + 128).to(torch.uint8).reshape(blocks, 16, groups, 8, 4).permute(0, 2, 3, 1, 4)
-    return torch.cat([q.reshape(blocks, groups, 512), _fp16_bytes(scale)], -1).flatten()
+    return q8_records(q.reshape(n, k), scale)
 
 
 class Linear(nn.Linear):
@@ -404,6 +462,9 @@ class Linear(nn.Linear):
             return out if bias is None else out + bias
         if self.packed is not None:
             return dense_linear(x, self.packed, bias, self.out_features, self.packed_form)
+        if self.native is not None:  # its records alone (--batch-invariant): every matmul
+            out = records_linear(x, *self.native, self.out_features)
+            return out if bias is None else out + bias
         return F.linear(x, self.weight, bias)
 
 
@@ -451,6 +512,7 @@ def pack_linears(
     saved: dict[str, dict[str, torch.Tensor]] | None = None,
     native: bool = False,
     pack: str | None = None,
+    records_only: bool = False,
 ) -> int:
     """Pack in the form `pack` names (the run plan's choice, `device.linear_packing`: "onednn"
     or "panels"; None: wide matmuls run on the plain or quantized weights) and quantize every
@@ -464,12 +526,16 @@ def pack_linears(
     through the native decode step (executor/native_decode.py), so the int4 of int4 and
     int4-w8a8 is its Q4 (`pack_q4`) and the head gets its Q8 too: the compiled graphs then never
     meet int4, and their wide form (the packed bf16 weight, or w8a8) serves every step they
-    run."""
+    run. records_only (--batch-invariant with int8, int4 or int4-w8a8): each weight is kept
+    in the native step's records alone (int4's and int4-w8a8's Q4, int8's and every head's
+    Q8) and they serve every matmul, whatever its rows (`records_linear`): one product, so a
+    row's result does not depend on its batch."""
     head = getattr(model, "lm_head", None)
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
     int8_wide = quantization is not None and quantization.endswith("w8a8")
+    records_only = records_only and quantization not in (None, "w8a8")
     for name, layer in layers:
-        if pack is not None and not int8_wide:
+        if pack is not None and not int8_wide and not records_only:
             layer.pack(pack)  # quantized layers keep it for prefill-sized matmuls
         if quantization is None:
             continue
@@ -477,7 +543,9 @@ def pack_linears(
             layer.load_quantized(saved[name])
             continue
         kind = quantization
-        if layer is head and quantization == "int4":
+        if records_only:
+            kind = "q8" if layer is head or quantization == "int8" else "q4"
+        elif layer is head and quantization == "int4":
             kind = "q8" if native else "int8"
         elif layer is head and quantization == "int4-w8a8":
             kind = "w8a8-q8" if native else "w8a8"  # int8, and its GEMV beats the int8 kernel's

@@ -1,0 +1,411 @@
+// The matmul of the native kernels over weights packed in records (the native decode step's
+// matmuls, and under --batch-invariant every matmul of a quantized model), shared by
+// decode.cpp and gemm.cpp. The product of up to BLOCK_ROWS rows at a time over a block of 16
+// output rows: a row's arithmetic is the same whichever other rows share the block, so its
+// result does not depend on the batch it came in.
+//
+// Decoding a few sequences is memory-bound: each weight is read once per step and used for a
+// few rows. The matmuls read weights packed by ops/linear.py (`pack_q4`, `pack_q8`) in records
+// of 16 output rows by 32 inputs, the rows across the vector lanes:
+//   Q4: 4 x 64 bytes of 4-bit values (lane r: byte j holds inputs 8c + j in its low nibble
+//       and 8c + 4 + j in its high one, for c = 0..3), then 16 fp16 scales and 16 fp16
+//       minimums: the weight is q * scale + minimum (llama.cpp's Q4_1), 320 bytes;
+//   Q8: 8 x 64 bytes of int8 values + 128 (lane r: inputs 4c .. 4c + 3), then 16 fp16
+//       scales: the weight is (u - 128) * scale (Q8_0), 544 bytes.
+// A row's records follow each other along its inputs, and a block of 16 rows' records lie
+// together, so each thread streams its blocks once. The activations are quantized to int8
+// per group of 32 (a scale each: llama.cpp's Q8_1), and the products summed in int32 with
+// AVX512-VNNI dot products (u8 x s8). On AVX2 the same records are read 8 rows (half a
+// record) at a time with the instructions llama.cpp uses there: vpmaddubsw (u8 x s8 pairs into
+// int16) and vpmaddwd (pairs of int16 into int32), or AVX-VNNI's vpdpbusd where the CPU has it.
+// The integer sums are exact on every path (Q4: 8 products of at most 15 x 127 per int16;
+// Q8: |weight| x sign-adjusted activation, at most 2 x 127 x 127), and the float steps are
+// the same, so AVX2 and AVX-512 give the same results. Elsewhere plain loops read the layout.
+//
+// Unquantized bf16 models' weights (the decode step's) are read where they lie, row by row
+// ([rows, cols]), with the activations rounded to bf16: AVX512-BF16 dot products, or on AVX2
+// each bf16 widened to float32 (a 16-bit shift) and FMAs (chains by the number of rows: not
+// batch-invariant, and never used so).
+#pragma once
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
+#define PYPTO_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PYPTO_AVX2 1  // 8 rows a register: two halves of a record's 16
+#endif
+
+namespace {
+
+constexpr int BLOCK_ROWS = 8;  // rows of x a block product takes at once
+constexpr int GROUP_K = 32;    // inputs per quantization group
+constexpr int Q4 = 1, Q8 = 2, BF16 = 3;
+constexpr int RECORD[] = {0, 320, 544, 0};  // bytes of a 16-row x 32-input record, by format
+
+
+struct Matrix {   // a packed weight [rows, cols] (rows padded to 16 in the records), or bf16
+    const uint8_t* data;
+    const uint16_t* bias;  // bfloat16 [rows], or null
+    int64_t rows, cols;
+    int32_t format;        // Q4, Q8, or BF16: the plain row-major weight
+};
+
+inline float bf16(uint16_t h) {
+    const uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+inline float fp16(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    float f;
+    if (exp == 0) {
+        f = std::ldexp(float(man), -24);
+    } else if (exp == 31) {
+        f = man ? NAN : INFINITY;
+    } else {
+        const uint32_t u = ((exp + 112) << 23) | (man << 13);
+        std::memcpy(&f, &u, sizeof f);
+    }
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    u |= sign;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+#endif
+}
+
+// Activations as the next matmul reads them: for Q4 and Q8 weights quantized per group of 32,
+// q [rows][k] and per group its scale and the sum of its values; for bf16 weights rounded to
+// bf16, bf [rows][k] (and on AVX2 the same bf16 values as float32, f [rows][k]).
+struct Activations {
+    std::vector<int8_t> q;
+    std::vector<float> scale;
+    std::vector<int32_t> sum;
+    std::vector<uint16_t> bf;
+    std::vector<float> f;
+    int k = 0, groups = 0;
+
+    void resize(int rows, int cols) {
+        k = cols;
+        groups = cols / GROUP_K;
+        q.resize(size_t(rows) * cols);
+        scale.resize(size_t(rows) * groups);
+        sum.resize(size_t(rows) * groups);
+        bf.resize(size_t(rows) * cols);
+        f.resize(size_t(rows) * cols);
+    }
+};
+
+inline uint16_t to_bf16(float f) {  // rounding to nearest even
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Row m of x [rows][cols] into `out` (sized for it) as a matmul over weights of `format`
+// reads it: a row's values depend on that row alone.
+void quantize_row(const float* x, int m, int format, Activations& out) {
+    const int cols = out.k;
+    const float* row = x + int64_t(m) * cols;
+    if (format == BF16) {
+        for (int i = 0; i < cols; ++i) {
+            out.bf[int64_t(m) * cols + i] = to_bf16(row[i]);
+            out.f[int64_t(m) * cols + i] = bf16(out.bf[int64_t(m) * cols + i]);
+        }
+        return;
+    }
+    for (int g = 0; g < out.groups; ++g) {
+        const float* v = row + g * GROUP_K;
+        float amax = 0.0f;
+        for (int i = 0; i < GROUP_K; ++i) amax = std::fmax(amax, std::fabs(v[i]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int8_t* q = out.q.data() + int64_t(m) * cols + g * GROUP_K;
+        int32_t s = 0;
+        for (int i = 0; i < GROUP_K; ++i) {
+            q[i] = int8_t(std::nearbyint(v[i] * inv));
+            s += q[i];
+        }
+        out.scale[int64_t(m) * out.groups + g] = amax / 127.0f;
+        out.sum[int64_t(m) * out.groups + g] = s;
+    }
+}
+
+// x [rows][cols] as a matmul over weights of `format` reads it (on one thread).
+void quantize(const float* x, int rows, int cols, int format, Activations& out) {
+    out.resize(rows, cols);
+    for (int m = 0; m < rows; ++m) quantize_row(x, m, format, out);
+}
+
+// acc[m][r] = x[m] . weight[n0 + r] for the n rows from n0 of a bf16 weight, row by row
+// (bf16 dot products over 32 inputs at a time where the CPU has them).
+template <int M>
+void bf16_rows(const Matrix& w, int64_t n0, int64_t n, const Activations& x, int m0,
+               float acc[M][16]) {
+    const int64_t k = w.cols;
+    const uint16_t* xbf = x.bf.data() + m0 * k;
+    const float* xf = x.f.data() + m0 * k;
+    for (int64_t r = 0; r < n; ++r) {
+        const uint16_t* row = reinterpret_cast<const uint16_t*>(w.data) + (n0 + r) * k;
+#if defined(__AVX512BF16__)
+        __m512 a[M];
+        for (int m = 0; m < M; ++m) a[m] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < k; i += 32) {
+            const __m512bh v = (__m512bh)_mm512_loadu_si512(row + i);
+            for (int m = 0; m < M; ++m)
+                a[m] = _mm512_dpbf16_ps(a[m], v, (__m512bh)_mm512_loadu_si512(&xbf[m * k + i]));
+        }
+        for (int m = 0; m < M; ++m) acc[m][r] = _mm512_reduce_add_ps(a[m]);
+#elif defined(PYPTO_AVX2)
+        // NA chains of FMAs per row of x, so that a few rows still keep both FMA units busy
+        constexpr int NA = M >= 4 ? 1 : (M >= 2 ? 2 : 4);
+        __m256 a[M][NA];
+        for (int m = 0; m < M; ++m)
+            for (int j = 0; j < NA; ++j) a[m][j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < k; i += 8 * NA)  // k is a multiple of 32
+            for (int j = 0; j < NA; ++j) {
+                const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 8 * j));
+                const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+                for (int m = 0; m < M; ++m)
+                    a[m][j] = _mm256_fmadd_ps(v, _mm256_loadu_ps(&xf[m * k + i + 8 * j]), a[m][j]);
+            }
+        for (int m = 0; m < M; ++m) {
+            __m256 t = a[m][0];
+            for (int j = 1; j < NA; ++j) t = _mm256_add_ps(t, a[m][j]);
+            const __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+            const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            acc[m][r] = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+        }
+#else
+        for (int m = 0; m < M; ++m) {
+            float s = 0.0f;
+            for (int64_t i = 0; i < k; ++i) s += bf16(row[i]) * bf16(xbf[m * k + i]);
+            acc[m][r] = s;
+        }
+#endif
+    }
+}
+
+// Four int8 activations as one int32, to broadcast to every row's lane.
+inline int32_t four(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+// acc[m][r] = x[m] . weight[16 b + r] over block b of a Q4 or Q8 weight's records.
+template <int M>
+void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float acc[M][16]) {
+    const uint8_t* rec = w.data + b * (w.cols / GROUP_K) * RECORD[w.format];
+    const int groups = x.groups;
+    const int8_t* xq = x.q.data() + int64_t(m0) * x.k;  // row m0 on
+    const float* xscale = x.scale.data() + int64_t(m0) * groups;
+    const int32_t* xsum = x.sum.data() + int64_t(m0) * groups;
+#if defined(PYPTO_VNNI)
+    __m512 facc[M];
+    for (int m = 0; m < M; ++m) facc[m] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int g = 0; g < groups; ++g, rec += RECORD[w.format]) {
+        __m512i a0[M], a1[M];
+        for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_si512();
+        const int8_t* xg = xq + g * GROUP_K;
+        if (w.format == Q4) {
+            for (int c = 0; c < 4; ++c) {
+                const __m512i v = _mm512_loadu_si512(rec + 64 * c);
+                const __m512i lo = _mm512_and_si512(v, low);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                for (int m = 0; m < M; ++m) {
+                    const int8_t* xm = xg + int64_t(m) * x.k + 8 * c;
+                    a0[m] = _mm512_dpbusd_epi32(a0[m], lo, _mm512_set1_epi32(four(xm)));
+                    a1[m] = _mm512_dpbusd_epi32(a1[m], hi, _mm512_set1_epi32(four(xm + 4)));
+                }
+            }
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 256)));
+            const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 288)));
+            for (int m = 0; m < M; ++m) {
+                const float sx = xscale[m * groups + g];
+                const __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(a0[m], a1[m]));
+                facc[m] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(sx)), facc[m]);
+                const float xs = sx * float(xsum[m * groups + g]);
+                facc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs), facc[m]);
+            }
+        } else {
+            for (int c = 0; c < 8; c += 2) {
+                const __m512i v0 = _mm512_loadu_si512(rec + 64 * c);
+                const __m512i v1 = _mm512_loadu_si512(rec + 64 * c + 64);
+                for (int m = 0; m < M; ++m) {
+                    const int8_t* xm = xg + int64_t(m) * x.k + 4 * c;
+                    a0[m] = _mm512_dpbusd_epi32(a0[m], v0, _mm512_set1_epi32(four(xm)));
+                    a1[m] = _mm512_dpbusd_epi32(a1[m], v1, _mm512_set1_epi32(four(xm + 4)));
+                }
+            }
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 512)));
+            for (int m = 0; m < M; ++m) {
+                const __m512i bias = _mm512_set1_epi32(128 * xsum[m * groups + g]);
+                const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(a0[m], a1[m]), bias);
+                const __m512 sx = _mm512_set1_ps(xscale[m * groups + g]);
+                facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, sx), facc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < M; ++m) _mm512_storeu_ps(acc[m], facc[m]);
+#elif defined(PYPTO_AVX2)
+    __m256 facc[M][2];
+    for (int m = 0; m < M; ++m) facc[m][0] = facc[m][1] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+#if !defined(__AVXVNNI__)
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
+#endif
+    for (int g = 0; g < groups; ++g, rec += RECORD[w.format]) {
+        const int8_t* xg = xq + g * GROUP_K;
+        for (int half = 0; half < 2; ++half) {  // rows 8 half .. 8 half + 7
+            __m256i a[M];
+            for (int m = 0; m < M; ++m) a[m] = _mm256_setzero_si256();
+            if (w.format == Q4) {
+                for (int c = 0; c < 4; ++c) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(rec + 64 * c + 32 * half));
+                    const __m256i lo = _mm256_and_si256(v, low);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    for (int m = 0; m < M; ++m) {
+                        const int32_t x0 = four(xg + int64_t(m) * x.k + 8 * c);
+                        const int32_t x1 = four(xg + int64_t(m) * x.k + 8 * c + 4);
+#if defined(__AVXVNNI__)
+                        a[m] = _mm256_dpbusd_avx_epi32(a[m], lo, _mm256_set1_epi32(x0));
+                        a[m] = _mm256_dpbusd_avx_epi32(a[m], hi, _mm256_set1_epi32(x1));
+#else  // int16 sums: 4 chunks x 2 x 2 products of at most 15 x 127 stay below 2^15
+                        const __m256i p = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
+                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+                        a[m] = _mm256_add_epi16(a[m], p);
+#endif
+                    }
+                }
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 256 + 16 * half)));
+                const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 288 + 16 * half)));
+                for (int m = 0; m < M; ++m) {
+#if defined(__AVXVNNI__)
+                    const __m256 s = _mm256_cvtepi32_ps(a[m]);
+#else
+                    const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(a[m], ones));
+#endif
+                    const float sx = xscale[m * groups + g];
+                    facc[m][half] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(sx)), facc[m][half]);
+                    const float xs = sx * float(xsum[m * groups + g]);
+                    facc[m][half] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs), facc[m][half]);
+                }
+            } else {
+                for (int c = 0; c < 8; ++c) {
+                    const __m256i u = _mm256_loadu_si256((const __m256i*)(rec + 64 * c + 32 * half));
+#if !defined(__AVXVNNI__)
+                    const __m256i sw = _mm256_xor_si256(u, flip);  // the signed value u - 128
+                    const __m256i aw = _mm256_abs_epi8(sw);
+#endif
+                    for (int m = 0; m < M; ++m) {
+                        const int32_t x0 = four(xg + int64_t(m) * x.k + 4 * c);
+#if defined(__AVXVNNI__)
+                        a[m] = _mm256_dpbusd_avx_epi32(a[m], u, _mm256_set1_epi32(x0));
+#else  // |w| x (x with w's sign): pairs of at most 127 x 127 fit int16
+                        const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(x0), sw);
+                        a[m] = _mm256_add_epi32(a[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+#endif
+                    }
+                }
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 512 + 16 * half)));
+                for (int m = 0; m < M; ++m) {
+#if defined(__AVXVNNI__)
+                    const __m256i s = _mm256_sub_epi32(a[m], _mm256_set1_epi32(128 * xsum[m * groups + g]));
+#else
+                    const __m256i s = a[m];
+#endif
+                    const __m256 sx = _mm256_set1_ps(xscale[m * groups + g]);
+                    facc[m][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, sx), facc[m][half]);
+                }
+            }
+        }
+    }
+    for (int m = 0; m < M; ++m) {
+        _mm256_storeu_ps(acc[m], facc[m][0]);
+        _mm256_storeu_ps(acc[m] + 8, facc[m][1]);
+    }
+#else
+    for (int g = 0; g < groups; ++g, rec += RECORD[w.format]) {
+        const uint16_t* scales = reinterpret_cast<const uint16_t*>(rec + (w.format == Q4 ? 256 : 512));
+        for (int m = 0; m < M; ++m) {
+            const int8_t* xg = xq + int64_t(m) * x.k + g * GROUP_K;
+            const float sx = xscale[m * groups + g];
+            for (int r = 0; r < 16; ++r) {
+                int32_t s = 0;
+                if (w.format == Q4) {
+                    for (int c = 0; c < 4; ++c)
+                        for (int j = 0; j < 4; ++j) {
+                            const uint8_t byte = rec[64 * c + 4 * r + j];
+                            s += (byte & 0x0F) * xg[8 * c + j] + (byte >> 4) * xg[8 * c + 4 + j];
+                        }
+                    acc[m][r] += float(s) * fp16(scales[r]) * sx +
+                                 fp16(scales[16 + r]) * sx * float(xsum[m * groups + g]);
+                } else {
+                    for (int c = 0; c < 8; ++c)
+                        for (int j = 0; j < 4; ++j)
+                            s += (int(rec[64 * c + 4 * r + j]) - 128) * xg[4 * c + j];
+                    acc[m][r] += float(s) * fp16(scales[r]) * sx;
+                }
+            }
+        }
+    }
+#endif
+}
+
+// out[m][n] (=|+=) x[m0 + m] . weight[n] (+ bias[n]) for the 16 rows of block b.
+template <int M>
+void block_product(const Matrix& w, int64_t b, const Activations& x, int m0, float* out,
+                   int64_t ldo, bool add) {
+    const int64_t n0 = b * 16, n = w.rows - n0 < 16 ? w.rows - n0 : 16;
+    float acc[M][16] = {};
+    if (w.format == BF16)
+        bf16_rows<M>(w, n0, n, x, m0, acc);
+    else
+        packed_rows<M>(w, b, x, m0, acc);
+    for (int m = 0; m < M; ++m)
+        for (int r = 0; r < n; ++r) {
+            const float v = acc[m][r] + (w.bias ? bf16(w.bias[n0 + r]) : 0.0f);
+            float* o = out + m * ldo + n0 + r;
+            *o = add ? *o + v : v;
+        }
+}
+
+// out [rows][w.rows] (=|+=) x @ w.T (+ bias), sharing the blocks among the calling team (an
+// orphaned worksharing loop: call it from every thread of a parallel region). A thread runs
+// every row over its block, BLOCK_ROWS at a time, while the block is in its cache.
+void product(const Matrix& w, const Activations& x, int rows, float* out, int64_t ldo, bool add) {
+    const int64_t blocks = (w.rows + 15) / 16;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        for (int m0 = 0; m0 < rows; m0 += BLOCK_ROWS) {
+            float* o = out + m0 * ldo;
+            switch (rows - m0) {
+                case 1: block_product<1>(w, b, x, m0, o, ldo, add); break;
+                case 2: block_product<2>(w, b, x, m0, o, ldo, add); break;
+                case 3: block_product<3>(w, b, x, m0, o, ldo, add); break;
+                case 4: block_product<4>(w, b, x, m0, o, ldo, add); break;
+                case 5: block_product<5>(w, b, x, m0, o, ldo, add); break;
+                case 6: block_product<6>(w, b, x, m0, o, ldo, add); break;
+                case 7: block_product<7>(w, b, x, m0, o, ldo, add); break;
+                default: block_product<BLOCK_ROWS>(w, b, x, m0, o, ldo, add); break;
+            }
+        }
+    }
+}
+
+}  // namespace

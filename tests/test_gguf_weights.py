@@ -1,0 +1,118 @@
+"""--quantization gguf (and auto): a GGUF's own Q4_1 / Q8_0 matrices, served as stored.
+
+A tiny llama GGUF whose every projection is Q4_1 (its embedding, the tied head, Q8_0): the
+conversion keeps each matrix's stored parts, which are the file's weights exactly; the engine
+takes them as the native decode step's records without a second quantization (each Linear's
+records hold exactly the dequantized file weights, q/k un-permuted and q/k/v, gate/up fused as
+the model fuses them); auto picks gguf there and none elsewhere; the default model answers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from checkpoints import build_checkpoint, build_tokenizer, dequantize
+from gguf_files import write_tiny_gguf
+from safetensors.torch import load_file
+
+from pypto_serving import LLM, SamplingParams
+from pypto_serving.config import EngineConfig
+from pypto_serving.engine.plan import plan_run
+from pypto_serving.errors import PyptoError
+from pypto_serving.models.gguf_convert import BLOCKS_FILE, convert_gguf_to_hf
+from pypto_serving.models.gguf_weights import has_blocks
+from pypto_serving.ops.linear import NATIVE_Q4, NATIVE_Q8, Linear
+
+Q4_1 = gguf.GGMLQuantizationType.Q4_1
+HIDDEN = 64  # head_dim 16: a shape the native kernels take
+
+
+@pytest.fixture(scope="module")
+def q4_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    tmp = tmp_path_factory.mktemp("gguf-q4")
+    ref = write_tiny_gguf(tmp / "tiny.gguf", hidden=HIDDEN, proj_qtype=Q4_1)
+    return convert_gguf_to_hf(tmp / "tiny.gguf", tmp / "hf"), ref
+
+
+def test_the_stored_parts_are_the_files_weights_exactly(q4_model):
+    out, ref = q4_model
+    assert has_blocks(out)
+    stored = load_file(out / BLOCKS_FILE)
+    for name, weight in ref.items():
+        if not name.endswith("_proj.weight") and name != "model.embed_tokens.weight":
+            continue
+        q, scale = stored[f"{name}.q"].double(), stored[f"{name}.scale"].double()
+        scale = scale.repeat_interleave(32, dim=1)
+        if name == "model.embed_tokens.weight":  # Q8_0
+            assert f"{name}.min" not in stored and stored[f"{name}.q"].dtype == torch.int8
+            got = q * scale
+        else:
+            low = stored[f"{name}.min"].double().repeat_interleave(32, dim=1)
+            assert stored[f"{name}.q"].dtype == torch.uint8 and q.max() <= 15
+            got = q * scale + low
+        assert torch.equal(got.float(), torch.from_numpy(weight)), name  # q/k un-permuted too
+
+
+def test_a_file_with_other_types_keeps_none(tmp_path):
+    """The plain tiny GGUF's projections are float32: nothing to serve as stored, so auto
+    stays none there."""
+    write_tiny_gguf(tmp_path / "f32.gguf")
+    out = convert_gguf_to_hf(tmp_path / "f32.gguf", tmp_path / "hf")
+    assert not has_blocks(out)
+    assert plan_run(EngineConfig(), out).quantization is None
+
+
+def test_the_engine_takes_the_files_records_without_requantizing(q4_model):
+    out, ref = q4_model
+    with LLM(str(out), enforce_eager=True) as llm:  # quantization auto
+        plan = llm.engine.plan
+        assert plan.quantization == "gguf" and llm.engine.native is not None
+        layers = {n: m for n, m in llm.engine.model.named_modules() if isinstance(m, Linear)}
+        for name, layer in layers.items():
+            assert layer.native is not None and layer.packed is not None, name
+            records, fmt = layer.native
+            if name == "lm_head":  # tied: the embedding's Q8_0
+                assert fmt == NATIVE_Q8
+                want = torch.from_numpy(ref["model.embed_tokens.weight"])
+            else:
+                assert fmt == NATIVE_Q4
+                parts = {
+                    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                    "gate_up_proj": ("gate_proj", "up_proj"),
+                }.get(name.rsplit(".", 1)[-1], (name.rsplit(".", 1)[-1],))
+                prefix = name.rsplit(".", 1)[0]
+                want = torch.cat([torch.from_numpy(ref[f"{prefix}.{p}.weight"]) for p in parts])
+            got = dequantize(records, fmt, layer.out_features, layer.in_features)
+            assert torch.equal(got.float(), want), name
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        [first] = llm.generate([[5, 9, 40, 41]], params, use_tqdm=False)
+        assert len(first.outputs[0].token_ids) == 8
+
+
+def test_none_and_other_engines_keep_the_dtype(q4_model):
+    out, _ = q4_model
+    assert plan_run(EngineConfig(quantization="none"), out).quantization is None
+    assert plan_run(EngineConfig(native_decode=False), out).quantization is None
+    assert plan_run(EngineConfig(dtype="float32"), out).quantization is None
+    assert plan_run(EngineConfig(executor="reference"), out).quantization is None
+    assert plan_run(EngineConfig(quantization="int4"), out).quantization == "int4"
+
+
+def test_batch_invariance_serves_every_matmul_from_the_files_records(q4_model):
+    out, _ = q4_model
+    with LLM(str(out), batch_invariant=True, enforce_eager=True) as llm:
+        assert llm.engine.plan.quantization == "gguf" and llm.engine.plan.pack_linear is None
+        for _, layer in llm.engine.model.named_modules():
+            if isinstance(layer, Linear):
+                assert layer.native is not None and layer.packed is None
+
+
+def test_gguf_asked_of_a_model_without_stored_matrices_is_refused(tmp_path):
+    build_checkpoint("llama-wide", tmp_path)
+    build_tokenizer(tmp_path)
+    assert plan_run(EngineConfig(), tmp_path).quantization is None  # auto: none
+    with pytest.raises(PyptoError, match="gguf"):
+        LLM(str(tmp_path), quantization="gguf", enforce_eager=True)
