@@ -11,6 +11,7 @@ import atexit
 import json
 import logging
 import sys
+from importlib.metadata import version as package_version
 from pathlib import Path
 
 from pypto_serving.bench import add_bench_parser, run_bench
@@ -35,6 +36,9 @@ from pypto_serving.flags import (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pypto", description="PyPTO Serving: LLM inference.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--version", action="version", version=f"pypto {package_version('pypto-serving')}"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for a prompt (streams to stdout)")
     src = gen.add_mutually_exclusive_group(required=True)
@@ -58,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(gen)
     serve = sub.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API (see docs/serving.md)"
+    )
+    serve.add_argument(
+        "model_path",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as --model gives it (vLLM's spelling: pypto serve MODEL)",
     )
     serve.add_argument(
         "--config",
@@ -123,6 +133,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     knobs = SERVE_ENGINE_DEFAULTS | (read_config_file(args.config) if args.config else {})
     knobs |= engine_knobs(args, (*SECTIONS, ServerConfig))
+    if args.model_path is not None:
+        if args.model is not None and args.model != args.model_path:
+            raise PyptoError(
+                f"two models given: {args.model_path!r} and --model {args.model!r}", "model"
+            )
+        knobs["model"] = args.model_path
     engine, server = split_knobs(knobs)
     if engine.get("node_rank", 0) > 0:  # another machine of a multi-node group: ranks only
         from pypto_serving.config import engine_config

@@ -386,6 +386,11 @@ class ServerConfig:
     max_connections: int = 512
     """Most client connections open at once; a request on one more gets 503 with
     Retry-After, and that connection is closed."""
+    allowed_origins: str | None = None
+    """Web pages that may call the API from a browser (CORS): comma-separated origins such
+    as https://app.example.com, or * for any. None: no CORS headers (browsers refuse)."""
+    access_log: bool = False
+    """Log one line per HTTP request (method, path, status), as uvicorn writes them."""
 
     def validate(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:

@@ -30,9 +30,9 @@ from pypto_serving.errors import PyptoError
 
 SECTIONS = (EngineConfig, SchedulerConfig, CacheConfig, ParallelConfig)
 ALIASES = {
-    "data_parallel_size": ("--dp",),
-    "tensor_parallel_size": ("--tp",),
-    "pipeline_parallel_size": ("--pp",),
+    "data_parallel_size": ("--dp", "-dp"),
+    "tensor_parallel_size": ("--tp", "-tp"),
+    "pipeline_parallel_size": ("--pp", "-pp"),
 }
 """Short flags beside the long ones derived from field names (vLLM's spellings)."""
 

@@ -12,6 +12,8 @@ INT64 = range(-(2**63), 2**63)
 MAX_SHOWN_CHARS = 40
 """A value shown in an error message longer than this is cut short."""
 MAX_STOP_STRINGS = 64
+MAX_LOGIT_BIAS = 300
+"""Most tokens one request may bias (OpenAI's limit)."""
 MAX_STOP_CHARS = 4096
 """Most stop strings per request, and most characters in them together: each is searched
 for in every new piece of text (OpenAI allows 4 strings; vLLM no limit)."""
@@ -48,6 +50,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """Return this many top logprobs per sampled token (plus the sampled one's)."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Added to these tokens' logits before sampling (OpenAI's: -100 bans a token, 100 all
+    but forces it); logprobs stay the model's own."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -110,6 +115,13 @@ class SamplingParams:
             raise bad("stop", f"the stop strings may hold at most {MAX_STOP_CHARS} characters")
         if any(not isinstance(t, int) or not 0 <= t < INT64.stop for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative 64-bit integers")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens")
+        for t, b in self.logit_bias.items():
+            if not isinstance(t, int) or not 0 <= t < INT64.stop:
+                raise bad("logit_bias", "token ids must be non-negative 64-bit integers")
+            if not isinstance(b, int | float) or not math.isfinite(b) or not -100 <= b <= 100:
+                raise bad("logit_bias", "biases must be numbers in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):

@@ -396,12 +396,17 @@ CASES = [
         "stream_options",
     ),
     # --- unsupported parameters ---------------------------------------------------------------
-    Bad("unsupported_tools", patch({"tools": []}), "tools", "unsupported_parameter"),
     Bad(
-        "unsupported_logit_bias",
-        patch({"logit_bias": {"1": 5}}),
-        "logit_bias",
+        "unsupported_tools",
+        patch({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+        "tools",
         "unsupported_parameter",
+    ),
+    Bad(
+        "out_of_range_logit_bias",
+        patch({"logit_bias": {"1": 500}}),
+        "logit_bias",
+        "invalid_value",
     ),
     Bad(
         "unsupported_response_format",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pypto_serving.errors import PyptoError
-from pypto_serving.ops.sampler import SamplingRow, sample
+from pypto_serving.ops.sampler import SamplingRow, edit_logits, sample
 from pypto_serving.sampling import SamplingParams
 
 
@@ -27,6 +27,10 @@ from pypto_serving.sampling import SamplingParams
         ({"logprobs": 21}, "logprobs"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"stop_token_ids": [-1]}, "stop_"),
+        ({"logit_bias": {1: 101.0}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {1: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
     ],
 )
 def test_invalid_params_are_rejected(kwargs, message):
@@ -106,6 +110,22 @@ def test_penalties_and_min_tokens():
         )[0].token_id
         == 0
     )
+
+
+def test_logit_bias_is_added_before_sampling_and_logprobs_stay_raw():
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.0], [5.0, 4.0, 1.0, 0.0]])
+    biased = SamplingParams(temperature=0, logit_bias={0: -2.5, 2: 3.5}, logprobs=1)
+    out = sample(logits, [row(biased), row(SamplingParams(temperature=0))])
+    assert [s.token_id for s in out] == [2, 0]  # 1 + 3.5 beats 5 - 2.5 and 4; the other row plain
+    assert out[0].logprob == pytest.approx(logits[0].log_softmax(-1)[2].item())
+    edited = edit_logits(logits, [row(biased), row(SamplingParams())])
+    assert edited[0].tolist() == [2.5, 4.0, 4.5, 0.0] and torch.equal(edited[1], logits[1])
+    banned = SamplingParams(temperature=1.0, seed=1, logit_bias={0: -100.0, 1: -100.0})
+    draws = {
+        sample(logits[:1], [row(banned, seed_gen=torch.Generator().manual_seed(i))])[0].token_id
+        for i in range(20)
+    }
+    assert draws <= {2, 3}
 
 
 def test_logprobs_are_raw_log_softmax():

@@ -102,6 +102,8 @@ def check_request(
         raise PyptoError(f"prompt token ids must be integers in [0, {vocab_size})", "prompt")
     if any(t >= vocab_size for t in params.stop_token_ids):
         raise PyptoError(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    if any(t >= vocab_size for t in params.logit_bias):
+        raise PyptoError(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
     if n >= max_model_len:
         raise PyptoError(
             f"the prompt has {n} tokens; this model's context is "

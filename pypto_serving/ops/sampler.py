@@ -1,8 +1,8 @@
 """The sampler: logits of a batch of rows -> one token per row (plus optional logprobs).
 
-Processing order follows vLLM: penalties, min_tokens (EOS suppressed), then greedy argmax or
-temperature -> top-k -> top-p -> min-p -> a draw. Seeded rows draw from their own generator,
-so a seeded request samples the same tokens whatever else is in the batch.
+Processing order follows vLLM: penalties, logit_bias, min_tokens (EOS suppressed), then
+greedy argmax or temperature -> top-k -> top-p -> min-p -> a draw. Seeded rows draw from their
+own generator, so a seeded request samples the same tokens whatever else is in the batch.
 
 A row whose logits hold a NaN or +inf (a numeric fault of the model), or mask every token,
 has no token to sample: its Sampled carries an `error` instead, which fails that request
@@ -45,9 +45,9 @@ class Sampled:
 
 
 def edit_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Penalties (repetition, presence, frequency), then min_tokens' suppression of stop
-    tokens: a copy of logits with those rows edited, or logits itself when no row needs an
-    edit (greedy batches then read the raw logits, with no [batch, vocab] copy)."""
+    """Penalties (repetition, presence, frequency), logit_bias, then min_tokens' suppression
+    of stop tokens: a copy of logits with those rows edited, or logits itself when no row
+    needs an edit (greedy batches then read the raw logits, with no [batch, vocab] copy)."""
     edited = logits
     for i, row in enumerate(rows):
         p = row.params
@@ -57,7 +57,7 @@ def edit_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tens
             if len(row.output_ids) < p.min_tokens
             else []
         )
-        if p.repetition_penalty == 1.0 and not occurrence and not stops:
+        if p.repetition_penalty == 1.0 and not occurrence and not stops and not p.logit_bias:
             continue
         if edited is logits:
             edited = logits.clone()
@@ -75,6 +75,9 @@ def edit_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tens
             out = torch.tensor(row.output_ids, dtype=torch.long, device=x.device)
             counts = torch.zeros_like(x).scatter_add_(0, out, torch.ones_like(out, dtype=x.dtype))
             x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=x.device)
+            x[ids] += torch.tensor(list(p.logit_bias.values()), dtype=x.dtype, device=x.device)
         if stops:
             x[stops] = -float("inf")
     return edited

@@ -1,9 +1,10 @@
 """The HTTP server: FastAPI routes over one AsyncLLM.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models (OpenAI), /tokenize, /detokenize,
-/health, /metrics (Prometheus), /version, and FastAPI's /openapi.json and /docs. With an API
-key set, every route but /health needs `Authorization: Bearer KEY` (the scheme in any case;
-the key compared in constant time, before the body is read).
+Routes: /v1/completions, /v1/chat/completions, /v1/models and /v1/models/{id} (OpenAI),
+/tokenize, /detokenize, /health, /metrics (Prometheus), /version, and FastAPI's
+/openapi.json, /docs and /redoc (their assets served from the fastapi-offline package). With an
+API key set, every route but /health needs `Authorization: Bearer KEY` (the scheme in any
+case; the key compared in constant time, before the body is read).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from importlib.metadata import version as package_version
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -152,7 +155,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
         await engine.stop()
 
     __version__ = package_version("pypto-serving")
-    app = FastAPI(title="PyPTO Serving", version=__version__, lifespan=lifespan)
+    # /docs and /redoc load their scripts from this package's assets, not a CDN: they work
+    # on a machine with no way out
+    app = FastAPIOffline(title="PyPTO Serving", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     serving = OpenAIServing(engine, model_name)
     created = int(time.time())
@@ -165,16 +170,23 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return await serving.chat(body, raw)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {
+    def card() -> dict[str, Any]:
+        return {
             "id": model_name,
             "object": "model",
             "created": created,
             "owned_by": "pypto-serving",
             "max_model_len": engine.engine.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # the SDK's models.retrieve; ids may hold slashes
+    async def model(model_id: str) -> dict[str, Any]:
+        serving.check_model(model_id)
+        return card()
 
     @app.post("/tokenize", response_model=dict[str, Any])
     async def tokenize(body: TokenizeRequest) -> Response:
@@ -235,4 +247,13 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
         max_body_bytes=config.max_request_bytes,
         body_timeout_s=config.body_timeout_s,
     )
+    # added last, so it runs first: it answers browsers' preflights (which carry no API key)
+    # and labels every answer, the guard's refusals included
+    if config.allowed_origins:  # pages of these origins may call the API (CORS)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=[o.strip() for o in config.allowed_origins.split(",") if o.strip()],
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     return app

@@ -33,17 +33,21 @@ CLOSE_GRACE_S = 5
 
 
 def uvicorn_config(app: Any, config: ServerConfig) -> uvicorn.Config:
-    """uvicorn's settings for the app: h11 with the header deadline and connection cap."""
-    return uvicorn.Config(
+    """uvicorn's settings for the app: h11 with the header deadline and connection cap; its
+    access log (one INFO line a request) only when asked."""
+    settings = uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
         log_level="warning",
-        access_log=False,
+        access_log=config.access_log,
         timeout_graceful_shutdown=CLOSE_GRACE_S,
         http=guarded_protocol(config.header_timeout_s, config.max_connections),
         ws="none",
     )
+    if config.access_log:  # after uvicorn set its loggers to log_level
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    return settings
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -317,6 +317,7 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
         self.check_model(body.model)
+        body.check_tools()
         params = body.sampling_params(body.max_new_tokens(), body.num_logprobs())
         self._check_count(1, params)
         prompt = await asyncio.to_thread(self.render_chat, body.conversation(), True)
@@ -340,6 +341,8 @@ class OpenAIServing:
             tail = {"usage": None} if include_usage else {}
 
             async def stream() -> AsyncIterator[str]:
+                # the role comes with the first tokens, not before the prompt is processed:
+                # a client timing the first chunk times the first token (vLLM's benchmark)
                 first = [
                     {
                         "index": i,
@@ -349,8 +352,10 @@ class OpenAIServing:
                     }
                     for i in range(params.n)
                 ]
-                yield sse(chunk(first, "chat.completion.chunk", **tail))
                 async for _, update in updates:
+                    if first:
+                        yield sse(chunk(first, "chat.completion.chunk", **tail))
+                        first = []
                     for d in update.deltas:
                         usage.completion_tokens += len(d.token_ids)
                         delta = {"content": d.text} if d.text or d.finish_reason is None else {}

@@ -26,6 +26,7 @@ from pydantic import (
 
 from pypto_serving.errors import PyptoError
 from pypto_serving.sampling import SamplingParams
+from pypto_serving.server.errors import APIError
 
 MAX_TOP_LOGPROBS = 20
 MAX_SEQUENCES_PER_REQUEST = 128
@@ -102,6 +103,36 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: plain text only, for now (a JSON object or schema needs
+    constrained decoding, which is refused by name until it exists)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if self.type != "text":
+            raise unsupported(
+                "response_format",
+                f"response_format type {self.type!r} is not supported yet (constrained "
+                "decoding); only 'text'",
+            )
+
+
+def unsupported(name: str, message: str) -> APIError:
+    """400 `unsupported_parameter` naming the field: a value this server does not implement."""
+    return APIError(400, message, param=name, code="unsupported_parameter")
+
+
+def _neutral(value: Any, name: str, what: str) -> None:
+    """Refuse a value that would change the answer in a way this server does not implement
+    yet; the neutral values clients send by default (None, {}, [], False) pass."""
+    if value:
+        raise unsupported(
+            name, f"{name} is not supported yet ({what}); send it empty or leave it out"
+        )
+
+
 class _Sampling(_Request):
     """The sampling fields the two generation endpoints share (OpenAI's names, vLLM's extras)."""
 
@@ -126,10 +157,28 @@ class _Sampling(_Request):
     requests of the same salt (and requests without one only with each other)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a string, OpenAI's JSON) -> a bias in [-100, 100] added to its logit."""
+    best_of: int | None = None
+    """Accepted when it asks for no more sequences than n; larger is refused."""
+    response_format: ResponseFormat | None = None
+    store: bool | None = None
+    """OpenAI's stored completions: nothing is stored here, so true is refused."""
+    metadata: dict[str, str] | None = None
+    """Tags for stored completions (OpenAI): accepted, with nothing stored."""
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise PyptoError("stream_options is only allowed with stream: true", "stream_options")
+        _neutral(self.store, "store", "nothing is stored")
+        if self.best_of is not None and self.best_of != self.n:
+            raise unsupported(
+                "best_of",
+                f"best_of must equal n ({self.n}) here: ranking more candidates than are "
+                "returned is not supported yet",
+            )
+        if self.response_format is not None:
+            self.response_format.check()
         given: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -140,8 +189,14 @@ class _Sampling(_Request):
             "repetition_penalty": self.repetition_penalty,
         }
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise PyptoError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            bias[int(key)] = value
         return SamplingParams(
             n=self.n,
+            logit_bias=bias,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             seed=self.seed,
@@ -190,6 +245,7 @@ class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | Annotated[list[TextPart], Field(fail_fast=True)]
     name: str | None = None
+    """The participant's name: given to the chat template (which may show it or not)."""
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -209,6 +265,21 @@ class ChatCompletionRequest(_Sampling):
     """OpenAI's newer name for max_tokens; null (and no max_tokens) means up to the context."""
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    """Accepted empty (what clients send by default); tools are refused until tool calling
+    is implemented."""
+    tool_choice: str | dict[str, Any] | None = None
+    """Without tools: "none", "auto" or null only."""
+    parallel_tool_calls: bool | None = None
+    """Accepted (without tools it changes nothing)."""
+
+    def check_tools(self) -> None:
+        _neutral(self.tools, "tools", "tool calling")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise unsupported(
+                "tool_choice",
+                "tool_choice needs tools, which are not supported yet: send none, auto or null",
+            )
 
     def max_new_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -227,8 +298,11 @@ class ChatCompletionRequest(_Sampling):
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    """Messages as the chat template takes them (a message's name too, where it has one)."""
+    return [
+        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+        for m in messages
+    ]
 
 
 def is_unicode(text: str) -> bool:
