@@ -304,6 +304,23 @@ def test_random_run_writes_result_json_with_failures(tokenizer_dir, tmp_path, ca
     assert "failed requests" in stdout and "2  HTTP 400: prompt is too long" in stdout
 
 
+def test_vllms_spellings_run_the_same_benchmark(tokenizer_dir, tmp_path):
+    """`vllm bench serve`'s flags: --backend openai-chat, --dataset-name, --random-input-len,
+    --random-output-len."""
+    server = FakeServer(lambda i, body: "ok")
+    out = tmp_path / "r.json"
+    args = bench_args(
+        tokenizer_dir,
+        *("--backend", "openai-chat", "--dataset-name", "random", "--num-prompts", "2"),
+        *("--random-input-len", "7", "--random-output-len", "3", "--result-json", str(out)),
+    )
+    assert serve.run(args, server.transport) == 0
+    r = json.loads(out.read_text())
+    assert r["endpoint"] == "chat" and r["output_tokens"] == 2 * 3
+    assert all(b.get("max_completion_tokens", b.get("max_tokens")) == 3 for b in server.bodies)
+    assert all("messages" in b for b in server.bodies)
+
+
 def test_every_request_failing_is_an_error(tokenizer_dir):
     server = FakeServer(lambda i, body: "cut")
     args = bench_args(tokenizer_dir, "--num-prompts", "3", "--input-len", "4")
@@ -431,6 +448,7 @@ def test_plot_without_matplotlib_is_a_clear_error(tokenizer_dir, tmp_path, monke
         (["--think-time", "-1"], "--think-time must be a number of seconds >= 0"),
         (["--slo", "ttft=5"], "bad --slo 'ttft=5'"),
         (["--request-rate", "0"], "--request-rate must be > 0"),
+        (["--backend", "openai-chat", "--endpoint", "completions"], "disagree"),
     ],
 )
 def test_bad_input_is_a_clear_error(capsys, flags, message):

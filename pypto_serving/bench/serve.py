@@ -103,6 +103,10 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+BACKENDS = {"openai": "completions", "openai-chat": "chat"}
+"""vLLM's `--backend` names of the two endpoints."""
+
+
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser(
         "serve", help="serving: stream requests to a running OpenAI-compatible server"
@@ -116,6 +120,11 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
         choices=["completions", "chat"],
         help="/v1/completions or /v1/chat/completions "
         "(default: completions, chat for --dataset multi-turn)",
+    )
+    server.add_argument(
+        "--backend",
+        choices=list(BACKENDS),
+        help="vLLM's spelling of --endpoint: openai (completions) or openai-chat (chat)",
     )
     server.add_argument(
         "--model-name", help="the served model's name (default: the first of GET /v1/models)"
@@ -133,7 +142,10 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     )
     data = p.add_argument_group("dataset")
     data.add_argument(
-        "--dataset", default="random", help=f"{' | '.join(DATASETS)} (default: random)"
+        "--dataset",
+        "--dataset-name",  # vLLM's spelling (its bench serve)
+        default="random",
+        help=f"{' | '.join(DATASETS)} (default: random)",
     )
     data.add_argument(
         "--model",
@@ -146,16 +158,22 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     )
     data.add_argument(
         "--input-len",
+        "--random-input-len",
         type=positive_int,
         default=256,
         help="prompt tokens (shared-prefix: the unique suffix; multi-turn: each user turn; "
         "default: 256)",
     )
     data.add_argument(
-        "--output-len", type=positive_int, default=128, help="max_tokens (default: 128)"
+        "--output-len",
+        "--random-output-len",
+        type=positive_int,
+        default=128,
+        help="max_tokens (default: 128)",
     )
     data.add_argument(
         "--prefix-len",
+        "--random-prefix-len",
         type=non_negative_int,
         default=256,
         help="shared-prefix: its tokens (default: 256)",
@@ -482,7 +500,9 @@ async def play(
 
 def run(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None = None) -> int:
     """The benchmark; `transport` replaces the network (tests pass a fake server)."""
-    endpoint = args.endpoint or default_endpoint(args.dataset)
+    if args.backend is not None and args.endpoint not in (None, BACKENDS[args.backend]):
+        raise PyptoError(f"--backend {args.backend} and --endpoint {args.endpoint} disagree")
+    endpoint = args.endpoint or BACKENDS.get(args.backend or "") or default_endpoint(args.dataset)
     check_dataset(args.dataset, endpoint)
     slo = parse_slo(args.slo)
     if not (args.think_time >= 0 and math.isfinite(args.think_time)):
