@@ -257,14 +257,6 @@ RECORD_BYTES = {NATIVE_Q4: 320, NATIVE_Q8: 544}
 """Bytes of a packed record of 16 output rows by 32 inputs, per format."""
 
 
-def _records(weight: torch.Tensor) -> torch.Tensor:
-    """The weight in float32 as [blocks of 16 rows, 16, groups of 32 inputs, 32], its rows
-    padded with zeros to a multiple of 16."""
-    n, k = weight.shape
-    w = F.pad(weight.detach().float(), (0, 0, 0, -n % 16))
-    return w.reshape(-1, 16, k // INT4_GROUP, INT4_GROUP)
-
-
 def _fp16_bytes(t: torch.Tensor) -> torch.Tensor:
     """[blocks, 16, groups] -> fp16 bytes [blocks, groups, 32]: a group's 16 rows together."""
     half = t.clamp(-65504, 65504).half().permute(0, 2, 1).contiguous()
