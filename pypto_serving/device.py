@@ -161,13 +161,14 @@ def _int8_gemm_saturates() -> bool:
         return True
 
 
-def int8_weight_max() -> int:
-    """The largest int8 weight magnitude for w8a8's GEMM (torch._int_mm): 127 with int8 dot
-    products (AVX512-VNNI, AVX-VNNI or AMX in `cpu_flags()`, and oneDNN's GEMM exact); else
-    64, so a pair of products stays within int16 (255 x 64 x 2 < 32768; as PyTorch's
-    `reduce_range`)."""
+def int8_gemm_full_range() -> bool:
+    """Whether w8a8's GEMM (torch._int_mm) multiplies full-range int8 exactly: with int8 dot
+    products (AVX512-VNNI, AVX-VNNI or AMX in `cpu_flags()`, and oneDNN's GEMM exact). Without
+    them (AVX2) oneDNN adds 128 to each input and sums pairs of u8 x s8 products in int16, so
+    w8a8 gives its inputs 7 bits there (`ops.linear.int8_linear`): u8 values up to 127 keep
+    every pair within int16 (127 x 127 x 2 < 32768) while the weights keep 8."""
     dot = not cpu_flags().isdisjoint({"avx512_vnni", "avx_vnni", "amx_int8"})
-    return 127 if dot and not _int8_gemm_saturates() else 64
+    return dot and not _int8_gemm_saturates()
 
 
 def resolve_dtype(name: str, device: torch.device, native: bool = False) -> torch.dtype:

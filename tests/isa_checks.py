@@ -24,7 +24,7 @@ from pypto_serving.device import (
     cpu_flags,
     cpu_isa,
     cpu_march,
-    int8_weight_max,
+    int8_gemm_full_range,
     linear_packing,
 )
 from pypto_serving.ops.linear import Linear, int8_linear, quantize_w8a8
@@ -47,16 +47,21 @@ def check_decisions() -> None:
     assert cpu_isa() == "avx2" and cpu_march() == ("-march=x86-64-v3",)
     assert not any(f.startswith(("avx512", "amx")) for f in cpu_flags())
     assert linear_packing(torch.device("cpu"), torch.bfloat16) == "panels"
-    assert int8_weight_max() == 64
-    # oneDNN's AVX2 int8 GEMM sums pairs of products in int16: 7-bit weights keep it exact
+    assert not int8_gemm_full_range()
+    # oneDNN's AVX2 int8 GEMM sums pairs of u8 x s8 products in int16: full-range inputs would
+    # saturate it; 7-bit inputs beside 8-bit weights keep it exact, extreme rows included
     torch.manual_seed(0)
     x = torch.randn(17, 256).bfloat16()
-    x[:, 0] = 100  # every row's largest input: its int8 value is 127
-    q, scale = quantize_w8a8(torch.randn(32, 256))
-    got = int8_linear(x, q, scale).double()
-    xs = x.float().abs().amax(1, keepdim=True) / 127
-    xq = torch.round(x.float() / xs).double()
-    exact = (xq @ q.double().T) * xs.double() * scale.double()
+    x[:, 0], x[:, 1] = 100, -100  # every row's extremes: its u8 values 127 and 0
+    weight = torch.randn(32, 256)
+    weight[:, 2] = 50  # +127 in every row
+    q, scale, row_sums = quantize_w8a8(weight)
+    assert q.abs().max() == 127 and row_sums is not None
+    got = int8_linear(x, q, scale, row_sums).double()
+    lo = x.double().amin(1, keepdim=True)
+    step = (x.double().amax(1, keepdim=True) - lo) / 127
+    u = torch.round((x.double() - lo) / step)
+    exact = ((u * step + lo) @ q.double().T) * scale.double()
     assert ((got - exact).norm() / exact.norm()).item() < 4e-3  # the output's bf16 rounding
 
 
@@ -75,7 +80,13 @@ def main(model_dir: str) -> None:
             assert all((m.packed is None) == wide_int8 for m in linears)
             assert all(m.packed is None or not m.packed.is_mkldnn for m in linears)
             if name.endswith("w8a8"):
-                assert all(m.int8[0].abs().max() <= 64 for m in linears)
+                # each layer: 7-bit inputs (8-bit weights and their row sums) or 7-bit weights
+                for m in linears:
+                    q, _, row_sums, _ = m.int8
+                    if row_sums is None:
+                        assert q.abs().max() <= 64
+                    else:
+                        assert torch.equal(row_sums, q.sum(1, dtype=torch.int32))
             native = llm.engine.native
             assert llm.engine.dtype == torch.bfloat16  # auto too, the native kernels at hand
         diverged = assert_top5_rule(expected, got)

@@ -36,7 +36,7 @@ from pypto_serving.device import (
     cpu_isa,
     cpu_march,
     cpu_packs_bf16,
-    int8_weight_max,
+    int8_gemm_full_range,
     linear_packing,
     resolve_dtype,
 )
@@ -68,7 +68,7 @@ def test_the_avx2_cap_masks_the_flags_to_x86_64_v3(monkeypatch):
     assert auto_dtype(cpu, native=True) == (torch.bfloat16, auto_dtype(cpu, True)[1])
     assert "float32 by the native kernels (avx2)" in auto_dtype(cpu, True)[1]
     assert "no C++ compiler" in auto_dtype(cpu, False)[1]
-    assert int8_weight_max() == 64  # no int8 dot products
+    assert not int8_gemm_full_range()  # no int8 dot products
     monkeypatch.setenv("PYPTO_CPU_ISA", "avx3")
     with pytest.raises(PyptoError, match="PYPTO_CPU_ISA='avx3': choose one of"):
         cpu_flags()
@@ -108,7 +108,7 @@ def test_a_flag_counts_where_cpuid_and_torch_agree(monkeypatch):
     haswell = {"avx512f": False, "avx512bw": False, "avx512_vnni": False, "amx_int8": False}
     monkeypatch.setattr(device, "_cpuid_flags", lambda: haswell | {"avx2": True})
     assert cpu_flags() == {"sse4_2", "avx", "avx2", "fma", "f16c", "avx512vl", "avx512dq"}
-    assert cpu_isa() == "avx2" and not cpu_packs_bf16() and int8_weight_max() == 64
+    assert cpu_isa() == "avx2" and not cpu_packs_bf16() and not int8_gemm_full_range()
     monkeypatch.setattr(device, "_cpuid_flags", dict)  # CPUID unknown: /proc/cpuinfo's
     assert cpu_isa() == "avx512"
     capability = "AVX2"

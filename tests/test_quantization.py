@@ -10,7 +10,7 @@ import torch
 from checkpoints import assert_top5_rule
 from live_server import tiny_llm
 
-from pypto_serving.device import cpu_packs_bf16, int8_weight_max
+from pypto_serving.device import cpu_packs_bf16, int8_gemm_full_range
 from pypto_serving.errors import PyptoError
 from pypto_serving.ops.linear import (
     INT4_GROUP,
@@ -135,17 +135,82 @@ def test_int8_linear_is_the_integer_product_of_the_quantized_rows():
     torch.manual_seed(3)
     x = torch.randn(7, 128, dtype=torch.bfloat16)
     weight = torch.randn(96, 128)
-    q, scales = quantize_w8a8(weight)  # 127 levels, or 64 where the int8 GEMM sums in int16
-    assert q.abs().max() == int8_weight_max()
-    out = int8_linear(x, q, scales)
-    assert out.shape == (7, 96) and out.dtype == torch.bfloat16
-    # each row quantized by its own largest magnitude; int32 products; then both scales
-    row_scale = x.float().abs().amax(1, keepdim=True) / 127
-    xq = torch.round(x.float() / row_scale)
-    assert xq.abs().max() <= 127
-    expected = (xq.double() @ q.double().T) * row_scale.double() * scales.double()
-    assert relative_error(out, expected) < 4e-3  # bf16 rounding of the output only
-    assert relative_error(out, x.float() @ weight.T) < 0.02  # both quantizations together
+    q, scales, row_sums = quantize_w8a8(weight)  # row sums only where inputs get 7 bits
+    assert q.abs().max() == 127 and (row_sums is None) == int8_gemm_full_range()
+    out = int8_linear(x, q, scales)  # full-range inputs (exact with int8 dot products)
+    if int8_gemm_full_range():
+        assert out.shape == (7, 96) and out.dtype == torch.bfloat16
+        # each row quantized by its own largest magnitude; int32 products; then both scales
+        row_scale = x.float().abs().amax(1, keepdim=True) / 127
+        xq = torch.round(x.float() / row_scale)
+        assert xq.abs().max() <= 127
+        expected = (xq.double() @ q.double().T) * row_scale.double() * scales.double()
+        assert relative_error(out, expected) < 4e-3  # bf16 rounding of the output only
+        assert relative_error(out, x.float() @ weight.T) < 0.02  # both quantizations together
+
+
+def test_seven_bit_inputs_are_exact_on_every_int8_gemm():
+    """The form for GEMMs that sum u8 x s8 pairs in int16 (AVX2), run on any CPU: each row
+    mapped from its smallest to its largest value onto [0, 127]; its products with 8-bit
+    weights are exact integers (no pair leaves int16), whatever the row, extreme ones too."""
+    torch.manual_seed(5)
+    x = torch.randn(9, 256, dtype=torch.bfloat16)
+    x[0], x[1] = 3.0, torch.where(torch.arange(256) % 2 == 0, -2.0, 5.0)  # flat; extremes only
+    weight = torch.randn(48, 256)
+    weight[:, :8] = torch.where(torch.arange(48)[:, None] % 2 == 0, 1.0, -1.0)  # w = +-127
+    q, scales = quantize_int8(weight)
+    row_sums = q.sum(1, dtype=torch.int32)
+    assert q.abs().max() == 127
+    out = int8_linear(x, q, scales.float(), row_sums)
+    xf = x.float()
+    lo = xf.amin(1, keepdim=True)
+    scale = (xf.amax(1, keepdim=True) - lo).clamp(min=1e-12) / 127
+    u = torch.round((xf - lo) / scale)
+    assert u.min() >= 0 and u.max() <= 127
+    expected = ((u.double() * scale.double() + lo.double()) @ q.double().T) * scales.double()
+    assert relative_error(out, expected) < 4e-3  # the output's bf16 rounding only
+    assert torch.allclose(out[0].float(), (3.0 * q.float().sum(1) * scales).bfloat16().float())
+    assert relative_error(out, x.float() @ weight.T) < 0.02
+
+
+def test_each_layer_gets_seven_bits_where_they_cost_it_less(monkeypatch):
+    """Where the int8 GEMM sums pairs of products in int16 (AVX2; forced here, where both
+    forms are exact on any CPU), a layer whose inputs sit on 128 evenly spaced values far from
+    0 keeps 7-bit inputs (exact there); one whose inputs are 255 symmetric levels and whose
+    weights are whole numbers up to 64 takes 7-bit weights (exact there)."""
+    from pypto_serving.models import calibration
+    from pypto_serving.ops import linear
+
+    monkeypatch.setattr(linear, "int8_gemm_full_range", lambda: False)
+    torch.manual_seed(6)
+    offset, symmetric = Linear(64, 32, bias=False), Linear(64, 32, bias=False)
+    with torch.no_grad():
+        offset.weight.copy_(torch.randint(-127, 128, (32, 64)).float())
+        offset.weight[:, 0] = 127
+        symmetric.weight.copy_(torch.randint(-64, 65, (32, 64)).float())
+        symmetric.weight[:, 0] = 64
+    levels = torch.randint(0, 128, (40, 64)).float()
+    levels[:, :2] = torch.tensor([0.0, 127.0])
+    inputs = {offset: 10 + 0.01 * levels}
+    signed = torch.randint(-127, 128, (40, 64)).float()
+    signed[:, :2] = torch.tensor([-127.0, 127.0])
+    inputs[symmetric] = 0.03 * signed
+    for layer in inputs:
+        layer.quantize("w8a8")
+        assert layer.int8 is not None and layer.int8[2] is not None  # 7-bit inputs first
+    model = torch.nn.ModuleList(inputs)
+
+    def run_text(_model: object, _tokens: list[int]) -> None:
+        for layer, x in inputs.items():
+            layer(x)
+
+    monkeypatch.setattr(calibration, "_run_text", run_text)
+    assert calibration.choose_w8a8_inputs(model, []) == 1  # type: ignore[arg-type]
+    assert offset.int8 is not None and symmetric.int8 is not None
+    assert offset.int8[2] is not None and offset.int8[0].abs().max() == 127
+    assert symmetric.int8[2] is None and symmetric.int8[0].abs().max() == 64
+    for layer, x in inputs.items():  # each exact in the form it got (float32 rounding only)
+        assert relative_error(layer(x), x @ layer.weight.T) < 1e-6
 
 
 def test_smoothing_keeps_a_token_with_loud_channels_precise():
@@ -253,10 +318,10 @@ def test_the_quantized_engine_follows_the_bf16_one(tiny_model, kind):
         layer = quantized.engine.model.model.layers[0].mlp.down_proj
         head = quantized.engine.model.lm_head
         if kind == "w8a8":  # int8 weights, smoothed, and no bf16 weight packed beside them
-            assert layer.int8 is not None and layer.int8[2] is not None
+            assert layer.int8 is not None and layer.int8[3] is not None
             assert layer.packed is None and layer.quantized is None
         elif kind == "int4-w8a8":  # both forms, the head w8a8 only; no bf16 weight packed
-            assert layer.int8[2] is not None and layer.quantized[2] == 32
+            assert layer.int8[3] is not None and layer.quantized[2] == 32
             assert head.int8 is not None and head.quantized is None
             assert layer.packed is None and head.packed is None
         else:

@@ -11,6 +11,10 @@ list, other languages and numbers, written for this project.
 
 On SmolLM2-135M, per-token int8 activations raise the perplexity over bf16 by ~4 %; with these
 factors by ~1 % (docs/performance.md).
+
+Where the CPU's int8 GEMM sums pairs of products in int16 (AVX2), a layer gives 7 bits either
+to its inputs or to its weights: the same text, run again, shows which costs each layer less
+(`choose_w8a8_inputs`).
 """
 
 from __future__ import annotations
@@ -18,15 +22,26 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.ops.attention import DenseKV
-from pypto_serving.ops.linear import Linear
+from pypto_serving.ops.linear import Linear, int8_linear, quantize_w8a8
 
 TEXT = Path(__file__).with_name("calibration.txt")
 ALPHA = 0.5
 CHUNK = 512
 """Tokens per forward: the text runs as independent chunks of this length."""
+
+
+def _run_text(model: CausalLM, token_ids: list[int]) -> None:
+    """A forward over token_ids, in chunks of CHUNK, each from position 0."""
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        for start in range(0, len(token_ids), CHUNK):
+            chunk = torch.tensor(token_ids[start : start + CHUNK], device=device)
+            positions = torch.arange(len(chunk), device=device)
+            model.logits(model(chunk, positions, DenseKV(model.cfg.num_layers)))
 
 
 def activation_maxima(model: CausalLM, token_ids: list[int]) -> dict[Linear, torch.Tensor]:
@@ -38,19 +53,48 @@ def activation_maxima(model: CausalLM, token_ids: list[int]) -> dict[Linear, tor
         seen = args[0].detach().abs().amax(0).float()
         maxima[layer] = torch.maximum(maxima[layer], seen) if layer in maxima else seen
 
-    device = next(model.parameters()).device
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     hooks = [m.register_forward_pre_hook(record) for m in layers]
     try:
-        with torch.inference_mode():
-            for start in range(0, len(token_ids), CHUNK):
-                chunk = torch.tensor(token_ids[start : start + CHUNK], device=device)
-                positions = torch.arange(len(chunk), device=device)
-                model.logits(model(chunk, positions, DenseKV(model.cfg.num_layers)))
+        _run_text(model, token_ids)
     finally:
         for h in hooks:
             h.remove()
     return maxima
+
+
+def choose_w8a8_inputs(model: CausalLM, token_ids: list[int]) -> int:
+    """For a GEMM that sums pairs of int8 products in int16 (AVX2): each w8a8 layer, quantized
+    with 7-bit inputs (`quantize_w8a8`'s default there), keeps that form or takes 7-bit weights
+    instead, whichever puts its output over token_ids closer (squared error) to the product of
+    its unquantized weight. On SmolLM2-135M the LM head and the attention outputs keep 7-bit
+    inputs and the rest take 7-bit weights. Returns how many layers keep 7-bit inputs."""
+    errors: dict[Linear, list[float]] = {}
+    other: dict[Linear, tuple[torch.Tensor, torch.Tensor, None, torch.Tensor | None]] = {}
+    for layer in model.modules():
+        if isinstance(layer, Linear) and layer.int8 is not None:
+            smooth = layer.int8[3]
+            weight = layer.weight.detach().float() * (1 if smooth is None else smooth)
+            q, scale, _ = quantize_w8a8(weight, seven_bit_inputs=False)
+            other[layer], errors[layer] = (q, scale, None, smooth), [0.0, 0.0]
+
+    def record(layer: Linear, args: tuple[torch.Tensor, ...]) -> None:
+        x = args[0].detach()
+        exact = F.linear(x.float(), layer.weight.detach().float())
+        for i, form in enumerate((layer.int8, other[layer])):
+            assert form is not None
+            errors[layer][i] += (int8_linear(x, *form).float() - exact).square().sum().item()
+
+    hooks = [m.register_forward_pre_hook(record) for m in other]
+    try:
+        _run_text(model, token_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    for layer, (seven_inputs, seven_weights) in errors.items():
+        if seven_weights < seven_inputs:
+            layer.int8 = other[layer]
+    return sum(layer.int8 is not other[layer] for layer in other)
 
 
 def smoothing_factors(

@@ -15,7 +15,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from pypto_serving.config import CALIBRATED_QUANTIZATIONS
-from pypto_serving.device import cpu_isa, int8_weight_max
+from pypto_serving.device import cpu_isa, int8_gemm_full_range
 from pypto_serving.distributed import ParallelGroups
 from pypto_serving.models import calibration
 from pypto_serving.models.llama import CausalLM
@@ -47,7 +47,7 @@ def quantized_cache_path(
     ranks = [(g.rank, g.size) for g in (groups.tp, groups.pp, groups.ep)]
     key.update(
         f"{QUANTIZED_FORMAT}|{quantization}|{native}|{records_only}|{model.cfg!r}|{ranks}|{torch.__version__}|"
-        f"{torch.backends.cpu.get_cpu_capability()}|{cpu_isa()}|{int8_weight_max()}|"
+        f"{torch.backends.cpu.get_cpu_capability()}|{cpu_isa()}|{int8_gemm_full_range()}|"
         f"{next(model.parameters()).dtype}".encode()
     )
     return cache_dir() / "quantized" / f"{key.hexdigest()}.safetensors"
@@ -100,6 +100,13 @@ def quantize_cached(
         tokens = calibration.calibration_tokens(tokenizer())
         smooth = calibration.smoothing_factors(model, tokens)
     pack_linears(model, quantization, smooth, native=native, pack=pack, records_only=records_only)
+    if smooth is not None and not int8_gemm_full_range():
+        kept = calibration.choose_w8a8_inputs(model, tokens)
+        log.info(
+            "w8a8 on an int8 GEMM without int8 dot products: %d layers with 7-bit inputs, "
+            "the rest with 7-bit weights",
+            kept,
+        )
     tensors = {
         f"{name}/{part}": t.contiguous()
         for name, m in layers.items()

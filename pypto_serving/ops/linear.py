@@ -25,9 +25,12 @@ speeds up decoding and does not save memory.
 `w8a8` quantizes activations too: int8 weights (a scale per output row) and each token's
 input quantized to int8 when the matmul runs (`int8_linear`), so the matmul itself runs on
 the CPU's int8 dot products (AVX512-VNNI), at about twice the bf16 rate: it speeds up the
-compute-bound batched steps (prefill, decodes of many); without them (AVX2) oneDNN sums pairs
-of products in int16, so there weights keep 7 bits (`quantize_w8a8`). The inputs are first
-divided by SmoothQuant's per-channel factors, calibrated at load time (models/calibration.py).
+compute-bound batched steps (prefill, decodes of many). Without them (AVX2) oneDNN sums pairs
+of u8 x s8 products in int16, so either the inputs or the weights get 7 bits there: 7-bit
+inputs (each token's, from its smallest to its largest value, with the weights' sums per row
+kept beside them; `int8_linear`) or 7-bit weights, whichever the calibration text shows costs
+the layer less (`calibration.choose_w8a8_inputs`). The inputs are first divided by
+SmoothQuant's per-channel factors, calibrated at load time (models/calibration.py).
 
 `int4-w8a8` keeps both forms of each weight and picks by the matmul's row count: int4 up to
 QUANTIZED_MAX_ROWS (decoding a few sequences: memory-bound, where int4's fewer bytes win),
@@ -51,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pypto_serving import native as native_kernels
-from pypto_serving.device import cpu_isa, cpu_packs_bf16, int8_weight_max
+from pypto_serving.device import cpu_isa, cpu_packs_bf16, int8_gemm_full_range
 from pypto_serving.distributed import Group, tp_all_reduce
 from pypto_serving.errors import PyptoError
 
@@ -214,23 +217,47 @@ def quantize_int8(weight: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, 
     return q, scale.to(weight.dtype)
 
 
-def quantize_w8a8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_int8` for `int8_linear`: values up to what the CPU's int8 GEMM sums exactly
-    (`device.int8_weight_max`: 127, or 64 on CPUs without int8 dot products, such as AVX2)."""
-    return quantize_int8(weight, int8_weight_max())
+def quantize_w8a8(
+    weight: torch.Tensor, seven_bit_inputs: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`quantize_int8` for `int8_linear`: (int8 weight, float32 scales, the int8 weight's
+    int32 sums per output row where inputs get 7 bits, else None). Inputs get 7 bits where
+    seven_bit_inputs says, by default where the CPU's int8 GEMM sums pairs of products in int16
+    (not `device.int8_gemm_full_range()`). Full-range inputs on such a GEMM get 7-bit weights
+    (up to 64: 255 x 64 x 2 < 32768); weights have 8 bits elsewhere."""
+    full = int8_gemm_full_range()
+    seven = not full if seven_bit_inputs is None else seven_bit_inputs
+    q, scale = quantize_int8(weight, 127 if full or seven else 64)
+    return q, scale.float(), q.sum(1, dtype=torch.int32) if seven else None
 
 
 def int8_linear(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, smooth: torch.Tensor | None = None
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    row_sums: torch.Tensor | None = None,
+    smooth: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x @ (qweight * scales).T with x quantized to int8 per row (scaled by its largest
-    magnitude), so the matmul runs on the CPU's int8 dot products (AVX512-VNNI): about twice
-    the bf16 rate. Plain tensor ops: under torch.compile the quantization fuses into the
-    kernel before (RMSNorm, SiLU) and the scaling into the one after."""
+    """x @ (qweight * scales).T with x quantized to int8 per row, so the matmul runs on the
+    CPU's int8 dot products (AVX512-VNNI): about twice the bf16 rate. Plain tensor ops: under
+    torch.compile the quantization fuses into the kernel before (RMSNorm, SiLU) and the
+    scaling into the one after.
+
+    Without row_sums each row is scaled by its largest magnitude to [-127, 127]. With them
+    (a GEMM that sums pairs of u8 x s8 products in int16: AVX2) each row is mapped from its
+    smallest to its largest value onto u8 [0, 127] and handed over as s8 (u - 128), which the
+    GEMM turns back into u by adding 128: no pair exceeds int16 with 8-bit weights. Then
+    u . w = product + 128 * sum(w), and x ~ lo + scale * u."""
     xf = x.float() if smooth is None else x.float() / smooth
-    scale = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
-    xq = torch.round(xf / scale).to(torch.int8)
-    return (torch._int_mm(xq, qweight.t()).float() * (scale * scales)).to(x.dtype)
+    if row_sums is None:
+        scale = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+        xq = torch.round(xf / scale).to(torch.int8)
+        return (torch._int_mm(xq, qweight.t()).float() * (scale * scales)).to(x.dtype)
+    lo = xf.amin(-1, keepdim=True)
+    scale = (xf.amax(-1, keepdim=True) - lo).clamp(min=1e-12) / 127
+    xq = (torch.round((xf - lo) / scale) - 128).to(torch.int8)
+    dots = torch._int_mm(xq, qweight.t()) + 128 * row_sums
+    return ((dots.float() * scale + lo * row_sums.float()) * scales).to(x.dtype)
 
 
 def quantize_int4(
@@ -327,9 +354,10 @@ class Linear(nn.Linear):
     """Which: "onednn" or "panels" (`pack`'s form)."""
     quantized: tuple[torch.Tensor, torch.Tensor, int] | None = None
     """(weight, scales, group): group 0 is int8 per row, else int4 groups."""
-    int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
-    """w8a8: (int8 weight [out, in], float32 scale per output row, smoothing factors per input
-    channel or None), for `int8_linear`."""
+    int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+    """w8a8: (int8 weight [out, in], float32 scale per output row, the weight's int32 sums per
+    output row where inputs get 7 bits or None, smoothing factors per input channel or None),
+    for `int8_linear`."""
     native: tuple[torch.Tensor, int] | None = None
     """(records, NATIVE_Q4 or NATIVE_Q8): the weight packed for the native decode step
     (`pack_q4`, `pack_q8`), which alone reads it."""
@@ -370,8 +398,7 @@ class Linear(nn.Linear):
             return
         weight = self.weight.detach()
         if kind == "w8a8":
-            q, scale = quantize_w8a8(weight.float() * (1 if smooth is None else smooth))
-            self.int8 = (q, scale, smooth)
+            self.int8 = (*quantize_w8a8(weight.float() * (1 if smooth is None else smooth)), smooth)
             return
         multiple = {"int8": INT8_MULTIPLE, "q4": INT4_GROUP, "q8": INT4_GROUP}.get(
             kind, INT4_GROUP * INT4_INNER_K_TILES
@@ -404,8 +431,10 @@ class Linear(nn.Linear):
         if self.quantized is not None:
             out["quantized.weight"], out["quantized.scales"], _ = self.quantized
         if self.int8 is not None:
-            q, scale, smooth = self.int8
+            q, scale, row_sums, smooth = self.int8
             out |= {"int8.weight": q, "int8.scale": scale}
+            if row_sums is not None:
+                out["int8.row_sums"] = row_sums
             if smooth is not None:
                 out["int8.smooth"] = smooth
         if self.native is not None:
@@ -430,8 +459,12 @@ class Linear(nn.Linear):
             group = 0 if scales.dim() == 1 else self.in_features // scales.shape[0]
             self.quantized = (tensors["quantized.weight"], scales, group)
         if "int8.weight" in tensors:
-            smooth = tensors.get("int8.smooth")
-            self.int8 = (tensors["int8.weight"], tensors["int8.scale"], smooth)
+            self.int8 = (
+                tensors["int8.weight"],
+                tensors["int8.scale"],
+                tensors.get("int8.row_sums"),
+                tensors.get("int8.smooth"),
+            )
         for fmt in (NATIVE_Q4, NATIVE_Q8):
             if f"native.{fmt}" in tensors:
                 self.native = (tensors[f"native.{fmt}"], fmt)
