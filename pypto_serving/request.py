@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -52,6 +53,9 @@ class Request:
     """Why the request was lost to a fault (its worker died or hung, or its logits were NaN),
     if it was."""
     generator: torch.Generator | None = None
+    matcher: Any = None
+    """The llguidance matcher of a request with structured outputs (grammar.py), made by
+    the engine that runs it; it advances with each token appended."""
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
@@ -88,7 +92,12 @@ class Request:
         if self.params.logprobs is not None:
             self.output_logprobs.append(sampled)
         p, n, token = self.params, len(self.output_token_ids), sampled.token_id
-        if n >= p.min_tokens and (
+        if self.matcher is not None and not self.matcher.consume_token(token):
+            self.fail(f"the structured output failed: {self.matcher.get_error()}")
+            return
+        if self.matcher is not None and self.matcher.is_stopped():
+            self.finish("stop")  # the grammar is complete: nothing may follow but EOS
+        elif n >= p.min_tokens and (
             token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
         ):
             self.finish("stop")

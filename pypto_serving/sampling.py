@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from pypto_serving.errors import PyptoError
 
@@ -17,10 +19,72 @@ MAX_LOGIT_BIAS = 300
 MAX_STOP_CHARS = 4096
 """Most stop strings per request, and most characters in them together: each is searched
 for in every new piece of text (OpenAI allows 4 strings; vLLM no limit)."""
+MAX_SPEC_CHARS = 200_000
+"""Longest schema, grammar, regex or choice list (as JSON) a request may send."""
 GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily (vLLM's rule). Such a distribution is the argmax to
 float32 precision anyway, and dividing float32 logits by a tinier one overflows them (below
 ~1e-38 the temperature itself is 0 in float32 and every logit becomes NaN)."""
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutputsParams:
+    """What the output must match: exactly one of the fields (vLLM's names)."""
+
+    json: dict[str, Any] | str | None = None
+    """A JSON schema (a dict, or its JSON text)."""
+    regex: str | None = None
+    choice: list[str] | None = None
+    """One of these strings exactly."""
+    grammar: str | None = None
+    """A Lark grammar, or GBNF (llama.cpp's)."""
+    json_object: bool = False
+    """Any JSON object (OpenAI's response_format json_object)."""
+    whitespace: bool = field(default=True, compare=False)
+    """JSON may hold whitespace between its tokens as the model likes (else compact)."""
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise PyptoError(
+                "structured outputs take exactly one of json, regex, choice, grammar or "
+                f"json_object; got {', '.join(given) or 'none'}",
+                "structured_outputs",
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise PyptoError("choice must be a non-empty list of strings", "structured_outputs")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise PyptoError(f"{name} must be a string", "structured_outputs")
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise PyptoError("json must be a JSON schema (an object)", "structured_outputs")
+        if len(self.key()) > MAX_SPEC_CHARS:
+            raise PyptoError(
+                f"the structured output spec is over {MAX_SPEC_CHARS} characters",
+                "structured_outputs",
+            )
+
+    def key(self) -> str:
+        """The spec as text: what a compiled grammar is cached by."""
+        kind = (
+            "json_object"
+            if self.json_object
+            else next(
+                k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None
+            )
+        )
+        value: Any = None if self.json_object else getattr(self, kind)
+        try:
+            return json.dumps([kind, value, self.whitespace], sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise PyptoError(f"invalid {kind}: {e}", "structured_outputs") from e
 
 
 @dataclass(slots=True)
@@ -53,10 +117,18 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Added to these tokens' logits before sampling (OpenAI's: -100 bans a token, 100 all
     but forces it); logprobs stay the model's own."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """What the output must match (grammar.py): each step samples only tokens that keep it
+    matching, and the request stops where the grammar ends. logprobs stay the model's own."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise PyptoError(f"invalid structured_outputs: {e}", "structured_outputs") from e
         self.validate()
 
     @property

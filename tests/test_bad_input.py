@@ -409,10 +409,17 @@ CASES = [
         "invalid_value",
     ),
     Bad(
-        "unsupported_response_format",
-        patch({"response_format": {"type": "json_object"}}),
+        "unenforceable_response_format",
+        patch(
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+                }
+            }
+        ),
         "response_format",
-        "unsupported_parameter",
+        "invalid_value",
     ),
     Bad(
         "unsupported_huge_name",

@@ -92,7 +92,6 @@ def test_neutral_values_give_the_plain_answer(client):
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"best_of": 3}, "best_of"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"store": True}, "store"),
     ],
 )

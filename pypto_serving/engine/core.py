@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from pypto_serving import grammar
 from pypto_serving.config import EngineConfig
 from pypto_serving.distributed import (
     COLLECTIVE_TIMEOUT_S,
@@ -24,6 +25,7 @@ from pypto_serving.engine.worker import join_group, load_share
 from pypto_serving.errors import EngineDeadError, PyptoError
 from pypto_serving.executor.compiled import trust_cpu_vector_isa_soon
 from pypto_serving.executor.paged import PagedExecutor
+from pypto_serving.grammar import Grammars
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.paged_attention import StepProgress
 from pypto_serving.kv.store import PagedKVStore
@@ -104,6 +106,8 @@ def check_request(
         raise PyptoError(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
     if any(t >= vocab_size for t in params.logit_bias):
         raise PyptoError(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
+    if params.structured_outputs is not None:
+        grammar.check(params.structured_outputs)
     if n >= max_model_len:
         raise PyptoError(
             f"the prompt has {n} tokens; this model's context is "
@@ -219,6 +223,7 @@ class EngineCore:
             limits.append(self.executor.kv.capacity_tokens)
         self.max_model_len = min(limits)
         self.scheduler = Scheduler(config.scheduler, self.executor.kv)
+        self.grammars = self.executor.grammars = Grammars(self.model_dir, cfg.vocab_size)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         log.info(
@@ -272,6 +277,8 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Queue a request after checking it fits the model."""
         self.check(request.prompt_token_ids, request.params)
+        if request.params.structured_outputs is not None and request.matcher is None:
+            request.matcher = self.grammars.matcher(request.params.structured_outputs)
         request.max_model_len = self.max_model_len
         self.scheduler.add(request)
 

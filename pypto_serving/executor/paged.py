@@ -14,6 +14,7 @@ import copy
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import cast
 
@@ -42,6 +43,7 @@ from pypto_serving.executor.compiled import (
 from pypto_serving.executor.kv_stores import build_kv_store
 from pypto_serving.executor.native_decode import MAX_ROWS as NATIVE_MAX_ROWS
 from pypto_serving.executor.native_decode import NativeDecoder
+from pypto_serving.grammar import Grammars
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.kinds import WindowedKind, gqa
 from pypto_serving.kv.mirror import agree_ssd_loads, follow_moves, ssd_load_message
@@ -95,6 +97,11 @@ class PagedExecutor:
     each step and broadcasts its inputs; the other ranks' executors `follow()`, running the
     same forward on their shares (TP: the collectives inside the model join them; PP:
     activations pass stage to stage), and never sample."""
+
+    grammars: Grammars | None = None
+    """The engine's structured-output matchers (set by the engine): a step fills the masks of
+    its constrained rows while its forward runs."""
+    _mask_thread = ThreadPoolExecutor(1, thread_name_prefix="pypto-grammar")
 
     def __init__(
         self,
@@ -210,7 +217,16 @@ class PagedExecutor:
             max(counts),
             b"" if self.kv.journal is None else self.kv.journal.take(),
         )
+        constrained = [b for b in done if reqs[b].matcher is not None]
+        masks = (  # filled in a thread while the forward runs (both release the GIL)
+            self._mask_thread.submit(
+                self.grammars.fill_masks, [reqs[b].matcher for b in constrained]
+            )
+            if constrained and self.grammars is not None
+            else None
+        )
         logits = self.run(step)
+        allowed = dict(zip(constrained, masks.result(), strict=True)) if masks else {}
         for r, start, n in zip(reqs, starts, counts, strict=True):
             self.kv.cache_full_pages(r, start + n)
         if len(token_ids) >= self.kv.page_size:  # prefill-heavy: the rate recompute would cost
@@ -225,6 +241,7 @@ class PagedExecutor:
                 reqs[b].output_token_ids,
                 reqs[b].generator,
                 reqs[b].eos_token_ids,
+                allowed.get(b),
             )
             for b in done
         ]

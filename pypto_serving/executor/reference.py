@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from pypto_serving.grammar import Grammars
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.ops.attention import DenseKV
 from pypto_serving.ops.sampler import Sampled, SamplingRow, sample
@@ -45,6 +46,8 @@ class DenseKVStore:
 class ReferenceExecutor:
     num_recompilations = 0
     """It never compiles."""
+    grammars: Grammars | None = None
+    """The engine's structured-output matchers (set by the engine)."""
 
     def __init__(self, model: CausalLM, device: torch.device) -> None:
         self.model, self.device = model, device
@@ -62,6 +65,11 @@ class ReferenceExecutor:
             h = self.model(tokens, positions, self.kv.caches[req.request_id])
             if end == req.num_tokens:
                 hidden.append(h[-1])
+                allowed = (
+                    self.grammars.fill_masks([req.matcher])[0]
+                    if req.matcher is not None and self.grammars is not None
+                    else None
+                )
                 rows.append(
                     SamplingRow(
                         req.params,
@@ -69,6 +77,7 @@ class ReferenceExecutor:
                         req.output_token_ids,
                         req.generator,
                         req.eos_token_ids,
+                        allowed,
                     )
                 )
                 ids.append(req.request_id)

@@ -1,7 +1,8 @@
 """The sampler: logits of a batch of rows -> one token per row (plus optional logprobs).
 
-Processing order follows vLLM: penalties, logit_bias, min_tokens (EOS suppressed), then
-greedy argmax or temperature -> top-k -> top-p -> min-p -> a draw. Seeded rows draw from their
+Processing order follows vLLM: penalties, logit_bias, min_tokens (EOS suppressed), a
+structured output's mask of allowed tokens, then greedy argmax or temperature -> top-k ->
+top-p -> min-p -> a draw. Seeded rows draw from their
 own generator, so a seeded request samples the same tokens whatever else is in the batch.
 
 A row whose logits hold a NaN or +inf (a numeric fault of the model), or mask every token,
@@ -31,6 +32,9 @@ class SamplingRow:
     output_ids: Sequence[int]
     generator: torch.Generator | None
     eos_token_ids: Sequence[int] = ()
+    allowed: torch.Tensor | None = None
+    """A structured output's allowed tokens (grammar.fill_masks: int32 words, bit t % 32 of
+    word t // 32 for token t), or None: every token."""
 
 
 @dataclass(slots=True)
@@ -83,6 +87,20 @@ def edit_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tens
     return edited
 
 
+def mask_disallowed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """-inf for each token a row's `allowed` mask leaves out (a copy of logits where a row has
+    a mask; logits itself where none has)."""
+    constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if not constrained:
+        return logits
+    words = torch.stack([rows[i].allowed for i in constrained]).to(logits.device)  # type: ignore[misc]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = ((words[:, :, None] >> shifts) & 1).flatten(1)[:, : logits.shape[-1]]
+    out = logits.clone()
+    out[constrained] = logits[constrained].masked_fill(bits == 0, -float("inf"))
+    return out
+
+
 def filter_top_k_top_p_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Mask (to -inf) the tokens each row's top-k / top-p / min-p excludes."""
     vocab = logits.shape[-1]
@@ -119,7 +137,7 @@ def draw(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sampled]:
     """Pick one token for each row of logits [B, vocab] (float32)."""
     raw = logits
-    logits = edit_logits(logits, rows)
+    logits = mask_disallowed(edit_logits(logits, rows), rows)
     best, tokens = logits.max(dim=-1)  # NaN where a row holds one, +inf where it holds one
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:

@@ -24,11 +24,14 @@ from pydantic import (
     model_validator,
 )
 
+from pypto_serving import grammar
 from pypto_serving.errors import PyptoError
-from pypto_serving.sampling import SamplingParams
+from pypto_serving.sampling import SamplingParams, StructuredOutputsParams
 from pypto_serving.server.errors import APIError
 
 MAX_TOP_LOGPROBS = 20
+GUIDED = ("json", "regex", "choice", "grammar")
+"""vLLM's older guided_* fields, in StructuredOutputsParams' order."""
 MAX_SEQUENCES_PER_REQUEST = 128
 """Prompts x n of one request: more is refused (one request must not flood the queue)."""
 MAX_CHAT_ITEMS = 10_000
@@ -103,20 +106,67 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """response_format's json_schema: the schema the output must match."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    """True: objects take no properties their schema does not name (OpenAI's strict mode)."""
+
+
 class ResponseFormat(_Body):
-    """OpenAI's `response_format`: plain text only, for now (a JSON object or schema needs
-    constrained decoding, which is refused by name until it exists)."""
+    """OpenAI's `response_format`: text, any JSON object, or JSON matching a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
 
-    def check(self) -> None:
-        if self.type != "text":
-            raise unsupported(
-                "response_format",
-                f"response_format type {self.type!r} is not supported yet (constrained "
-                "decoding); only 'text'",
-            )
+    def structured(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None:
+            raise PyptoError("response_format json_schema needs its json_schema", "response_format")
+        schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
+        return StructuredOutputsParams(
+            json=closed_objects(schema) if self.json_schema.strict else schema
+        )
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of schema whose object schemas that say nothing of additionalProperties take
+    none (OpenAI's strict mode)."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[StrictStr], Field(fail_fast=True)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(
+            json=self.json_,
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+            json_object=bool(self.json_object),
+            whitespace=not self.disable_any_whitespace,
+        )
 
 
 def unsupported(name: str, message: str) -> APIError:
@@ -162,6 +212,13 @@ class _Sampling(_Request):
     best_of: int | None = None
     """Accepted when it asks for no more sequences than n; larger is refused."""
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM's: json, regex, choice, grammar or json_object."""
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[StrictStr], Field(fail_fast=True)] | None = None
+    guided_grammar: str | None = None
+    """vLLM's older names (before structured_outputs)."""
     store: bool | None = None
     """OpenAI's stored completions: nothing is stored here, so true is refused."""
     metadata: dict[str, str] | None = None
@@ -177,8 +234,6 @@ class _Sampling(_Request):
                 f"best_of must equal n ({self.n}) here: ranking more candidates than are "
                 "returned is not supported yet",
             )
-        if self.response_format is not None:
-            self.response_format.check()
         given: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -204,8 +259,36 @@ class _Sampling(_Request):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            structured_outputs=self.structured(),
             **{k: v for k, v in given.items() if v is not None},
         )
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """What the output must match: response_format, structured_outputs or vLLM's older
+        guided_* fields, one of them at most."""
+        guided = (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar)
+        found: dict[str, StructuredOutputsParams | None] = {
+            "response_format": self.response_format.structured() if self.response_format else None,
+            "structured_outputs": self.structured_outputs.params()
+            if self.structured_outputs
+            else None,
+            next(  # vLLM's older fields, named by the first given
+                (f"guided_{k}" for k, v in zip(GUIDED, guided, strict=True) if v is not None),
+                "guided_json",
+            ): StructuredOutputsParams(*guided) if any(v is not None for v in guided) else None,
+        }
+        given = {k: v for k, v in found.items() if v is not None}
+        if len(given) > 1:
+            raise PyptoError(
+                f"give one of {', '.join(given)}: each constrains the output", next(iter(given))
+            )
+        for name, spec in given.items():  # a grammar that cannot be enforced: 400 naming it
+            try:
+                grammar.check(spec)
+            except PyptoError as e:
+                raise PyptoError(str(e), name) from e
+            return spec
+        return None
 
 
 TokenIds = Annotated[list[StrictInt], Field(fail_fast=True)]
