@@ -88,12 +88,18 @@ def _refusal(error: str) -> PyptoError:
     )
 
 
-def check(spec: StructuredOutputsParams) -> None:
-    """Raise PyptoError (a 400) naming what is wrong unless the spec compiles and every
-    feature of it can be enforced."""
+@functools.lru_cache(maxsize=256)
+def _grammar_error(key: str) -> str:
     import llguidance
 
-    error = llguidance.LLMatcher.validate_grammar(grammar_text(spec), None, limits=_limits())
+    return str(llguidance.LLMatcher.validate_grammar(_grammar_text(key), None, limits=_limits()))
+
+
+def check(spec: StructuredOutputsParams) -> None:
+    """Raise PyptoError (a 400) naming what is wrong unless the spec compiles and every
+    feature of it can be enforced (the verdict cached by the spec's text: the server, the
+    engine's check and its matcher each ask)."""
+    error = _grammar_error(spec.key())
     if error:
         raise _refusal(error)
 

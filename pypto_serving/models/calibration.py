@@ -19,6 +19,7 @@ to its inputs or to its weights: the same text, run again, shows which costs eac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,6 +45,21 @@ def _run_text(model: CausalLM, token_ids: list[int]) -> None:
             model.logits(model(chunk, positions, DenseKV(model.cfg.num_layers)))
 
 
+def _observe(
+    model: CausalLM,
+    token_ids: list[int],
+    layers: list[Linear],
+    record: Callable[[Linear, tuple[torch.Tensor, ...]], None],
+) -> None:
+    """`_run_text` with `record` called on each of layers' inputs."""
+    hooks = [m.register_forward_pre_hook(record) for m in layers]
+    try:
+        _run_text(model, token_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def activation_maxima(model: CausalLM, token_ids: list[int]) -> dict[Linear, torch.Tensor]:
     """The largest magnitude of each input channel of every `Linear`, in float32, over a
     forward of token_ids (in chunks of CHUNK, each from position 0)."""
@@ -53,13 +69,7 @@ def activation_maxima(model: CausalLM, token_ids: list[int]) -> dict[Linear, tor
         seen = args[0].detach().abs().amax(0).float()
         maxima[layer] = torch.maximum(maxima[layer], seen) if layer in maxima else seen
 
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    hooks = [m.register_forward_pre_hook(record) for m in layers]
-    try:
-        _run_text(model, token_ids)
-    finally:
-        for h in hooks:
-            h.remove()
+    _observe(model, token_ids, [m for m in model.modules() if isinstance(m, Linear)], record)
     return maxima
 
 
@@ -85,12 +95,7 @@ def choose_w8a8_inputs(model: CausalLM, token_ids: list[int]) -> int:
             assert form is not None
             errors[layer][i] += (int8_linear(x, *form).float() - exact).square().sum().item()
 
-    hooks = [m.register_forward_pre_hook(record) for m in other]
-    try:
-        _run_text(model, token_ids)
-    finally:
-        for h in hooks:
-            h.remove()
+    _observe(model, token_ids, list(other), record)
     for layer, (seven_inputs, seven_weights) in errors.items():
         if seven_weights < seven_inputs:
             layer.int8 = other[layer]
