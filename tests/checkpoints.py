@@ -258,9 +258,36 @@ CHATML = (
 )
 
 
-def build_tokenizer(out: Path, vocab_size: int = 320) -> None:
-    """A byte-level BPE tokenizer of `vocab_size` tokens with a ChatML template, saved to out."""
-    from tokenizers import ByteLevelBPETokenizer
+HERMES_TOOLS = (  # a Qwen2.5-style template: tools, <tool_call> blocks, <tool_response>
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n"
+    "{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' and loop.first %}"
+    "{% elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{% if m.content %}{{ m.content }}\n{% endif %}"
+    "{% for c in m.tool_calls %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
+    "\n</tool_call>{% if not loop.last %}\n{% endif %}{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}"
+    "\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(out: Path, vocab_size: int = 320, hermes: bool = False) -> None:
+    """A byte-level BPE tokenizer of `vocab_size` tokens with a ChatML template, saved to out;
+    `hermes`: Qwen's tool calling instead (the template above, and `<tool_call>` and
+    `</tool_call>` as added tokens that are not special, as Qwen's are)."""
+    from tokenizers import AddedToken, ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
     corpus = [
@@ -269,9 +296,11 @@ def build_tokenizer(out: Path, vocab_size: int = 320) -> None:
     ]
     bpe = ByteLevelBPETokenizer()
     specials = ["<unk>", "<s>", "<|im_end|>", "<|im_start|>"]
+    tags = ["<tool_call>", "</tool_call>"] if hermes else []
     bpe.train_from_iterator(
-        corpus, vocab_size=vocab_size, special_tokens=specials, show_progress=False
+        corpus, vocab_size=vocab_size - len(tags), special_tokens=specials, show_progress=False
     )
+    bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in tags])
     tok = PreTrainedTokenizerFast(
         tokenizer_object=bpe._tokenizer,
         bos_token="<s>",
@@ -279,7 +308,7 @@ def build_tokenizer(out: Path, vocab_size: int = 320) -> None:
         unk_token="<unk>",
         pad_token="<unk>",
     )
-    tok.chat_template = CHATML
+    tok.chat_template = HERMES_TOOLS if hermes else CHATML
     tok.save_pretrained(out)
 
 

@@ -396,11 +396,16 @@ CASES = [
         "stream_options",
     ),
     # --- unsupported parameters ---------------------------------------------------------------
-    Bad(
-        "unsupported_tools",
-        patch({"tools": [{"type": "function", "function": {"name": "f"}}]}),
-        "tools",
-        "unsupported_parameter",
+    Bad(  # tools on completions: not an OpenAI field there
+        "tool_choice_names_no_tool",
+        patch(
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            }
+        ),
+        by_endpoint("tools", "tool_choice"),
+        by_endpoint("unsupported_parameter", "invalid_value"),
     ),
     Bad(
         "out_of_range_logit_bias",

@@ -89,8 +89,6 @@ def test_neutral_values_give_the_plain_answer(client):
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
         ({"best_of": 3}, "best_of"),
         ({"store": True}, "store"),
     ],

@@ -14,12 +14,13 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pypto_serving import grammar
 from pypto_serving.engine.async_llm import (
     AsyncLLM,
     DrainingError,
@@ -31,7 +32,7 @@ from pypto_serving.engine.async_llm import (
 from pypto_serving.errors import PyptoError, RequestFailedError
 from pypto_serving.kv.tier import TIER_NAMES
 from pypto_serving.ops.sampler import Sampled
-from pypto_serving.sampling import SamplingParams
+from pypto_serving.sampling import SamplingParams, StructuredOutputsParams
 from pypto_serving.server.errors import UNAVAILABLE, APIError, error_body, quoted
 from pypto_serving.server.logprobs import (
     TextOffsets,
@@ -43,6 +44,16 @@ from pypto_serving.server.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
     ChatCompletionRequest,
     CompletionRequest,
+    ToolPlan,
+)
+from pypto_serving.server.tool_parser import ToolCallParser
+from pypto_serving.server.tools import (
+    ToolFormat,
+    call_grammar,
+    call_schema,
+    tag_tokens,
+    template_message,
+    tool_format,
 )
 
 
@@ -178,6 +189,8 @@ class OpenAIServing:
         self.engine, self.model_name = engine, model_name
         self.tokenizer = engine.llm.tokenizer
         self.token_bytes = TokenBytes(self.tokenizer)
+        self.tool_format = tool_format(getattr(self.tokenizer, "chat_template", None))
+        self.tool_tags = tag_tokens(self.tokenizer.get_added_vocab())
         longest = max(map(len, self.tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = PROMPT_CHARS_MARGIN * engine.engine.max_model_len * longest
 
@@ -317,14 +330,26 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
         self.check_model(body.model)
-        body.check_tools()
+        plan = body.tool_plan()
         params = body.sampling_params(body.max_new_tokens(), body.num_logprobs())
+        fmt = None
+        if plan is not None:
+            fmt = self._tool_format()
+            params = replace(params, structured_outputs=self.tool_grammar(fmt, plan))
         self._check_count(1, params)
-        prompt = await asyncio.to_thread(self.render_chat, body.conversation(), True)
+        shown = [t.for_template() for t in plan.tools] if plan is not None else None
+        prompt = await asyncio.to_thread(self.render_chat, body.conversation(), True, shown)
         self._check([prompt], params, "messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         updates = merge(self._start([prompt], params, rid, body.cache_salt))
         usage = _Usage(prompt_tokens=len(prompt))
+        parsers = [ToolCallParser(fmt) if fmt is not None else None for _ in range(params.n)]
+
+        def reason(i: int, finish_reason: str | None) -> str | None:
+            """A reply that called tools and stopped by itself finished by tool_calls."""
+            parser = parsers[i]
+            called = parser is not None and parser.calls
+            return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
         def chunk(choices: list[dict[str, Any]], obj: str, **extra: Any) -> dict[str, Any]:
             return {
@@ -358,12 +383,12 @@ class OpenAIServing:
                         first = []
                     for d in update.deltas:
                         usage.completion_tokens += len(d.token_ids)
-                        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                        delta = self._delta(parsers[d.index], d.text, d.finish_reason is not None)
                         one = {
                             "index": d.index,
-                            "delta": delta,
+                            "delta": delta if delta or d.finish_reason is None else {},
                             "logprobs": chat_logprobs(self.token_bytes, d.logprobs),
-                            "finish_reason": d.finish_reason,
+                            "finish_reason": reason(d.index, d.finish_reason),
                         }
                         yield sse(chunk([one], "chat.completion.chunk", **tail))
                     if update.finished:
@@ -379,17 +404,69 @@ class OpenAIServing:
             out = [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": self._message(parsers[i], c.text),
                     "logprobs": chat_logprobs(
                         self.token_bytes, c.logprobs if params.logprobs is not None else None
                     ),
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": reason(i, c.finish_reason),
                 }
                 for i, c in enumerate(choices)
             ]
             return JSONResponse(chunk(out, "chat.completion", usage=usage.as_dict()))
 
         return await unless_disconnected(raw, collect())
+
+    # --- tools --------------------------------------------------------------------------
+
+    def _tool_format(self) -> ToolFormat:
+        if self.tool_format is None:
+            raise APIError(
+                400,
+                "this model's chat template renders tools in a format this server does not "
+                "read (it reads Hermes-style <tool_call> blocks, and SmolLM2's for templates "
+                "without tools)",
+                param="tools",
+                code="unsupported_parameter",
+            )
+        return self.tool_format
+
+    def tool_grammar(self, fmt: ToolFormat, plan: ToolPlan) -> StructuredOutputsParams:
+        """The grammar holding the reply to calls of the allowed tools (see tools.py); a tool
+        whose parameters cannot be enforced is a 400 naming tools."""
+        calls = [call_schema(t.name, t.arguments_schema()) for t in plan.allowed]
+        spec = StructuredOutputsParams(
+            grammar=call_grammar(fmt, calls, plan.required, plan.parallel, self.tool_tags)
+        )
+        try:
+            grammar.check(spec)
+        except PyptoError as e:
+            raise PyptoError(f"a tool's parameters: {e}", "tools") from None
+        return spec
+
+    @staticmethod
+    def _delta(parser: ToolCallParser | None, text: str, last: bool) -> dict[str, Any]:
+        """A streamed piece of the reply: its content, and its tool calls where it has any."""
+        if parser is None:
+            return {"content": text} if text else {}
+        content, calls = parser.feed(text)
+        if last:
+            content += parser.flush()
+        out: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            out["tool_calls"] = [c.as_dict() for c in calls]
+        return out
+
+    @staticmethod
+    def _message(parser: ToolCallParser | None, text: str) -> dict[str, Any]:
+        """A whole reply: its content, and its tool calls where it made any."""
+        if parser is None:
+            return {"role": "assistant", "content": text}
+        parser.feed(text)
+        parser.flush()
+        out: dict[str, Any] = {"role": "assistant", "content": parser.message_content()}
+        if parser.calls:
+            out["tool_calls"] = [c.as_dict() for c in parser.calls]
+        return out
 
     async def encode(self, texts: list[str | list[int]]) -> list[list[int]]:
         """Token ids of the prompts; texts are tokenized on a worker thread, and refused first
@@ -407,13 +484,25 @@ class OpenAIServing:
             lambda: [encode(t) if isinstance(t, str) else list(t) for t in texts]
         )
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        """Token ids of a conversation in the tokenizer's own chat template."""
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation in the tokenizer's own chat template; with tools, or
+        with calls and their results in it, in the template of the model's tool format."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise PyptoError("this model has no chat template; use /v1/completions", "messages")
+        template = None
+        if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            messages = [template_message(m) for m in messages]
+            template = self.tool_format.template() if self.tool_format is not None else None
         try:
             out = self.tokenizer.apply_chat_template(
                 messages,
+                tools=tools,
+                chat_template=template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 return_dict=False,

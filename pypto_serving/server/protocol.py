@@ -12,6 +12,7 @@ seconds for a large body), and the number of prompts and of chat items is checke
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
@@ -34,6 +35,8 @@ GUIDED = ("json", "regex", "choice", "grammar")
 """vLLM's older guided_* fields, in StructuredOutputsParams' order."""
 MAX_SEQUENCES_PER_REQUEST = 128
 """Prompts x n of one request: more is refused (one request must not flood the queue)."""
+MAX_TOOLS = 128
+"""Most tools one request may offer (OpenAI's limit)."""
 MAX_CHAT_ITEMS = 10_000
 """Most messages plus content parts in one conversation."""
 
@@ -324,16 +327,110 @@ class TextPart(_Body):
     text: str
 
 
+class CalledFunction(_Body):
+    name: str
+    arguments: str
+    """The arguments as JSON text (OpenAI's shape)."""
+
+
+class ToolCallItem(_Body):
+    """A call an assistant message made (a conversation's history)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | Annotated[list[TextPart], Field(fail_fast=True)]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | Annotated[list[TextPart], Field(fail_fast=True)] | None
+    """None (or left out) only for an assistant message that called tools."""
     name: str | None = None
     """The participant's name: given to the chat template (which may show it or not)."""
+    tool_calls: Annotated[list[ToolCallItem], Field(fail_fast=True)] | None = None
+    """An assistant message's calls."""
+    tool_call_id: str | None = None
+    """A tool message: the call it answers."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_need_no_content(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("tool_calls") and "content" not in data:
+            return {**data, "content": None}
+        return data
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PyptoError("only an assistant message has tool_calls", "messages")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise PyptoError("only a tool message has a tool_call_id", "messages")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PyptoError(
+                f"a {self.role} message needs its content (only an assistant message that "
+                "calls tools may leave it null)",
+                "messages",
+            )
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
+"""The arguments of a tool that gives no parameters: an empty object."""
+
+
+class FunctionSpec(_Body):
+    """A tool the model may call: OpenAI's `tools[].function`."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """The arguments' JSON schema; none: the tool takes no arguments."""
+    strict: bool | None = None
+    """Accepted: calls are always generated as OpenAI's strict mode generates them."""
+
+    def for_template(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.model_dump(exclude_none=True)}
+
+    def arguments_schema(self) -> dict[str, Any]:
+        """The schema a call's arguments are generated to: the tool's, with objects taking no
+        properties it does not name (what strict mode means; without it a model may go on
+        inventing properties until max_tokens). Such arguments validate either way."""
+        schema = self.parameters if self.parameters is not None else NO_ARGUMENTS
+        return closed_objects(schema)
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ToolName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """tool_choice naming one tool: the reply calls it."""
+
+    type: Literal["function"]
+    function: ToolName
 
 
 Conversation = Annotated[list[ChatMessage], Field(fail_fast=True), BeforeValidator(_few_chat_items)]
@@ -348,21 +445,47 @@ class ChatCompletionRequest(_Sampling):
     """OpenAI's newer name for max_tokens; null (and no max_tokens) means up to the context."""
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    """Accepted empty (what clients send by default); tools are refused until tool calling
-    is implemented."""
-    tool_choice: str | dict[str, Any] | None = None
-    """Without tools: "none", "auto" or null only."""
+    tools: Annotated[list[Tool], Field(fail_fast=True, max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default: auto where there are tools, none where there are none (OpenAI's rule)."""
     parallel_tool_calls: bool | None = None
-    """Accepted (without tools it changes nothing)."""
+    """False: one call at most. Default true."""
 
-    def check_tools(self) -> None:
-        _neutral(self.tools, "tools", "tool calling")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise unsupported(
-                "tool_choice",
-                "tool_choice needs tools, which are not supported yet: send none, auto or null",
+    def tool_plan(self) -> ToolPlan | None:
+        """What the reply may call, or None where it calls nothing (no tools, or none)."""
+        tools = self.tools or []
+        choice = self.tool_choice if self.tool_choice is not None else "auto"
+        if not tools:
+            if choice == "required" or isinstance(choice, NamedToolChoice):
+                raise PyptoError("tool_choice requires tools, and none are given", "tool_choice")
+            return None
+        names = [t.function.name for t in tools]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise PyptoError(f"two tools are named {quoted_names(twice)}", "tools")
+        if choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise PyptoError(
+                    f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                    "tool_choice",
+                )
+            allowed = [t.function for t in tools if t.function.name == choice.function.name]
+        else:
+            allowed = [t.function for t in tools]
+        if self.structured() is not None:
+            raise PyptoError(
+                "give tools or a structured output (response_format, structured_outputs, "
+                "guided_*), not both: each constrains the reply",
+                "tools",
             )
+        return ToolPlan(
+            [t.function for t in tools],
+            allowed,
+            required=choice != "auto",
+            parallel=self.parallel_tool_calls is not False,
+        )
 
     def max_new_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -376,16 +499,28 @@ class ChatCompletionRequest(_Sampling):
             raise PyptoError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return conversation(self.messages)
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them (a message's name too, where it has one)."""
-    return [
-        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
-        for m in messages
-    ]
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them."""
+    return [m.for_template() for m in messages]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """A chat request's tools: those shown to the model, those it may call, and how."""
+
+    tools: list[FunctionSpec]
+    allowed: list[FunctionSpec]
+    required: bool
+    """Only calls (tool_choice required, or a named tool); else text or calls (auto)."""
+    parallel: bool
+
+
+def quoted_names(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names)
 
 
 def is_unicode(text: str) -> bool:

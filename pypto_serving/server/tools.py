@@ -1,0 +1,145 @@
+"""Tool calling: how a model family writes its calls, the grammar that holds its output to
+them, and the conversation as its chat template takes it.
+
+Two formats, both calls in `<tool_call>` ... `</tool_call>`:
+- **hermes** (Qwen2/2.5/3, Hermes and most templates that render tools): one JSON object
+  `{"name": ..., "arguments": {...}}` per block, a block per call. The model's own template
+  renders the tools, the calls and the results.
+- **smollm2** (the default model, and any template that renders no tools): one block holding a
+  JSON list of calls. The template in `templates/smollm2_tools.jinja` renders the tools in the
+  system prompt SmolLM2-Instruct was taught them with, and the results as `<tool_response>`.
+
+Every mode that may call a tool runs under a grammar (llguidance, as structured outputs do):
+`required` and a named tool admit only calls, to the tools allowed, with arguments matching
+their schemas; `auto` leaves text free until the model opens a block, then holds the block to
+the same rule (a lazy rule: the trigger is the block's opening tag). So every call parses and
+its arguments validate; `parallel_tool_calls: false` allows one call.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+CALL_WHITESPACE = r"[ \t\n\r]{0,12}"
+"""Whitespace a call's JSON may hold between two of its tokens: what models write in calls
+(a space, a newline and an indent), bounded tighter than structured outputs' (a small model
+must not stall a call in whitespace)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolFormat:
+    name: str
+    list_body: bool
+    """True: a block holds a JSON list of calls (smollm2); False: one call (hermes)."""
+    own_template: bool
+    """True: the calls and tools are rendered by the template packaged here, not the model's."""
+
+    def template(self) -> str | None:
+        """The chat template to render a conversation with tools in, None for the model's."""
+        return _smollm2_template() if self.own_template else None
+
+
+HERMES = ToolFormat("hermes", list_body=False, own_template=False)
+SMOLLM2 = ToolFormat("smollm2", list_body=True, own_template=True)
+
+
+@cache
+def _smollm2_template() -> str:
+    return (resources.files(__package__) / "templates" / "smollm2_tools.jinja").read_text()
+
+
+def tool_format(chat_template: str | None) -> ToolFormat | None:
+    """The format of the model whose chat template this is: hermes where the template renders
+    tools in `<tool_call>` blocks, smollm2 where it renders no tools; None (tool calling
+    refused) where it renders them in another format."""
+    if not chat_template:
+        return None
+    if "tools" not in chat_template:
+        return SMOLLM2
+    return HERMES if OPEN in chat_template else None
+
+
+def call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema of one call to a tool: its name, then arguments matching its schema."""
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _json_rule(schema: dict[str, Any]) -> str:
+    options = {"whitespace_flexible": True, "whitespace_pattern": CALL_WHITESPACE}
+    return "%json " + json.dumps({**schema, "x-guidance": options})
+
+
+def tag_tokens(added_vocab: dict[str, int]) -> tuple[int | None, int | None]:
+    """The token ids of the opening and closing tags where the tokenizer has them as tokens
+    of their own (Qwen's): a grammar names those by id (llguidance keeps added tokens apart
+    from text)."""
+    return added_vocab.get(OPEN), added_vocab.get(CLOSE)
+
+
+def call_grammar(
+    fmt: ToolFormat,
+    calls: list[dict[str, Any]],
+    required: bool,
+    parallel: bool,
+    tags: tuple[int | None, int | None] = (None, None),
+) -> str:
+    """A Lark grammar (llguidance's) for a reply that calls the tools of `calls` (their call
+    schemas): only calls where `required`, else free text with calls where the model opens a
+    block; one call unless `parallel`. `tags`: the tags' token ids (tag_tokens)."""
+    opening, closing = (
+        json.dumps(tag) if i is None else f"<[{i}]>"
+        for i, tag in zip(tags, (OPEN, CLOSE), strict=True)
+    )
+    one: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if fmt.list_body:
+        listed = {"type": "array", "items": one, "minItems": 0 if not required else 1}
+        body = f"{_json_rule({**listed, **({} if parallel else {'maxItems': 1})})} {closing}"
+    else:
+        body = f'"\\n" {_json_rule(one)} "\\n" {closing}'
+    many = parallel and not fmt.list_body
+    lines = ["%llguidance {}"]
+    if required:
+        rest = ' ("\\n"? block)*' if many else ""
+        lines += [f"start: block{rest}", f"block: {opening} {body}"]
+    elif tags[0] is not None:  # the tag is a token: text cannot hold it
+        lines += [
+            f"start: call{'*' if many else '?'} TEXT",
+            f"call: TEXT {opening} {body}",
+            "TEXT: /(.|\\n)*/",
+        ]
+    else:  # text up to the first tag (a lazy rule), and no tag after the calls
+        lines += [
+            f"start: call{'*' if many else '?'} TEXT_END",
+            f"call: opening {body}",
+            f"opening[lazy]: TEXT {opening}",
+            "TEXT: /(.|\\n)*/",
+            f"TEXT_END: /(.|\\n)*/ & ~/(.|\\n)*{OPEN}(.|\\n)*/",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as chat templates take it: a call's arguments as an object (templates write
+    them with `tojson`), where they are one."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    out = []
+    for call in calls:
+        arguments = call["function"]["arguments"]
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = arguments
+        out.append({**call, "function": {**call["function"], "arguments": parsed}})
+    return {**message, "tool_calls": out}
