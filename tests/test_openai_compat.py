@@ -86,13 +86,37 @@ def test_neutral_values_give_the_plain_answer(client):
     assert same.choices[0].text == text.choices[0].text
 
 
-@pytest.mark.parametrize(
-    ("extra", "param"),
-    [
-        ({"best_of": 3}, "best_of"),
-        ({"store": True}, "store"),
-    ],
-)
+def test_best_of_returns_the_n_candidates_of_highest_cumulative_logprob(live, client):
+    """best_of=4, n=2 samples the same 4 candidates as n=4 with the same seed (child i takes
+    seed + i) and returns the 2 whose token logprobs sum highest, best first."""
+    kw = dict(model="tiny", prompt="a b c", max_tokens=8, temperature=1.0, seed=7)
+    four = client.completions.create(**kw, n=4, logprobs=0)
+    ranked = sorted(four.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    two = client.completions.create(**kw, n=2, best_of=4)
+    assert [c.text for c in two.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in two.choices] == [0, 1] and two.choices[0].logprobs is None
+    assert two.usage.completion_tokens == four.usage.completion_tokens  # every candidate's
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=USER,
+        max_tokens=6,
+        temperature=1.0,
+        seed=3,
+        n=1,
+        extra_body={"best_of": 3},
+    )
+    assert len(chat.choices) == 1 and chat.choices[0].logprobs is None
+    for extra, said in (
+        ({"best_of": 1, "n": 2}, "at least n"),
+        ({"best_of": 3, "stream": True}, "cannot be streamed"),
+    ):
+        body = {"model": "tiny", "prompt": "a", "max_tokens": 2} | extra
+        r = httpx.post(live.url + "/v1/completions", json=body)
+        assert r.status_code == 400 and said in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "best_of"
+
+
+@pytest.mark.parametrize(("extra", "param"), [({"store": True}, "store")])
 def test_what_is_not_implemented_is_refused_by_name(live, extra, param):
     body = {"model": "tiny", "messages": USER, "max_tokens": 2} | extra
     r = httpx.post(live.url + "/v1/chat/completions", json=body)

@@ -36,6 +36,12 @@ SMALL = {  # what a tiny random model finishes within a few dozen tokens
     "additionalProperties": False,
 }
 REGEX = r"(the|a) (quick|lazy) [a-z]{2,6}!"
+TOO_BIG = (  # 5,000 rules of 10 symbols, under the 200,000 characters a spec may have
+    "start: "
+    + " | ".join(f"r{i}" for i in range(5000))
+    + "".join(f"\nr{i}: A A A A A A A A A A" for i in range(5000))
+    + '\nA: "a"\n'
+)
 
 
 def test_exactly_one_constraint_and_clear_refusals():
@@ -210,6 +216,11 @@ def test_the_api_takes_response_format_structured_outputs_and_guided_fields(clie
         ),
         ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs", "unclosed group"),
         ({"guided_grammar": "start: nothing"}, "guided_grammar", "cannot be enforced"),
+        (  # over the work limits (50,000 symbols): refused before any step runs it
+            {"structured_outputs": {"grammar": TOO_BIG}},
+            "structured_outputs",
+            "grammar size (number of symbols) too big",
+        ),
         (
             {"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]},
             "structured_outputs",

@@ -149,6 +149,17 @@ async def gather(
     usage.completion_tokens = sum(c.num_tokens for c in choices)
 
 
+def best(choices: list[_Choice], n: int, best_of: int) -> list[_Choice]:
+    """Of each prompt's best_of candidates (in a row), the n of highest cumulative logprob."""
+    if best_of == n:
+        return choices
+    out: list[_Choice] = []
+    for p in range(0, len(choices), best_of):
+        group = choices[p : p + best_of]
+        out += sorted(group, key=lambda c: -sum(s.logprob for s in c.logprobs))[:n]
+    return out
+
+
 async def until_disconnected(request: Request) -> None:
     """Return when the client closes the connection (the body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -317,6 +328,7 @@ class OpenAIServing:
         async def collect() -> JSONResponse:
             choices = [_Choice(echoes[i // n]) for i in range(len(prompts) * n)]
             await gather(updates, choices, n, usage)
+            choices = best(choices, body.n, n)
             want = body.logprobs is not None
             out = [
                 choice(i, c.text, c.logprobs if want else None, c.finish_reason, TextOffsets())
@@ -401,12 +413,13 @@ class OpenAIServing:
         async def collect() -> JSONResponse:
             choices = [_Choice() for _ in range(params.n)]
             await gather(updates, choices, params.n, usage)
+            choices = best(choices, body.n, params.n)
             out = [
                 {
                     "index": i,
                     "message": self._message(parsers[i], c.text),
                     "logprobs": chat_logprobs(
-                        self.token_bytes, c.logprobs if params.logprobs is not None else None
+                        self.token_bytes, c.logprobs if body.logprobs else None
                     ),
                     "finish_reason": reason(i, c.finish_reason),
                 }

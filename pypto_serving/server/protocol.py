@@ -213,7 +213,8 @@ class _Sampling(_Request):
     logit_bias: dict[str, float] | None = None
     """Token id (as a string, OpenAI's JSON) -> a bias in [-100, 100] added to its logit."""
     best_of: int | None = None
-    """Accepted when it asks for no more sequences than n; larger is refused."""
+    """Candidates to sample per prompt (default n): the n of highest cumulative logprob are
+    returned. Above n, not with stream."""
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     """vLLM's: json, regex, choice, grammar or json_object."""
@@ -231,12 +232,14 @@ class _Sampling(_Request):
         if self.stream_options is not None and not self.stream:
             raise PyptoError("stream_options is only allowed with stream: true", "stream_options")
         _neutral(self.store, "store", "nothing is stored")
-        if self.best_of is not None and self.best_of != self.n:
-            raise unsupported(
+        best_of = self.candidates()
+        if best_of > self.n and self.stream:
+            raise PyptoError(
+                "best_of above n cannot be streamed: the best are known only at the end",
                 "best_of",
-                f"best_of must equal n ({self.n}) here: ranking more candidates than are "
-                "returned is not supported yet",
             )
+        if best_of > self.n and logprobs is None:
+            logprobs = 0  # each token's own logprob, to rank the candidates by
         given: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -253,7 +256,7 @@ class _Sampling(_Request):
                 raise PyptoError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
             bias[int(key)] = value
         return SamplingParams(
-            n=self.n,
+            n=best_of,
             logit_bias=bias,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -265,6 +268,14 @@ class _Sampling(_Request):
             structured_outputs=self.structured(),
             **{k: v for k, v in given.items() if v is not None},
         )
+
+    def candidates(self) -> int:
+        """Sequences sampled per prompt: best_of, at least n."""
+        if self.best_of is None:
+            return self.n
+        if self.best_of < self.n:
+            raise PyptoError(f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of")
+        return self.best_of
 
     def structured(self) -> StructuredOutputsParams | None:
         """What the output must match: response_format, structured_outputs or vLLM's older
