@@ -27,6 +27,9 @@ class RequestOutput:
     finished: bool = False
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     """Of the cached prompt tokens, how many each KV tier held (device, cpu, ssd)."""
+    prompt_logprobs: list[Sampled | None] | None = None
+    """With SamplingParams.prompt_logprobs: each prompt token's logprob and top logprobs
+    (None for the first token, which nothing predicts)."""
 
 
 @dataclass(slots=True)

@@ -41,6 +41,9 @@ class Request:
     """Isolates this request's prefix-cache entries from requests with another salt."""
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Sampled] = field(default_factory=list)
+    prompt_logprobs: list[Sampled] = field(default_factory=list)
+    """With params.prompt_logprobs: prompt token i + 1's logprob given tokens 0..i, for the
+    positions computed so far (filled by the executor as the prompt is computed)."""
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache at admission."""

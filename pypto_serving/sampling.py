@@ -114,6 +114,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """Return this many top logprobs per sampled token (plus the sampled one's)."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's logprob (the first's is None) and this many top logprobs at
+    each prompt position (vLLM's). Such a request computes its whole prompt: it takes no prefix
+    cache hit (the logits of cached positions were never computed)."""
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Added to these tokens' logits before sampling (OpenAI's: -100 bans a token, 100 all
     but forces it); logprobs stay the model's own."""
@@ -142,7 +146,15 @@ class SamplingParams:
                 shown = shown[: MAX_SHOWN_CHARS - 3] + "..."
             return PyptoError(f"invalid {name}={shown}: {why}", param=name)
 
-        for name in ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs"):
+        for name in (
+            "n",
+            "max_tokens",
+            "min_tokens",
+            "top_k",
+            "seed",
+            "logprobs",
+            "prompt_logprobs",
+        ):
             value = getattr(self, name)
             if isinstance(value, int) and value not in INT64:
                 raise bad(name, "must fit in a 64-bit integer")
@@ -196,5 +208,7 @@ class SamplingParams:
                 raise bad("logit_bias", "biases must be numbers in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad("prompt_logprobs", "must be in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")

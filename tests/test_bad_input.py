@@ -371,8 +371,8 @@ CASES = [
     ),
     Bad(
         "logprobs_conflict",
-        patch(completions={"echo": True, "logprobs": 1}, chat={"top_logprobs": 2}),
-        by_endpoint("echo", "top_logprobs"),
+        patch(completions={"echo": True, "logprobs": 21}, chat={"top_logprobs": 2}),
+        by_endpoint("logprobs", "top_logprobs"),
     ),
     # --- stop ---------------------------------------------------------------------------------
     Bad("stop_empty_string", patch({"stop": ""}), "stop"),

@@ -30,6 +30,13 @@ from pypto_serving.sampling import SamplingParams
 MODEL = "qwen3-hd32-gqa4"
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=0.9, top_k=20, max_tokens=8, seed=7, n=2, logprobs=2)
+SCORED = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+
+
+def scores(llm) -> list[list[tuple[int, float, int | None]]]:
+    """Each prompt's prompt logprobs (token, logprob, rank) after the first token."""
+    result = llm.generate(prompts(), SCORED, use_tqdm=False)
+    return [[(s.token_id, s.logprob, s.rank) for s in r.prompt_logprobs[1:]] for r in result]
 
 
 def prompts() -> list[list[int]]:
@@ -52,7 +59,11 @@ def outputs(llm, params: SamplingParams) -> list[list[tuple[list[int], str]]]:
 @pytest.fixture(scope="module")
 def single(tiny_model):
     with tiny_llm(tiny_model(MODEL)) as llm:
-        yield {"greedy": outputs(llm, GREEDY), "sampled": outputs(llm, SAMPLED)}
+        yield {
+            "greedy": outputs(llm, GREEDY),
+            "sampled": outputs(llm, SAMPLED),
+            "scored": scores(llm),
+        }
 
 
 def test_dp2_gives_each_request_the_single_engine_tokens(tiny_model, single):
@@ -66,6 +77,7 @@ def test_dp2_gives_each_request_the_single_engine_tokens(tiny_model, single):
         assert all(g.ep == Group() and g.expert_exchange == "none" for g in groups)
         assert outputs(llm, GREEDY) == single["greedy"]
         assert outputs(llm, SAMPLED) == single["sampled"]
+        assert scores(llm) == single["scored"]  # prompt logprobs come back from the replicas
         assert engine.router.pending == [0, 0]  # accounting back to zero
         per_replica = [s.generation_tokens for s in engine._stats]
         assert all(n > 0 for n in per_replica), per_replica  # both replicas did work

@@ -241,7 +241,7 @@ BAD = [
     (b'{"prompt": ""}', 400, "prompt", "invalid_value"),
     (b'{"prompt": "x", "model": "gpt-4"}', 404, "model", "model_not_found"),
     (b'{"prompt": "x", "logprobs": 50}', 400, "logprobs", "invalid_value"),
-    (b'{"prompt": "x", "echo": true, "logprobs": 1}', 400, "echo", "invalid_value"),
+    (b'{"prompt": "x", "prompt_logprobs": 21}', 400, "prompt_logprobs", "invalid_value"),
     (b'{"max_tokens": 3}', 400, "prompt", "missing_required_parameter"),
 ]
 

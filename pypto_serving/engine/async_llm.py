@@ -33,6 +33,7 @@ from pypto_serving.engine.llm import LLM, _Family
 from pypto_serving.engine.metrics import EngineMetrics
 from pypto_serving.engine.process import describe
 from pypto_serving.errors import EngineDeadError, PyptoError, RequestFailedError
+from pypto_serving.ops.sampler import Sampled
 from pypto_serving.outputs import CompletionDelta
 from pypto_serving.sampling import SamplingParams
 
@@ -96,6 +97,8 @@ class GenerationUpdate:
     num_cached_tokens: int
     finished: bool
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    prompt_logprobs: list[Sampled | None] | None = None
+    """With prompt_logprobs asked for: in the first update after the prompt is computed."""
 
 
 @dataclass(slots=True)
@@ -408,6 +411,7 @@ class AsyncLLM:
                 first.num_cached_tokens,
                 f.finished,
                 dict(first.cached_tokens_by_tier) if f.finished else {},
+                f.take_prompt_logprobs(),
             )
             updates.append((f.request_id, update))
         return updates

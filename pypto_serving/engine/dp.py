@@ -314,6 +314,8 @@ class DPEngine:
             request.output_logprobs.append(delta.token)
         request.num_cached_tokens = delta.num_cached_tokens
         request.scheduled_time = delta.scheduled_time
+        if delta.prompt_logprobs is not None:
+            request.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is None:
             self.router.progress(delta.request_id, len(request.output_token_ids))
         else:

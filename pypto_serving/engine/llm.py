@@ -19,6 +19,7 @@ from pypto_serving.errors import RequestFailedError
 from pypto_serving.models.config import load_model_config
 from pypto_serving.models.default_model import resolve_model_path
 from pypto_serving.models.loader import load_tokenizer
+from pypto_serving.ops.sampler import Sampled
 from pypto_serving.outputs import CompletionDelta, CompletionOutput, RequestOutput
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
@@ -38,6 +39,25 @@ class _Family:
     """Samples 2..n wait until sample 1 has computed the prompt, then share its cached pages."""
     sent: list[int] = field(default_factory=list)
     """Per sample: output tokens already handed out by take_deltas(); -1 once finished."""
+    prompt_logprobs_sent: bool = False
+
+    def prompt_logprobs(self) -> list[Sampled | None] | None:
+        """Each prompt token's logprob (None for the first), once the whole prompt is scored
+        (by the first sample); None where they were not asked for or are not ready."""
+        first = self.children[0]
+        if first.params.prompt_logprobs is None:
+            return None
+        if len(first.prompt_logprobs) < len(first.prompt_token_ids) - 1:
+            return None
+        return [None, *first.prompt_logprobs]
+
+    def take_prompt_logprobs(self) -> list[Sampled | None] | None:
+        """prompt_logprobs() the first time they are ready, else None."""
+        if self.prompt_logprobs_sent:
+            return None
+        out = self.prompt_logprobs()
+        self.prompt_logprobs_sent = out is not None
+        return out
 
     @property
     def finished(self) -> bool:
@@ -85,6 +105,7 @@ class _Family:
             first.num_cached_tokens,
             self.finished,
             dict(first.cached_tokens_by_tier),
+            self.prompt_logprobs(),
         )
 
 
@@ -149,6 +170,8 @@ class LLM:
         arrived = time.monotonic() if arrival_time is None else arrival_time
         for i in range(params.n):
             child = params if params.seed is None else replace(params, seed=params.seed + i)
+            if i > 0 and params.prompt_logprobs is not None:  # the first sample scores it
+                child = replace(child, prompt_logprobs=None)
             req = Request(
                 f"{rid}-{i}", ids, child, eos, priority, seq, arrived, cache_salt=cache_salt
             )

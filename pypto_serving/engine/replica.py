@@ -125,6 +125,8 @@ class TokenDelta:
     num_cached_tokens: int
     scheduled_time: float | None
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    prompt_logprobs: list[Sampled] | None = None
+    """With the request's first token, where it asked for prompt logprobs."""
 
 
 @dataclass(slots=True)
@@ -318,6 +320,9 @@ def _step(engine: EngineCore, send: Callable[[object], None], report: bool = Tru
             r.num_cached_tokens,
             r.scheduled_time,
             dict(r.cached_tokens_by_tier) if r.finished else {},
+            r.prompt_logprobs
+            if r.params.prompt_logprobs is not None and len(r.output_token_ids) == 1
+            else None,
         )
         for r in changed
     ]

@@ -11,6 +11,7 @@ decode step (`native_decode.py`), where it applies.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import threading
 import time
@@ -43,6 +44,7 @@ from pypto_serving.executor.compiled import (
 from pypto_serving.executor.kv_stores import build_kv_store
 from pypto_serving.executor.native_decode import MAX_ROWS as NATIVE_MAX_ROWS
 from pypto_serving.executor.native_decode import NativeDecoder
+from pypto_serving.executor.prompt_logprobs import prompt_scoring, score_prompts
 from pypto_serving.grammar import Grammars
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.kinds import WindowedKind, gqa
@@ -205,7 +207,13 @@ class PagedExecutor:
         positions = ctx_lens[seq] - q_ends[seq] + torch.arange(len(token_ids), device=dev)
         started = time.perf_counter()
         done = [b for b, r in enumerate(reqs) if starts[b] + counts[b] == r.num_tokens]
-        logits_index = (q_ends - 1)[done or [0]]  # never empty: one fixed graph shape
+        ends = list(itertools.accumulate(counts))
+        scoring = prompt_scoring(reqs, starts, counts)
+        score_rows = [
+            ends[b] - counts[b] + p - starts[b] for b, lo, hi in scoring for p in range(lo, hi)
+        ]
+        rows_wanted = sorted(score_rows + [ends[b] - 1 for b in done]) or [0]  # never empty
+        logits_index = torch.tensor(rows_wanted, device=dev)
         step = StepInputs(
             torch.tensor(token_ids, device=dev),
             positions,
@@ -226,6 +234,10 @@ class PagedExecutor:
             else None
         )
         logits = self.run(step)
+        at = {row: i for i, row in enumerate(rows_wanted)}
+        if scoring:
+            score_prompts(logits[[at[r] for r in score_rows]], reqs, scoring)
+        logits = logits[[at[ends[b] - 1] for b in done]] if scoring and done else logits
         allowed = dict(zip(constrained, masks.result(), strict=True)) if masks else {}
         for r, start, n in zip(reqs, starts, counts, strict=True):
             self.kv.cache_full_pages(r, start + n)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from pypto_serving.executor.prompt_logprobs import prompt_scoring, score_prompts
 from pypto_serving.grammar import Grammars
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.ops.attention import DenseKV
@@ -63,6 +64,8 @@ class ReferenceExecutor:
             tokens = torch.tensor(req.tokens(start, end), device=self.device)
             positions = torch.arange(start, end, device=self.device)
             h = self.model(tokens, positions, self.kv.caches[req.request_id])
+            for _, lo, hi in prompt_scoring([req], [start], [s.num_new_tokens]):
+                score_prompts(self.model.logits(h[lo - start : hi - start]), [req], [(0, lo, hi)])
             if end == req.num_tokens:
                 hidden.append(h[-1])
                 allowed = (

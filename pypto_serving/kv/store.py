@@ -333,12 +333,16 @@ class PagedKVStore:
     ) -> int | None:
         """Claim the longest prefix of the request's tokens whose KV any tier holds (loading
         lower-tier pages into the device), leaving at least the last token to compute (its
-        logits are needed), and at most `limit` tokens; a request preempted by swap gets its
+        logits are needed), and at most `limit` tokens (for a request that wants prompt
+        logprobs, none past the positions scored so far); a request preempted by swap gets its
         KV back. With `window`, only the pages holding the prefix's last `window` tokens need
         to be cached, and only they are claimed (the ones before are left out, -1). Returns
         the tokens covered, or None when a swapped request's KV does not fit the device yet."""
         if request.request_id in self.swapped:
             return self._swap_in(request)
+        if request.params.prompt_logprobs is not None:  # no hit past the positions scored
+            scored = len(request.prompt_logprobs)
+            limit = scored if limit is None else min(limit, scored)
         span = None if window is None else -(-window // self.page_size)
         hits = self._lookup(request, limit, gaps=span is not None)
         if span is not None:  # the window's pages, and gaps (page_id -1, no tier) before it

@@ -46,6 +46,9 @@ class Sampled:
     error: str | None = None
     """Why no token could be sampled for this row (its logits were unusable): the request
     fails with this message, and token_id means nothing."""
+    rank: int | None = None
+    """The token's rank in its distribution (1: the most likely), where it was scored
+    (prompt logprobs)."""
 
 
 def edit_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -152,6 +155,26 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sampled]:
         if not usable:
             out[i].error = _unusable(logits[i])
     return out
+
+
+def scored(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[Sampled]:
+    """Each row's logprob of its target token, and its k most likely tokens (prompt
+    logprobs: row i's logits, at one prompt position, scored against the next prompt token)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_vals, top_ids = logprobs.topk(max(k, 1), dim=-1)
+    return [
+        Sampled(t, c, dict(zip(ids[:k], vals[:k], strict=True)), rank=r)
+        for t, c, r, ids, vals in zip(
+            targets,
+            chosen[:, 0].tolist(),
+            ranks.tolist(),
+            top_ids.tolist(),
+            top_vals.tolist(),
+            strict=True,
+        )
+    ]
 
 
 def _unusable(logits: torch.Tensor) -> str:

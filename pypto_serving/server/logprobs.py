@@ -154,3 +154,53 @@ def chat_logprobs(names: TokenBytes, logprobs: list[Sampled] | None) -> dict[str
             for s in logprobs
         ]
     }
+
+
+def echo_logprobs(
+    names: TokenBytes,
+    prompt_ids: list[int],
+    scored: list[Sampled | None],
+    k: int,
+    offsets: TextOffsets,
+) -> dict[str, Any]:
+    """/v1/completions' `logprobs` of an echoed prompt: its first token has none (nothing
+    predicts it), each other its logprob and k top logprobs."""
+    head = {
+        "tokens": [names.name(prompt_ids[0])],
+        "token_logprobs": [None],
+        "top_logprobs": [None],
+        "text_offset": [offsets.next(names(prompt_ids[0]))],
+    }
+    rest = [
+        Sampled(s.token_id, s.logprob, dict(list((s.top_logprobs or {}).items())[:k]))
+        for s in scored[1:]
+        if s is not None
+    ]
+    tail = completion_logprobs(names, rest, offsets)
+    assert tail is not None
+    return {key: head[key] + tail[key] for key in head}
+
+
+def vllm_prompt_logprobs(
+    names: TokenBytes, scored: list[Sampled | None] | None
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else the token and the
+    top ones, keyed by token id: {"logprob", "rank", "decoded_token"}."""
+    if scored is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for s in scored:
+        if s is None:
+            out.append(None)
+            continue
+        entry = {
+            str(s.token_id): {
+                "logprob": s.logprob,
+                "rank": s.rank,
+                "decoded_token": names.name(s.token_id),
+            }
+        }
+        for rank, (t, lp) in enumerate((s.top_logprobs or {}).items(), 1):
+            entry.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": names.name(t)})
+        out.append(entry)
+    return out

@@ -39,6 +39,8 @@ from pypto_serving.server.logprobs import (
     TokenBytes,
     chat_logprobs,
     completion_logprobs,
+    echo_logprobs,
+    vllm_prompt_logprobs,
 )
 from pypto_serving.server.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
@@ -65,6 +67,7 @@ class _Choice:
     num_tokens: int = 0
     logprobs: list[Sampled] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[Sampled | None] | None = None
 
 
 @dataclass(slots=True)
@@ -138,6 +141,9 @@ async def gather(
 ) -> None:
     """Assemble whole choices (prompt p's sample i is choice p * n + i) and the usage."""
     async for p, update in updates:
+        if update.prompt_logprobs is not None:
+            for c in choices[p * n : (p + 1) * n]:
+                c.prompt_logprobs = update.prompt_logprobs
         for d in update.deltas:
             c = choices[p * n + d.index]
             c.text += d.text
@@ -265,8 +271,6 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, raw: Request) -> Any:
         self.check_model(body.model)
         params = body.sampling_params(body.max_tokens, body.logprobs)
-        if body.echo and body.logprobs is not None:
-            raise PyptoError("echo with logprobs is not supported (no prompt logprobs)", "echo")
         texts = body.prompts()
         self._check_count(len(texts), params)
         prompts = await self.encode(texts)
@@ -286,13 +290,22 @@ class OpenAIServing:
             logprobs: list[Sampled] | None,
             reason: str | None,
             offsets: TextOffsets,
+            scored: list[Sampled | None] | None = None,
         ) -> dict[str, Any]:
-            return {
-                "index": index,
-                "text": text,
-                "logprobs": completion_logprobs(self.token_bytes, logprobs, offsets),
-                "finish_reason": reason,
-            }
+            """A choice; with `scored` (its prompt's logprobs), the echoed prompt's logprobs
+            lead its own and vLLM's prompt_logprobs come with it."""
+            echoed = None
+            if scored is not None and body.echo and body.logprobs is not None:
+                ids = prompts[index // n]
+                echoed = echo_logprobs(self.token_bytes, ids, scored, body.logprobs, offsets)
+                logprobs = logprobs or []
+            lp = completion_logprobs(self.token_bytes, logprobs, offsets)
+            if echoed is not None and lp is not None:
+                lp = {key: echoed[key] + lp[key] for key in echoed}
+            out = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+            if body.prompt_logprobs is not None:
+                out["prompt_logprobs"] = vllm_prompt_logprobs(self.token_bytes, scored)
+            return out
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
             return {
@@ -309,10 +322,17 @@ class OpenAIServing:
 
             async def stream() -> AsyncIterator[str]:
                 offsets = [TextOffsets() for _ in range(len(prompts) * n)]
-                if body.echo:
+                scoring = params.prompt_logprobs is not None
+                if body.echo and not scoring:
                     for i in range(len(offsets)):
                         yield sse(chunk([choice(i, echoes[i // n], None, None, offsets[i])], None))
                 async for p, update in updates:
+                    if update.prompt_logprobs is not None:  # the echo, once the prompt is scored
+                        for i in range(p * n, (p + 1) * n):
+                            text = echoes[p]
+                            scored = update.prompt_logprobs
+                            c = choice(i, text, None, None, offsets[i], scored)
+                            yield sse(chunk([c], None))
                     for d in update.deltas:
                         i = p * n + d.index
                         c = choice(i, d.text, d.logprobs, d.finish_reason, offsets[i])
@@ -331,7 +351,14 @@ class OpenAIServing:
             choices = best(choices, body.n, n)
             want = body.logprobs is not None
             out = [
-                choice(i, c.text, c.logprobs if want else None, c.finish_reason, TextOffsets())
+                choice(
+                    i,
+                    c.text,
+                    c.logprobs if want else None,
+                    c.finish_reason,
+                    TextOffsets(),
+                    c.prompt_logprobs,
+                )
                 for i, c in enumerate(choices)
             ]
             return JSONResponse(chunk(out, usage.as_dict()))
@@ -391,7 +418,8 @@ class OpenAIServing:
                 ]
                 async for _, update in updates:
                     if first:
-                        yield sse(chunk(first, "chat.completion.chunk", **tail))
+                        scored = self._prompt_logprobs(body, update.prompt_logprobs)
+                        yield sse(chunk(first, "chat.completion.chunk", **tail, **scored))
                         first = []
                     for d in update.deltas:
                         usage.completion_tokens += len(d.token_ids)
@@ -425,9 +453,18 @@ class OpenAIServing:
                 }
                 for i, c in enumerate(choices)
             ]
-            return JSONResponse(chunk(out, "chat.completion", usage=usage.as_dict()))
+            scored = self._prompt_logprobs(body, choices[0].prompt_logprobs)
+            return JSONResponse(chunk(out, "chat.completion", usage=usage.as_dict(), **scored))
 
         return await unless_disconnected(raw, collect())
+
+    def _prompt_logprobs(
+        self, body: ChatCompletionRequest, scored: list[Sampled | None] | None
+    ) -> dict[str, Any]:
+        """vLLM's chat `prompt_logprobs` (a field of the response), where asked for."""
+        if body.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(self.token_bytes, scored)}
 
     # --- tools --------------------------------------------------------------------------
 

@@ -227,6 +227,12 @@ class _Sampling(_Request):
     """OpenAI's stored completions: nothing is stored here, so true is refused."""
     metadata: dict[str, str] | None = None
     """Tags for stored completions (OpenAI): accepted, with nothing stored."""
+    prompt_logprobs: int | None = None
+    """vLLM's: each prompt token's logprob and this many top logprobs at each position."""
+
+    def scored_prompt(self) -> int | None:
+        """Top logprobs to score each prompt position with (None: the prompt is not scored)."""
+        return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
@@ -265,6 +271,7 @@ class _Sampling(_Request):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self.scored_prompt(),
             structured_outputs=self.structured(),
             **{k: v for k, v in given.items() if v is not None},
         )
@@ -320,6 +327,12 @@ class CompletionRequest(_Sampling):
     """OpenAI's default for completions; null means up to the context length."""
     logprobs: int | None = None
     echo: bool = False
+    """With logprobs: the prompt's tokens' logprobs too (lm-evaluation-harness' loglikelihood)."""
+
+    def scored_prompt(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: strings or token id lists."""
