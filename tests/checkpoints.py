@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -310,6 +311,16 @@ def build_tokenizer(out: Path, vocab_size: int = 320, hermes: bool = False) -> N
     )
     tok.chat_template = HERMES_TOOLS if hermes else CHATML
     tok.save_pretrained(out)
+
+
+def build_hermes_model(out: Path) -> Path:
+    """A tiny Qwen3 whose tokenizer has Qwen's tool calling (build_tokenizer's hermes), with
+    room for a prompt that lists tools (2,048 positions)."""
+    build_checkpoint("qwen3-hd32-gqa4", out)
+    build_tokenizer(out, hermes=True)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 2048}))
+    return out
 
 
 def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:

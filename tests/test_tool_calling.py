@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from checkpoints import CHATML, build_checkpoint, build_tokenizer
+from checkpoints import CHATML, build_hermes_model, build_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from live_server import serving, tiny_llm
@@ -172,11 +171,7 @@ def test_the_format_follows_the_chat_template():
 
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory):
-    out: Path = tmp_path_factory.mktemp("qwen3-hermes")
-    build_checkpoint("qwen3-hd32-gqa4", out)
-    build_tokenizer(out, hermes=True)
-    config = json.loads((out / "config.json").read_text())  # room for the tools' prompt
-    (out / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 2048}))
+    out = build_hermes_model(tmp_path_factory.mktemp("qwen3-hermes"))
     with tiny_llm(out, num_kv_pages=512) as llm, serving(llm, "tiny") as live:
         yield live, openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
 

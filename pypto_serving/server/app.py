@@ -1,6 +1,7 @@
 """The HTTP server: FastAPI routes over one AsyncLLM.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models and /v1/models/{id} (OpenAI),
+Routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models and /v1/models/{id}
+(OpenAI),
 /tokenize, /detokenize, /health, /metrics (Prometheus), /version, and FastAPI's
 /openapi.json, /docs and /redoc (their assets served from the fastapi-offline package). With an
 API key set, every route but /health needs `Authorization: Bearer KEY` (the scheme in any
@@ -36,6 +37,7 @@ from pypto_serving.server.protocol import (
     TokenizeRequest,
     conversation,
 )
+from pypto_serving.server.responses import ResponsesRequest, ResponsesServing
 
 OPEN_PATHS = frozenset({"/health"})
 """Routes answered without the API key (a load balancer's probe)."""
@@ -160,6 +162,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     app = FastAPIOffline(title="PyPTO Serving", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     serving = OpenAIServing(engine, model_name)
+    responses = ResponsesServing(serving)
     created = int(time.time())
 
     @app.post("/v1/completions")
@@ -169,6 +172,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return await serving.chat(body, raw)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw: Request) -> Any:
+        return await responses.create(body, raw)
 
     def card() -> dict[str, Any]:
         return {

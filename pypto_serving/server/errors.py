@@ -93,6 +93,7 @@ UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token id lists",
     "content": "a string or a list of text parts",
     "stop": "a string or a list of strings",
+    "input": "a string or a list of input items (messages, function_call, function_call_output)",
 }
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 

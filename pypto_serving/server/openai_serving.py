@@ -99,6 +99,16 @@ class _Usage:
 Update = tuple[int, GenerationUpdate]
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedChat:
+    """A chat request checked and rendered: its prompt, its sampling and its tool format
+    (None: no tools to call)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    fmt: ToolFormat | None
+
+
 async def merge(gens: list[RequestUpdates]) -> AsyncIterator[Update]:
     """Updates of several requests as they come, tagged with the request's index.
 
@@ -367,7 +377,9 @@ class OpenAIServing:
 
     # --- /v1/chat/completions -------------------------------------------------------------
 
-    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
+    async def prepare_chat(self, body: ChatCompletionRequest) -> PreparedChat:
+        """A chat request checked and rendered, ready to start (the chat and Responses
+        endpoints share this)."""
         self.check_model(body.model)
         plan = body.tool_plan()
         params = body.sampling_params(body.max_new_tokens(), body.num_logprobs())
@@ -379,8 +391,19 @@ class OpenAIServing:
         shown = [t.for_template() for t in plan.tools] if plan is not None else None
         prompt = await asyncio.to_thread(self.render_chat, body.conversation(), True, shown)
         self._check([prompt], params, "messages")
+        return PreparedChat(prompt, params, fmt)
+
+    def start_chat(
+        self, chat: PreparedChat, request_id: str, cache_salt: str | None
+    ) -> AsyncIterator[Update]:
+        """The prepared request queued: its updates (closing them aborts it)."""
+        return merge(self._start([chat.prompt], chat.params, request_id, cache_salt))
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
+        prepared = await self.prepare_chat(body)
+        prompt, params, fmt = prepared.prompt, prepared.params, prepared.fmt
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        updates = merge(self._start([prompt], params, rid, body.cache_salt))
+        updates = self.start_chat(prepared, rid, body.cache_salt)
         usage = _Usage(prompt_tokens=len(prompt))
         parsers = [ToolCallParser(fmt) if fmt is not None else None for _ in range(params.n)]
 
