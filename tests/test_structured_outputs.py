@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from checkpoints import token_ids
+from checkpoints import build_hermes_model, token_ids
 from live_server import serving, tiny_llm
 
 from pypto_serving import grammar
@@ -290,44 +290,69 @@ SCHEMAS = [  # of increasing difficulty; strings bounded so that every answer en
 ]
 
 
-@pytest.mark.slow
-def test_the_default_model_answers_fifteen_schemas_through_the_openai_client():
-    """Each schema once, the runs spread over streaming or not, n 1 or 3, temperature 0 or 1
-    (all sent at once: one batch): every answer parses and validates."""
+def bounded(schema: object) -> object:
+    """A copy of schema whose numbers without a maximum take -999..999: a random model never
+    ends a number that may have any number of digits."""
+    if isinstance(schema, list):
+        return [bounded(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded(v) for k, v in schema.items()}
+    if out.get("type") in ("integer", "number") and "maximum" not in out:
+        out |= {"minimum": -999, "maximum": 999}
+    return out
+
+
+def answer_every_schema(url: str, model: str, schemas: list, max_tokens: int) -> None:
+    """Each schema once through the openai client, the runs spread over streaming or not, n 1
+    or 3, temperature 0 or 1 (all sent at once: one batch): every answer parses and validates."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from pypto_serving import LLM
-
-    assert len(SCHEMAS) >= 15
-    for schema in SCHEMAS:
+    assert len(schemas) >= 15
+    for schema in schemas:
         jsonschema.Draft202012Validator.check_schema(schema)
-    with LLM("default", enforce_eager=True) as llm, serving(llm, "SmolLM2") as live:
-        api = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+    api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
-        def ask(i: int) -> list[str]:
-            kwargs: dict = dict(
-                model="SmolLM2",
-                messages=[{"role": "user", "content": "Tell me about Paris, as JSON."}],
-                max_tokens=300,
-                temperature=float(i % 2),
-                seed=i,
-                n=1 if i % 4 < 2 else 3,
-                response_format={
-                    "type": "json_schema",
-                    "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i], "strict": True},
-                },
-            )
-            if i % 8 < 4:
-                out = api.chat.completions.create(**kwargs)
-                return [c.message.content or "" for c in out.choices]
-            texts = [""] * kwargs["n"]
-            for chunk in api.chat.completions.create(**kwargs, stream=True):
-                for c in chunk.choices:
-                    texts[c.index] += c.delta.content or ""
-            return texts
+    def ask(i: int) -> list[str]:
+        kwargs: dict = dict(
+            model=model,
+            messages=[{"role": "user", "content": "Tell me about Paris, as JSON."}],
+            max_tokens=max_tokens,
+            temperature=float(i % 2),
+            seed=i,
+            n=1 if i % 4 < 2 else 3,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": f"s{i}", "schema": schemas[i], "strict": True},
+            },
+        )
+        if i % 8 < 4:
+            out = api.chat.completions.create(**kwargs)
+            return [c.message.content or "" for c in out.choices]
+        texts = [""] * kwargs["n"]
+        for chunk in api.chat.completions.create(**kwargs, stream=True):
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+        return texts
 
-        with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(ask, range(len(SCHEMAS))))
-    for schema, texts in zip(SCHEMAS, answers, strict=True):
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(len(schemas))))
+    for schema, texts in zip(schemas, answers, strict=True):
         for text in texts:
             jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_tiny_qwen3_answers_fifteen_schemas_through_the_openai_client(tmp_path):
+    """Another architecture and tokenizer (Qwen's, with added tokens); its random weights
+    fill every whitespace gap, hence the room (1,500 tokens) and the bounded numbers."""
+    out = build_hermes_model(tmp_path)
+    with tiny_llm(out, num_kv_pages=2048) as llm, serving(llm, "tiny") as live:
+        answer_every_schema(live.url, "tiny", [bounded(s) for s in SCHEMAS], 1500)
+
+
+@pytest.mark.slow
+def test_the_default_model_answers_fifteen_schemas_through_the_openai_client():
+    from pypto_serving import LLM
+
+    with LLM("default", enforce_eager=True) as llm, serving(llm, "SmolLM2") as live:
+        answer_every_schema(live.url, "SmolLM2", SCHEMAS, 300)
