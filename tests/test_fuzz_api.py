@@ -32,6 +32,7 @@ API_KEY = "fuzz-key"
 OPERATIONS = {
     "POST /v1/completions",
     "POST /v1/chat/completions",
+    "POST /v1/responses",
     "GET /v1/models",
     "GET /v1/models/{model_id}",
     "POST /tokenize",
