@@ -391,6 +391,8 @@ class ServerConfig:
     as https://app.example.com, or * for any. None: no CORS headers (browsers refuse)."""
     access_log: bool = False
     """Log one line per HTTP request (method, path, status), as uvicorn writes them."""
+    web_ui: bool = True
+    """Serve the chat and dashboard page at / (--no-web-ui: no page; / is a 404)."""
 
     def validate(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:

@@ -40,6 +40,7 @@ OPERATIONS = {
     "GET /health",
     "GET /metrics",
     "GET /version",
+    "GET /stats",
 }
 TOKEN_FIELDS = ("prompt", "tokens", "stop_token_ids")
 CALLS: Counter[tuple[str, str]] = Counter()

@@ -27,7 +27,9 @@ def test_the_default_bind_is_loopback():
     assert build_parser().parse_args(["serve"]).host is None  # unset: the config's default
 
 
-def test_the_api_key_guards_every_route_but_health(tiny_model):
+def test_the_api_key_guards_every_route_but_health_and_the_pages_files(tiny_model):
+    """/health is open for probes; the web page's own files hold no data and load without the
+    key (the page then asks for it); everything else needs it, unknown paths included."""
     llm = tiny_llm(tiny_model(MODEL))
     with serving(llm, api_key=KEY) as live:
         app_routes = {
@@ -37,7 +39,10 @@ def test_the_api_key_guards_every_route_but_health(tiny_model):
             if method != "HEAD"
         }
         assert {("GET", "/openapi.json"), ("GET", "/metrics"), ("GET", "/version")} <= app_routes
-        routes = sorted(app_routes | {("GET", "/no/such/route"), ("DELETE", "/v1/models")})
+        page = {("GET", "/web/app.js"), ("GET", "/web/style.css"), ("GET", "/web/index.html")}
+        routes = sorted(
+            app_routes | page | {("GET", "/no/such/route"), ("DELETE", "/v1/models")}
+        )
         bodies = {"/tokenize": {"prompt": "x"}, "/detokenize": {"tokens": [5]}}
         bodies |= {"/v1/completions": {"prompt": "x", "max_tokens": 2}}
         bodies |= {"/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}]}}
@@ -50,7 +55,7 @@ def test_the_api_key_guards_every_route_but_health(tiny_model):
                     headers=headers,
                     timeout=patience(30),
                 )
-                if path == "/health":
+                if path in ("/health", "/", "/web/app.js", "/web/style.css"):
                     assert r.status_code == 200
                     continue
                 assert r.status_code == 401, (method, path, r.status_code)

@@ -1,11 +1,13 @@
 """The HTTP server: FastAPI routes over one AsyncLLM.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models and /v1/models/{id}
-(OpenAI),
+Routes: the web page at / (chat and dashboard, `server/web/`; --no-web-ui leaves it out),
+/v1/completions, /v1/chat/completions, /v1/responses, /v1/models and /v1/models/{id} (OpenAI),
+/stats (the dashboard's numbers: /metrics as JSON),
 /tokenize, /detokenize, /health, /metrics (Prometheus), /version, and FastAPI's
 /openapi.json, /docs and /redoc (their assets served from the fastapi-offline package). With an
-API key set, every route but /health needs `Authorization: Bearer KEY` (the scheme in any
-case; the key compared in constant time, before the body is read).
+API key set, every route but /health and the page's own files (which hold no data) needs
+`Authorization: Bearer KEY` (the scheme in any case; the key compared in constant time, before
+the body is read).
 """
 
 from __future__ import annotations
@@ -16,17 +18,20 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import version as package_version
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pypto_serving.config import ServerConfig
 from pypto_serving.engine.async_llm import AsyncLLM
+from pypto_serving.engine.metrics import PREFIX
 from pypto_serving.errors import PyptoError
 from pypto_serving.server.errors import UNAVAILABLE, error_body, install_error_handlers
 from pypto_serving.server.openai_serving import OpenAIServing
@@ -41,6 +46,10 @@ from pypto_serving.server.responses import ResponsesRequest, ResponsesServing
 
 OPEN_PATHS = frozenset({"/health"})
 """Routes answered without the API key (a load balancer's probe)."""
+PAGE_PATHS = frozenset({"/", "/web/app.js", "/web/style.css"})
+"""The web page's files: they hold no data (every number it shows comes from routes that need
+the key, which the page asks for), so they load without the key."""
+WEB_DIR = Path(__file__).parent / "web"
 
 
 def has_key(authorization: bytes, key: bytes) -> bool:
@@ -65,8 +74,10 @@ class RequestGuard:
         max_header_bytes: int,
         max_body_bytes: int,
         body_timeout_s: float,
+        open_paths: frozenset[str] = OPEN_PATHS,
     ) -> None:
         self.app = app
+        self.open_paths = open_paths
         self.key = api_key.encode() if api_key else None
         self.max_header_bytes, self.max_body_bytes = max_header_bytes, max_body_bytes
         self.body_timeout_s = body_timeout_s
@@ -82,7 +93,7 @@ class RequestGuard:
             )
             await self._refuse(scope, receive, send, 431, message, "headers_too_large")
             return
-        if self.key is not None and scope["path"] not in OPEN_PATHS:
+        if self.key is not None and scope["path"] not in self.open_paths:
             given = next((v for k, v in headers if k == b"authorization"), b"")
             if not has_key(given, self.key):
                 await self._refuse(
@@ -145,6 +156,25 @@ class RequestGuard:
         body = error_body(message, "invalid_request_error", code=code)
         headers = {"Connection": "close"} if close else None
         await JSONResponse(body, status_code=status, headers=headers)(scope, receive, send)
+
+
+def metrics_json(registry: CollectorRegistry, model_name: str) -> dict[str, Any]:
+    """The registry's samples (histogram buckets left out), named without the `pypto_` prefix:
+    {"time", "model", "metrics": {name: value}, "tiers": {tier: {name: value}}}; a sample
+    with another label (a finish reason) is named `name:label`."""
+    out: dict[str, Any] = {"time": time.time(), "model": model_name, "metrics": {}, "tiers": {}}
+    for family in registry.collect():
+        for sample in family.samples:
+            name = sample.name.removeprefix(PREFIX)
+            if name.endswith(("_bucket", "_created")):
+                continue
+            labels = {k: v for k, v in sample.labels.items() if k != "model_name"}
+            tier = labels.pop("tier", None)
+            if tier is not None:
+                out["tiers"].setdefault(tier, {})[name.removeprefix("kv_tier_")] = sample.value
+            else:
+                out["metrics"][":".join([name, *labels.values()])] = sample.value
+    return out
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
@@ -247,12 +277,27 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        """The web page's dashboard: /metrics' samples as JSON, read from the same registry
+        (so the two agree), without the model label; per-tier samples under `tiers`."""
+        return metrics_json(engine.metrics.registry, model_name)
+
+    if config.web_ui:
+
+        @app.get("/", include_in_schema=False)
+        async def page() -> FileResponse:
+            return FileResponse(WEB_DIR / "index.html")
+
+        app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
+
     app.add_middleware(
         RequestGuard,
         api_key=config.api_key,
         max_header_bytes=config.max_header_bytes,
         max_body_bytes=config.max_request_bytes,
         body_timeout_s=config.body_timeout_s,
+        open_paths=OPEN_PATHS | (PAGE_PATHS if config.web_ui else frozenset()),
     )
     # added last, so it runs first: it answers browsers' preflights (which carry no API key)
     # and labels every answer, the guard's refusals included
