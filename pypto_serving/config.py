@@ -66,6 +66,12 @@ class CacheConfig:
     kv_ssd_bytes: int = 16 << 30
     """Byte budget of the SSD tier when kv_ssd_dir is set; under TP/PP the engine's, each
     rank holding its share."""
+    kv_events_endpoint: str | None = None
+    """A ZeroMQ endpoint to publish KV events on (pages stored into and removed from each
+    tier's prefix index, in vLLM's format), e.g. tcp://*:5557; data-parallel replica r takes
+    port + r. None: no events."""
+    kv_events_topic: str = ""
+    """The topic of every KV event message."""
     kv_cache_dtype: str = "auto"
     """How keys and values are stored: auto (the model's dtype) or int8 (each token's row of a
     head quantized with its own scale: about half of bf16's bytes, so decode attention reads

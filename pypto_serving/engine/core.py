@@ -7,6 +7,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -18,6 +19,7 @@ from pypto_serving.distributed import (
     set_collective_timeout,
     shutdown_distributed,
 )
+from pypto_serving.engine.kv_events import KVEventPublisher, endpoint_for
 from pypto_serving.engine.plan import plan_run
 from pypto_serving.engine.process import ChildProcess, StartupDeadline
 from pypto_serving.engine.ranks import Loaded, backend_for, plan_ranks, start_workers, wait_ranks
@@ -27,6 +29,7 @@ from pypto_serving.executor.compiled import trust_cpu_vector_isa_soon
 from pypto_serving.executor.paged import PagedExecutor
 from pypto_serving.grammar import Grammars
 from pypto_serving.kv import native_attention
+from pypto_serving.kv.events import KVEventLog
 from pypto_serving.kv.paged_attention import StepProgress
 from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.kv.tier import TierStats, merge_tier_stats
@@ -224,6 +227,7 @@ class EngineCore:
         self.max_model_len = min(limits)
         self.scheduler = Scheduler(config.scheduler, self.executor.kv)
         self.grammars = self.executor.grammars = Grammars(self.model_dir, cfg.vocab_size)
+        self.kv_events = self._kv_events()
         self.prompt_tokens = 0
         self.generation_tokens = 0
         log.info(
@@ -235,6 +239,23 @@ class EngineCore:
             config.executor,
             describe_ranks(p.tensor_parallel_size, p.pipeline_parallel_size),
         )
+
+    def _kv_events(self) -> KVEventPublisher | None:
+        """The publisher of the KV store's events, where cache.kv_events_endpoint asks for one."""
+        c = self.config.cache
+        if c.kv_events_endpoint is None:
+            return None
+        kv = getattr(self.executor, "kv", None)
+        if not isinstance(kv, PagedKVStore):
+            raise PyptoError(
+                "kv_events_endpoint: KV events come from the paged KV store; this executor or "
+                "attention kind keeps its KV another way"
+            )
+        rank = self.dp.rank if self.dp.size > 1 else None
+        endpoint = endpoint_for(c.kv_events_endpoint, rank or 0)
+        publisher = KVEventPublisher(endpoint, c.kv_events_topic, kv.page_size, rank)
+        kv.events = KVEventLog()
+        return publisher
 
     def _build_kernels_soon(self, cfg: ModelConfig) -> None:
         """Build (or load) the native kernels in a background thread while the model loads:
@@ -331,6 +352,9 @@ class EngineCore:
         if self._closed:
             return
         self._closed = True
+        publisher: KVEventPublisher | None = getattr(self, "kv_events", None)
+        if publisher is not None:
+            publisher.close()
         if isinstance(self.executor, PagedExecutor):
             self.executor.close()
         if self.config.parallel.ranks_per_engine > 1:  # local ranks, and the group itself
@@ -360,4 +384,6 @@ class EngineCore:
             raise
         self.generation_tokens += len(sampled)
         self.scheduler.update(out, sampled)
+        if self.kv_events is not None:
+            self.kv_events.publish(cast(PagedKVStore, self.executor.kv).events_taken())
         return [s.request for s in out.scheduled if s.request.request_id in sampled]

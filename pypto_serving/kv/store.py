@@ -43,6 +43,7 @@ from pathlib import Path
 
 from pypto_serving.device import pin_host_memory
 from pypto_serving.kv.disk_tier import DiskTier
+from pypto_serving.kv.events import KVEvent, KVEventLog
 from pypto_serving.kv.host_tier import HostTier
 from pypto_serving.kv.mirror import Journal, JournaledDiskTier, JournaledHostTier
 from pypto_serving.kv.page_pool import PagePool, hash_page
@@ -177,6 +178,9 @@ class PagedKVStore:
         self._lookups: dict[str, Counter[tuple[str, str]]] = {}
         """Hits and misses of a claim, counted once its request is admitted (allocate)."""
         self.num_swap_ins = 0
+        self.events: KVEventLog | None = None
+        """Pages stored into and removed from each tier's index, when someone listens (the
+        engine sets it where KV events are published: `kv/events.py`)."""
         self._pressure = {"device": 0, "cpu": 0, "ssd": 0}  # pages pushed out since last log
         self._pressure_logged = time.monotonic()
 
@@ -270,6 +274,8 @@ class PagedKVStore:
         """The pool is reusing a cached page: keep its KV in the first lower tier."""
         self.stats["device"].evicted += 1
         self._pressure["device"] += 1
+        if self.events is not None:
+            self.events.removed("device", page_hash)
         if self.lower:
             self._push(0, page_hash, token_ids, self._page_kv(page_id))
 
@@ -281,6 +287,8 @@ class PagedKVStore:
             return  # every place is held by swapped requests: the page is dropped
         tier.store(page_hash, token_ids, kv)
         self.stats[tier.name].stored += 1
+        if self.events is not None:
+            self.events.stored(tier.name, page_hash, None, token_ids)
 
     def _make_room(self, level: int, num_pages: int) -> bool:
         tier = self.lower[level]
@@ -290,6 +298,8 @@ class PagedKVStore:
                 return False
             self.stats[tier.name].evicted += 1
             self._pressure[tier.name] += 1
+            if self.events is not None:
+                self.events.removed(tier.name, victim)
             token_ids = tier.tokens(victim)
             if level + 1 == len(self.lower) or token_ids is None:
                 tier.discard(victim)
@@ -299,10 +309,16 @@ class PagedKVStore:
                 self._push(level + 1, victim, token_ids, kv)
         return True
 
-    def _cache_on_device(self, page_id: int, page_hash: bytes, token_ids: tuple[int, ...]) -> None:
-        if self.pool.cache_page(page_id, page_hash, token_ids):
-            for tier in self.lower:  # the device copy is canonical now: one place per hash
-                tier.discard(page_hash)
+    def _cache_on_device(
+        self, page_id: int, page_hash: bytes, token_ids: tuple[int, ...], parent: bytes | None
+    ) -> None:
+        if not self.pool.cache_page(page_id, page_hash, token_ids):
+            return
+        if self.events is not None:
+            self.events.stored("device", page_hash, parent, token_ids)
+        for tier in self.lower:  # the device copy is canonical now: one place per hash
+            if tier.discard(page_hash) and self.events is not None:
+                self.events.removed(tier.name, page_hash)
 
     def _log_pressure(self) -> None:
         now = time.monotonic()
@@ -443,6 +459,8 @@ class PagedKVStore:
             else:
                 kv = tier.load(h.page_hash)
             seconds[name] += time.perf_counter() - start
+            if self.events is not None:  # a load moves the page up (or drops a bad one)
+                self.events.removed(name, h.page_hash)
             if kv is None:  # e.g. a corrupted SSD file: a miss from here on
                 hits = self._cut(hits, i)
                 break
@@ -450,10 +468,11 @@ class PagedKVStore:
         if not loaded:
             return hits
         start = time.perf_counter()
+        parents = {h.page_hash: p.page_hash for p, h in itertools.pairwise(hits)}
         for (h, kv), page_id in zip(loaded, self.pool.allocate(len(loaded)), strict=True):
             self._write_page(page_id, kv)
             h.page_id = page_id
-            self._cache_on_device(page_id, h.page_hash, h.token_ids)
+            self._cache_on_device(page_id, h.page_hash, h.token_ids, parents.get(h.page_hash))
         copy_s_per_page = (time.perf_counter() - start) / len(loaded)
         pages = Counter(h.tier.name for h, _ in loaded)  # type: ignore[union-attr]
         for name, n in pages.items():
@@ -591,7 +610,8 @@ class PagedKVStore:
         tokens = request.token_ids
         for i, page_hash in enumerate(entry.hashes[entry.released :], entry.released):
             chunk = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
-            self._cache_on_device(page_ids[i], page_hash, chunk)
+            parent = entry.hashes[i - 1] if i > 0 else None
+            self._cache_on_device(page_ids[i], page_hash, chunk, parent)
         table = PageTable(page_ids, list(entry.hashes), entry.released)
         self.tables[request.request_id] = table
         seconds = time.perf_counter() - start
@@ -615,10 +635,15 @@ class PagedKVStore:
         parent = table.hashes[-1] if table.hashes else None
         for i in range(len(table.hashes), num_full):
             chunk = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
-            parent = hash_page(parent, chunk, request.cache_salt)
+            page_hash = hash_page(parent, chunk, request.cache_salt)
             if table.pages[i] >= 0:
-                self._cache_on_device(table.pages[i], parent, chunk)
-            table.hashes.append(parent)
+                self._cache_on_device(table.pages[i], page_hash, chunk, parent)
+            table.hashes.append(page_hash)
+            parent = page_hash
+
+    def events_taken(self) -> list[KVEvent]:
+        """The KV events since the last call (none where nobody listens)."""
+        return self.events.take() if self.events is not None else []
 
     def pages(self, request_ids: list[str]) -> list[list[int]]:
         """The requests' page lists: what the attention operator computes its block table and

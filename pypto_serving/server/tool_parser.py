@@ -118,7 +118,8 @@ class ToolCallParser:
     def flush(self) -> str:
         """Content held back at the end of the reply (the start of a tag that never came). A
         call cut off (max_tokens) stands as far as it was streamed."""
-        said = self.held if self.mode == "text" and self.held.strip() else ""
+        text = self.mode == "text" and (self.held.strip() or not self.calls)
+        said = self.held if text else ""
         self.held = ""
         call = self._call
         if call is not None and call.name is not None:  # cut off (max_tokens): as streamed
@@ -139,7 +140,7 @@ class ToolCallParser:
         if at < 0:
             keep = len(self.held) - _held_prefix(self.held, OPEN)
             said = self.held[:keep]
-            if said.strip():  # whitespace alone waits: it is no content after a call
+            if said.strip() or not self.calls:  # after a call, whitespace alone waits
                 content.append(said)
                 self.held = self.held[keep:]
             return True

@@ -1,0 +1,162 @@
+"""KV events (issue 28, item 5): the KV store's pages stored into and removed from each tier's
+prefix index, published on ZeroMQ in vLLM's format, decoded here with vLLM's own types (as its
+kv_events_subscriber example declares them).
+
+Ground truth: the events name exactly the pages the store indexed (their hashes, parents and
+tokens), in order: a prompt's full pages stored on the device; evicted, removed from the device
+and stored on the CPU tier; hit again, stored on the device and removed from the CPU tier."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from live_server import free_port, tiny_llm
+
+from pypto_serving.errors import PyptoError
+from pypto_serving.sampling import SamplingParams
+
+MODEL = "llama-gqa4-tied"
+PAGE = 16
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+def receive(sub: zmq.Socket, quiet_s: float = 0.5) -> list[tuple[int, Any]]:
+    """(sequence number, event) of every message until none comes for quiet_s."""
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    out = []
+    while sub.poll(int(quiet_s * 1000)):
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == b"kv"
+        out += [(int.from_bytes(seq, "big"), e) for e in decoder.decode(payload).events]
+    return out
+
+
+def hashes(events: list[Any], kind: type, medium: str) -> list[bytes | int]:
+    """The page hashes of the events of one kind on one medium, in order."""
+    return [h for e in events if isinstance(e, kind) and e.medium == medium for h in e.block_hashes]
+
+
+def prompt(i: int, n: int = 40) -> list[int]:
+    return [(7 * i + 3 * j) % 300 + 5 for j in range(n)]
+
+
+def test_pages_stored_and_removed_per_tier_in_vllms_format(tiny_model):
+    port = free_port()
+    params = SamplingParams(max_tokens=1, temperature=0)
+    knobs = dict(page_size=PAGE, num_kv_pages=8, kv_cpu_bytes=1 << 20)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    with tiny_llm(
+        tiny_model(MODEL), kv_events_endpoint=endpoint, kv_events_topic="kv", **knobs
+    ) as llm:
+        context = zmq.Context()
+        sub = context.socket(zmq.SUB)
+        sub.connect(endpoint)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        time.sleep(0.5)  # a subscriber sees only what is sent after it joined
+        a = prompt(0)
+        llm.generate([a], params, use_tqdm=False)
+        events = receive(sub)
+        stored = [e for _, e in events]
+        assert [type(e) for e in stored] == [BlockStored, BlockStored]
+        assert [e.token_ids for e in stored] == [a[:PAGE], a[PAGE : 2 * PAGE]]
+        assert all(e.medium == "GPU" and e.block_size == PAGE for e in stored)
+        first, second = stored[0].block_hashes[0], stored[1].block_hashes[0]
+        assert stored[0].parent_block_hash is None and stored[1].parent_block_hash == first
+        assert {first, second} <= set(llm.engine.executor.kv.pool.cached_hashes())
+
+        for i in range(1, 5):  # other prompts take the device's pages: a's move to the CPU
+            llm.generate([prompt(i)], params, use_tqdm=False)
+        moved = [e for _, e in receive(sub)]
+        removed, on_cpu = hashes(moved, BlockRemoved, "GPU"), hashes(moved, BlockStored, "CPU")
+        assert {first, second} <= set(removed) and {first, second} <= set(on_cpu)
+
+        out = llm.generate([a], params, use_tqdm=False)[0]
+        assert out.cached_tokens_by_tier.get("cpu") == 2 * PAGE  # a hit on the CPU tier
+        back = [e for _, e in receive(sub)]
+        gpu, cpu_gone = hashes(back, BlockStored, "GPU"), set(hashes(back, BlockRemoved, "CPU"))
+        assert gpu[:2] == [first, second] and {first, second} <= cpu_gone
+        seqs = [s for s, _ in events]
+        assert seqs == sorted(seqs) and seqs[0] == 0
+        sub.close(linger=0)
+        context.term()
+
+
+def test_a_busy_endpoint_is_a_clear_error(tiny_model):
+    port = free_port()
+    context = zmq.Context()
+    taken = context.socket(zmq.PUB)
+    taken.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        with pytest.raises(PyptoError, match=r"cannot publish KV events on tcp://127\.0\.0\.1"):
+            tiny_llm(tiny_model(MODEL), kv_events_endpoint=f"tcp://127.0.0.1:{port}")
+    finally:
+        taken.close(linger=0)
+        context.term()
+
+
+def test_each_data_parallel_replica_publishes_on_its_own_port(tiny_model):
+    port = free_port()
+    while True:  # the replica of rank 1 takes port + 1
+        try:
+            probe = zmq.Context().socket(zmq.PUB)
+            probe.bind(f"tcp://127.0.0.1:{port + 1}")
+            probe.close(linger=0)
+            break
+        except zmq.ZMQError:
+            port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    knobs = dict(page_size=PAGE, data_parallel_size=2, kv_events_endpoint=endpoint)
+    with tiny_llm(tiny_model(MODEL), **knobs) as llm:
+        context = zmq.Context()
+        subs = []
+        for p in (port, port + 1):
+            sub = context.socket(zmq.SUB)
+            sub.connect(f"tcp://127.0.0.1:{p}")
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            subs.append(sub)
+        time.sleep(0.5)
+        params = SamplingParams(max_tokens=1, temperature=0)
+        llm.generate([prompt(i) for i in range(4)], params, use_tqdm=False)
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        ranks = []
+        for sub in subs:
+            assert sub.poll(5000), "a replica published nothing"
+            ranks.append(decoder.decode(sub.recv_multipart()[2]).data_parallel_rank)
+            sub.close(linger=0)
+        context.term()
+    assert ranks == [0, 1]
