@@ -234,10 +234,10 @@ class PagedExecutor:
             else None
         )
         logits = self.run(step)
-        at = {row: i for i, row in enumerate(rows_wanted)}
-        if scoring:
+        if scoring:  # the logits hold both kinds of rows: part them
+            at = {row: i for i, row in enumerate(rows_wanted)}
             score_prompts(logits[[at[r] for r in score_rows]], reqs, scoring)
-        logits = logits[[at[ends[b] - 1] for b in done]] if scoring and done else logits
+            logits = logits[[at[ends[b] - 1] for b in done]] if done else logits
         allowed = dict(zip(constrained, masks.result(), strict=True)) if masks else {}
         for r, start, n in zip(reqs, starts, counts, strict=True):
             self.kv.cache_full_pages(r, start + n)
