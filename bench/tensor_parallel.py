@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Tensor parallelism on one machine: TP=2 (a rank per core, one thread each) vs TP=1.
 
-Runs `pypto bench latency` (single stream: TTFT and decode tok/s) and `pypto bench offline`
-on W1 with `--tp 1` and `--tp 2`, one after the other, and prints the figures with the ratio
-TP=2 / TP=1; `--json` / `--markdown` keep them.
+Runs `pypto bench latency` (single stream: TTFT and decode tok/s) with `--tp 1` and `--tp 2`
+alternately, `--rounds` times each (medians), then `pypto bench offline` on W1 with each
+(unless --no-w1), and prints the figures with the ratio TP=2 / TP=1; `--json` / `--markdown`
+keep them.
 
 SmolLM2-135M cannot be split over 2 ranks (3 KV heads, 9 attention heads), so by default the
 model is a random checkpoint of SmolLM2-135M's size and cost with heads that divide: hidden
@@ -12,12 +13,14 @@ widths, 576 and 192, as SmolLM2's 9 x 64 and 3 x 64), bf16, with SmolLM2's token
 `--model DIR` measures another checkpoint instead.
 
     python bench/tensor_parallel.py --markdown tp.md
+    python bench/tensor_parallel.py --rounds 5 --no-w1   # single stream, on a busy machine
     python bench/tensor_parallel.py --num-prompts 8 --output-len 16 --single-len 32   # quick
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -67,24 +70,41 @@ def smollm2_shaped(out: Path) -> Path:
     return out
 
 
-def measure(args: argparse.Namespace, tp: int, tmp: Path) -> dict[str, Any]:
+def isa() -> str:
+    """The vector ISA the kernels are built for here, in words."""
+    from pypto_serving.device import cpu_flags
+
+    flags = cpu_flags()
+    if "avx512f" in flags:
+        extra = [n for f, n in (("avx512_bf16", "BF16"), ("avx512_vnni", "VNNI")) if f in flags]
+        return "AVX-512" + (f" ({', '.join(extra)})" if extra else "")
+    return "AVX2" if "avx2" in flags else "no AVX2"
+
+
+def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Single stream `--rounds` times, TP=1 and TP=2 alternately (a fresh engine each, so
+    a change of the machine's load falls on both), then W1 once each unless --no-w1."""
     bench = [sys.executable, "-m", "pypto_serving.cli", "bench"]
-    latency = [
-        *bench,
-        "latency",
-        "--model",
-        str(args.model),
-        "--input-len",
-        str(args.single_input_len),
-    ]
-    latency += ["--output-len", str(args.single_len), "--iters", str(args.iters)]
+    latency = [*bench, "latency", "--model", str(args.model)]
+    latency += ["--input-len", str(args.single_input_len), "--output-len", str(args.single_len)]
+    latency += ["--iters", str(args.iters)]
     offline = [*bench, "offline", "--model", str(args.model), "--prompts-file", str(args.w1)]
     offline += ["--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len)]
-    flags = ["--tp", str(tp)]
-    return {
-        "latency": run_json([*latency, *flags], tmp / f"lat{tp}.json"),
-        "offline": run_json([*offline, *flags], tmp / f"off{tp}.json"),
-    }
+    results: dict[str, Any] = {f"tp{tp}": {"latency_runs": []} for tp in (1, 2)}
+    for r in range(args.rounds):
+        for tp in (1, 2):
+            run = run_json([*latency, "--tp", str(tp)], tmp / f"lat{tp}-{r}.json")
+            results[f"tp{tp}"]["latency_runs"].append(run)
+    for tp in (1, 2):
+        runs = [run for run in results[f"tp{tp}"]["latency_runs"] if "error" not in run]
+        keys = [key for key, *_ in LATENCY_METRICS]
+        results[f"tp{tp}"]["latency"] = {
+            k: statistics.median(run[k] for run in runs) for k in keys if runs
+        }
+        if not args.no_w1:
+            off = run_json([*offline, "--tp", str(tp)], tmp / f"off{tp}.json")
+            results[f"tp{tp}"]["offline"] = off
+    return results
 
 
 def table(results: dict[str, Any]) -> list[str]:
@@ -92,7 +112,7 @@ def table(results: dict[str, Any]) -> list[str]:
     one, two = results["tp1"], results["tp2"]
     for key, title, fmt in LATENCY_METRICS:
         lines.append(rows(title, one["latency"].get(key), two["latency"].get(key), fmt))
-    for key, title, fmt in OFFLINE_METRICS:
+    for key, title, fmt in OFFLINE_METRICS if "offline" in one else ():
         lines.append(rows(title, one["offline"].get(key), two["offline"].get(key), fmt))
     return lines
 
@@ -105,13 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--single-input-len", type=int, default=32)
     p.add_argument("--single-len", type=int, default=256, help="single-stream output tokens")
     p.add_argument("--iters", type=int, default=3, help="single-stream runs (median)")
+    p.add_argument("--rounds", type=int, default=1, help="single-stream runs of each, alternately")
+    p.add_argument("--no-w1", action="store_true", help="single stream only")
     p.add_argument("--model", type=Path, help="checkpoint (default: SmolLM2-shaped, see above)")
     add_output_args(p)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
             args.model = smollm2_shaped(Path(tmp) / "smollm2-shaped")
-        results = {f"tp{tp}": measure(args, tp, Path(tmp)) for tp in (1, 2)}
+        results = measure(args, Path(tmp))
     report = report_of(results)
     model_name = (
         "a random SmolLM2-135M-sized Llama with 12 heads / 4 KV heads (SmolLM2 itself has 3 "
@@ -119,15 +141,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.model.name == "smollm2-shaped"
         else str(args.model)
     )
+    w1 = "" if args.no_w1 else f"W1: {args.num_prompts} prompts × {args.output_len} tokens. "
     about = (
         f"Single stream: {args.single_input_len} prompt tokens → {args.single_len}, median of "
-        f"{args.iters}. W1: {args.num_prompts} prompts × {args.output_len} tokens. Model: "
-        f"{model_name}. TP=1 is one "
-        "process with a thread per core; TP=2 is two ranks (gloo), each pinned to its own core."
+        f"{args.iters} requests, then the median over {args.rounds} engine runs of each, TP=1 "
+        f"and TP=2 alternately. {w1}Model: "
+        f"{model_name}. TP=1 is one process with a thread per core; TP=2 is two ranks, each "
+        "pinned to its own core, their collectives through shared memory (gloo for the rest). "
+        f"CPU ISA: {isa()}."
     )
-    runs = [r for by_tp in results.values() for r in by_tp.values()]
-    commands = [r["command"] for r in runs]
-    missing = {f"{tp} {k}": r for tp, v in results.items() for k, r in v.items() if "error" in r}
+    runs = [
+        (f"{tp} {k}", run)
+        for tp, v in results.items()
+        for k, run in [*enumerate(v["latency_runs"]), ("offline", v.get("offline"))]
+        if run is not None
+    ]
+    commands = [run["command"] for _, run in runs]
+    missing = {name: run for name, run in runs if "error" in run}
     text = markdown_report(
         "Tensor parallel: TP=2 vs TP=1", report, about, table(results), commands, missing
     )

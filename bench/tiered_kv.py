@@ -58,6 +58,18 @@ def page_tokens_of_working_set(args: argparse.Namespace) -> int:
     return args.conversations * last
 
 
+def workload_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The chats' shape, for the report."""
+    return {
+        "conversations": args.conversations,
+        "turns": args.turns,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "working_set_tokens": page_tokens_of_working_set(args),
+        "device_tokens": args.device_pages * 64,
+    }
+
+
 def bench(args: argparse.Namespace, out: Path | None, conversations: int, turns: int) -> Any:
     cmd = [sys.executable, "-m", "pypto_serving.cli", "bench", "serve"]
     cmd += ["--base-url", f"http://127.0.0.1:{PORT}", "--dataset", "multi-turn"]
@@ -84,9 +96,14 @@ def run(name: str, flags: str, args: argparse.Namespace, tmp: Path) -> dict[str,
     return result
 
 
-def table(results: dict[str, dict[str, Any]]) -> list[str]:
-    lines = ["| metric | tiers on | tiers off | off / on |", "|---|---|---|---|"]
-    for key, title, fmt in METRICS:
+def table(
+    results: dict[str, dict[str, Any]],
+    metrics: tuple[tuple[str, str, str], ...] = METRICS,
+    names: tuple[str, str] = ("tiers on", "tiers off"),
+) -> list[str]:
+    """Markdown rows of results["on"] and results["off"] side by side (named `names`)."""
+    lines = [f"| metric | {names[0]} | {names[1]} | off / on |", "|---|---|---|---|"]
+    for key, title, fmt in metrics:
         on, off = (lookup(results[k].get("run"), key) for k in ("on", "off"))
         cells = [fmt.format(v) if v is not None else "—" for v in (on, off)]
         r = ratio(off, on) if "ms" in title else None
@@ -94,8 +111,8 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The multi-turn chats' options (what `bench` plays)."""
     p.add_argument("--conversations", type=int, default=10)
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--input-len", type=int, default=128, help="tokens per user turn")
@@ -105,11 +122,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--request-rate", type=float, default=0.25, help="conversations per s (0: all at once)"
     )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=900)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_args(p)
     p.add_argument("--device-pages", type=int, default=32, help="device KV pages (64 tokens)")
     p.add_argument("--cpu-pages", type=int, default=32, help="CPU tier pages (tiers on)")
     p.add_argument("--ssd-bytes", default="4GiB", help="SSD tier budget (tiers on)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--startup-timeout", type=float, default=900)
     add_output_args(p)
     return p.parse_args(argv)
 
@@ -129,17 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             "off": run("off", f"{device} --kv-cpu-bytes 0", args, Path(tmp)),
         }
     working_set = page_tokens_of_working_set(args)
-    report = report_of(
-        results,
-        workload={
-            "conversations": args.conversations,
-            "turns": args.turns,
-            "input_len": args.input_len,
-            "output_len": args.output_len,
-            "working_set_tokens": working_set,
-            "device_tokens": args.device_pages * 64,
-        },
-    )
+    report = report_of(results, workload=workload_of(args))
     about = (
         f"{args.conversations} chats of {args.turns} turns ({args.input_len}-token user "
         f"turns, {args.output_len}-token replies, EOS ignored, {args.think_time:g} s think "

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pypto_serving.errors import PyptoError
 
@@ -66,12 +67,23 @@ class CacheConfig:
     kv_ssd_bytes: int = 16 << 30
     """Byte budget of the SSD tier when kv_ssd_dir is set; under TP/PP the engine's, each
     rank holding its share."""
+    kv_remote: str | None = None
+    """A KV pool shared by every server and replica pointed at it: the master of a Mooncake
+    Store, as mooncake://HOST:PORT (None: no remote tier). Pages computed here are written to
+    it and prefixes found there are loaded from it (`kv/remote_tier.py`)."""
+    kv_remote_bytes: int = 1 << 30
+    """Memory this process lends to the shared pool when kv_remote is set (each member lends
+    its share; the pool is their sum)."""
     kv_events_endpoint: str | None = None
     """A ZeroMQ endpoint to publish KV events on (pages stored into and removed from each
     tier's prefix index, in vLLM's format), e.g. tcp://*:5557; data-parallel replica r takes
     port + r. None: no events."""
     kv_events_topic: str = ""
     """The topic of every KV event message."""
+    kv_events_replay_endpoint: str | None = None
+    """A ZeroMQ endpoint where subscribers ask for the batches they missed (vLLM's replay
+    socket: a ROUTER; send the first sequence number wanted, 8 bytes big-endian), e.g.
+    tcp://*:5558; data-parallel replica r takes port + r. None: no replay."""
     kv_cache_dtype: str = "auto"
     """How keys and values are stored: auto (the model's dtype) or int8 (each token's row of a
     head quantized with its own scale: about half of bf16's bytes, so decode attention reads
@@ -88,7 +100,7 @@ class CacheConfig:
             not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 1
         ):
             raise PyptoError(f"num_kv_pages must be an integer >= 1, got {self.num_kv_pages!r}")
-        for name in ("kv_device_bytes", "kv_cpu_bytes", "kv_ssd_bytes"):
+        for name in ("kv_device_bytes", "kv_cpu_bytes", "kv_ssd_bytes", "kv_remote_bytes"):
             value = parse_bytes(getattr(self, name), name)
             minimum = 1 if name == "kv_device_bytes" else 0
             if value < minimum:
@@ -96,6 +108,38 @@ class CacheConfig:
             setattr(self, name, value)
         if self.kv_ssd_dir is not None and not str(self.kv_ssd_dir).strip():
             raise PyptoError("kv_ssd_dir must not be empty")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise PyptoError("kv_events_replay_endpoint needs kv_events_endpoint (the events)")
+        if self.kv_remote is not None:
+            remote_address(self.kv_remote)
+            if self.kv_remote_bytes < 1 << 20:
+                raise PyptoError(
+                    f"kv_remote_bytes must be at least 1MiB, got {self.kv_remote_bytes}"
+                )
+
+
+REMOTE_SCHEME = "mooncake"
+
+
+def remote_address(url: str) -> tuple[str, int]:
+    """(host, port) of a kv_remote URL, mooncake://HOST:PORT; PyptoError otherwise."""
+    parts = urlsplit(str(url))
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if (
+        parts.scheme != REMOTE_SCHEME
+        or not parts.hostname
+        or port is None
+        or parts.path not in ("", "/")
+    ):
+        raise PyptoError(
+            f"kv_remote must look like mooncake://HOST:PORT (a Mooncake master's RPC "
+            f"address), got {url!r}",
+            "kv_remote",
+        )
+    return parts.hostname, port
 
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -157,6 +201,9 @@ class ParallelConfig:
     node_rank: int = 0
     """This machine's index among nnodes: 0 runs the engine (rank 0) and serves; the others
     only host their ranks."""
+    headless: bool = False
+    """This node serves no HTTP, only hosts its ranks (vLLM's --headless): what every node
+    but 0 does; saying so is optional there, and an error on node 0 (it runs the engine)."""
     master_addr: str = "127.0.0.1"
     """Address of node 0, where the ranks rendezvous (torch.distributed's MASTER_ADDR)."""
     master_port: int | None = None
@@ -195,6 +242,11 @@ class ParallelConfig:
         if self.node_rank >= self.nnodes:
             raise PyptoError(
                 f"node_rank must be below nnodes ({self.nnodes}), got {self.node_rank}"
+            )
+        if self.headless and self.node_rank == 0:
+            raise PyptoError(
+                "headless is for nodes other than 0 (node 0 runs the engine and serves); "
+                "give this node its node_rank"
             )
         if self.nnodes > 1:
             if self.data_parallel_size > 1:
@@ -351,6 +403,15 @@ class EngineConfig:
         p = self.parallel
         if p.world_size > 1 and self.executor == "reference":
             raise PyptoError("data and tensor parallelism need the paged executor")
+        if self.cache.kv_remote is not None:
+            if self.executor != "paged":
+                raise PyptoError("kv_remote needs the paged executor (its KV store)", "kv_remote")
+            if p.ranks_per_engine > 1:
+                raise PyptoError(
+                    "kv_remote runs with tensor_parallel_size and pipeline_parallel_size 1 "
+                    "(each data-parallel replica joins the pool); leave it out under TP/PP",
+                    "kv_remote",
+                )
         if p.ranks_per_engine > 1 and self.quantization in CALIBRATED_QUANTIZATIONS:
             raise PyptoError(
                 f"quantization {self.quantization} is not available with tensor or pipeline "

@@ -17,14 +17,23 @@ ranks meet through a file (a FileStore in a private directory) and gloo's connec
 on the loopback device, so nothing listens on the network. Across machines they rendezvous
 through torch.distributed's environment method: MASTER_ADDR / MASTER_PORT, RANK and
 WORLD_SIZE, set by `pypto serve` on each node; gloo on CPUs and nccl on GPUs.
+
+The transport of the collectives is chosen once, here, when the group starts: on CPUs, when
+every rank is on this machine (they can share one /dev/shm segment), all-reduce, all-gather
+and broadcast go through shared memory (`shm_collectives.py`: microseconds, where gloo over
+loopback takes a millisecond); across machines through gloo; on GPUs through nccl.
+PYPTO_TP_COLLECTIVES=gloo keeps gloo (=shm: shared memory or an error). The rest (point to
+point, all-to-all, reduce-scatter, the KV tiers' agreements) stays on torch.distributed.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,12 +41,18 @@ import torch
 import torch.distributed as dist
 
 from pypto_serving.errors import PyptoError
+from pypto_serving.shm_collectives import ShmGroup, open_group
+
+log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 300.0
 """After start-up, how long rank 0 waits in a collective of a step. (Start-up has its own
 limit, `startup_timeout_s`; ranks > 0 wait for rank 0's next step without one, since an idle
 engine sends none.)"""
 WAIT_FOREVER_S = 10 * 365 * 86400.0
+COLLECTIVES_ENV = "PYPTO_TP_COLLECTIVES"
+"""auto (default): shared memory when every rank is on this machine, else gloo; gloo: always
+gloo; shm: shared memory, or an error at start-up."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,16 +161,95 @@ def init_distributed(rank: int, world_size: int, backend: str, timeout_s: float)
     check_no_group()
     timeout = datetime.timedelta(seconds=max(timeout_s, 1.0))
     store_file = os.environ.get(STORE_FILE_ENV)
-    if store_file:
-        store = dist.FileStore(store_file, world_size)
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
-        )
-        return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group(
-        backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout
+    store: dist.Store = (
+        dist.FileStore(store_file, world_size)
+        if store_file
+        else env_store(rank, world_size, timeout_s)
     )
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    _choose_transport(backend, rank, world_size, timeout_s)
+
+
+_shm: ShmGroup | None = None
+"""The shared-memory transport of this process's group, when it has one."""
+
+
+def _choose_transport(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Shared memory for the CPU collectives when every rank can share it (all on this
+    machine), else torch.distributed's backend; every rank makes the same choice."""
+    global _shm
+    choice = os.environ.get(COLLECTIVES_ENV, "auto")
+    if choice not in ("auto", "gloo", "shm"):
+        raise PyptoError(f"{COLLECTIVES_ENV} must be auto, gloo or shm, not {choice!r}")
+    store = dist.distributed_c10d._get_default_store()
+    _shm = open_group(store, rank, world_size, backend == "gloo" and choice != "gloo")
+    if _shm is not None:
+        _shm.timeout_s = max(timeout_s, 1.0)
+    elif choice == "shm":
+        shutdown_distributed()
+        raise PyptoError(
+            f"{COLLECTIVES_ENV}=shm: the ranks cannot share memory (backend {backend}, not "
+            "all on this machine, or no C++ compiler); see the log"
+        )
+    if rank == 0:
+        log.info("collectives: %s", "shared memory" if _shm is not None else backend)
+
+
+def shm_group() -> ShmGroup | None:
+    """The shared-memory transport, when this process's group has one (the native decode
+    step calls its collectives itself)."""
+    return _shm
+
+
+def collectives_transport() -> str:
+    """How this process's collectives travel: "shm", torch.distributed's backend, or "none"
+    outside a group."""
+    if _shm is not None:
+        return "shm"
+    return dist.get_backend() if dist.is_initialized() else "none"
+
+
+def env_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
+    """The rendezvous of torch.distributed's env:// method (MASTER_ADDR, MASTER_PORT; rank 0
+    listens there), made here so that a rank that never arrives is named: each rank checks
+    in under its own key, and rank 0 waits for all of them within `timeout_s`. Ranks are
+    numbered node by node, LOCAL_WORLD_SIZE on each (torchrun's convention)."""
+    addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    per_node = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    try:
+        store = dist.TCPStore(
+            addr,
+            port,
+            world_size,
+            is_master=rank == 0,
+            timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),
+            wait_for_workers=False,
+        )
+        store.set(f"pypto/arrived/{rank}", "1")
+    except (RuntimeError, OSError) as e:  # torch's DistError subclasses RuntimeError
+        where = "listen on" if rank == 0 else "reach node 0 at"
+        raise PyptoError(
+            f"rank {rank} (node {rank // per_node}) cannot {where} {addr}:{port} within "
+            f"{timeout_s:.0f} s: {str(e).splitlines()[0][:200]}"
+        ) from None
+    if rank == 0:
+        deadline = time.monotonic() + timeout_s
+        missing = list(range(1, world_size))
+        while True:
+            missing = [r for r in missing if not store.check([f"pypto/arrived/{r}"])]
+            if not missing or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        if missing:
+            nodes = sorted({r // per_node for r in missing})
+            raise PyptoError(
+                f"node(s) {', '.join(map(str, nodes))} never arrived: rank(s) "
+                f"{', '.join(map(str, missing))} did not join the rendezvous at {addr}:{port} "
+                f"within {timeout_s:.0f} s (startup_timeout_s); start `pypto serve "
+                f"--node-rank N` with the same options on each of them"
+            )
+    return store
 
 
 def set_collective_timeout(seconds: float) -> None:
@@ -163,11 +257,16 @@ def set_collective_timeout(seconds: float) -> None:
     rank > 0 waiting, however long the engine stays idle, for rank 0's next step)."""
     if dist.is_initialized():  # torch has no public setter for a group's timeout
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
+    if _shm is not None:
+        _shm.timeout_s = seconds
 
 
 def shutdown_distributed() -> None:
     """Leave the group; the process that made the rendezvous file removes it."""
-    global _made_store_dir
+    global _made_store_dir, _shm
+    if _shm is not None:
+        _shm.close()
+        _shm = None
     if dist.is_initialized():
         dist.destroy_process_group()
     if _made_store_dir is not None:
@@ -189,6 +288,8 @@ def ranks_in_world() -> int:
 @torch.library.custom_op("pypto::tp_all_reduce", mutates_args=())
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum over the tensor-parallel group of every rank's `x` (float32)."""
+    if _shm is not None and x.device.type == "cpu":
+        return _shm.all_reduce(x.float())
     out = x.float().clone()
     dist.all_reduce(out)
     return out
@@ -202,6 +303,8 @@ def _(x: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("pypto::tp_all_gather", mutates_args=())
 def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
     """Every rank's `x` [N, d] side by side along the last dimension: [N, world * d]."""
+    if _shm is not None and x.device.type == "cpu":
+        return _shm.all_gather(x)
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(_world())]
     dist.all_gather(parts, x)
@@ -217,6 +320,8 @@ def all_ranks_max(values: list[int]) -> list[int]:
     """Each value's maximum over the world (DP attention + EP: whether any replica has work,
     or is stopping)."""
     t = torch.tensor(values, dtype=torch.int64)
+    if _shm is not None:
+        return [int(v) for v in _shm.all_gather_rows(t).view(-1, len(values)).amax(0).tolist()]
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [int(v) for v in t.tolist()]
 
@@ -249,6 +354,8 @@ def all_to_all_back(
 
 def all_gather_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """Every rank's `x` [rows, ...] (each padded to the same `rows`), rank 0's first."""
+    if _shm is not None and x.device.type == "cpu":
+        return _shm.all_gather_rows(x)
     out = x.new_empty(_world() * rows, *x.shape[1:])
     dist.all_gather_single(out, x.contiguous())
     return out
@@ -317,43 +424,51 @@ class StepInputs:
         ]
 
 
+def _broadcast(t: torch.Tensor) -> None:
+    """Rank 0's `t` into every other rank's (in place)."""
+    if _shm is not None and t.device.type == "cpu":
+        _shm.broadcast(t)
+    else:
+        dist.broadcast(t, 0)
+
+
 def broadcast_step(step: StepInputs | Control, device: torch.device) -> None:
     """Rank 0: send a step's inputs, or a control message, to the other ranks."""
     header = torch.zeros(HEADER, dtype=torch.int64, device=device)
     if isinstance(step, Control):
         header[6], header[7] = step.kind, len(step.data)
-        dist.broadcast(header, 0)
+        _broadcast(header)
         if step.data:
-            dist.broadcast(torch.frombuffer(bytearray(step.data), dtype=torch.uint8).to(device), 0)
+            _broadcast(torch.frombuffer(bytearray(step.data), dtype=torch.uint8).to(device))
         return
     t, b, p = len(step.input_ids), len(step.q_lens), sum(len(x) for x in step.pages)
     header[:6] = torch.tensor(
         [t, b, p, step.num_decodes, step.max_q, len(step.logits_index)], device=device
     )
     header[7] = len(step.moves)
-    dist.broadcast(header, 0)
-    dist.broadcast(torch.cat([p.to(device, torch.int64) for p in step.parts()]), 0)
+    _broadcast(header)
+    _broadcast(torch.cat([p.to(device, torch.int64) for p in step.parts()]))
     if step.moves:
-        dist.broadcast(torch.frombuffer(bytearray(step.moves), dtype=torch.uint8).to(device), 0)
+        _broadcast(torch.frombuffer(bytearray(step.moves), dtype=torch.uint8).to(device))
 
 
 def _receive_bytes(num_bytes: int, device: torch.device) -> bytes:
     if not num_bytes:
         return b""
     raw = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    dist.broadcast(raw, 0)
+    _broadcast(raw)
     return raw.cpu().numpy().tobytes()
 
 
 def receive_step(device: torch.device) -> StepInputs | Control:
     """Ranks > 0: the next step's inputs from rank 0, or a control message."""
     header = torch.empty(HEADER, dtype=torch.int64, device=device)
-    dist.broadcast(header, 0)
+    _broadcast(header)
     t, b, p, num_decodes, max_q, n, kind, num_bytes = header.tolist()
     if kind:
         return Control(kind, _receive_bytes(num_bytes, device))
     payload = torch.empty(2 * t + p + 3 * b + n, dtype=torch.int64, device=device)
-    dist.broadcast(payload, 0)
+    _broadcast(payload)
     ids, pos, num_pages, flat, q_lens, ctx_lens, index = payload.split([t, t, b, p, b, b, n])
     ends, page_ids = torch.cumsum(num_pages, 0).tolist(), flat.tolist()
     pages = [page_ids[end - k : end] for end, k in zip(ends, num_pages.tolist(), strict=True)]

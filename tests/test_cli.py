@@ -134,6 +134,7 @@ def test_bad_model_gives_clear_error(tiny_model, tmp_path, capsys, breakage, mes
         (["--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),
         (["--kv-ssd-dir", "/dev/null/x"], "cannot use kv_ssd_dir /dev/null/x"),
         (["--kv-ssd-dir", "/tmp", "--kv-ssd-bytes", "1KiB"], "kv_ssd_bytes (1024) is less"),
+        (["--kv-remote", "localhost:50051"], "kv_remote must look like mooncake://HOST:PORT"),
     ],
 )
 def test_bad_flag_values_give_clear_error(tiny_model, capsys, flags, message):

@@ -13,12 +13,14 @@ for CSA's overlap), from which the next token's compressor state is rebuilt.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
-from live_server import tiny_llm
+from live_server import free_port, tiny_llm
+from mooncake_master import mooncake_master
 
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.kv.windowed_store import WindowedKVStore
@@ -74,6 +76,7 @@ PATHS = {  # six entry pages of 8 tokens hold one 48-token request
     "device": ({"num_kv_pages": 64}, {"device": 32}),
     "cpu": ({"num_kv_pages": 6, "kv_cpu_bytes": 1 << 20}, {"cpu": 32}),
     "ssd": ({"num_kv_pages": 6, "kv_cpu_bytes": 0}, {"ssd": 32}),
+    "remote": ({"num_kv_pages": 6, "kv_cpu_bytes": 0, "kv_remote_bytes": 16 << 20}, {"remote": 32}),
 }
 
 
@@ -82,12 +85,18 @@ def test_greedy_outputs_are_identical_on_every_kv_path(model, expected, tmp_path
     knobs, by_tier = PATHS[path]
     if path == "ssd":
         knobs = knobs | {"kv_ssd_dir": str(tmp_path)}
-    with tiny_llm(model, page_size=8, max_num_seqs=2, **knobs) as llm:
+    with contextlib.ExitStack() as stack:
+        if path == "remote":  # a pool of its own, on a real Mooncake master
+            port = free_port()
+            stack.enter_context(mooncake_master(port, free_port()))
+            knobs = knobs | {"kv_remote": f"mooncake://127.0.0.1:{port}"}
+        llm = stack.enter_context(tiny_llm(model, page_size=8, max_num_seqs=2, **knobs))
         store = store_of(llm)
         outs = one_by_one(llm, PROMPTS)
         for group in (store.rows, store.pages_store):
-            if group.ssd is not None:
-                group.ssd.flush()
+            for tier in (group.ssd, group.remote):
+                if tier is not None:
+                    tier.flush()
         last = one_by_one(llm, PROMPTS[:1])[0]
         assert [o.outputs[0].token_ids for o in [*outs, last]] == [*expected, expected[0]]
         assert last.cached_tokens_by_tier == by_tier

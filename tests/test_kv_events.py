@@ -160,3 +160,58 @@ def test_each_data_parallel_replica_publishes_on_its_own_port(tiny_model):
             sub.close(linger=0)
         context.term()
     assert ranks == [0, 1]
+
+
+def test_a_subscriber_gets_missed_batches_from_the_replay_socket(tiny_model):
+    """vLLM's replay protocol: send the first sequence number wanted to the ROUTER socket,
+    get every buffered batch from there as [seq, payload], then [-1, b""]."""
+    port, replay_port = free_port(), free_port()
+    params = SamplingParams(max_tokens=1, temperature=0)
+    knobs = dict(page_size=PAGE, num_kv_pages=8, kv_cpu_bytes=1 << 20)
+    endpoint, replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}"
+    with tiny_llm(
+        tiny_model(MODEL),
+        kv_events_endpoint=endpoint,
+        kv_events_replay_endpoint=replay,
+        kv_events_topic="kv",
+        **knobs,
+    ) as llm:
+        context = zmq.Context()
+        sub = context.socket(zmq.SUB)
+        sub.connect(endpoint)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        time.sleep(0.5)
+        for i in range(3):
+            llm.generate([prompt(i)], params, use_tqdm=False)
+        live = {}
+        while sub.poll(500):
+            _, seq, payload = sub.recv_multipart()
+            live[int.from_bytes(seq, "big")] = payload
+        assert len(live) >= 3
+        first = min(live) + 1  # as if the first batch had been seen and the rest missed
+        req = context.socket(zmq.REQ)  # as vLLM's example subscriber asks (it reads the first)
+        req.connect(replay)
+        req.send(first.to_bytes(8, "big"))
+        assert req.poll(5000), "no replay answer"
+        assert req.recv_multipart() == [first.to_bytes(8, "big"), live[first]]
+        req.close(linger=0)
+        replayed = {}  # a DEALER reads the whole stream
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(replay)
+        dealer.send_multipart([b"", first.to_bytes(8, "big")])
+        while True:
+            assert dealer.poll(5000), "no replay answer"
+            _, seq, payload = dealer.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                assert payload == b""
+                break
+            replayed[int.from_bytes(seq, "big")] = payload
+        assert replayed == {s: p for s, p in live.items() if s >= first}
+        for s in (sub, dealer):
+            s.close(linger=0)
+        context.term()
+
+
+def test_replay_needs_the_events_endpoint(tiny_model):
+    with pytest.raises(PyptoError, match="kv_events_replay_endpoint needs kv_events_endpoint"):
+        tiny_llm(tiny_model(MODEL), kv_events_replay_endpoint="tcp://127.0.0.1:1")

@@ -65,7 +65,7 @@ SHAPES = dict(
     seed=st.integers(0, 2**31),
     kv_heads=st.integers(1, 3),
     group=st.sampled_from([1, 2, 3, 4, 8]),
-    head_dim=st.sampled_from([16, 32, 64, 128]),
+    head_dim=st.sampled_from([32, 64, 128]),  # each shape a library to build: the common ones
     page_size=st.sampled_from([16, 64]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )

@@ -21,7 +21,7 @@ from live_server import tiny_llm
 
 from pypto_serving import native
 from pypto_serving.device import cpu_flags
-from pypto_serving.distributed import ParallelGroups
+from pypto_serving.distributed import Group, ParallelGroups
 from pypto_serving.executor import native_decode
 from pypto_serving.models.config import load_model_config
 from pypto_serving.native import Matrix
@@ -298,6 +298,8 @@ def test_where_the_step_applies(tiny_model, monkeypatch):
     assert not applies(gqa8, "int4", cpu, bf16, one, 16)  # head_dim 8: no native attention
     assert not applies(moe, "int4", cpu, bf16, one, 16)
     assert not applies(qwen3, "int4", torch.device("meta"), bf16, one, 16)
+    tp2 = ParallelGroups(tp=Group(0, 2))  # TP with no shared-memory group (gloo): the graphs
+    assert not applies(qwen3, None, cpu, bf16, tp2, 16)  # (with one: test_tensor_parallel.py)
     monkeypatch.setenv("CXX", "no-such-compiler-here")  # int4 stays on PyTorch's kernel
     assert not applies(qwen3, "int4", cpu, bf16, one, 16)
     monkeypatch.delenv("CXX")

@@ -90,6 +90,40 @@ def test_prefix_estimate_is_bounded_by_the_replica_capacity():
     assert rt.cached_tokens(0, again, rt.prompt_hashes(again)) == 0  # its first pages are gone
 
 
+def test_reported_evictions_leave_the_estimate_and_reported_pages_join_it():
+    """The replicas' KV events (what they publish for outside routers) correct the guess
+    made from what was routed: a page removed from every tier is no longer counted, a page
+    stored (say, by a request routed before a restart of the estimate) is."""
+    rt = router()
+    system = list(range(100, 164))  # 4 full pages
+    first = req("first", [*system, 1], 4)
+    rt.route(first)  # -> 0
+    hashes = rt.prompt_hashes(first)
+    probe = req("probe", [*system, 2], 4)
+    assert rt.cached_tokens(0, probe, hashes) == 64
+    rt.observe(0, [(True, "device", h) for h in hashes])  # computed: on the device
+    rt.observe(0, [(True, "cpu", hashes[2]), (False, "device", hashes[2])])  # moved down
+    assert rt.cached_tokens(0, probe, hashes) == 64  # still held, by the CPU tier
+    rt.observe(0, [(False, "cpu", hashes[2])])  # evicted from its last tier
+    assert rt.cached_tokens(0, probe, hashes) == 32  # the chain breaks at page 2
+    assert rt.cached_tokens(1, probe, hashes) == 0
+    rt.observe(1, [(True, "ssd", h) for h in hashes[:3]])  # replica 1 found them (its SSD)
+    assert rt.cached_tokens(1, probe, hashes) == 48
+
+
+def test_with_a_shared_pool_a_page_stored_by_one_replica_counts_for_all():
+    rt = Router(2, PAGE, [100, 100], pool_pages=3)
+    prompt = req("a", list(range(200, 280)), 4)  # 5 full pages
+    hashes = rt.prompt_hashes(prompt)
+    rt.observe(0, [(True, "device", h) for h in hashes])
+    assert rt.cached_tokens(1, prompt, hashes) == 0  # the pool remembers only 3: the last 3
+    rt.observe(0, [(True, "device", h) for h in hashes[:3]])  # stored again: the most recent
+    assert rt.cached_tokens(1, prompt, hashes) == 48
+    plain = router()
+    plain.observe(0, [(True, "device", h) for h in hashes])
+    assert plain.cached_tokens(1, prompt, hashes) == 0  # no pool: replica 0's alone
+
+
 def test_round_robin_ignores_load():
     rt = router(3, "round_robin")
     assert [rt.route(req(str(i), [1] * (100 if i == 0 else 5), 5)) for i in range(6)] == [

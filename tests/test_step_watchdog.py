@@ -47,10 +47,10 @@ def test_a_long_step_that_makes_progress_is_not_taken_for_a_hang(tiny_model, mon
     llm = tiny_llm(tiny_model(MODEL), step_timeout_s=limit)
     with serving(llm) as live:
         started = time.monotonic()
-        r = complete(live.url, PROMPT, max_tokens=2)
+        r = complete(live.url, PROMPT, max_tokens=1)  # one step (the prompt's) is enough
         assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 2
-        assert time.monotonic() - started > 2 * limit  # both steps outlasted the limit
+        assert r.json()["usage"]["completion_tokens"] == 1
+        assert time.monotonic() - started > limit  # the step outlasted the limit
         assert httpx.get(f"{live.url}/health").status_code == 200
         assert not live.engine.hung
     llm.close()
@@ -109,7 +109,7 @@ def test_a_replica_whose_long_steps_make_progress_is_not_lost(tiny_model, monkey
     with serving(llm) as live:
         results: list[httpx.Response] = []
         threads = [
-            threading.Thread(target=lambda: results.append(complete(live.url, PROMPT)))
+            threading.Thread(target=lambda: results.append(complete(live.url, PROMPT, 1)))
             for _ in range(2)
         ]
         for t in threads:

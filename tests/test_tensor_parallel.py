@@ -1,4 +1,5 @@
-"""Tensor parallelism over torch.distributed (gloo, separate processes on this machine).
+"""Tensor parallelism over torch.distributed (separate processes on this machine: their
+collectives through shared memory, gloo for the rest; two "nodes" on loopback below).
 
 Ground truth: the same engine with TP=1, and HF transformers. Every rank holds its share of
 the heads, KV heads, MLP columns and vocabulary; greedy tokens must not change.
@@ -10,12 +11,12 @@ import os
 
 import pytest
 import torch
-from checkpoints import hf_greedy
+from checkpoints import assert_top5_rule, hf_greedy
 from live_server import serving, tiny_llm
 from parallel_checks import children_of, config_error, gone
 from patience import patience
 
-from pypto_serving.distributed import Group
+from pypto_serving.distributed import Group, collectives_transport
 from pypto_serving.errors import PyptoError
 from pypto_serving.models.loader import tensor_parallel_slice
 from pypto_serving.sampling import SamplingParams
@@ -40,15 +41,40 @@ def test_tp2_gives_the_tp1_and_hf_tokens(tiny_model, name):
     with tiny_llm(path) as one:
         assert tokens(one, GREEDY) == expected
         sampled = tokens(one, SAMPLED)
+    cores = os.sched_getaffinity(0)
     with tiny_llm(path, tensor_parallel_size=2) as two:
         workers = [w.pid for w in two.engine.workers]
+        if len(cores) >= 2:  # each rank on its own cores (rank 0's pinning came after)
+            assert not os.sched_getaffinity(0) & os.sched_getaffinity(workers[0])
         assert (
             len(workers) == 1
             and two.engine.model.cfg.num_kv_heads * 2 == hf.config.num_key_value_heads
         )
+        assert collectives_transport() == "shm"  # both ranks on this machine
         assert tokens(two, GREEDY) == expected
         assert tokens(two, SAMPLED) == sampled
     assert all(gone(pid) for pid in workers)
+
+
+@pytest.mark.parametrize("name", ["qwen3-hd32-gqa4", "qwen2-gqa2"])
+def test_tp2_native_decode_step_follows_tp1(tiny_model, name):
+    """bf16: every rank runs its share of the native decode step, its all-reduces and the
+    logits' all-gather called from C++ through shared memory; greedy tokens follow TP=1's
+    native step by the bf16 rule (the partial sums add in another order)."""
+    path = tiny_model(name)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    with tiny_llm(path, dtype="bfloat16") as one:
+        assert one.engine.executor.native is not None
+        expected = one.generate(PROMPTS, params, use_tqdm=False)
+    with tiny_llm(path, dtype="bfloat16", tensor_parallel_size=2) as two:
+        native = two.engine.executor.native
+        assert native is not None and native.comm is not None
+        calls: list[int] = []
+        logits = native.logits
+        native.logits = lambda *a: calls.append(len(a[0])) or logits(*a)
+        got = two.generate(PROMPTS, params, use_tqdm=False)
+        assert len(PROMPTS) in calls
+    assert_top5_rule(expected, got)
 
 
 def test_tp2_compiled_without_recompilation(tiny_model):
@@ -58,6 +84,7 @@ def test_tp2_compiled_without_recompilation(tiny_model):
     with tiny_llm(path) as one:
         expected = tokens(one, GREEDY)
     with tiny_llm(path, tensor_parallel_size=2, enforce_eager=False) as two:
+        assert collectives_transport() == "shm"
         assert tokens(two, GREEDY) == expected
         assert two.generate([[5] * 70], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         assert two.engine.executor.num_recompilations == 0
@@ -165,6 +192,7 @@ def test_two_nodes_on_loopback(tiny_model, dimension):
             "use data_parallel_size 1",
         ),
         ({"master_port": 70000}, "master_port must be in [1, 65535]"),
+        ({"headless": True}, "headless is for nodes other than 0"),
     ],
 )
 def test_multi_node_config_errors(knobs, message):

@@ -243,7 +243,7 @@ def test_server_reports_cached_tokens_per_tier_and_tier_metrics(tiny_model, tmp_
         details = r.json()["usage"]["prompt_tokens_details"]
         assert details == {
             "cached_tokens": 32,
-            "cached_tokens_per_tier": {"device": 0, "cpu": 16, "ssd": 16},
+            "cached_tokens_per_tier": {"device": 0, "cpu": 16, "ssd": 16, "remote": 0},
         }
         metrics = {
             (s.name, s.labels.get("tier"), s.labels.get("le")): s.value

@@ -7,7 +7,6 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 import torch
 
@@ -29,7 +28,7 @@ from pypto_serving.executor.compiled import trust_cpu_vector_isa_soon
 from pypto_serving.executor.paged import PagedExecutor
 from pypto_serving.grammar import Grammars
 from pypto_serving.kv import native_attention
-from pypto_serving.kv.events import KVEventLog
+from pypto_serving.kv.events import KVEvent, KVEventLog
 from pypto_serving.kv.paged_attention import StepProgress
 from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.kv.tier import TierStats, merge_tier_stats
@@ -182,9 +181,10 @@ class EngineCore:
                 p.tensor_parallel_size, p.pipeline_parallel_size, p.enable_expert_parallel
             )
             own, cpus = plan_ranks(config)[0]
+            # the other ranks first: their cores are planned from every core this process has
+            self.workers = start_workers(config, model_dir, self._deadline)
             if cpus:
                 os.sched_setaffinity(0, cpus)  # this (engine) thread and its OpenMP team
-            self.workers = start_workers(config, model_dir, self._deadline)
         try:
             self._load(own)
         except BaseException as e:
@@ -227,6 +227,8 @@ class EngineCore:
         self.max_model_len = min(limits)
         self.scheduler = Scheduler(config.scheduler, self.executor.kv)
         self.grammars = self.executor.grammars = Grammars(self.model_dir, cfg.vocab_size)
+        self.page_events: list[KVEvent] = []
+        """A data-parallel replica's KV events since the router last took them."""
         self.kv_events = self._kv_events()
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -241,11 +243,14 @@ class EngineCore:
         )
 
     def _kv_events(self) -> KVEventPublisher | None:
-        """The publisher of the KV store's events, where cache.kv_events_endpoint asks for one."""
+        """The publisher of the KV store's events, where cache.kv_events_endpoint asks for one;
+        a data-parallel replica also keeps them for the router (`take_page_events`)."""
         c = self.config.cache
+        kv = getattr(self.executor, "kv", None)
+        if self.dp.size > 1 and isinstance(kv, PagedKVStore):
+            kv.events = KVEventLog()
         if c.kv_events_endpoint is None:
             return None
-        kv = getattr(self.executor, "kv", None)
         if not isinstance(kv, PagedKVStore):
             raise PyptoError(
                 "kv_events_endpoint: KV events come from the paged KV store; this executor or "
@@ -253,7 +258,9 @@ class EngineCore:
             )
         rank = self.dp.rank if self.dp.size > 1 else None
         endpoint = endpoint_for(c.kv_events_endpoint, rank or 0)
-        publisher = KVEventPublisher(endpoint, c.kv_events_topic, kv.page_size, rank)
+        replay = c.kv_events_replay_endpoint
+        replay = endpoint_for(replay, rank or 0) if replay is not None else None
+        publisher = KVEventPublisher(endpoint, c.kv_events_topic, kv.page_size, rank, replay)
         kv.events = KVEventLog()
         return publisher
 
@@ -384,6 +391,11 @@ class EngineCore:
             raise
         self.generation_tokens += len(sampled)
         self.scheduler.update(out, sampled)
-        if self.kv_events is not None:
-            self.kv_events.publish(cast(PagedKVStore, self.executor.kv).events_taken())
+        kv = getattr(self.executor, "kv", None)
+        if isinstance(kv, PagedKVStore) and kv.events is not None:
+            events = kv.events_taken()
+            if self.kv_events is not None:
+                self.kv_events.publish(events)
+            if self.dp.size > 1:
+                self.page_events += events
         return [s.request for s in out.scheduled if s.request.request_id in sampled]

@@ -130,6 +130,7 @@ class DPEngine:
             infos[0].page_size,
             [i.capacity_pages for i in infos],
             config.parallel.data_parallel_load_balance,
+            pool_pages=sum(i.pool_pages for i in infos),
         )
         self._stats = [i.stats for i in infos]
         self._by_conn = {r.conn: r for r in self.replicas}
@@ -270,6 +271,7 @@ class DPEngine:
                 self._lose(replica, f"a step failed: {message.message}")
             elif isinstance(message, StepResult):
                 self._stats[replica.index] = message.stats
+                self.router.observe(replica.index, message.pages)
                 self._changed += [r for d in message.deltas if (r := self._apply(d)) is not None]
         self._watch_for_hangs()
         changed, self._changed = self._changed, []

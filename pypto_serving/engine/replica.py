@@ -39,6 +39,7 @@ from pypto_serving.distributed import Group, ParallelGroups, all_ranks_max, use_
 from pypto_serving.engine.core import EngineCore, EngineStats
 from pypto_serving.engine.process import ChildProcess, StartFailed, StartupDeadline, describe
 from pypto_serving.errors import PyptoError
+from pypto_serving.kv.events import PageChange, page_change
 from pypto_serving.kv.paged_attention import StepAttention
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.request import Request
@@ -113,6 +114,8 @@ class Ready:
     """Its place in each parallel group (dp: its index and the replica count)."""
     experts: list[int]
     """The routed experts it holds ([] for a dense model)."""
+    pool_pages: int = 0
+    """Pages it lends to a KV pool shared by the replicas (kv_remote; 0: none)."""
 
 
 @dataclass(slots=True)
@@ -133,6 +136,8 @@ class TokenDelta:
 class StepResult:
     deltas: list[TokenDelta]
     stats: EngineStats
+    pages: list[PageChange] = field(default_factory=list)
+    """The replica's KV events since its last result, for the router's prefix estimate."""
 
 
 @dataclass(slots=True)
@@ -178,7 +183,7 @@ def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
             Ready(
                 os.getpid(),
                 engine.max_model_len,
-                sum(t.capacity for t in tiers),
+                sum(t.capacity for t in tiers if t.name != "remote"),
                 spec.config.cache.page_size,
                 str(engine.device),
                 str(engine.dtype),
@@ -186,6 +191,7 @@ def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
                 engine.stats(),
                 engine.model.groups,
                 engine.model.held_experts,
+                sum(t.capacity for t in tiers if t.name == "remote"),
             )
         )
         serve(engine, conn)
@@ -326,7 +332,9 @@ def _step(engine: EngineCore, send: Callable[[object], None], report: bool = Tru
         )
         for r in changed
     ]
-    send(StepResult(deltas, engine.stats()))
+    pages = [page_change(e) for e in engine.page_events]
+    engine.page_events.clear()
+    send(StepResult(deltas, engine.stats(), pages))
     return True
 
 

@@ -7,10 +7,15 @@ prompt until its first output token arrives, plus the output tokens it may still
 (max_tokens, or the context left). Each request is counted once, from the moment it is
 routed, so a burst of requests is spread before any replica has reported back.
 
-The prefix estimate mirrors what each replica was sent: the hash chain of every routed
-prompt's full pages (the same hashes the KV store computes), in an LRU bounded by the pages
-the replica's KV tiers hold together. It does not see evictions, so it can overestimate; a
-wrong guess costs a recompute, never a wrong answer.
+The prefix estimate has two sources. What each replica was sent: the hash chain of every
+routed prompt's full pages (the same hashes the KV store computes), in an LRU bounded by the
+pages the replica's KV tiers hold together, known at once. And what each replica reports:
+its KV events (pages stored into and removed from each tier's index, the ones it publishes
+for outside routers), which arrive with its step results; a page removed from every tier of a
+replica leaves its estimate, so evictions are seen. With a KV pool shared by the replicas
+(`kv_remote`), a page any replica stored is written there too, and counts for every replica
+(it loads from the pool instead of computing). A wrong guess costs a recompute, never a wrong
+answer.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pypto_serving.kv.events import PageChange
 from pypto_serving.kv.page_pool import hash_page
 from pypto_serving.request import Request
 
@@ -43,13 +49,19 @@ class Router:
         page_size: int,
         capacity_pages: list[int],
         policy: str = "least_pending_tokens",
+        pool_pages: int = 0,
     ) -> None:
+        """pool_pages: what a KV pool shared by the replicas holds (0: none)."""
         self.page_size, self.policy = page_size, policy
         self.capacity_pages = capacity_pages
         self.pending = [0] * num_replicas
         """Pending tokens per replica."""
         self._routed: dict[str, _Routed] = {}
         self._cached: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in capacity_pages]
+        self._held: list[dict[bytes, set[str]]] = [{} for _ in capacity_pages]
+        """Per replica, the tiers each page is in, as its KV events say."""
+        self.pool_pages = pool_pages
+        self._pool: OrderedDict[bytes, None] = OrderedDict()
         self._turn = itertools.cycle(range(num_replicas))
         self.live = set(range(num_replicas))
         """Replicas that take new requests."""
@@ -67,9 +79,36 @@ class Router:
 
     def cached_tokens(self, replica: int, request: Request, hashes: list[bytes]) -> int:
         """Prompt tokens the replica likely has cached (capped so one is always computed)."""
-        cached = self._cached[replica]
-        pages = next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
+        cached, held, pool = self._cached[replica], self._held[replica], self._pool
+        pages = next(
+            (
+                i
+                for i, h in enumerate(hashes)
+                if h not in cached and h not in held and h not in pool
+            ),
+            len(hashes),
+        )
         return min(pages * self.page_size, len(request.prompt_token_ids) - 1)
+
+    def observe(self, replica: int, changes: list[PageChange]) -> None:
+        """A replica's KV events: the pages its tiers stored and removed."""
+        held, cached = self._held[replica], self._cached[replica]
+        for stored, tier, page_hash in changes:
+            if stored:
+                held.setdefault(page_hash, set()).add(tier)
+                if self.pool_pages and tier == "device":  # written through to the pool
+                    self._pool[page_hash] = None
+                    self._pool.move_to_end(page_hash)
+                    if len(self._pool) > self.pool_pages:
+                        self._pool.popitem(last=False)
+                continue
+            tiers = held.get(page_hash)
+            if tiers is not None:
+                tiers.discard(tier)
+                if tiers:
+                    continue
+                del held[page_hash]
+            cached.pop(page_hash, None)  # gone from the replica: the routed guess goes too
 
     def route(self, request: Request) -> int:
         """Pick the replica for a new request and count its tokens there."""
@@ -123,6 +162,7 @@ class Router:
             del self._routed[rid]
         self.pending[replica] = self.num_routed[replica] = 0
         self._cached[replica].clear()
+        self._held[replica].clear()
         return lost
 
     def replica_of(self, request_id: str) -> int | None:

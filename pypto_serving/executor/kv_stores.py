@@ -17,6 +17,7 @@ from pypto_serving.errors import PyptoError
 from pypto_serving.kv.disk_tier import HEADER_BYTES
 from pypto_serving.kv.kinds import WindowedKind
 from pypto_serving.kv.mirror import Journal
+from pypto_serving.kv.mooncake_pool import join
 from pypto_serving.kv.paged_cache import PagedCache
 from pypto_serving.kv.spec import KVSpec
 from pypto_serving.kv.store import PagedKVStore
@@ -92,6 +93,9 @@ def build_paged_store(
             ssd_pages, keeps = parallel_ssd_pages(model, spec, cache.kv_ssd_bytes)
             ssd_dir = ssd_dir / f"rank{g.rank}" if keeps else None
             journal = Journal() if g.rank == 0 else None
+    remote = None
+    if cache.kv_remote is not None:  # one rank per engine (EngineConfig.validate)
+        remote = join(cache.kv_remote, cache.kv_remote_bytes)
     if ssd_dir is not None and ssd_pages == 0:
         raise PyptoError(
             f"kv_ssd_bytes ({ssd_bytes}) is less than one page file "
@@ -107,6 +111,8 @@ def build_paged_store(
             digest=digest,
             journal=journal,
             follows=g.rank > 0,
+            remote=remote,
+            remote_pages=cache.kv_remote_bytes // page_bytes,
         )
     except OSError as e:
         raise PyptoError(f"cannot use kv_ssd_dir {ssd_dir}: {e}") from None

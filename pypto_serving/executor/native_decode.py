@@ -8,11 +8,13 @@ the reading of the weights, in llama.cpp's formats (Q4_1 layers, a Q8_0 head: `p
 `pack_q8`) with int8 dot products over activations quantized per 32 (Q8_1). Steps of more
 than MAX_ROWS tokens, or with a prefill chunk, run on the compiled graphs as before.
 
-It applies (`applies`) to bf16 models on the CPU, unquantized or int4 / int4-w8a8, one rank,
-dense layers, and attention shapes the native kernels take. An int4 model's Linears then hold
-the packed forms (`Linear.native`), built by the loader; an unquantized model's plain bf16
-weights are read where they lie (bf16 dot products), so a decode of one reads SmolLM2's 269 MB
-once at the memory's speed. The structures below mirror decode.cpp's.
+It applies (`applies`) to bf16 models on the CPU, unquantized or int4 / int4-w8a8, one rank
+or tensor-parallel ranks on one machine (each runs its share and calls the shared-memory
+collectives from C++: `distributed.shm_group`), dense layers, and attention shapes the native
+kernels take. An int4 model's Linears then hold the packed forms (`Linear.native`), built by
+the loader; an unquantized model's plain bf16 weights are read where they lie (bf16 dot
+products), so a decode of one reads SmolLM2's 269 MB once at the memory's speed. The
+structures below mirror decode.cpp's.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ctypes import POINTER, c_float, c_int32, c_int64, c_void_p
 import torch
 
 from pypto_serving.device import use_native_decode
-from pypto_serving.distributed import ParallelGroups
+from pypto_serving.distributed import ParallelGroups, shm_group
 from pypto_serving.executor.team_size import TeamSize
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.paged_cache import PagedCache
@@ -73,6 +75,10 @@ class _Model(ctypes.Structure):
         *[(name, c_void_p) for name in ("inv_freq", "embed", "final_norm")],
         ("lm_head", Matrix),
         ("layers", POINTER(_Layer)),
+        ("world", c_int32),
+        ("vocab_start", c_int64),
+        ("embed_rows", c_int64),
+        *[(name, c_void_p) for name in ("comm", "all_reduce", "all_gather")],
     ]
 
 
@@ -85,6 +91,8 @@ class _Step(ctypes.Structure):
             (name, c_void_p)
             for name in ("tokens", "positions", "slots", "block_table", "ctx_lens", "logits")
         ],
+        ("timeout_s", ctypes.c_double),
+        ("who", c_void_p),
     ]
 
 
@@ -97,26 +105,30 @@ def applies(
     page_size: int,
 ) -> bool:
     """Whether an engine's decodes of a few run through the native step: bf16 or int4 weights
-    on the CPU (bf16), one rank, no mixture-of-experts layer, sizes in whole groups of 32, an
-    attention shape the native kernels take, and a C++ compiler to build them with
-    (`--no-native-decode` turns it off)."""
+    on the CPU (bf16), one rank or TP ranks joined by shared memory (no pipeline), no
+    mixture-of-experts layer, sizes (each rank's) in whole groups of 32, an attention shape
+    the native kernels take, and a C++ compiler to build them with (`--no-native-decode`
+    turns it off)."""
+    tp = groups.tp.size
+    sizes = (cfg.hidden_size, cfg.intermediate_size // tp, cfg.q_size // tp)
     return (
         quantization in QUANTIZATIONS
         and use_native_decode(device)
         and compiler() is not None
         and dtype == torch.bfloat16
-        and groups.world_size == 1
+        and (groups.world_size == 1 or (groups.pp.size == 1 and shm_group() is not None))
         and not cfg.moe_layers
         and not cfg.kv_lora_rank  # MLA (DeepSeek): no native step
-        and all(n % INT4_GROUP == 0 for n in (cfg.hidden_size, cfg.intermediate_size, cfg.q_size))
+        and all(n % INT4_GROUP == 0 for n in sizes)
         and native_attention.takes(dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size)
     )
 
 
-def matrix(layer: Linear) -> Matrix:
-    """A Linear's weight (and bias) as decode.cpp reads it: its packed form where the loader
-    made one (int4 models), else its plain bf16 weight."""
-    bias = None if layer.bias is None else layer.bias.data_ptr()
+def matrix(layer: Linear, bias_here: bool = True) -> Matrix:
+    """A Linear's weight (and bias, unless not `bias_here`: a row-parallel layer's is added
+    by rank 0's share only) as decode.cpp reads it: its packed form where the loader made one
+    (int4 models), else its plain bf16 weight."""
+    bias = None if layer.bias is None or not bias_here else layer.bias.data_ptr()
     if layer.native is None:
         weight = layer.weight
         assert weight.dtype == torch.bfloat16 and weight.is_contiguous()
@@ -140,6 +152,10 @@ class NativeDecoder:
         assert decoder.norm is not None
         self.lib, self.vocab = lib, cfg.vocab_size
         self.team = TeamSize(torch.get_num_threads())
+        tp, self.comm = model.groups.tp, shm_group()
+        assert tp.size == 1 or self.comm is not None
+        hooks = self.comm.native_calls() if self.comm is not None else (None, None, None, None)
+        self._who = hooks[3]
         layers = []
         for i, layer in enumerate(decoder.layers):
             assert isinstance(layer, DecoderLayer)
@@ -152,9 +168,9 @@ class NativeDecoder:
                     _ptr(attn.q_norm.weight) if cfg.qk_norm else None,
                     _ptr(attn.k_norm.weight) if cfg.qk_norm else None,
                     matrix(attn.qkv_proj),
-                    matrix(attn.o_proj),
+                    matrix(attn.o_proj, tp.rank == 0),
                     matrix(mlp.gate_up_proj),
-                    matrix(mlp.down_proj),
+                    matrix(mlp.down_proj, tp.rank == 0),
                     kv.k_cache[i].data_ptr(),
                     kv.v_cache[i].data_ptr(),
                 )
@@ -169,7 +185,7 @@ class NativeDecoder:
             cfg.num_kv_heads,
             cfg.head_dim,
             cfg.intermediate_size,
-            cfg.vocab_size,
+            model.lm_head.out_features,  # this rank's rows of the (padded) vocabulary
             kv.k_cache.dtype == torch.int8,
             kv.page_size,
             cfg.rms_norm_eps,
@@ -180,7 +196,12 @@ class NativeDecoder:
             decoder.norm.weight.data_ptr(),
             matrix(model.lm_head),
             self._layers,
+            tp.size,
+            decoder.embed_tokens.start,
+            decoder.embed_tokens.shard,
+            *hooks[:3],
         )
+        self._gathered = model.lm_head.out_features * tp.size
 
     def logits(
         self,
@@ -196,13 +217,16 @@ class NativeDecoder:
         and values it writes into the KV cache."""
         rows = len(tokens)
         tables = [t.contiguous() for t in (tokens, positions, slots, block_table, ctx_lens)]
-        out = torch.empty(rows, self.vocab)
+        out = torch.empty(rows, self._gathered)
         threads = self.team.threads()  # fewer where another process competes for the cores
-        step = _Step(
-            rows, block_table.shape[1], threads, *(t.data_ptr() for t in tables), out.data_ptr()
-        )
+        pointers = (*(t.data_ptr() for t in tables), out.data_ptr())
+        timeout = self.comm.timeout_s if self.comm is not None else 0.0
+        step = _Step(rows, block_table.shape[1], threads, *pointers, timeout, self._who)
         start = time.perf_counter()
-        if self.lib.pypto_decode_step(ctypes.byref(self._model), ctypes.byref(step)):
+        status = self.lib.pypto_decode_step(ctypes.byref(self._model), ctypes.byref(step))
+        if status >= 10 and self.comm is not None:
+            self.comm.check(status - 10, "collective of the native decode step")
+        if status:
             raise ValueError(f"the native decode step does not take {rows} rows")
         self.team.record(rows, threads, time.perf_counter() - start)
-        return out
+        return out if self._gathered == self.vocab else out[:, : self.vocab]

@@ -290,8 +290,12 @@ class PagedExecutor:
                 self.batch_invariant,
             )
         )  # the operator: it maps the step's slots from the page lists
+        if g.world_size > 1 and g.rank == 0:
+            broadcast_step(step, self.device)
+        if step.moves:  # rank 0's page moves, mirrored on every rank's share
+            self._follow_moves(step.moves)
         if self.native is not None and step.max_q == 1 and len(step.q_lens) <= NATIVE_MAX_ROWS:
-            logits = self.native.logits(
+            logits = self.native.logits(  # under TP: every rank, each its share
                 step.input_ids,
                 step.positions,
                 attention.slot_mapping,
@@ -299,10 +303,6 @@ class PagedExecutor:
                 step.ctx_lens,
             )  # every row's; the step samples those that caught up (all, unless a 1-token chunk)
             return logits if len(step.logits_index) == len(logits) else logits[step.logits_index]
-        if g.world_size > 1 and g.rank == 0:
-            broadcast_step(step, self.device)
-        if step.moves:  # rank 0's page moves, mirrored on every rank's share
-            self._follow_moves(step.moves)
         hidden = None
         if g.pp.rank > 0:
             size = self.model.cfg.hidden_size

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MEDIUM = {"device": "GPU", "cpu": "CPU", "ssd": "DISK"}
-"""Our tier names -> vLLM's medium names."""
+"""Our tier names -> vLLM's medium names. The shared pool (the remote tier) has none: it is
+not this server's, and its master can publish its own events."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,13 @@ class PageRemoved:
 
 KVEvent = PageStored | PageRemoved
 
+PageChange = tuple[bool, str, bytes]
+"""An event as the data-parallel router takes it: (stored, not removed; tier; page hash)."""
+
+
+def page_change(event: KVEvent) -> PageChange:
+    return isinstance(event, PageStored), event.tier, event.page_hash
+
 
 @dataclass(slots=True)
 class KVEventLog:
@@ -43,10 +51,12 @@ class KVEventLog:
     def stored(
         self, tier: str, page_hash: bytes, parent: bytes | None, token_ids: tuple[int, ...]
     ) -> None:
-        self.events.append(PageStored(tier, page_hash, parent, token_ids))
+        if tier in MEDIUM:
+            self.events.append(PageStored(tier, page_hash, parent, token_ids))
 
     def removed(self, tier: str, page_hash: bytes) -> None:
-        self.events.append(PageRemoved(tier, page_hash))
+        if tier in MEDIUM:
+            self.events.append(PageRemoved(tier, page_hash))
 
     def take(self) -> list[KVEvent]:
         out, self.events = self.events, []

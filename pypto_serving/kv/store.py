@@ -9,8 +9,11 @@ page's bytes only through it (`read_page`, `write_page`), so a page of any kind 
 V, MLA's one latent tensor) moves between tiers alike. The scheduler asks it capacity
 questions (`num_cached_tokens`, `allocate`, `free`, `preempt`).
 
-Tiers (the Mooncake way): the device pool, then optionally CPU memory, then optionally SSD.
-One index across them maps a page hash to exactly one place (placement is exclusive):
+Tiers (the Mooncake way): the device pool, then optionally CPU memory, then optionally SSD,
+then optionally a pool shared with other servers (`remote_tier.py`, a Mooncake Store).
+One index across the local tiers maps a page hash to exactly one place (placement is
+exclusive among them); the shared pool is not exclusive: every page computed on the device is
+written to it too (write-through), and a hit there copies the page and leaves it for others:
 
     device ──a cached page's slot is reused──▶ cpu ──cpu full: its LRU page──▶ ssd ──▶ dropped
        ▲                                          │                            │
@@ -46,8 +49,10 @@ from pypto_serving.kv.disk_tier import DiskTier
 from pypto_serving.kv.events import KVEvent, KVEventLog
 from pypto_serving.kv.host_tier import HostTier
 from pypto_serving.kv.mirror import Journal, JournaledDiskTier, JournaledHostTier
+from pypto_serving.kv.mooncake_pool import Pool
 from pypto_serving.kv.page_pool import PagePool, hash_page
 from pypto_serving.kv.paged_cache import PagedCache
+from pypto_serving.kv.remote_tier import RemoteTier
 from pypto_serving.kv.tier import PageKV, PageTier, TierStats
 from pypto_serving.request import Request
 
@@ -131,13 +136,17 @@ class PagedKVStore:
         digest: str = "",
         journal: Journal | None = None,
         follows: bool = False,
+        remote: Pool | None = None,
+        remote_pages: int = 0,
     ) -> None:
         """cache: the attention operator's KV, whose pages this store hands out; cpu_pages /
         ssd_pages: capacities of the lower tiers (0: none); digest identifies the model and
         configuration whose KV this is (SSD pages of another digest or KV spec are ignored);
         journal: rank 0's under TP/PP, recording its page moves for the other ranks to
         mirror (`kv/mirror.py`); follows: a rank > 0's store under TP/PP (it mirrors rank 0's
-        moves, and never spills on its own)."""
+        moves, and never spills on its own); remote: the tier in a pool shared with other
+        servers (a Mooncake Store client), below the others, of which this process lends
+        `remote_pages` pages."""
         spec, num_pages = cache.spec, cache.num_pages
         self.cache, self.journal = cache, journal
         self.pool = PagePool(num_pages, spec.page_size, enable_prefix_caching, self._demote)
@@ -152,19 +161,28 @@ class PagedKVStore:
         elif cpu_pages > 0:
             self.cpu = HostTier(cpu_pages, shape, spec.dtype, pin, n)
         self.ssd = None
+        layout = f"{FORMAT_VERSION}|{digest}|{spec.describe()}".encode()
+        full_digest = hashlib.blake2b(layout, digest_size=16).hexdigest()
         if ssd_dir is not None and ssd_pages > 0:
-            layout = f"{FORMAT_VERSION}|{digest}|{spec.describe()}".encode()
-            full_digest = hashlib.blake2b(layout, digest_size=16).hexdigest()
             args = (ssd_dir, ssd_pages, shape, spec.dtype, full_digest, n)
             self.ssd = DiskTier(*args) if journal is None else JournaledDiskTier(journal, *args)
-        self.lower: list[PageTier] = [t for t in (self.cpu, self.ssd) if t is not None]
+        self.remote = None
+        if remote is not None:
+            self.remote = RemoteTier(remote, remote_pages, shape, spec.dtype, full_digest, n)
+        tiers = (self.cpu, self.ssd, self.remote)
+        self.lower: list[PageTier] = [t for t in tiers if t is not None]
         """The tiers below the device, fastest first."""
         self.stats = {"device": TierStats("device", num_pages, self.page_bytes)}
         for tier in self.lower:
             self.stats[tier.name] = TierStats(tier.name, tier.capacity, self.page_bytes)
         # first guesses until measured: ~4 GB/s host copies, ~1 GB/s SSD reads
+        # and ~1 GB/s plus a round trip from the shared pool
         self.costs = Costs(
-            load_s_per_page={"cpu": self.page_bytes / 4e9, "ssd": self.page_bytes / 1e9}
+            load_s_per_page={
+                "cpu": self.page_bytes / 4e9,
+                "ssd": self.page_bytes / 1e9,
+                "remote": self.page_bytes / 1e9 + 5e-4,
+            }
         )
         self.swapped: dict[str, _Swapped] = {}
         self.follows = follows
@@ -181,7 +199,7 @@ class PagedKVStore:
         self.events: KVEventLog | None = None
         """Pages stored into and removed from each tier's index, when someone listens (the
         engine sets it where KV events are published: `kv/events.py`)."""
-        self._pressure = {"device": 0, "cpu": 0, "ssd": 0}  # pages pushed out since last log
+        self._pressure = dict.fromkeys(self.stats, 0)  # pages pushed out since last log
         self._pressure_logged = time.monotonic()
 
     @property
@@ -217,6 +235,10 @@ class PagedKVStore:
         if self.ssd is not None:
             snapshot["ssd"].errors = self.ssd.num_errors
             snapshot["ssd"].rejected = self.ssd.num_unreadable
+        if self.remote is not None:
+            snapshot["remote"].errors = self.remote.num_errors
+            snapshot["remote"].rejected = self.remote.num_rejected
+            snapshot["remote"].stored = self.remote.num_written  # written through, not pushed
         return list(snapshot.values())
 
     def close(self) -> None:
@@ -248,7 +270,7 @@ class PagedKVStore:
         for page_hash, token_ids, where in pages:
             kv = self._page_kv(where) if isinstance(where, int) else where.load(page_hash)
             if kv is not None and self.ssd.tokens(page_hash) is None:
-                self._push(len(self.lower) - 1, page_hash, token_ids, kv)
+                self._push(self.lower.index(self.ssd), page_hash, token_ids, kv)
         if pages:
             log.info("kept %d cached KV pages on the SSD tier for the next start", len(pages))
         return len(pages)
@@ -292,6 +314,8 @@ class PagedKVStore:
 
     def _make_room(self, level: int, num_pages: int) -> bool:
         tier = self.lower[level]
+        if tier is self.remote:
+            return True  # the shared pool's master evicts
         while tier.capacity - len(tier) < num_pages:
             victim = tier.lru_hash()
             if victim is None:
@@ -319,6 +343,8 @@ class PagedKVStore:
         for tier in self.lower:  # the device copy is canonical now: one place per hash
             if tier.discard(page_hash) and self.events is not None:
                 self.events.removed(tier.name, page_hash)
+        if self.remote is not None:  # write-through (nothing if the pool holds it already)
+            self.remote.store(page_hash, token_ids, self._page_kv(page_id))
 
     def _log_pressure(self) -> None:
         now = time.monotonic()
@@ -402,15 +428,23 @@ class PagedKVStore:
             return hits
         tokens, ps, parent = request.token_ids, self.page_size, None
         end = len(tokens) - ps if limit is None else min(len(tokens) - ps, limit - ps + 1)
+        chain: list[tuple[bytes, tuple[int, ...]]] = []
         for start in range(0, end, ps):  # `- ps`: the last token stays out
             chunk = tuple(tokens[start : start + ps])
             parent = hash_page(parent, chunk, request.cache_salt)
+            chain.append((parent, chunk))
+        probed = self.remote is None
+        for i, (parent, chunk) in enumerate(chain):
             page_id = self.pool.get(parent, chunk)
             if page_id is not None:
                 hits.append(_Hit(parent, chunk, None, page_id))
                 counts["device", "hits"] += 1
                 continue
             counts["device", "misses"] += 1
+            if not probed:  # one question to the shared pool for the rest of the prompt
+                assert self.remote is not None
+                self.remote.probe(chain[i:])
+                probed = True
             for tier in self.lower:
                 if tier.tokens(parent) == chunk:
                     hits.append(_Hit(parent, chunk, tier))

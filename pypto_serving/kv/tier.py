@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-TIER_NAMES = ("device", "cpu", "ssd")
+TIER_NAMES = ("device", "cpu", "ssd", "remote")
 """Fastest first."""
 
 PageKV = tuple[torch.Tensor, ...]

@@ -11,6 +11,9 @@
   records: AVX512-VNNI dot products, AVX2's vpmaddubsw/vpmaddwd or AVX-VNNI, plain loops
   elsewhere; bf16 weights: AVX512-BF16 dot products, or widened to float32 and FMAs on AVX2);
   called by `executor/native_decode.py`.
+- `shm.cpp`: the collectives between the ranks of one machine over a shared-memory segment
+  (all-reduce, all-gather, broadcast: spin, then yield, then nap); its own library
+  (`shm_library`), called by `shm_collectives.py`.
 
 The library is compiled on first use with the C++ compiler Inductor also uses (`$CXX`, else
 g++), for this CPU's ISA, which picks each kernel's code path (`device.cpu_march`:
@@ -51,6 +54,8 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.cpp", "de
 GEMM_SOURCES = (Path(__file__).with_name("gemm.cpp"),)
 """The panel GEMM and the product over records, which no shape constant touches: one library
 for every model."""
+SHM_SOURCES = (Path(__file__).with_name("shm.cpp"),)
+"""The shared-memory collectives: one library for every model."""
 HEADERS = (Path(__file__).with_name("records.h"),)
 """Included by the sources (the product over records: decode.cpp and gemm.cpp): part of every
 library's key."""
@@ -82,6 +87,11 @@ def build_gemm(
 ) -> Path | None:
     """The panel GEMM's library (gemm.cpp) in `out_dir`, as `build`."""
     return _build(GEMM_SOURCES, (), "gemm", out_dir, cxx, extra_flags)
+
+
+def build_shm(out_dir: Path, cxx: str | None = None) -> Path | None:
+    """The shared-memory collectives' library (shm.cpp) in `out_dir`, as `build`."""
+    return _build(SHM_SOURCES, (), "shm", out_dir, cxx, ())
 
 
 def _build(
@@ -177,6 +187,28 @@ def load_gemm(path: Path) -> ctypes.CDLL | None:
     return lib
 
 
+def load_shm(path: Path) -> ctypes.CDLL | None:
+    """The shared-memory collectives' library at `path` with its signatures, or None."""
+    lib = _open(path)
+    if lib is None:
+        return None
+    c_int, c_int64, ptr, c_double = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
+    who = ctypes.POINTER(c_int)
+    lib.pypto_shm_bytes.restype = c_int64
+    lib.pypto_shm_bytes.argtypes = [c_int, c_int64]
+    lib.pypto_shm_attach.restype = ptr
+    lib.pypto_shm_attach.argtypes = [c_int, c_int, c_int, c_int64]
+    lib.pypto_shm_detach.restype = None
+    lib.pypto_shm_detach.argtypes = [ptr]
+    lib.pypto_shm_all_reduce.restype = c_int
+    lib.pypto_shm_all_reduce.argtypes = [ptr, ptr, ptr, c_int64, c_double, who]
+    lib.pypto_shm_all_gather.restype = c_int
+    lib.pypto_shm_all_gather.argtypes = [ptr, ptr, ptr, c_int64, c_int64, c_double, who]
+    lib.pypto_shm_broadcast.restype = c_int
+    lib.pypto_shm_broadcast.argtypes = [ptr, ptr, c_int64, c_int, c_double, who]
+    return lib
+
+
 class Matrix(ctypes.Structure):
     """records.h's Matrix: a weight as its products read it (records, or bf16 rows)."""
 
@@ -215,6 +247,19 @@ def gemm_library() -> ctypes.CDLL | None:
 def _gemm_library() -> ctypes.CDLL | None:
     path = build_gemm(_out_dir())
     return None if path is None else load_gemm(path)
+
+
+def shm_library() -> ctypes.CDLL | None:
+    """The loaded shared-memory collectives (built on first need), or None (no compiler, or
+    it failed)."""
+    with _library_lock:
+        return _shm_library()
+
+
+@cache
+def _shm_library() -> ctypes.CDLL | None:
+    path = build_shm(_out_dir())
+    return None if path is None else load_shm(path)
 
 
 @cache

@@ -9,6 +9,12 @@
 // keys and values go into the bfloat16 or int8 KV cache through attention.cpp. The work is
 // shared by one OpenMP team for the whole step: matmuls split their 16-row blocks, attention
 // its (sequence, KV head) pairs, and the small per-row work runs on one thread.
+//
+// Under tensor parallelism (ranks on one machine) each rank runs its share: its vocabulary
+// rows of the embedding, its heads, its MLP columns and its LM head rows; the partial sums
+// of the embedding, o_proj and down_proj are all-reduced and the logits all-gathered through
+// the shared-memory collectives (native/shm.cpp, reached through the Model's function
+// pointers), each called by one thread of the team.
 #include "records.h"
 
 extern "C" void pypto_store_kv_head(int kv_int8, const float* k, const float* v, void* k_cache,
@@ -20,6 +26,10 @@ extern "C" void pypto_decode_attention_head(int kv_int8, const float* q, const v
 namespace {
 
 constexpr int MAX_ROWS = BLOCK_ROWS;  // sequences in a step
+
+// shm.cpp's pypto_shm_all_reduce and pypto_shm_all_gather.
+using AllReduce = int (*)(void*, const float*, float*, int64_t, double, int*);
+using AllGather = int (*)(void*, const void*, void*, int64_t, int64_t, double, int*);
 
 struct Layer {
     const uint16_t *input_norm, *post_norm;  // bfloat16 [hidden]
@@ -38,12 +48,19 @@ struct Model {
     const uint16_t* final_norm;    // bfloat16 [hidden]
     Matrix lm_head;
     const Layer* layers;
+    int32_t world;                 // tensor-parallel ranks (1: none)
+    int64_t vocab_start, embed_rows;  // this rank's rows of the embedding
+    void* comm;                    // the shared-memory group, under TP
+    AllReduce all_reduce;
+    AllGather all_gather;
 };
 
 struct Step {
     int32_t rows, width, threads;
     const int64_t *tokens, *positions, *slots, *block_table, *ctx_lens;  // block_table [rows, width]
-    float* logits;                 // [rows, vocab]
+    float* logits;                 // [rows, vocab] (under TP: [rows, world * vocab], gathered)
+    double timeout_s;              // how long a collective waits for the other ranks
+    int32_t* who;                  // the rank a failed collective waited for
 };
 
 // out = RMSNorm(x) * weight, per row of `size` values.
@@ -64,9 +81,32 @@ void rope(float* x, const float* cos, const float* sin, int half) {
 }
 
 struct Scratch {
-    std::vector<float> x, h, qkv, attn, gate_up, cos, sin;
+    std::vector<float> x, h, qkv, attn, gate_up, cos, sin, part, sum;
     Activations qx;
+    int status = 0;                // the first failed collective's
 };
+
+// Under TP: the sum over the ranks of every rank's partial `w.part` [rows, hidden], added
+// to the residual stream (one thread). A failed collective leaves its status; the group is
+// then broken, so the later ones return at once and the step ends with it.
+void reduce_into_x(const Model& md, const Step& s, int rows, Scratch& w) {
+    const int64_t n = int64_t(rows) * md.hidden;
+    const int status = md.all_reduce(md.comm, w.part.data(), w.sum.data(), n, s.timeout_s, s.who);
+    if (status && !w.status) w.status = status;
+    for (int64_t i = 0; i < n; ++i) w.x[i] += w.sum[i];
+}
+
+// out (=|+=) the row-parallel `m` over qx: straight into the residual stream on one rank,
+// else each rank's partial product summed over the ranks first.
+void row_parallel(const Model& md, const Step& s, const Matrix& m, Scratch& w) {
+    if (md.world == 1) {
+        product(m, w.qx, s.rows, w.x.data(), md.hidden, true);
+        return;
+    }
+    product(m, w.qx, s.rows, w.part.data(), md.hidden, false);
+#pragma omp single
+    reduce_into_x(md, s, s.rows, w);
+}
 
 // qx = the rows of the residual stream x, RMS-normed by `weight` (into h), as a matmul over
 // weights of `format` reads them (on one thread of the team).
@@ -78,7 +118,7 @@ void norm_rows(const Model& md, const uint16_t* weight, int rows, int format, Sc
 
 // One decoder layer over s.rows rows of the residual stream x (called by every thread).
 void layer(const Model& md, const Layer& ly, const Step& s, Scratch& w) {
-    const int rows = s.rows, hidden = md.hidden, dim = md.head_dim, half = dim / 2;
+    const int rows = s.rows, dim = md.head_dim, half = dim / 2;
     const int group = md.heads / md.kv_heads, inter = md.intermediate;
     const int q_size = md.heads * dim, kv_size = md.kv_heads * dim;
     const int qkv_size = q_size + 2 * kv_size;
@@ -110,7 +150,7 @@ void layer(const Model& md, const Layer& ly, const Step& s, Scratch& w) {
     }
 #pragma omp single
     quantize(w.attn.data(), rows, q_size, ly.o.format, w.qx);
-    product(ly.o, w.qx, rows, w.x.data(), hidden, true);
+    row_parallel(md, s, ly.o, w);
 #pragma omp single
     norm_rows(md, ly.post_norm, rows, ly.gate_up.format, w);
     product(ly.gate_up, w.qx, rows, w.gate_up.data(), 2 * inter, false);
@@ -123,16 +163,32 @@ void layer(const Model& md, const Layer& ly, const Step& s, Scratch& w) {
         }
         quantize(w.h.data(), rows, inter, ly.down.format, w.qx);
     }
-    product(ly.down, w.qx, rows, w.x.data(), hidden, true);
+    row_parallel(md, s, ly.down, w);
 }
 
 }  // namespace
 
 extern "C" int pypto_native_max_rows() { return MAX_ROWS; }
 
+// The LM head's logits of the final-normed rows: this rank's vocabulary rows, gathered over
+// the ranks under TP (into s.logits, [rows, world, vocab]).
+static void lm_head(const Model& md, const Step& s, Scratch& w) {
+    if (md.world == 1) {
+        product(md.lm_head, w.qx, s.rows, s.logits, md.vocab, false);
+        return;
+    }
+    product(md.lm_head, w.qx, s.rows, w.part.data(), md.vocab, false);
+#pragma omp single
+    {
+        const int status = md.all_gather(md.comm, w.part.data(), s.logits, s.rows,
+                                         int64_t(md.vocab) * 4, s.timeout_s, s.who);
+        if (status && !w.status) w.status = status;
+    }
+}
+
 // The forward of a step of s.rows decodes (1 to MAX_ROWS): logits [rows, vocab] of each
-// sequence's new token, its key and value written into the KV cache. Returns 0, or 1 for a
-// step or model it does not take.
+// sequence's new token, its key and value written into the KV cache. Returns 0, 1 for a
+// step or model it does not take, or under TP 10 + a failed collective's status (shm.cpp's).
 extern "C" int pypto_decode_step(const Model* model, const Step* step) {
     const Model& md = *model;
     const Step& s = *step;
@@ -148,21 +204,29 @@ extern "C" int pypto_decode_step(const Model* model, const Step* step) {
     w.gate_up.resize(size_t(rows) * 2 * md.intermediate);
     w.cos.resize(size_t(rows) * half);
     w.sin.resize(size_t(rows) * half);
+    if (md.world > 1) {
+        w.part.resize(size_t(rows) * (hidden > md.vocab ? hidden : md.vocab));
+        w.sum.resize(size_t(rows) * hidden);
+    }
     for (int m = 0; m < rows; ++m) {
-        const uint16_t* e = md.embed + s.tokens[m] * hidden;
-        for (int i = 0; i < hidden; ++i) w.x[m * hidden + i] = bf16(e[i]);
+        const int64_t token = s.tokens[m] - md.vocab_start;  // zeros unless this rank's row
+        const bool here = token >= 0 && token < md.embed_rows;
+        float* x = md.world > 1 ? &w.part[m * hidden] : &w.x[m * hidden];
+        const uint16_t* e = md.embed + (here ? token : 0) * hidden;
+        for (int i = 0; i < hidden; ++i) x[i] = here ? bf16(e[i]) : 0.0f;
         for (int i = 0; i < half; ++i) {
             const float angle = float(s.positions[m]) * md.inv_freq[i];
             w.cos[m * half + i] = std::cos(angle) * md.rope_scaling;
             w.sin[m * half + i] = std::sin(angle) * md.rope_scaling;
         }
     }
+    if (md.world > 1) reduce_into_x(md, s, rows, w);  // x is zero: the summed embedding
 #pragma omp parallel num_threads(s.threads)
     {
         for (int l = 0; l < md.num_layers; ++l) layer(md, md.layers[l], s, w);
 #pragma omp single
         norm_rows(md, md.final_norm, rows, md.lm_head.format, w);
-        product(md.lm_head, w.qx, rows, s.logits, md.vocab, false);
+        lm_head(md, s, w);
     }
-    return 0;
+    return w.status ? 10 + w.status : 0;
 }

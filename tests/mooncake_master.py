@@ -1,0 +1,63 @@
+"""A real Mooncake master (the `mooncake_master` of mooncake-transfer-engine-non-cuda) for the
+remote KV tier's tests, on a free loopback port or inside a network namespace."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from patience import patience
+
+
+def master_binary() -> str:
+    """The mooncake_master executable (on PATH, or next to the interpreter)."""
+    found = shutil.which("mooncake_master") or str(
+        Path(sys.executable).with_name("mooncake_master")
+    )
+    assert Path(found).exists(), "mooncake_master is missing: pip install -e '.[test]'"
+    return found
+
+
+def master_command(port: int, metrics_port: int) -> list[str]:
+    return [
+        master_binary(),
+        f"--rpc_port={port}",
+        f"--metrics_port={metrics_port}",
+        "--enable_metric_reporting=false",
+    ]
+
+
+def wait_for_port(host: str, port: int, seconds: float, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + patience(seconds)
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"mooncake_master exited with {proc.returncode}"
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"mooncake_master did not listen on {host}:{port}")
+
+
+@contextmanager
+def mooncake_master(
+    port: int, metrics_port: int, prefix: list[str] | None = None, host: str = "127.0.0.1"
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A master listening on host:port until the block ends (prefix: e.g. `ip netns exec NS`)."""
+    proc = subprocess.Popen(
+        [*(prefix or []), *master_command(port, metrics_port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port(host, port, 30.0, proc)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()

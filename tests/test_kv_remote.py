@@ -1,0 +1,151 @@
+"""The remote KV tier (issue 28, item 1): pages in a pool shared through a real Mooncake master.
+
+Ground truth: the reference is a fresh computation of the same prompt (greedy tokens must be
+identical), and the tier breakdown names exactly the pages that came from the pool: a prompt
+of 100 tokens in pages of 16 has 6 full pages before its last token (96 tokens)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from checkpoints import hash_chain
+from live_server import free_port, tiny_llm
+from mooncake_master import mooncake_master
+from patience import patience
+
+from pypto_serving.errors import PyptoError
+from pypto_serving.kv.mooncake_pool import join, leave
+from pypto_serving.kv.remote_tier import RemoteTier
+from pypto_serving.sampling import SamplingParams
+
+MODEL = "llama-gqa4-tied"
+PAGE = 16
+SEGMENT = 64 << 20
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+
+
+def prompt(i: int, n: int = 100) -> list[int]:
+    return [(11 * i + 5 * j) % 290 + 7 for j in range(n)]
+
+
+@pytest.fixture
+def master_url():
+    port = free_port()
+    with mooncake_master(port, free_port()) as proc:
+        yield f"mooncake://127.0.0.1:{port}", proc
+
+
+def remote_llm(model, url: str, **knobs):
+    remote = {"page_size": PAGE, "kv_cpu_bytes": 0, "kv_remote": url, "kv_remote_bytes": SEGMENT}
+    return tiny_llm(model, **(remote | knobs))
+
+
+def remote_tier(llm) -> RemoteTier:
+    tier = llm.engine.executor.kv.remote
+    assert isinstance(tier, RemoteTier)
+    return tier
+
+
+def test_a_prefix_computed_by_one_engine_is_a_remote_hit_for_another(tiny_model, master_url):
+    url, _ = master_url
+    model, p = tiny_model(MODEL), prompt(0)
+    with tiny_llm(model, page_size=PAGE) as alone:
+        expected = alone.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with remote_llm(model, url) as a, remote_llm(model, url) as b:
+        first = a.generate([p], GREEDY, use_tqdm=False)[0]
+        assert first.cached_tokens_by_tier == {}
+        remote_tier(a).flush()
+        assert remote_tier(a).num_written == 6  # the prompt's full pages (the 7th is partial)
+        out = b.generate([p], GREEDY, use_tqdm=False)[0]
+        assert out.cached_tokens_by_tier == {"remote": 96}
+        assert out.outputs[0].token_ids == first.outputs[0].token_ids == expected
+        stats = {s.name: s for s in b.engine.executor.kv.tier_stats()}["remote"]
+        assert (stats.hits, stats.loaded, stats.rejected, stats.errors) == (6, 6, 0, 0)
+        again = b.generate([p], GREEDY, use_tqdm=False)[0]  # now on B's device
+        assert again.cached_tokens_by_tier == {"device": 96}
+        remote_tier(b).flush()
+        assert remote_tier(b).num_written == 0  # the pool had every page B filled
+
+
+def test_a_corrupted_or_foreign_remote_page_is_a_miss(tiny_model, master_url):
+    url, _ = master_url
+    model, p = tiny_model(MODEL), prompt(1)
+    pool = join(url, SEGMENT)  # the pool's pages live in its members' segments: stay in
+    try:
+        with remote_llm(model, url) as a:
+            expected = a.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+            tier = remote_tier(a)
+            tier.flush()
+            keys = [tier.key(h) for h in hash_chain(p, PAGE)[:6]]
+        damaged = bytearray(pool.get(keys[3]))
+        damaged[len(damaged) // 2] ^= 0xFF  # a bit flipped inside the payload
+        assert pool.upsert(keys[3], bytes(damaged)) == 0
+        with remote_llm(model, url) as b:
+            out = b.generate([p], GREEDY, use_tqdm=False)[0]
+            assert out.cached_tokens_by_tier == {"remote": 3 * PAGE}  # up to the damaged page
+            assert out.outputs[0].token_ids == expected
+            assert remote_tier(b).num_rejected == 1
+            remote_tier(b).flush()  # B computed the damaged page again: it replaced it
+        # another page's value under a page's key (the right size, other tokens)
+        assert pool.upsert(keys[2], pool.get(keys[1])) == 0
+        with remote_llm(model, url) as c:
+            out = c.generate([p], GREEDY, use_tqdm=False)[0]
+            assert out.cached_tokens_by_tier == {"remote": 2 * PAGE}
+            assert out.outputs[0].token_ids == expected
+            assert remote_tier(c).num_rejected == 1
+            remote_tier(c).flush()
+        with remote_llm(model, url) as d:  # both put right: the whole prefix is a hit again
+            out = d.generate([p], GREEDY, use_tqdm=False)[0]
+            assert out.cached_tokens_by_tier == {"remote": 6 * PAGE}
+            assert out.outputs[0].token_ids == expected
+    finally:
+        leave(pool)
+
+
+def test_a_master_that_dies_mid_run_costs_recompute_not_requests(tiny_model, master_url):
+    url, proc = master_url
+    model = tiny_model(MODEL)
+    prompts = [prompt(i) for i in range(2, 6)]
+    with tiny_llm(model, page_size=PAGE) as alone:
+        expected = [o.outputs[0].token_ids for o in alone.generate(prompts, GREEDY, use_tqdm=False)]
+    with remote_llm(model, url) as a:
+        a.generate(prompts[:2], GREEDY, use_tqdm=False)
+        remote_tier(a).flush()
+        proc.kill()
+        proc.wait()
+        outs = a.generate(prompts[2:], GREEDY, use_tqdm=False)  # writes and lookups fail
+        assert [o.outputs[0].token_ids for o in outs] == expected[2:]
+        remote_tier(a).flush()
+        assert remote_tier(a).num_errors >= 1
+        stats = {s.name: s for s in a.engine.executor.kv.tier_stats()}["remote"]
+        assert stats.errors == remote_tier(a).num_errors
+
+
+def test_bad_remote_settings_are_clear_errors(tiny_model):
+    model = tiny_model(MODEL)
+    with pytest.raises(PyptoError, match="kv_remote must look like mooncake://HOST:PORT"):
+        tiny_llm(model, kv_remote="redis://127.0.0.1:1")
+    port = free_port()
+    with pytest.raises(PyptoError, match=f"Mooncake master at 127.0.0.1:{port} does not answer"):
+        tiny_llm(model, kv_remote=f"mooncake://127.0.0.1:{port}")
+    url = f"mooncake://127.0.0.1:{port}"
+    with pytest.raises(PyptoError, match="kv_remote needs the paged executor"):
+        tiny_llm(model, kv_remote=url, executor="reference")
+    with pytest.raises(PyptoError, match="kv_remote runs with tensor_parallel_size and pipe"):
+        tiny_llm(model, kv_remote=url, tensor_parallel_size=2)
+    with pytest.raises(PyptoError, match="kv_remote_bytes must be at least 1MiB"):
+        tiny_llm(model, kv_remote=url, kv_remote_bytes=1000)
+
+
+def test_two_data_parallel_replicas_share_the_pool(tiny_model, master_url):
+    """Round robin sends the second request to the other replica: a remote-tier hit there."""
+    url, _ = master_url
+    model, p = tiny_model(MODEL), prompt(7)
+    knobs = {"data_parallel_size": 2, "data_parallel_load_balance": "round_robin"}
+    with remote_llm(model, url, **knobs) as llm:
+        first = llm.generate([p], GREEDY, use_tqdm=False)[0]
+        time.sleep(patience(2.0))  # replica 0 writes its pages from a background thread
+        second = llm.generate([p], GREEDY, use_tqdm=False)[0]
+        assert second.cached_tokens_by_tier == {"remote": 96}
+        assert second.outputs[0].token_ids == first.outputs[0].token_ids
