@@ -10,6 +10,7 @@ network namespaces joined by veth pairs on a private network that exists only in
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -97,6 +98,19 @@ def complete(client: netns.Host, server: netns.Host, prompt: list[int]) -> dict[
     return client.call(post)
 
 
+def pages_written(client: netns.Host, server: netns.Host) -> float:
+    """The pages a server has written to the shared pool, from its /metrics."""
+
+    def scrape() -> float:
+        text = httpx.get(f"http://{server.address}:{HTTP_PORT}/metrics", timeout=10).text
+        found = re.search(
+            r'pypto_kv_tier_stored_pages_total\{[^}]*tier="remote"[^}]*\} (\S+)', text
+        )
+        return float(found.group(1)) if found else 0.0
+
+    return client.call(scrape)
+
+
 def prompt(i: int, n: int = 100) -> list[int]:
     return [(13 * i + 7 * j) % 290 + 7 for j in range(n)]
 
@@ -128,7 +142,9 @@ def test_two_servers_on_two_hosts_share_one_mooncake_master_on_a_third(tiny_mode
                 long = prompt(0)
                 first = complete(m, a, long)
                 assert tiers(first) == {}
-                time.sleep(0.5)  # A writes its pages to the pool from a background thread
+                wait_until(  # A writes its pages to the pool from a background thread
+                    lambda: pages_written(m, a) >= 6, 30, "A's pages in the pool"
+                )
                 second = complete(m, b, long)
                 assert tiers(second) == {"remote": 96}  # 6 full pages before the last token
                 assert second["choices"][0]["text"] == first["choices"][0]["text"]
