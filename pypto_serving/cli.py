@@ -140,13 +140,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
         knobs["model"] = args.model_path
     engine, server = split_knobs(knobs)
-    if engine.get("node_rank", 0) > 0:  # another machine of a multi-node group: ranks only
+    if engine.get("node_rank", 0) > 0:  # another machine of a multi-node engine: no HTTP
         from pypto_serving.config import engine_config
+        from pypto_serving.engine.dp import serve_replicas
         from pypto_serving.engine.ranks import serve_node
         from pypto_serving.models.default_model import resolve_model_path
 
         config = engine_config(**engine)
-        return serve_node(config, resolve_model_path(config.model))
+        host = serve_replicas if config.parallel.data_parallel_size > 1 else serve_node
+        return host(config, resolve_model_path(config.model))
     return run_server(engine, server)
 
 

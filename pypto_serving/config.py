@@ -187,7 +187,8 @@ class ParallelConfig:
     gathers all replicas' tokens, runs its experts on them and a reduce-scatter returns each
     replica the sums of its own tokens (more traffic, simpler collectives)."""
     data_parallel_backend: str = "mp"
-    """How data-parallel replicas run: mp (a process each on this machine; the only kind)."""
+    """How data-parallel replicas run: mp (a process each, on this machine or spread over
+    nnodes machines; the only kind)."""
     distributed_backend: str | None = None
     """torch.distributed backend of the tensor-parallel ranks: gloo or nccl (None: nccl on
     CUDA, gloo on the CPU)."""
@@ -196,19 +197,23 @@ class ParallelConfig:
     e.g. cuda:0,cuda:1); None: automatic (a GPU each where there are enough, else the CPU
     with its cores split between the processes)."""
     nnodes: int = 1
-    """Machines the tensor-parallel ranks span; every one runs `pypto serve` with the same
-    options and its own node_rank."""
+    """Machines the engine spans; every one runs `pypto serve` with the same options and its
+    own node_rank. With data_parallel_size 1 its tensor/pipeline ranks are spread over them;
+    with data_parallel_size > 1 its replicas are (data_parallel_size / nnodes on each, every
+    replica's ranks on one node), node 0's router sending requests to all of them."""
     node_rank: int = 0
-    """This machine's index among nnodes: 0 runs the engine (rank 0) and serves; the others
-    only host their ranks."""
+    """This machine's index among nnodes: 0 runs the engine (rank 0, or the replicas' router)
+    and serves; the others only host their ranks or replicas."""
     headless: bool = False
     """This node serves no HTTP, only hosts its ranks (vLLM's --headless): what every node
     but 0 does; saying so is optional there, and an error on node 0 (it runs the engine)."""
     master_addr: str = "127.0.0.1"
-    """Address of node 0, where the ranks rendezvous (torch.distributed's MASTER_ADDR)."""
+    """Address of node 0, where the ranks rendezvous (torch.distributed's MASTER_ADDR), or
+    where the other nodes' replicas connect."""
     master_port: int | None = None
-    """Rendezvous port on node 0 when nnodes > 1 (MASTER_PORT); ranks on one machine meet
-    through a file instead, with no listening socket."""
+    """Rendezvous port on node 0 when nnodes > 1 (MASTER_PORT; with data parallelism the
+    replicas' channels, and master_port + 1 the rendezvous of DP attention + EP); ranks on
+    one machine meet through a file instead, with no listening socket."""
     startup_timeout_s: float = 600.0
     """How long a data-parallel replica or a tensor/pipeline rank may take to start (load
     the model, compile, warm up) before start-up fails naming it and stops the others."""
@@ -249,15 +254,24 @@ class ParallelConfig:
                 "give this node its node_rank"
             )
         if self.nnodes > 1:
-            if self.data_parallel_size > 1:
-                raise PyptoError("nnodes > 1 spans one engine's ranks; use data_parallel_size 1")
-            if self.ranks_per_engine % self.nnodes:
+            if self.data_parallel_size > 1 and self.data_parallel_size % self.nnodes:
+                raise PyptoError(
+                    f"data_parallel_size ({self.data_parallel_size}) must be a multiple of "
+                    f"nnodes {self.nnodes} (as many replicas on every node; each replica's "
+                    "ranks on one node)"
+                )
+            if self.data_parallel_size == 1 and self.ranks_per_engine % self.nnodes:
                 raise PyptoError(
                     f"tensor_parallel_size x pipeline_parallel_size ({self.ranks_per_engine}) "
                     f"must be a multiple of nnodes {self.nnodes} (as many ranks on every node)"
                 )
             if self.master_port is None:
                 raise PyptoError("nnodes > 1 needs master_port (the same on every node)")
+            if self.expert_parallel_over_dp and self.master_port == 65535:
+                raise PyptoError(
+                    "DP attention + EP on several nodes also listens on master_port + 1: "
+                    "give a master_port below 65535"
+                )
         t = self.startup_timeout_s
         if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < float("inf"):
             raise PyptoError(f"startup_timeout_s must be a number > 0, got {t!r}")

@@ -9,7 +9,8 @@ sums are reduced in float32 (the residual stream's dtype), so TP does not add ro
 
 Under DP attention + EP the torch.distributed world of a replica process is the replicas
 themselves (tensor_parallel_size 1): its MoE layers exchange tokens over it, and the
-replicas agree on every step with `all_ranks_max` (engine/replica.py).
+replicas agree on every step with `all_ranks_max` (engine/replica.py); replicas on several
+machines meet by env:// at node 0's master_port + 1 (`network_rendezvous`).
 
 The group is one engine's ranks: rank 0 runs the scheduler and broadcasts each step's
 inputs as int64 tensors (never pickled objects); the other ranks follow. On one machine the
@@ -28,10 +29,14 @@ point, all-to-all, reduce-scatter, the KV tiers' agreements) stays on torch.dist
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import logging
 import os
 import shutil
+import socket
+import struct
 import tempfile
 import time
 from dataclasses import dataclass
@@ -137,6 +142,42 @@ def use_rendezvous(store_file: str) -> None:
     started them), gloo's pairs on the loopback device."""
     os.environ[STORE_FILE_ENV] = store_file
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def network_rendezvous(master_addr: str, master_port: int, per_node: int) -> None:
+    """Make this process (and the ranks it starts, which inherit the environment) meet
+    ranks on other machines by env:// (`env_store`): node 0 listens at master_addr:port,
+    `per_node` ranks on each node; gloo's pairs on the interface routed towards node 0."""
+    os.environ.pop(STORE_FILE_ENV, None)
+    os.environ["MASTER_ADDR"] = master_addr
+    os.environ["MASTER_PORT"] = str(master_port)
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)  # ranks per node (torchrun's name)
+    interface = interface_towards(master_addr)
+    if interface is not None and os.environ.get("GLOO_SOCKET_IFNAME") in (None, "lo"):
+        # else gloo goes by the hostname's address (often wrong), or by the loopback
+        # device a group of this machine's ranks set in this process
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def interface_towards(address: str) -> str | None:
+    """The name of this machine's network interface on the route to `address` (whose own
+    address the route leaves from; node 0's own address gives its own interface), or None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((address, 9))  # picks the route; sends nothing
+            local = s.getsockname()[0]
+            for _, name in socket.if_nameindex():
+                request = struct.pack("256s", name.encode()[:15])
+                with contextlib.suppress(OSError):
+                    got = fcntl.ioctl(s.fileno(), SIOCGIFADDR, request)
+                    if socket.inet_ntoa(got[20:24]) == local:
+                        return name
+    except OSError:
+        pass
+    return None
+
+
+SIOCGIFADDR = 0x8915
 
 
 _made_store_dir: Path | None = None

@@ -195,6 +195,51 @@ def test_one_rank_on_each_of_two_hosts_gives_the_tokens_of_one(tiny_model, dimen
             node1.wait()
 
 
+@pytest.mark.slow
+def test_data_parallel_replicas_on_two_hosts_behind_one_router(tiny_model):
+    """`--data-parallel-size 2 --nnodes 2`: host A serves HTTP and one replica, host B
+    (headless) the other, its channel to A's router crossing the network. Round robin sends
+    half the requests to B: the tokens of one engine. When B goes away A's /health says
+    which replica it lost, and A serves on alone."""
+    from live_server import tiny_llm
+
+    from pypto_serving.engine.nodes import SECRET_ENV
+    from pypto_serving.sampling import SamplingParams
+
+    model = tiny_model(MODEL)
+    prompts = [prompt(i, 40) for i in range(5)]
+    with tiny_llm(model) as one:
+        params = SamplingParams(max_tokens=8, temperature=0)
+        expected = [o.outputs[0].text for o in one.generate(prompts, params, use_tqdm=False)]
+    with netns.hosts(2) as (a, b):
+        group = ["--data-parallel-size", "2", "--nnodes", "2", "--master-addr", a.address]
+        group += ["--master-port", "29500", "--startup-timeout-s", str(patience(120))]
+        knobs = [f"--{k.replace('_', '-')}={v}" for k, v in FAST_KNOBS.items() if v is not True]
+        argv = [sys.executable, "-m", "pypto_serving.cli", "serve", "--model", str(model)]
+        argv += ["--enforce-eager", *knobs, *group, "--node-rank", "1", "--headless"]
+        env = os.environ | {SECRET_ENV: "multi-host-test-secret-0123"}
+        node1 = b.run(argv, env=env, stderr=subprocess.PIPE)
+        try:
+            balance = ["--data-parallel-load-balance", "round_robin"]
+            with serve(a, model, *group, *balance, "--node-rank", "0", watch=node1, env=env):
+                got = [complete(b, a, p)["choices"][0]["text"] for p in prompts[:4]]
+                assert got == expected[:4]
+
+                def health() -> httpx.Response:
+                    return httpx.get(f"http://{a.address}:{HTTP_PORT}/health", timeout=10)
+
+                assert b.call(health).status_code == 200
+                node1.kill()
+                wait_until(lambda: b.call(health).status_code == 503, 30, "B's loss noticed")
+                error = b.call(health).json()["error"]
+                assert error["code"] == "degraded"
+                assert "replica 1 stopped: its channel to node 1 closed" in error["message"]
+                assert complete(b, a, prompts[4])["choices"][0]["text"] == expected[4]
+        finally:
+            node1.kill()
+            node1.wait()
+
+
 def test_a_node_that_never_arrives_is_named_within_the_start_up_limit(tiny_model):
     model = tiny_model("qwen2-gqa2")
     with netns.hosts(2) as (a, _b):

@@ -188,8 +188,17 @@ def test_two_nodes_on_loopback(tiny_model, dimension):
         ),
         ({"nnodes": 2, "node_rank": 2, "master_port": 1234}, "node_rank must be below nnodes (2)"),
         (
-            {"data_parallel_size": 2, "tensor_parallel_size": 2, "nnodes": 2, "master_port": 1},
-            "use data_parallel_size 1",
+            {"data_parallel_size": 3, "nnodes": 2, "master_port": 1},
+            "data_parallel_size (3) must be a multiple of nnodes 2 (as many replicas",
+        ),
+        (
+            {"data_parallel_size": 2, "enable_expert_parallel": True, "nnodes": 2},
+            "nnodes > 1 needs master_port",
+        ),
+        (
+            {"data_parallel_size": 2, "enable_expert_parallel": True, "nnodes": 2}
+            | {"master_port": 65535},
+            "DP attention + EP on several nodes also listens on master_port + 1",
         ),
         ({"master_port": 70000}, "master_port must be in [1, 65535]"),
         ({"headless": True}, "headless is for nodes other than 0"),

@@ -244,7 +244,8 @@ class EngineCore:
 
     def _kv_events(self) -> KVEventPublisher | None:
         """The publisher of the KV store's events, where cache.kv_events_endpoint asks for one;
-        a data-parallel replica also keeps them for the router (`take_page_events`)."""
+        a data-parallel replica also keeps them for the router (its `page_events`, which
+        each step result carries and clears)."""
         c = self.config.cache
         kv = getattr(self.executor, "kv", None)
         if self.dp.size > 1 and isinstance(kv, PagedKVStore):

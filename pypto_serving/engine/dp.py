@@ -32,17 +32,19 @@ import tempfile
 import threading
 import time
 from dataclasses import replace
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from pypto_serving.config import EngineConfig
 from pypto_serving.device import plan_devices
 from pypto_serving.engine.core import EngineStats, check_request, check_step_time, combine_stats
+from pypto_serving.engine.nodes import NodeListener, connect_to_front, node_secret, relay
 from pypto_serving.engine.process import StartupDeadline
 from pypto_serving.engine.replica import (
     Abort,
     NewRequest,
     Replica,
+    ReplicaHandle,
     ReplicaSpec,
     StepFailed,
     StepResult,
@@ -50,7 +52,7 @@ from pypto_serving.engine.replica import (
     wait_ready,
 )
 from pypto_serving.engine.router import Router
-from pypto_serving.errors import EngineDeadError
+from pypto_serving.errors import EngineDeadError, PyptoError
 from pypto_serving.models.config import load_model_config
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
@@ -67,20 +69,28 @@ class ReplicaDiedError(EngineDeadError):
     """Every replica process failed, exited or hung while serving."""
 
 
+def local_replicas(config: EngineConfig) -> range:
+    """The replicas this node hosts: its block of data_parallel_size / nnodes."""
+    p = config.parallel
+    per_node = p.data_parallel_size // p.nnodes
+    return range(p.node_rank * per_node, (p.node_rank + 1) * per_node)
+
+
 def replica_specs(
     config: EngineConfig, model_dir: Path, rendezvous: str | None = None
 ) -> list[ReplicaSpec]:
-    """Each replica's own engine config: its device(s), its share of the cores, its SSD dir.
-    With tensor or pipeline parallelism a replica gets the devices and cores of its ranks;
-    under DP attention + EP it keeps data_parallel_size (its MoE layers span the replicas,
-    which meet through the `rendezvous` file)."""
+    """This node's replicas' own engine configs: device(s), share of the cores, SSD dir.
+    With tensor or pipeline parallelism a replica gets the devices and cores of its ranks
+    (all on its node); under DP attention + EP it keeps data_parallel_size (its MoE layers
+    span the replicas, which meet at `rendezvous`)."""
     p = config.parallel
     n, tp = p.data_parallel_size, p.ranks_per_engine
-    plan = plan_devices(n * tp, p.device_list(), config.device)
+    mine = local_replicas(config)
+    plan = plan_devices(len(mine) * tp, p.device_list(), config.device)
     level = logging.getLogger().getEffectiveLevel()
     specs = []
-    for i in range(n):
-        ranks = plan[i * tp : (i + 1) * tp]
+    for local, i in enumerate(mine):
+        ranks = plan[local * tp : (local + 1) * tp]
         cpus = sorted(c for _, share in ranks for c in share or []) or None
         cache = config.cache
         if cache.kv_ssd_dir is not None:  # a directory per replica: each owns its files
@@ -88,12 +98,21 @@ def replica_specs(
         threads = config.num_threads or (len(cpus) if cpus and tp == 1 else None)
         devices = ",".join(d for d, _ in ranks) if tp > 1 else None
         size = n if p.expert_parallel_over_dp else 1
-        parallel = replace(p, data_parallel_size=size, devices=devices)
+        parallel = replace(  # its ranks are all on this node
+            p, data_parallel_size=size, devices=devices, nnodes=1, node_rank=0, headless=False
+        )
         own = replace(
             config, device=ranks[0][0], num_threads=threads, cache=cache, parallel=parallel
         )
-        specs.append(ReplicaSpec(i, own, model_dir, cpus, level, n, rendezvous))
+        specs.append(ReplicaSpec(i, own, model_dir, cpus, level, n, rendezvous, p.nnodes))
     return specs
+
+
+def expert_rendezvous(config: EngineConfig) -> str:
+    """Where the replicas of a multi-node DP attention + EP engine meet: node 0's
+    master_port + 1 (master_port itself takes the replicas' channels)."""
+    p = config.parallel
+    return f"tcp://{p.master_addr}:{(p.master_port or 0) + 1}"
 
 
 class DPEngine:
@@ -101,24 +120,39 @@ class DPEngine:
 
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         config.validate()
+        if config.parallel.node_rank > 0:
+            raise PyptoError("node_rank > 0 only hosts data-parallel replicas: run `pypto serve`")
         self.config, self.model_dir = config, model_dir
         self.model_config = load_model_config(model_dir)
         self.lockstep = config.parallel.expert_parallel_over_dp
         """DP attention + EP: the replicas step together; losing one loses them all."""
+        p = config.parallel
+        deadline = StartupDeadline.after(p.startup_timeout_s)
         self._rendezvous: Path | None = None
+        store: str | None = None
         if self.lockstep:  # errors before any process starts
             self.model_config.parallel_shard(1, 1, ep=True)
-            self._rendezvous = Path(tempfile.mkdtemp(prefix="pypto-rendezvous-"))
-        store = None if self._rendezvous is None else str(self._rendezvous / "store")
+            if p.nnodes > 1:
+                store = expert_rendezvous(config)
+            else:
+                self._rendezvous = Path(tempfile.mkdtemp(prefix="pypto-rendezvous-"))
+                store = str(self._rendezvous / "store")
         self._closed = False
-        self.replicas: list[Replica] = []
+        self.replicas: list[ReplicaHandle] = []
+        listener = NodeListener(config) if p.nnodes > 1 else None  # a busy port fails here
         try:
             for spec in replica_specs(config, model_dir, store):  # all start loading at once
                 self.replicas.append(Replica(spec))
-            wait_ready(self.replicas, StartupDeadline.after(config.parallel.startup_timeout_s))
+            if listener is not None:  # the other nodes' replicas, indices after this node's
+                others = [i for i in range(p.data_parallel_size) if i >= len(self.replicas)]
+                self.replicas += listener.accept(others, deadline)
+            wait_ready(self.replicas, deadline)
         except BaseException:
             self.close()
             raise
+        finally:
+            if listener is not None:
+                listener.close()
         atexit.register(self.close)
         infos = [r.info for r in self.replicas if r.info is not None]
         self.max_model_len = min(i.max_model_len for i in infos)
@@ -143,9 +177,9 @@ class DPEngine:
         self._heard = [time.monotonic()] * len(self.replicas)
         """When each replica last reported (or got work while it had none)."""
         self._messages = 0
-        self._exited: dict[int, int] = {}
-        """Exit codes of replica processes the monitor thread found gone; the engine thread
-        loses them (`_lose_exited`) at its next add_request or step."""
+        self._exited: dict[int, str] = {}
+        """Replicas the monitor thread found gone, and why; the engine thread loses them
+        (`_lose_exited`) at its next add_request or step."""
         self._stop_monitor = threading.Event()
         self._monitor = threading.Thread(
             target=self._watch_processes, name="pypto-dp-monitor", daemon=True
@@ -155,7 +189,7 @@ class DPEngine:
             "%d data-parallel replicas ready: %s",
             len(infos),
             ", ".join(
-                f"dp{r.index} pid {r.pid} on {i.device} ({i.num_threads} threads"
+                f"dp{r.index} {r.where} on {i.device} ({i.num_threads} threads"
                 + (f", experts {i.experts}" if self.lockstep else "")
                 + ")"
                 for r, i in zip(self.replicas, infos, strict=True)
@@ -179,7 +213,7 @@ class DPEngine:
     @property
     def degraded(self) -> str | None:
         """Why the engine serves with fewer replicas than it started with (None: it does not)."""
-        why = {i: f"it exited (code {code})" for i, code in self._exited.items()} | self.lost
+        why = self._exited | self.lost
         lost = [f"data-parallel replica {i} stopped: {w}" for i, w in sorted(why.items())]
         return "; ".join(lost) or None
 
@@ -190,16 +224,15 @@ class DPEngine:
             for r in self.replicas:
                 if r.index in self.lost or r.index in self._exited:
                     continue
-                if (code := r.process.poll()) is not None:
-                    log.error(
-                        "data-parallel replica %d (pid %d) exited (code %d)", r.index, r.pid, code
-                    )
-                    self._exited[r.index] = code
+                if r.poll() is not None:
+                    why = r.why_gone()
+                    log.error("data-parallel replica %d (%s): %s", r.index, r.where, why)
+                    self._exited[r.index] = why
 
     def _lose_exited(self) -> None:
-        for i, code in list(self._exited.items()):
+        for i, why in list(self._exited.items()):
             if i not in self.lost:
-                self._lose(self.replicas[i], f"it exited (code {code})")
+                self._lose(self.replicas[i], why)
 
     def add_request(self, request: Request) -> None:
         """Check, route and send a request to its replica."""
@@ -228,7 +261,7 @@ class DPEngine:
                 break
             except OSError:
                 self.router.finish(request.request_id)
-                self._lose(replica, f"it exited (code {replica.exit_code()})")
+                self._lose(replica, replica.why_gone())
         self._requests[request.request_id] = request
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> list[Request]:
@@ -263,7 +296,7 @@ class DPEngine:
             try:
                 message = replica.conn.recv()
             except (EOFError, OSError):
-                self._lose(replica, f"it exited (code {replica.exit_code()})")
+                self._lose(replica, replica.why_gone())
                 continue
             self._heard[replica.index] = time.monotonic()  # a Heartbeat says no more
             self._messages += 1
@@ -287,9 +320,9 @@ class DPEngine:
                 why = f"no step result or progress for {now - self._heard[i]:.0f} s (hung)"
                 self._lose(replica, why)
 
-    def _lose(self, replica: Replica, why: str) -> None:
+    def _lose(self, replica: ReplicaHandle, why: str) -> None:
         """Kill a dead or hung replica and fail its requests; the others keep serving."""
-        log.error("data-parallel replica %d (pid %s) stopped: %s", replica.index, replica.pid, why)
+        log.error("data-parallel replica %d (%s) stopped: %s", replica.index, replica.where, why)
         self.lost[replica.index] = why
         self._by_conn.pop(replica.conn, None)
         replica.kill(grace=0)
@@ -342,3 +375,61 @@ class DPEngine:
         if self._rendezvous is not None:
             shutil.rmtree(self._rendezvous, ignore_errors=True)
         atexit.unregister(self.close)
+
+
+def serve_replicas(config: EngineConfig, model_dir: Path) -> int:
+    """A node other than 0 under data parallelism: host this node's replicas and relay each
+    to node 0's engine (engine/nodes.py) until node 0 stops them (exit 0), goes away or
+    loses one (exit 1); Ctrl-C stops them (exit 130)."""
+    config.validate()
+    p = config.parallel
+    deadline = StartupDeadline.after(p.startup_timeout_s)
+    node_secret()  # before any process starts
+    if config.parallel.expert_parallel_over_dp:
+        load_model_config(model_dir).parallel_shard(1, 1, ep=True)
+    store = expert_rendezvous(config) if p.expert_parallel_over_dp else None
+    replicas = [Replica(spec) for spec in replica_specs(config, model_dir, store)]
+    channels: list[tuple[Replica, Connection, float]] = []
+    try:  # the channels open while the replicas load: node 0 hears of a failed start
+        for r in replicas:
+            front, offset = connect_to_front(config, r.index, r.pid, deadline)
+            channels.append((r, front, offset))
+    except BaseException:
+        for r in replicas:
+            r.kill()
+        for _, front, _ in channels:
+            front.close()
+        raise
+    log.info(
+        "node %d of %d: data-parallel replicas %s relayed to node 0 at %s:%s",
+        p.node_rank,
+        p.nnodes,
+        ", ".join(f"{r.index} (pid {r.pid})" for r in replicas),
+        p.master_addr,
+        p.master_port,
+    )
+    clean = [False] * len(channels)
+
+    def run(k: int) -> None:
+        clean[k] = relay(*channels[k])
+
+    threads = [
+        threading.Thread(target=run, args=(k,), name=f"pypto-relay-{r.index}", daemon=True)
+        for k, r in enumerate(replicas)
+    ]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    except KeyboardInterrupt:
+        for r in replicas:  # each relay sees its replica exit, and closes its channel
+            r.stop()
+        for t in threads:
+            t.join()
+        return 130
+    if not all(clean):
+        log.error("node %d: node 0 went away or lost a replica: stopping", p.node_rank)
+        return 1
+    log.info("node %d: node 0 stopped its replicas", p.node_rank)
+    return 0

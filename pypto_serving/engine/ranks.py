@@ -13,12 +13,9 @@ until rank 0 says stop or goes away.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import signal
-import socket
-import struct
 import sys
 import threading
 from dataclasses import dataclass, replace
@@ -33,6 +30,7 @@ from pypto_serving.distributed import (
     WAIT_FOREVER_S,
     check_no_group,
     local_rendezvous,
+    network_rendezvous,
     set_collective_timeout,
     shutdown_distributed,
 )
@@ -103,14 +101,7 @@ def start_workers(
     if p.nnodes == 1:
         local_rendezvous()
     else:
-        os.environ["MASTER_ADDR"] = p.master_addr
-        os.environ["MASTER_PORT"] = str(p.master_port)
-        os.environ["LOCAL_WORLD_SIZE"] = str(len(ranks))  # ranks per node (torchrun's name)
-        interface = interface_towards(p.master_addr)
-        if interface is not None and os.environ.get("GLOO_SOCKET_IFNAME") in (None, "lo"):
-            # else gloo goes by the hostname's address (often wrong), or by the loopback
-            # device a group of this machine's ranks set in this process
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
+        network_rendezvous(p.master_addr, p.master_port or 0, len(ranks))
     level = logging.getLogger().getEffectiveLevel()
     first = p.node_rank * len(ranks)
     workers: list[ChildProcess] = []
@@ -127,27 +118,6 @@ def start_workers(
         shutdown_distributed()  # removes the rendezvous file made above
         raise
     return workers
-
-
-def interface_towards(address: str) -> str | None:
-    """The name of this machine's network interface on the route to `address` (whose own
-    address the route leaves from; node 0's own address gives its own interface), or None."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((address, 9))  # picks the route; sends nothing
-            local = s.getsockname()[0]
-            for _, name in socket.if_nameindex():
-                request = struct.pack("256s", name.encode()[:15])
-                with contextlib.suppress(OSError):
-                    got = fcntl.ioctl(s.fileno(), SIOCGIFADDR, request)
-                    if socket.inet_ntoa(got[20:24]) == local:
-                        return name
-    except OSError:
-        pass
-    return None
-
-
-SIOCGIFADDR = 0x8915
 
 
 def wait_ranks(

@@ -26,16 +26,22 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from pypto_serving.config import EngineConfig
-from pypto_serving.distributed import Group, ParallelGroups, all_ranks_max, use_rendezvous
+from pypto_serving.distributed import (
+    Group,
+    ParallelGroups,
+    all_ranks_max,
+    network_rendezvous,
+    use_rendezvous,
+)
 from pypto_serving.engine.core import EngineCore, EngineStats
 from pypto_serving.engine.process import ChildProcess, StartFailed, StartupDeadline, describe
 from pypto_serving.errors import PyptoError
@@ -77,7 +83,10 @@ class ReplicaSpec:
     dp_size: int = 1
     """The number of replicas (`index` is this one's rank among them)."""
     rendezvous: str | None = None
-    """DP attention + EP: the file the replicas' torch.distributed group meets through."""
+    """DP attention + EP: where the replicas' torch.distributed group meets: a file (all on
+    one machine), or tcp://ADDRESS:PORT on node 0 (replicas on several nodes)."""
+    nodes: int = 1
+    """The machines the replicas are spread over (as many on each)."""
 
 
 @dataclass(slots=True)
@@ -171,7 +180,10 @@ def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
         slow, _, seconds = os.environ.get(SLOW_LAYERS_ENV, "").partition(":")
         if slow in ("*", str(spec.index)):
             _slow_layers(float(seconds))
-        if spec.rendezvous is not None:
+        if spec.rendezvous is not None and spec.rendezvous.startswith("tcp://"):
+            address, _, port = spec.rendezvous.removeprefix("tcp://").rpartition(":")
+            network_rendezvous(address, int(port), spec.dp_size // spec.nodes)
+        elif spec.rendezvous is not None:
             use_rendezvous(spec.rendezvous)
         engine = EngineCore(spec.config, spec.model_dir, Group(spec.index, spec.dp_size))
     except BaseException as e:  # reported to the parent, which stops every replica
@@ -338,6 +350,36 @@ def _step(engine: EngineCore, send: Callable[[object], None], report: bool = Tru
     return True
 
 
+class ReplicaHandle(Protocol):
+    """What the engine uses of a replica: a local `Replica`, or one on another node
+    (engine/nodes.py's RemoteReplica)."""
+
+    index: int
+    conn: Connection
+    info: Ready | None
+
+    @property
+    def where(self) -> str:
+        """Where it runs, for messages: "pid 123", "node 1 pid 123"."""
+        ...
+
+    def why_gone(self) -> str:
+        """Why it can no longer be reached (its channel closed)."""
+        ...
+
+    def send(self, message: NewRequest | Abort) -> None: ...
+
+    def poll(self) -> int | None:
+        """Not None once it is gone; reads nothing from the channel."""
+        ...
+
+    def request_stop(self) -> None: ...
+
+    def stop(self, timeout: float = ...) -> None: ...
+
+    def kill(self, grace: float = ...) -> None: ...
+
+
 class Replica(ChildProcess):
     """The parent's handle on one replica process."""
 
@@ -346,11 +388,21 @@ class Replica(ChildProcess):
         self.index = spec.index
         self.info: Ready | None = None
 
+    @property
+    def where(self) -> str:
+        return f"pid {self.pid}"
+
+    def why_gone(self) -> str:
+        return f"it exited (code {self.exit_code()})"
+
     def send(self, message: NewRequest | Abort) -> None:
         self.conn.send(message)
 
+    def poll(self) -> int | None:
+        return self.process.poll()
 
-def wait_ready(replicas: list[Replica], deadline: StartupDeadline) -> None:
+
+def wait_ready(replicas: Sequence[ReplicaHandle], deadline: StartupDeadline) -> None:
     """Wait until every replica is ready. If one fails (or dies, or is not ready by the
     deadline) first, stop them all and raise PyptoError naming the one that failed."""
     pending = {r.conn: r for r in replicas}
@@ -360,10 +412,8 @@ def wait_ready(replicas: list[Replica], deadline: StartupDeadline) -> None:
             late = list(pending.values())
             for r in replicas:
                 r.kill()
-            missed = deadline.missed(
-                [f"data-parallel replica {r.index} (pid {r.pid})" for r in late]
-            )
-            rest = ", ".join(f"{r.index} (pid {r.pid})" for r in replicas if r not in late)
+            missed = deadline.missed([f"data-parallel replica {r.index} ({r.where})" for r in late])
+            rest = ", ".join(f"{r.index} ({r.where})" for r in replicas if r not in late)
             raise PyptoError(f"{missed}; stopped the other replicas: {rest or 'none'}")
         for conn in ready:
             r = pending[conn]  # type: ignore[index]
@@ -376,15 +426,12 @@ def wait_ready(replicas: list[Replica], deadline: StartupDeadline) -> None:
                 del pending[conn]  # type: ignore[arg-type]
                 log.info("replica %d ready (pid %d)", r.index, message.pid)
                 continue
-            if isinstance(message, StartFailed):
-                why = message.message
-            else:
-                why = f"the process exited with code {r.exit_code()}"
+            why = message.message if isinstance(message, StartFailed) else r.why_gone()
             others = [o for o in replicas if o is not r]
             for o in [r, *others]:
                 o.kill()
-            stopped = ", ".join(f"{o.index} (pid {o.pid})" for o in others) or "none"
+            stopped = ", ".join(f"{o.index} ({o.where})" for o in others) or "none"
             raise PyptoError(
-                f"data-parallel replica {r.index} (pid {r.pid}) failed to start: {why}; "
+                f"data-parallel replica {r.index} ({r.where}) failed to start: {why}; "
                 f"stopped the other replicas: {stopped}"
             )

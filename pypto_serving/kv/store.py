@@ -40,7 +40,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -426,15 +426,20 @@ class PagedKVStore:
         self._lookups[request.request_id] = counts
         if not self.pool.enable_prefix_caching:
             return hits
-        tokens, ps, parent = request.token_ids, self.page_size, None
+        tokens, ps = request.token_ids, self.page_size
         end = len(tokens) - ps if limit is None else min(len(tokens) - ps, limit - ps + 1)
-        chain: list[tuple[bytes, tuple[int, ...]]] = []
-        for start in range(0, end, ps):  # `- ps`: the last token stays out
-            chunk = tuple(tokens[start : start + ps])
-            parent = hash_page(parent, chunk, request.cache_salt)
-            chain.append((parent, chunk))
-        probed = self.remote is None
-        for i, (parent, chunk) in enumerate(chain):
+
+        def hashed() -> Iterator[tuple[bytes, tuple[int, ...]]]:
+            """The prompt's full pages and their chain hashes, hashed as the walk asks."""
+            parent = None
+            for start in range(0, end, ps):  # `- ps`: the last token stays out
+                chunk = tuple(tokens[start : start + ps])
+                parent = hash_page(parent, chunk, request.cache_salt)
+                yield parent, chunk
+
+        chain, probed = hashed(), self.remote is None
+        while (page := next(chain, None)) is not None:
+            parent, chunk = page
             page_id = self.pool.get(parent, chunk)
             if page_id is not None:
                 hits.append(_Hit(parent, chunk, None, page_id))
@@ -443,8 +448,9 @@ class PagedKVStore:
             counts["device", "misses"] += 1
             if not probed:  # one question to the shared pool for the rest of the prompt
                 assert self.remote is not None
-                self.remote.probe(chain[i:])
-                probed = True
+                rest = [page, *chain]
+                self.remote.probe(rest)
+                chain, probed = iter(rest[1:]), True
             for tier in self.lower:
                 if tier.tokens(parent) == chunk:
                     hits.append(_Hit(parent, chunk, tier))
