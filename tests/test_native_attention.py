@@ -86,7 +86,7 @@ def check(q, k_cache, v_cache, block_table, q_lens, ctx_lens, page_size, group, 
     torch.testing.assert_close(plain.attend(q, k_cache, v_cache).double(), want, atol=tol, rtol=tol)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(batch=st.integers(1, 6), max_ctx=st.integers(1, 300), **SHAPES)
 def test_decodes_match_pytorch_and_float64(
     seed, batch, kv_heads, group, head_dim, page_size, max_ctx, dtype
@@ -95,7 +95,7 @@ def test_decodes_match_pytorch_and_float64(
     check(*case, page_size, group, head_dim)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     q_lens=st.lists(st.integers(2, 90), min_size=1, max_size=4),
     max_prefix=st.integers(0, 150),

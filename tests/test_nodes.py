@@ -127,32 +127,23 @@ def test_a_replica_on_another_node_serves_like_a_local_one_and_its_loss_is_survi
 
 
 @pytest.mark.slow
-def test_node_zero_stopping_stops_the_other_node_cleanly(tiny_model):
-    model = tiny_model("llama-gqa4-tied")
-    port = free_port()
-    with node_one(model, port) as node1:
-        with node_zero(model, port) as llm:
-            tokens(llm, PROMPTS[:2])
-        _, err = node1.communicate(timeout=patience(60))
-    assert node1.returncode == 0, err[-2000:]
-    assert "node 0 stopped its replicas" in err
-
-
-@pytest.mark.slow
-def test_dp_attention_and_ep_span_two_nodes(tiny_model, monkeypatch):
+def test_dp_attention_and_ep_span_two_nodes_and_node_zero_stops_both(tiny_model, monkeypatch):
     """DeepSeek-V4's MoE layers with their experts split between a replica on each node
-    (the replicas' group meets at master_port + 1): the tokens of one engine."""
+    (the replicas' group meets at master_port + 1): the tokens of one engine. Node 0
+    closing stops node 1's replica, and node 1 exits 0."""
     monkeypatch.setenv("PYPTO_TP_COLLECTIVES", "gloo")  # as between two machines
     model = tiny_model("deepseekv4-swa-csa-hca-hash")
     with tiny_llm(model) as one:
         expected = tokens(one)
     port = free_port()
-    with (
-        node_one(model, port, "--enable-expert-parallel") as _node1,
-        node_zero(model, port, enable_expert_parallel=True) as llm,
-    ):
-        assert [i.experts for i in (r.info for r in llm.engine.replicas) if i] == [[0, 1], [2, 3]]
-        assert tokens(llm) == expected
+    with node_one(model, port, "--enable-expert-parallel") as node1:
+        with node_zero(model, port, enable_expert_parallel=True) as llm:
+            infos = [r.info for r in llm.engine.replicas]
+            assert [i.experts for i in infos if i] == [[0, 1], [2, 3]]
+            assert tokens(llm) == expected
+        _, err = node1.communicate(timeout=patience(60))
+    assert node1.returncode == 0, err[-2000:]
+    assert "node 0 stopped its replicas" in err
 
 
 def test_a_node_that_never_arrives_is_named_within_the_start_up_limit(tiny_model):
