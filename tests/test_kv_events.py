@@ -116,6 +116,29 @@ def test_pages_stored_and_removed_per_tier_in_vllms_format(tiny_model):
         context.term()
 
 
+def test_deepseek_v4_publishes_the_pages_it_keeps_whole(tiny_model):
+    """A windowed store (DeepSeek-V4) tells the pages a prefix hit needs in full (its
+    compressed entries'), under the same hash chain; the window's rows are not told."""
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    model = tiny_model("deepseekv4-swa-csa-hca-hash")
+    with tiny_llm(model, page_size=PAGE, kv_events_endpoint=endpoint, kv_events_topic="kv") as llm:
+        context = zmq.Context()
+        sub = context.socket(zmq.SUB)
+        sub.connect(endpoint)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        time.sleep(0.5)  # a subscriber sees only what is sent after it joined
+        a = prompt(0)
+        llm.generate([a], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+        stored = [e for _, e in receive(sub)]
+        assert [e.token_ids for e in stored] == [a[:PAGE], a[PAGE : 2 * PAGE]]
+        assert all(isinstance(e, BlockStored) and e.medium == "GPU" for e in stored)
+        whole = llm.engine.executor.kv.pages_store.pool.cached_hashes()
+        assert {e.block_hashes[0] for e in stored} == set(whole)
+        sub.close(linger=0)
+        context.term()
+
+
 def test_a_busy_endpoint_is_a_clear_error(tiny_model):
     port = free_port()
     context = zmq.Context()

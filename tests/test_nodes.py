@@ -141,6 +141,8 @@ def test_dp_attention_and_ep_span_two_nodes_and_node_zero_stops_both(tiny_model,
             infos = [r.info for r in llm.engine.replicas]
             assert [i.experts for i in infos if i] == [[0, 1], [2, 3]]
             assert tokens(llm) == expected
+            held = llm.engine.router._held  # V4's whole pages, told by each node's replica
+            assert held[0] and held[1]
         _, err = node1.communicate(timeout=patience(60))
     assert node1.returncode == 0, err[-2000:]
     assert "node 0 stopped its replicas" in err

@@ -242,20 +242,29 @@ class EngineCore:
             describe_ranks(p.tensor_parallel_size, p.pipeline_parallel_size),
         )
 
+    def _event_store(self) -> PagedKVStore | None:
+        """The store whose page events say which prompt pages this engine holds: the paged
+        KV store, or a windowed one's pages kept whole (DeepSeek-V4's compressed entries; a
+        prefix hit needs every one of them, and only its window's rows, which are not told)."""
+        kv = getattr(self.executor, "kv", None)
+        if isinstance(kv, WindowedKVStore):
+            return kv.pages_store
+        return kv if isinstance(kv, PagedKVStore) else None
+
     def _kv_events(self) -> KVEventPublisher | None:
         """The publisher of the KV store's events, where cache.kv_events_endpoint asks for one;
         a data-parallel replica also keeps them for the router (its `page_events`, which
         each step result carries and clears)."""
         c = self.config.cache
-        kv = getattr(self.executor, "kv", None)
-        if self.dp.size > 1 and isinstance(kv, PagedKVStore):
+        kv = self._event_store()
+        if self.dp.size > 1 and kv is not None:
             kv.events = KVEventLog()
         if c.kv_events_endpoint is None:
             return None
-        if not isinstance(kv, PagedKVStore):
+        if kv is None:
             raise PyptoError(
-                "kv_events_endpoint: KV events come from the paged KV store; this executor or "
-                "attention kind keeps its KV another way"
+                "kv_events_endpoint: KV events come from the paged KV store; this executor "
+                "keeps its KV another way"
             )
         rank = self.dp.rank if self.dp.size > 1 else None
         endpoint = endpoint_for(c.kv_events_endpoint, rank or 0)
@@ -392,8 +401,8 @@ class EngineCore:
             raise
         self.generation_tokens += len(sampled)
         self.scheduler.update(out, sampled)
-        kv = getattr(self.executor, "kv", None)
-        if isinstance(kv, PagedKVStore) and kv.events is not None:
+        kv = self._event_store()
+        if kv is not None and kv.events is not None:
             events = kv.events_taken()
             if self.kv_events is not None:
                 self.kv_events.publish(events)
