@@ -34,6 +34,7 @@ from pypto_serving.engine.nodes import (
     NodeListener,
     RemoteReplica,
     connect_to_front,
+    model_fingerprint,
     node_secret,
     relay,
 )
@@ -188,10 +189,13 @@ def test_every_node_needs_the_shared_secret(monkeypatch, tiny_model):
         tiny_llm(model, data_parallel_size=2, nnodes=2, master_port=free_port())
 
 
-def test_a_peer_without_the_secret_is_refused_and_the_node_with_it_admitted(monkeypatch, caplog):
+def test_a_peer_without_the_secret_is_refused_and_the_node_with_it_admitted(
+    monkeypatch, caplog, tmp_path
+):
     port = free_port()
     config = node_config(port, 0)
-    listener = NodeListener(config)
+    listener = NodeListener(config, tmp_path)
+    serves = model_fingerprint(node_config(port, 1), tmp_path)
     found: list[RemoteReplica] = []
     accept = threading.Thread(
         target=lambda: found.extend(listener.accept([1], StartupDeadline.after(patience(30))))
@@ -202,11 +206,11 @@ def test_a_peer_without_the_secret_is_refused_and_the_node_with_it_admitted(monk
             monkeypatch.setenv(SECRET_ENV, "another-secret-0123456789")
             intruder = replace(node_config(port, 1), device="cpu")
             with pytest.raises(PyptoError, match="refused node 1: PYPTO_NODE_SECRET differs"):
-                connect_to_front(intruder, 1, 4242, StartupDeadline.after(patience(30)))
+                connect_to_front(intruder, serves, 1, 4242, StartupDeadline.after(patience(30)))
             raw = socket.create_connection(("127.0.0.1", port))  # says nothing at all
             monkeypatch.setenv(SECRET_ENV, SECRET)
             conn, offset = connect_to_front(
-                node_config(port, 1), 1, 4243, StartupDeadline.after(patience(30))
+                node_config(port, 1), serves, 1, 4243, StartupDeadline.after(patience(30))
             )
             accept.join(patience(30))
     finally:
@@ -222,6 +226,56 @@ def test_a_peer_without_the_secret_is_refused_and_the_node_with_it_admitted(monk
     wait_for(lambda: found[0].poll() is not None, patience(10), "the channel's end")
     found[0].kill()
     raw.close()
+
+
+def test_a_node_serving_another_model_stops_start_up_on_both_nodes(tmp_path):
+    """Replicas of one engine must give the same tokens: a node whose model files or
+    token-changing options differ is refused, node 0 stops at once, and both say why."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    port = free_port()
+    listener = NodeListener(node_config(port, 0), model)
+    failed: list[BaseException] = []
+
+    def accept() -> None:
+        try:
+            listener.accept([1], StartupDeadline.after(patience(30)))
+        except PyptoError as e:
+            failed.append(e)
+
+    thread = threading.Thread(target=accept)
+    thread.start()
+    try:
+        other = node_config(port, 1, dtype="bfloat16")
+        serves = model_fingerprint(other, model)
+        with pytest.raises(PyptoError) as refused:
+            connect_to_front(other, serves, 1, 4242, StartupDeadline.after(patience(30)))
+        thread.join(patience(10))
+    finally:
+        listener.close()
+    why = "node 1 serves m (dtype bfloat16"
+    assert f"node 0 at 127.0.0.1:{port} refused data-parallel replica 1: {why}" in str(
+        refused.value
+    )
+    assert len(failed) == 1 and str(failed[0]).startswith(why)
+    assert "node 0 serves m (dtype auto" in str(failed[0])
+    assert "start every node with the same model and options" in str(failed[0])
+
+
+def test_the_model_fingerprint_follows_files_and_options(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    (model / "model.safetensors").write_bytes(b"x" * 100)
+    base = model_fingerprint(node_config(1, 0), model)
+    assert model_fingerprint(node_config(1, 1), model) == base  # the node's rank is not it
+    assert model_fingerprint(node_config(1, 0, quantization="int8"), model) != base
+    (model / "model.safetensors").write_bytes(b"x" * 101)
+    assert model_fingerprint(node_config(1, 0), model) != base
+    (model / "model.safetensors").write_bytes(b"x" * 100)
+    (model / "config.json").write_text('{"hidden_size": 65}')
+    assert model_fingerprint(node_config(1, 0), model) != base
 
 
 class FakeReplica:

@@ -38,7 +38,13 @@ from pathlib import Path
 from pypto_serving.config import EngineConfig
 from pypto_serving.device import plan_devices
 from pypto_serving.engine.core import EngineStats, check_request, check_step_time, combine_stats
-from pypto_serving.engine.nodes import NodeListener, connect_to_front, node_secret, relay
+from pypto_serving.engine.nodes import (
+    NodeListener,
+    connect_to_front,
+    model_fingerprint,
+    node_secret,
+    relay,
+)
 from pypto_serving.engine.process import StartupDeadline
 from pypto_serving.engine.replica import (
     Abort,
@@ -139,7 +145,7 @@ class DPEngine:
                 store = str(self._rendezvous / "store")
         self._closed = False
         self.replicas: list[ReplicaHandle] = []
-        listener = NodeListener(config) if p.nnodes > 1 else None  # a busy port fails here
+        listener = NodeListener(config, model_dir) if p.nnodes > 1 else None  # busy port: here
         try:
             for spec in replica_specs(config, model_dir, store):  # all start loading at once
                 self.replicas.append(Replica(spec))
@@ -388,11 +394,12 @@ def serve_replicas(config: EngineConfig, model_dir: Path) -> int:
     if config.parallel.expert_parallel_over_dp:
         load_model_config(model_dir).parallel_shard(1, 1, ep=True)
     store = expert_rendezvous(config) if p.expert_parallel_over_dp else None
+    serves = model_fingerprint(config, model_dir)
     replicas = [Replica(spec) for spec in replica_specs(config, model_dir, store)]
     channels: list[tuple[Replica, Connection, float]] = []
     try:  # the channels open while the replicas load: node 0 hears of a failed start
         for r in replicas:
-            front, offset = connect_to_front(config, r.index, r.pid, deadline)
+            front, offset = connect_to_front(config, serves, r.index, r.pid, deadline)
             channels.append((r, front, offset))
     except BaseException:
         for r in replicas:

@@ -13,7 +13,8 @@ replica like its own: the router counts its load and the KV events of its pages.
 The messages are pickles, so a channel is only opened to a peer that proves it knows the
 nodes' shared secret (multiprocessing's HMAC challenge, both ways; `PYPTO_NODE_SECRET`, the
 same on every node). A peer that fails the challenge or says nothing within HANDSHAKE_S is
-dropped and logged.
+dropped and logged. Its first message says what the node serves (`model_fingerprint`): a
+node serving another model or token-changing options is refused, and node 0's start-up fails.
 
 Times in the messages are each machine's monotonic clock. At connection the node measures
 the offset between its clock and node 0's (half a round trip's accuracy) and the relay moves
@@ -28,6 +29,7 @@ whose channels have all closed exits.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import queue
@@ -39,6 +41,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
+from pathlib import Path
 
 from pypto_serving.config import EngineConfig
 from pypto_serving.engine.process import STOP_TIMEOUT_S, StartupDeadline
@@ -60,11 +63,13 @@ power, a cut network) fails after about KEEPALIVE_S + 3 x KEEPALIVE_S / 2."""
 
 @dataclass(slots=True)
 class Hello:
-    """A node's first message on a channel: which replica it carries."""
+    """A node's first message on a channel: which replica it carries, and what it serves."""
 
     node_rank: int
     index: int
     pid: int
+    serves: str
+    """`model_fingerprint` of the node's model and engine options."""
 
 
 @dataclass(slots=True)
@@ -72,6 +77,38 @@ class Clock:
     """Node 0's answer to Hello: its monotonic clock now."""
 
     now: float
+
+
+@dataclass(slots=True)
+class Refused:
+    """Node 0's answer to a Hello it cannot take, and why."""
+
+    why: str
+
+
+MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin")
+
+
+def model_fingerprint(config: EngineConfig, model_dir: Path) -> str:
+    """What the replicas of one engine must share, whatever node they run on: the model's
+    architecture and tokenizer files, its weight files' names and sizes (their contents are
+    not read: a checkpoint can be large), and the engine options that change a token (dtype,
+    quantization, KV cache dtype, page size, max_model_len). A short digest, and a summary."""
+    digest = hashlib.sha256()
+    for name in MODEL_FILES:
+        path = model_dir / name
+        digest.update(name.encode() + (path.read_bytes() if path.is_file() else b"-"))
+    for path in sorted(model_dir.rglob("*")):
+        if path.suffix in WEIGHT_SUFFIXES and path.is_file():
+            digest.update(f"{path.relative_to(model_dir)}:{path.stat().st_size}".encode())
+    options = (
+        f"dtype {config.dtype}, quantization {config.quantization}, kv_cache_dtype "
+        f"{config.cache.kv_cache_dtype}, page_size {config.cache.page_size}, max_model_len "
+        f"{config.max_model_len}"
+    )
+    digest.update(options.encode())
+    return f"{model_dir.name} ({options}; files {digest.hexdigest()[:12]})"
 
 
 def node_secret() -> bytes:
@@ -162,12 +199,15 @@ class RemoteReplica:
 class NodeListener:
     """Node 0's end: listens at master_addr:master_port for the other nodes' replicas."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         p = config.parallel
         self.address, self.port = p.master_addr, p.master_port or 0
         self.config = config
+        self.serves = model_fingerprint(config, model_dir)
         self._secret = node_secret()
         self._sock = socket.create_server((self.address, self.port))
+        self._mismatch: queue.Queue[str] = queue.Queue()
+        """Nodes that serve another model (a configuration error: start-up fails at once)."""
 
     def close(self) -> None:
         self._sock.close()
@@ -181,6 +221,8 @@ class NodeListener:
         got: dict[int, RemoteReplica] = {}
         try:
             while len(got) < len(expected):
+                with contextlib.suppress(queue.Empty):
+                    raise PyptoError(self._mismatch.get_nowait())
                 with contextlib.suppress(queue.Empty):
                     while True:
                         r = welcomed.get_nowait()
@@ -232,6 +274,14 @@ class NodeListener:
             hello = conn.recv()
             if not isinstance(hello, Hello) or hello.index not in expected:
                 raise PyptoError(f"an unexpected first message {hello!r}")
+            if hello.serves != self.serves:
+                mismatch = (
+                    f"node {hello.node_rank} serves {hello.serves}, node 0 serves {self.serves}: "
+                    "start every node with the same model and options"
+                )
+                conn.send(Refused(mismatch))
+                self._mismatch.put(mismatch)
+                raise PyptoError(mismatch)
             conn.send(Clock(time.monotonic()))
         except (AuthenticationError, PyptoError, OSError, EOFError) as e:
             why = "it does not know PYPTO_NODE_SECRET" if isinstance(e, AuthenticationError) else e
@@ -252,7 +302,7 @@ class NodeListener:
 
 
 def connect_to_front(
-    config: EngineConfig, index: int, pid: int, deadline: StartupDeadline
+    config: EngineConfig, serves: str, index: int, pid: int, deadline: StartupDeadline
 ) -> tuple[Connection, float]:
     """Node r's end: a channel to node 0 for replica `index` (retried until node 0 answers
     or the deadline passes), and this machine's monotonic clock minus node 0's."""
@@ -282,14 +332,20 @@ def connect_to_front(
         answer_challenge(conn, secret)
         deliver_challenge(conn, secret)
         sent = time.monotonic()
-        conn.send(Hello(p.node_rank, index, pid))
+        conn.send(Hello(p.node_rank, index, pid, serves))
         clock = conn.recv()
         back = time.monotonic()
+        if isinstance(clock, Refused):
+            why = clock.why
+            raise PyptoError(f"node 0 at {where} refused data-parallel replica {index}: {why}")
     except AuthenticationError:
         conn.close()
         raise PyptoError(
             f"node 0 at {where} refused node {p.node_rank}: PYPTO_NODE_SECRET differs"
         ) from None
+    except PyptoError:
+        conn.close()
+        raise
     except (OSError, EOFError) as e:
         conn.close()
         raise PyptoError(
