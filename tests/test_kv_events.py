@@ -9,6 +9,8 @@ and stored on the CPU tier; hit again, stored on the device and removed from the
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import msgspec
@@ -55,6 +57,22 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+@contextmanager
+def subscribed(endpoint: str) -> Iterator[zmq.Socket]:
+    """A SUB socket on `endpoint`, every topic, once it has joined (a subscriber sees only
+    what is sent after it joined)."""
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.connect(endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    time.sleep(0.5)
+    try:
+        yield sub
+    finally:
+        sub.close(linger=0)
+        context.term()
+
+
 def receive(sub: zmq.Socket, quiet_s: float = 0.5) -> list[tuple[int, Any]]:
     """(sequence number, event) of every message until none comes for quiet_s."""
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
@@ -80,14 +98,12 @@ def test_pages_stored_and_removed_per_tier_in_vllms_format(tiny_model):
     params = SamplingParams(max_tokens=1, temperature=0)
     knobs = dict(page_size=PAGE, num_kv_pages=8, kv_cpu_bytes=1 << 20)
     endpoint = f"tcp://127.0.0.1:{port}"
-    with tiny_llm(
-        tiny_model(MODEL), kv_events_endpoint=endpoint, kv_events_topic="kv", **knobs
-    ) as llm:
-        context = zmq.Context()
-        sub = context.socket(zmq.SUB)
-        sub.connect(endpoint)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        time.sleep(0.5)  # a subscriber sees only what is sent after it joined
+    with (
+        tiny_llm(
+            tiny_model(MODEL), kv_events_endpoint=endpoint, kv_events_topic="kv", **knobs
+        ) as llm,
+        subscribed(endpoint) as sub,
+    ):
         a = prompt(0)
         llm.generate([a], params, use_tqdm=False)
         events = receive(sub)
@@ -112,8 +128,6 @@ def test_pages_stored_and_removed_per_tier_in_vllms_format(tiny_model):
         assert gpu[:2] == [first, second] and {first, second} <= cpu_gone
         seqs = [s for s, _ in events]
         assert seqs == sorted(seqs) and seqs[0] == 0
-        sub.close(linger=0)
-        context.term()
 
 
 def test_deepseek_v4_publishes_the_pages_it_keeps_whole(tiny_model):
@@ -122,12 +136,8 @@ def test_deepseek_v4_publishes_the_pages_it_keeps_whole(tiny_model):
     port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
     model = tiny_model("deepseekv4-swa-csa-hca-hash")
-    with tiny_llm(model, page_size=PAGE, kv_events_endpoint=endpoint, kv_events_topic="kv") as llm:
-        context = zmq.Context()
-        sub = context.socket(zmq.SUB)
-        sub.connect(endpoint)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        time.sleep(0.5)  # a subscriber sees only what is sent after it joined
+    knobs = {"page_size": PAGE, "kv_events_endpoint": endpoint, "kv_events_topic": "kv"}
+    with tiny_llm(model, **knobs) as llm, subscribed(endpoint) as sub:
         a = prompt(0)
         llm.generate([a], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
         stored = [e for _, e in receive(sub)]
@@ -135,8 +145,6 @@ def test_deepseek_v4_publishes_the_pages_it_keeps_whole(tiny_model):
         assert all(isinstance(e, BlockStored) and e.medium == "GPU" for e in stored)
         whole = llm.engine.executor.kv.pages_store.pool.cached_hashes()
         assert {e.block_hashes[0] for e in stored} == set(whole)
-        sub.close(linger=0)
-        context.term()
 
 
 def test_a_busy_endpoint_is_a_clear_error(tiny_model):

@@ -150,7 +150,7 @@ class DPEngine:
             for spec in replica_specs(config, model_dir, store):  # all start loading at once
                 self.replicas.append(Replica(spec))
             if listener is not None:  # the other nodes' replicas, indices after this node's
-                others = [i for i in range(p.data_parallel_size) if i >= len(self.replicas)]
+                others = list(range(len(self.replicas), p.data_parallel_size))
                 self.replicas += listener.accept(others, deadline)
             wait_ready(self.replicas, deadline)
         except BaseException:
@@ -391,9 +391,10 @@ def serve_replicas(config: EngineConfig, model_dir: Path) -> int:
     p = config.parallel
     deadline = StartupDeadline.after(p.startup_timeout_s)
     node_secret()  # before any process starts
-    if config.parallel.expert_parallel_over_dp:
+    store = None
+    if p.expert_parallel_over_dp:  # a model without experts is refused here
         load_model_config(model_dir).parallel_shard(1, 1, ep=True)
-    store = expert_rendezvous(config) if p.expert_parallel_over_dp else None
+        store = expert_rendezvous(config)
     serves = model_fingerprint(config, model_dir)
     replicas = [Replica(spec) for spec in replica_specs(config, model_dir, store)]
     channels: list[tuple[Replica, Connection, float]] = []

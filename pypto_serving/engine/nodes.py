@@ -192,9 +192,6 @@ class RemoteReplica:
             self.conn.close()
             self._peek.close()
 
-    def exit_code(self, timeout: float = 0.0) -> int | None:
-        return None
-
 
 class NodeListener:
     """Node 0's end: listens at master_addr:master_port for the other nodes' replicas."""
