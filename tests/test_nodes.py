@@ -222,6 +222,8 @@ def test_a_peer_without_the_secret_is_refused_and_the_node_with_it_admitted(
     found[0].send(None)
     assert conn.recv() is None
     assert found[0].poll() is None
+    conn.send("never read")  # the end must show behind a message nobody read
+    assert found[0].poll() is None
     conn.close()
     wait_for(lambda: found[0].poll() is not None, patience(10), "the channel's end")
     found[0].kill()

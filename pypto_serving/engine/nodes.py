@@ -162,15 +162,13 @@ class RemoteReplica:
 
     def poll(self) -> int | None:
         """1 once the channel has closed (the node or the replica went away), else None;
-        reads nothing."""
+        reads nothing. The peer's end shows even behind messages nobody has read yet (a
+        last heartbeat while the engine idles): POLLRDHUP, not a peek at the next byte."""
         if self._closed:
             return 1
-        try:
-            return 1 if self._peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"" else None
-        except BlockingIOError:
-            return None
-        except OSError:
-            return 1
+        watch = select.poll()
+        watch.register(self._peek, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        return 1 if watch.poll(0) else None
 
     def request_stop(self) -> None:
         with contextlib.suppress(OSError):
