@@ -3,10 +3,11 @@ ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 are in its environment befo
 loads, so torch's kernels (oneDNN's int8 GEMM among them) run their AVX2 code too.
 
 `python isa_checks.py MODEL_DIR`: the decisions of an AVX2 CPU are taken (bf16 weights in
-panels for the native GEMM instead of oneDNN's packing, 7-bit w8a8 weights, native kernels for
-x86-64-v3), then bf16, each quantization and
-the int8 KV cache follow the same engine in float32, greedy, by the top-5 rule of the bf16
-tests. Prints one line per run; exits non-zero (an assertion) on a difference.
+panels for the native GEMM instead of oneDNN's packing, 7-bit w8a8 inputs or weights, or 8 bits
+both in two GEMMs for w8a8's head, queries and keys, native kernels for x86-64-v3), then bf16,
+each quantization and the int8 KV cache follow the same engine in float32, greedy, by the
+top-5 rule of the bf16 tests. Prints one line per run; exits non-zero (an assertion) on a
+difference.
 """
 
 from __future__ import annotations
@@ -55,14 +56,27 @@ def check_decisions() -> None:
     x[:, 0], x[:, 1] = 100, -100  # every row's extremes: its u8 values 127 and 0
     weight = torch.randn(32, 256)
     weight[:, 2] = 50  # +127 in every row
-    q, scale, row_sums = quantize_w8a8(weight)
-    assert q.abs().max() == 127 and row_sums is not None
+    q, scale, row_sums, low = quantize_w8a8(weight)
+    assert q.abs().max() == 127 and row_sums is not None and low is None
     got = int8_linear(x, q, scale, row_sums).double()
     lo = x.double().amin(1, keepdim=True)
     step = (x.double().amax(1, keepdim=True) - lo) / 127
     u = torch.round((x.double() - lo) / step)
     exact = ((u * step + lo) @ q.double().T) * scale.double()
     assert ((got - exact).norm() / exact.norm()).item() < 4e-3  # the output's bf16 rounding
+    # a split weight (the head, queries and keys): full-range inputs and 8-bit weights, exact
+    # in two GEMMs (2 x high + low) where one GEMM of the whole weight saturates
+    x[:, 2:4], weight[:, 3] = 120, 50  # every row's largest: +127 against +127, twice
+    high, scale, row_sums, low = quantize_w8a8(weight, split=True)
+    assert row_sums is None and low is not None and high.min() >= -64 and high.max() <= 63
+    whole = 2 * high + low
+    assert whole.abs().max() == 127 and torch.equal(whole, quantize_w8a8(weight, True)[0])
+    got = int8_linear(x, high, scale, None, low).double()
+    row_scale = x.double().abs().amax(1, keepdim=True) / 127
+    exact = (torch.round(x.double() / row_scale) @ whole.double().T) * row_scale * scale.double()
+    assert ((got - exact).norm() / exact.norm()).item() < 4e-3
+    xq = torch.round(x.float() / (x.float().abs().amax(1, keepdim=True) / 127)).to(torch.int8)
+    assert not torch.equal(torch._int_mm(xq, whole.t()), xq.long().mm(whole.long().t()).int())
 
 
 def main(model_dir: str) -> None:
@@ -80,10 +94,14 @@ def main(model_dir: str) -> None:
             assert all((m.packed is None) == wide_int8 for m in linears)
             assert all(m.packed is None or not m.packed.is_mkldnn for m in linears)
             if name.endswith("w8a8"):
-                # each layer: 7-bit inputs (8-bit weights and their row sums) or 7-bit weights
+                # each layer: 7-bit inputs (8-bit weights and their row sums), 7-bit weights,
+                # or (w8a8's head, queries and keys) 8 bits both in a split weight
                 for m in linears:
-                    q, _, row_sums, _ = m.int8
-                    if row_sums is None:
+                    q, _, row_sums, low, _ = m.int8
+                    assert (low is not None) == (m.exact_int8 and name == "w8a8")
+                    if low is not None:
+                        assert row_sums is None and q.abs().max() <= 64
+                    elif row_sums is None:
                         assert q.abs().max() <= 64
                     else:
                         assert torch.equal(row_sums, q.sum(1, dtype=torch.int32))

@@ -135,8 +135,8 @@ def test_int8_linear_is_the_integer_product_of_the_quantized_rows():
     torch.manual_seed(3)
     x = torch.randn(7, 128, dtype=torch.bfloat16)
     weight = torch.randn(96, 128)
-    q, scales, row_sums = quantize_w8a8(weight)  # row sums only where inputs get 7 bits
-    assert q.abs().max() == 127 and (row_sums is None) == int8_gemm_full_range()
+    q, scales, row_sums, low = quantize_w8a8(weight)  # row sums only where inputs get 7 bits
+    assert q.abs().max() == 127 and (row_sums is None) == int8_gemm_full_range() and low is None
     out = int8_linear(x, q, scales)  # full-range inputs (exact with int8 dot products)
     if int8_gemm_full_range():
         assert out.shape == (7, 96) and out.dtype == torch.bfloat16
@@ -272,7 +272,9 @@ def test_quantized_weights_are_kept_and_read_back_on_the_next_load(
     runs = []
     for module, name in ((calibration, "smoothing_factors"), (linear.Linear, "quantize")):
         real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, real=real: runs.append(1) or real(*a))
+        monkeypatch.setattr(
+            module, name, lambda *a, real=real, **k: runs.append(1) or real(*a, **k)
+        )
     again = loader.load_model(path, torch.bfloat16, cpu, None, kind, native)
     assert runs == []  # read back
     assert (again.lm_head.native is not None) == native
@@ -318,10 +320,10 @@ def test_the_quantized_engine_follows_the_bf16_one(tiny_model, kind):
         layer = quantized.engine.model.model.layers[0].mlp.down_proj
         head = quantized.engine.model.lm_head
         if kind == "w8a8":  # int8 weights, smoothed, and no bf16 weight packed beside them
-            assert layer.int8 is not None and layer.int8[3] is not None
+            assert layer.int8 is not None and layer.int8[4] is not None
             assert layer.packed is None and layer.quantized is None
         elif kind == "int4-w8a8":  # both forms, the head w8a8 only; no bf16 weight packed
-            assert layer.int8[3] is not None and layer.quantized[2] == 32
+            assert layer.int8[4] is not None and layer.quantized[2] == 32
             assert head.int8 is not None and head.quantized is None
             assert layer.packed is None and head.packed is None
         else:
@@ -358,3 +360,38 @@ def test_int4_refuses_output_sizes_its_packing_cannot_take():
     with pytest.raises(PyptoError, match="int4 quantization needs output sizes divisible by 16"):
         layer.quantize("int4")
     Linear(64, 48, bias=False).to(torch.bfloat16).quantize("int4")
+
+
+def test_a_split_weight_multiplies_full_range_inputs_and_weights_exactly(monkeypatch):
+    """The form of the head, queries and keys on a GEMM that sums pairs of products in int16
+    (AVX2), run on any CPU: the 8-bit weight split in halves the int16 sums hold (2 x high +
+    low, high in [-64, 63], low 0 or 1), each multiplied by the full-range inputs apart; the
+    sum is the product of the whole weight, as a GEMM with int8 dot products computes it."""
+    from pypto_serving.ops import linear
+
+    monkeypatch.setattr(linear, "int8_gemm_full_range", lambda: False)
+    torch.manual_seed(8)
+    x = torch.randn(11, 128, dtype=torch.bfloat16)
+    weight = torch.randn(48, 128)
+    weight[:, :4] = torch.where(torch.arange(48)[:, None] % 2 == 0, 9.0, -9.0)  # w = +-127
+    high, scales, row_sums, low = quantize_w8a8(weight, split=True)
+    assert row_sums is None and low is not None
+    assert high.min() == -64 and high.max() <= 63 and set(low.unique().tolist()) == {0, 1}
+    whole, whole_scales = quantize_int8(weight)
+    assert torch.equal(2 * high + low, whole) and torch.equal(scales, whole_scales.float())
+    row_scale = x.float().abs().amax(1, keepdim=True) / 127
+    xq = torch.round(x.float() / row_scale)
+    expected = (xq.double() @ whole.double().T) * row_scale.double() * scales.double()
+    out = int8_linear(x, high, scales, None, low)
+    assert relative_error(out, expected) < 4e-3  # the output's bf16 rounding only
+    layer = Linear(128, 48, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    layer.exact_int8 = True
+    layer.quantize("w8a8")
+    assert layer.int8 is not None and torch.equal(layer.int8[3], low)
+    saved = layer.quantized_tensors()
+    assert set(saved) == {"int8.weight", "int8.scale", "int8.low"}
+    again = Linear(128, 48, bias=False)
+    again.load_quantized(saved)
+    assert torch.equal(again(x), layer(x))

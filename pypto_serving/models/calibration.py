@@ -14,7 +14,8 @@ factors by ~1 % (docs/performance.md).
 
 Where the CPU's int8 GEMM sums pairs of products in int16 (AVX2), a layer gives 7 bits either
 to its inputs or to its weights: the same text, run again, shows which costs each layer less
-(`choose_w8a8_inputs`).
+(`choose_w8a8_inputs`); the LM head and the layers that make attention's queries and keys keep
+8 bits both, in two GEMMs (`Linear.exact_int8`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.ops.attention import DenseKV
-from pypto_serving.ops.linear import Linear, int8_linear, quantize_w8a8
+from pypto_serving.ops.linear import Int8Form, Linear, int8_linear, quantize_w8a8
 
 TEXT = Path(__file__).with_name("calibration.txt")
 ALPHA = 0.5
@@ -78,15 +79,18 @@ def choose_w8a8_inputs(model: CausalLM, token_ids: list[int]) -> int:
     with 7-bit inputs (`quantize_w8a8`'s default there), keeps that form or takes 7-bit weights
     instead, whichever puts its output over token_ids closer (squared error) to the product of
     its unquantized weight. On SmolLM2-135M the LM head and the attention outputs keep 7-bit
-    inputs and the rest take 7-bit weights. Returns how many layers keep 7-bit inputs."""
+    inputs and the rest take 7-bit weights. A split layer (8 bits both: `Linear.exact_int8`)
+    stays as it is. Returns how many layers keep 7-bit inputs."""
     errors: dict[Linear, list[float]] = {}
-    other: dict[Linear, tuple[torch.Tensor, torch.Tensor, None, torch.Tensor | None]] = {}
+    other: dict[Linear, Int8Form] = {}
     for layer in model.modules():
         if isinstance(layer, Linear) and layer.int8 is not None:
-            smooth = layer.int8[3]
+            smooth, low = layer.int8[4], layer.int8[3]
+            if low is not None:  # split: 8 bits both already
+                continue
             weight = layer.weight.detach().float() * (1 if smooth is None else smooth)
-            q, scale, _ = quantize_w8a8(weight, seven_bit_inputs=False)
-            other[layer], errors[layer] = (q, scale, None, smooth), [0.0, 0.0]
+            other[layer] = (*quantize_w8a8(weight, seven_bit_inputs=False), smooth)
+            errors[layer] = [0.0, 0.0]
 
     def record(layer: Linear, args: tuple[torch.Tensor, ...]) -> None:
         x = args[0].detach()

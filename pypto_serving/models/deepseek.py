@@ -58,6 +58,9 @@ class MLAttention(nn.Module):
         latent = rank + cfg.qk_rope_head_dim
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, latent, bias=cfg.qkv_bias)
         self.kv_a_layernorm = RMSNorm(rank, LORA_NORM_EPS)
+        queries = [self.q_a_proj, self.q_b_proj] if cfg.q_lora_rank else [self.q_proj]
+        for qk in (*queries, self.kv_a_proj_with_mqa):
+            qk.exact_int8 = True  # queries and keys: 8 bits both under w8a8
         self.w_uk = nn.Parameter(torch.empty(heads, cfg.qk_nope_head_dim, rank))
         """kv_b_proj's key rows per head [heads, qk_nope_head_dim, kv_lora_rank]."""
         self.w_uv = nn.Parameter(torch.empty(heads, cfg.v_head_dim, rank))

@@ -122,6 +122,8 @@ class CompressedAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.q_lora_rank, eps)
         self.wq_b = Linear(cfg.q_lora_rank, heads * dim, bias=False)
         self.wkv = Linear(cfg.hidden_size, dim, bias=False)
+        for qk in (self.wq_a, self.wq_b, self.wkv):
+            qk.exact_int8 = True  # queries and keys (and values): 8 bits both under w8a8
         self.norm = RMSNorm(dim, eps)
         self.groups = v4.o_groups
         self.wo_a = GroupedLinear(heads * dim // v4.o_groups, v4.o_lora_rank, v4.o_groups)

@@ -43,6 +43,7 @@ class Attention(nn.Module):
         # graph. Kept on the CPU (the model may be built on "meta", and moved to a GPU).
         self.layer = torch.tensor(layer, device="cpu")
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj.exact_int8 = True  # queries and keys: 8 bits both under w8a8
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.o_bias, tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -228,6 +229,7 @@ class CausalLM(nn.Module):
         if self.last_stage:
             shard = -(-cfg.vocab_size // groups.tp.size)
             self.lm_head = Linear(cfg.hidden_size, shard, bias=False)
+            self.lm_head.exact_int8 = True  # the logits: 8 bits both under w8a8
             if cfg.tie_word_embeddings and self.model.embed_tokens is not None:
                 self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", torch.tensor(cfg.rope_inv_freq), persistent=False)

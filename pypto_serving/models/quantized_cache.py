@@ -5,6 +5,7 @@ kept under `cache_dir()/quantized`, keyed by everything that shapes the result."
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,7 @@ from pypto_serving.paths import cache_dir, trusted_cache_dir, write_atomically
 
 log = logging.getLogger(__name__)
 
-QUANTIZED_FORMAT = 1
+QUANTIZED_FORMAT = 2
 """Bumped when what `Linear.quantized_tensors` keeps changes meaning."""
 
 
@@ -38,10 +39,12 @@ def quantized_cache_path(
 ) -> Path:
     """Where `quantize_cached` keeps a model's quantized weights: keyed by the checkpoint's
     digest, this rank's share of it, the quantization, the code that quantizes (ops/linear.py,
-    models/calibration.py and its text) and the torch version and CPU that packed them."""
+    models/calibration.py and its text, and the model's own file, which marks its layers) and
+    the torch version and CPU that packed them."""
     key = hashlib.blake2b(digest_size=16)
     key.update(digest.encode())
-    for source in (Path(pack_linears.__code__.co_filename), Path(calibration.__file__)):
+    model_file = inspect.getfile(type(model))
+    for source in map(Path, (pack_linears.__code__.co_filename, calibration.__file__, model_file)):
         key.update(source.read_bytes())
     key.update(calibration.TEXT.read_bytes())
     ranks = [(g.rank, g.size) for g in (groups.tp, groups.pp, groups.ep)]
@@ -103,8 +106,9 @@ def quantize_cached(
     if smooth is not None and not int8_gemm_full_range():
         kept = calibration.choose_w8a8_inputs(model, tokens)
         log.info(
-            "w8a8 on an int8 GEMM without int8 dot products: %d layers with 7-bit inputs, "
-            "the rest with 7-bit weights",
+            "w8a8 on an int8 GEMM without int8 dot products: %d layers with 8-bit inputs and "
+            "weights (two GEMMs), %d with 7-bit inputs, the rest with 7-bit weights",
+            sum(m.int8 is not None and m.int8[3] is not None for m in layers.values()),
             kept,
         )
     tensors = {

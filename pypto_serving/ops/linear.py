@@ -29,15 +29,20 @@ compute-bound batched steps (prefill, decodes of many). Without them (AVX2) oneD
 of u8 x s8 products in int16, so either the inputs or the weights get 7 bits there: 7-bit
 inputs (each token's, from its smallest to its largest value, with the weights' sums per row
 kept beside them; `int8_linear`) or 7-bit weights, whichever the calibration text shows costs
-the layer less (`calibration.choose_w8a8_inputs`). The inputs are first divided by
-SmoothQuant's per-channel factors, calibrated at load time (models/calibration.py).
+the layer less (`calibration.choose_w8a8_inputs`). Under `--quantization w8a8` the layers
+where 7 bits cost most (the LM head, and those that make attention's queries and keys:
+`Linear.exact_int8`) keep 8 bits both there at the price of a second GEMM: the weight is
+split in two halves that the int16 sums hold, 2 x high + low (`quantize_w8a8`'s split). The
+inputs are first divided by SmoothQuant's
+per-channel factors, calibrated at load time (models/calibration.py).
 
 `int4-w8a8` keeps both forms of each weight and picks by the matmul's row count: int4 up to
 QUANTIZED_MAX_ROWS (decoding a few sequences: memory-bound, where int4's fewer bytes win),
 w8a8 above (prefill and batched decodes: compute-bound, where int8 dot products win). The
 choice is a branch taken when torch.compile traces the layer, so each side fuses into its
 graph (executor/compiled.py keeps a graph per side), and no bf16 weight is kept: 0.75x of
-bf16's weight bytes. Its LM head is w8a8 alone.
+bf16's weight bytes. Its LM head is w8a8 alone. Its w8a8 never splits a weight: it is the
+fast form, and its accuracy is int4's.
 
 Under --batch-invariant a quantized model (int8, int4, int4-w8a8) keeps each weight in the
 native decode step's records alone (`pack_q4`, `pack_q8`), and they serve every matmul of any
@@ -217,18 +222,33 @@ def quantize_int8(weight: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, 
     return q, scale.to(weight.dtype)
 
 
+W8A8 = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+"""A weight quantized for `int8_linear`: (int8 weight, or its high half where split; float32
+scale per output row; the int8 weight's int32 sums per output row where inputs get 7 bits, else
+None; the weight's low bits where split, else None)."""
+Int8Form = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None
+]
+"""A w8a8 layer's `Linear.int8`: `W8A8` and the smoothing factors per input channel or None."""
+
+
 def quantize_w8a8(
-    weight: torch.Tensor, seven_bit_inputs: bool | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`quantize_int8` for `int8_linear`: (int8 weight, float32 scales, the int8 weight's
-    int32 sums per output row where inputs get 7 bits, else None). Inputs get 7 bits where
-    seven_bit_inputs says, by default where the CPU's int8 GEMM sums pairs of products in int16
-    (not `device.int8_gemm_full_range()`). Full-range inputs on such a GEMM get 7-bit weights
-    (up to 64: 255 x 64 x 2 < 32768); weights have 8 bits elsewhere."""
+    weight: torch.Tensor, seven_bit_inputs: bool | None = None, split: bool = False
+) -> W8A8:
+    """`quantize_int8` for `int8_linear`. Inputs get 7 bits where seven_bit_inputs says, by
+    default where the CPU's int8 GEMM sums pairs of products in int16 (not
+    `device.int8_gemm_full_range()`) unless split. Full-range inputs on such a GEMM get 7-bit
+    weights (up to 64: 255 x 64 x 2 < 32768), or with split 8-bit weights in two parts that
+    the int16 sums hold, multiplied apart: high = floor(q / 2) in [-64, 63] and low = q - 2 x
+    high in {0, 1}. Weights have 8 bits whole elsewhere."""
     full = int8_gemm_full_range()
-    seven = not full if seven_bit_inputs is None else seven_bit_inputs
-    q, scale = quantize_int8(weight, 127 if full or seven else 64)
-    return q, scale.float(), q.sum(1, dtype=torch.int32) if seven else None
+    split = split and not full
+    seven = not (full or split) if seven_bit_inputs is None else seven_bit_inputs
+    q, scale = quantize_int8(weight, 127 if full or seven or split else 64)
+    if split:
+        high = torch.div(q, 2, rounding_mode="floor")
+        return high, scale.float(), None, q - 2 * high
+    return q, scale.float(), q.sum(1, dtype=torch.int32) if seven else None, None
 
 
 def int8_linear(
@@ -236,6 +256,7 @@ def int8_linear(
     qweight: torch.Tensor,
     scales: torch.Tensor,
     row_sums: torch.Tensor | None = None,
+    low: torch.Tensor | None = None,
     smooth: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ (qweight * scales).T with x quantized to int8 per row, so the matmul runs on the
@@ -247,12 +268,16 @@ def int8_linear(
     (a GEMM that sums pairs of u8 x s8 products in int16: AVX2) each row is mapped from its
     smallest to its largest value onto u8 [0, 127] and handed over as s8 (u - 128), which the
     GEMM turns back into u by adding 128: no pair exceeds int16 with 8-bit weights. Then
-    u . w = product + 128 * sum(w), and x ~ lo + scale * u."""
+    u . w = product + 128 * sum(w), and x ~ lo + scale * u. With low (a split weight,
+    `quantize_w8a8`) the full-range product is 2 x (x . high) + x . low, two GEMMs."""
     xf = x.float() if smooth is None else x.float() / smooth
     if row_sums is None:
         scale = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
         xq = torch.round(xf / scale).to(torch.int8)
-        return (torch._int_mm(xq, qweight.t()).float() * (scale * scales)).to(x.dtype)
+        dots = torch._int_mm(xq, qweight.t())
+        if low is not None:
+            dots = 2 * dots + torch._int_mm(xq, low.t())
+        return (dots.float() * (scale * scales)).to(x.dtype)
     lo = xf.amin(-1, keepdim=True)
     scale = (xf.amax(-1, keepdim=True) - lo).clamp(min=1e-12) / 127
     xq = (torch.round((xf - lo) / scale) - 128).to(torch.int8)
@@ -354,10 +379,14 @@ class Linear(nn.Linear):
     """Which: "onednn" or "panels" (`pack`'s form)."""
     quantized: tuple[torch.Tensor, torch.Tensor, int] | None = None
     """(weight, scales, group): group 0 is int8 per row, else int4 groups."""
-    int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
-    """w8a8: (int8 weight [out, in], float32 scale per output row, the weight's int32 sums per
-    output row where inputs get 7 bits or None, smoothing factors per input channel or None),
-    for `int8_linear`."""
+    int8: Int8Form | None = None
+    """w8a8: `int8_linear`'s arguments after x."""
+    exact_int8: bool = False
+    """Set by the model on the LM head and on the layers that make attention's queries and
+    keys: where `--quantization w8a8`'s GEMM sums pairs of products in int16 (AVX2), these
+    keep 8-bit inputs and weights, in two GEMMs (`quantize_w8a8`'s split), as 7 bits cost the
+    logits and the attention scores most (SmolLM2's GPL-3 perplexity, AVX2 build: +1.49 % over
+    float32 with 7 bits in every layer, +1.09 % with these exact; AVX-512's w8a8 +1.25 %)."""
     native: tuple[torch.Tensor, int] | None = None
     """(records, NATIVE_Q4 or NATIVE_Q8): the weight packed for the native decode step
     (`pack_q4`, `pack_q8`), which alone reads it."""
@@ -388,17 +417,20 @@ class Linear(nn.Linear):
             return ()
         return (1,) if self.int8 is None else (1, QUANTIZED_MAX_ROWS)
 
-    def quantize(self, kind: str, smooth: torch.Tensor | None = None) -> None:
+    def quantize(self, kind: str, smooth: torch.Tensor | None = None, exact: bool = True) -> None:
         """Quantize the (loaded) weight; the plain weight stays for tying/loading. smooth:
         w8a8's factors per input channel (models/calibration.py), None for none. A kind of
-        two (int4-w8a8) keeps both forms."""
+        two (int4-w8a8) keeps both forms. exact: w8a8 on an `exact_int8` layer keeps 8 bits
+        both on any CPU (`quantize_w8a8`'s split); `pack_linears` says so for --quantization
+        w8a8 only: int4-w8a8's w8a8 serves its wide steps, for speed, its accuracy int4's."""
         if "-" in kind:
             for part in kind.split("-"):
-                self.quantize(part, smooth)
+                self.quantize(part, smooth, exact)
             return
         weight = self.weight.detach()
         if kind == "w8a8":
-            self.int8 = (*quantize_w8a8(weight.float() * (1 if smooth is None else smooth)), smooth)
+            smoothed = weight.float() * (1 if smooth is None else smooth)
+            self.int8 = (*quantize_w8a8(smoothed, split=exact and self.exact_int8), smooth)
             return
         multiple = {"int8": INT8_MULTIPLE, "q4": INT4_GROUP, "q8": INT4_GROUP}.get(
             kind, INT4_GROUP * INT4_INNER_K_TILES
@@ -431,12 +463,11 @@ class Linear(nn.Linear):
         if self.quantized is not None:
             out["quantized.weight"], out["quantized.scales"], _ = self.quantized
         if self.int8 is not None:
-            q, scale, row_sums, smooth = self.int8
+            q, scale, row_sums, low, smooth = self.int8
             out |= {"int8.weight": q, "int8.scale": scale}
-            if row_sums is not None:
-                out["int8.row_sums"] = row_sums
-            if smooth is not None:
-                out["int8.smooth"] = smooth
+            for part, t in (("row_sums", row_sums), ("low", low), ("smooth", smooth)):
+                if t is not None:
+                    out[f"int8.{part}"] = t
         if self.native is not None:
             out[f"native.{self.native[1]}"] = self.native[0]
         return out
@@ -463,6 +494,7 @@ class Linear(nn.Linear):
                 tensors["int8.weight"],
                 tensors["int8.scale"],
                 tensors.get("int8.row_sums"),
+                tensors.get("int8.low"),
                 tensors.get("int8.smooth"),
             )
         for fmt in (NATIVE_Q4, NATIVE_Q8):
@@ -576,5 +608,5 @@ def pack_linears(
             kind = "w8a8-q8" if native else "w8a8"  # int8, and its GEMV beats the int8 kernel's
         elif native:
             kind = kind.replace("int4", "q4")
-        layer.quantize(kind, (smooth or {}).get(layer))
+        layer.quantize(kind, (smooth or {}).get(layer), exact=quantization == "w8a8")
     return len(layers)
