@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,23 +172,20 @@ class EngineCore:
                 "data_parallel_size > 1), not as one EngineCore"
             )
         self.workers: list[ChildProcess] = []
-        self._threads = (os.sched_getaffinity(0), torch.get_num_threads())  # restored by close
+        self._threads = torch.get_num_threads()  # restored by close
         self._deadline = StartupDeadline.after(p.startup_timeout_s)
         own = config
         if p.ranks_per_engine > 1:  # this process is rank 0; the others are child processes
             load_model_config(model_dir).parallel_shard(  # errors before any process starts
                 p.tensor_parallel_size, p.pipeline_parallel_size, p.enable_expert_parallel
             )
-            own, cpus = plan_ranks(config)[0]
-            # the other ranks first: their cores are planned from every core this process has
+            own = plan_ranks(config)[0]
             self.workers = start_workers(config, model_dir, self._deadline)
-            if cpus:
-                os.sched_setaffinity(0, cpus)  # this (engine) thread and its OpenMP team
         try:
             self._load(own)
         except BaseException as e:
             self._stop_workers()
-            os.sched_setaffinity(0, self._threads[0])
+            torch.set_num_threads(self._threads)
             if self.workers and isinstance(e, RuntimeError):  # a rank failed: say which
                 raise PyptoError(f"start-up of the ranks failed: {e}; {self._ranks()}") from e
             raise
@@ -376,8 +372,7 @@ class EngineCore:
             self.executor.close()
         if self.config.parallel.ranks_per_engine > 1:  # local ranks, and the group itself
             self._stop_workers()
-            os.sched_setaffinity(0, self._threads[0])
-            torch.set_num_threads(self._threads[1])
+            torch.set_num_threads(self._threads)
         elif self.lockstep:
             shutdown_distributed()
 

@@ -69,7 +69,6 @@ class WorkerSpec:
     config: EngineConfig
     """The engine's config with this rank's device and threads."""
     model_dir: Path
-    cpus: list[int] | None
     log_level: int
 
 
@@ -78,13 +77,19 @@ def backend_for(config: EngineConfig, device: str) -> str:
     return chosen or ("nccl" if resolve_device(device).type == "cuda" else "gloo")
 
 
-def plan_ranks(config: EngineConfig) -> list[tuple[EngineConfig, list[int] | None]]:
-    """The config (device, threads) and cores of each of the engine's ranks on this machine,
-    lowest rank first."""
+def plan_ranks(config: EngineConfig) -> list[EngineConfig]:
+    """The config (device, threads) of each of the engine's ranks on this machine, lowest rank
+    first. On the CPU each rank gets as many threads as it has cores in `plan_devices`' split
+    of the engine's cores, but is not pinned to them: all the ranks may run on any of the
+    engine's cores. The ranks of a group step in lockstep (dozens of collectives a token), so
+    a rank pinned to a core that another process also wants waits out that process's time
+    slices and stalls every rank: beside one busy process TP=2 pinned fell to 23 tok/s, not
+    pinned 52, where the kernel moves a rank to whichever core is free (idle: 103 vs 94;
+    docs/performance.md)."""
     p = config.parallel
     plan = plan_devices(p.ranks_per_engine // p.nnodes, p.device_list(), config.device)
     return [
-        (replace(config, device=d, num_threads=config.num_threads or (len(c) if c else None)), c)
+        replace(config, device=d, num_threads=config.num_threads or (len(c) if c else None))
         for d, c in plan
     ]
 
@@ -97,7 +102,7 @@ def start_workers(
     p = config.parallel
     check_no_group()  # before any process starts: rank 0 could not join a second group
     ranks = plan_ranks(config)
-    backend = backend_for(config, ranks[0][0].device)
+    backend = backend_for(config, ranks[0].device)
     if p.nnodes == 1:
         local_rendezvous()
     else:
@@ -106,10 +111,10 @@ def start_workers(
     first = p.node_rank * len(ranks)
     workers: list[ChildProcess] = []
     try:
-        for local, (own, cpus) in enumerate(ranks):
+        for local, own in enumerate(ranks):
             if first + local == 0:
                 continue  # rank 0 is the engine process itself
-            spec = WorkerSpec(first + local, backend, own, model_dir, cpus, level)
+            spec = WorkerSpec(first + local, backend, own, model_dir, level)
             workers.append(ChildProcess(worker_main, spec))
         wait_ranks(workers, first + (1 if first == 0 else 0), Joining, deadline)
     except BaseException:
@@ -197,8 +202,6 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
     config = spec.config
     try:
-        if spec.cpus:
-            os.sched_setaffinity(0, spec.cpus)
         if os.environ.get(FAIL_START_ENV) == str(spec.rank):
             raise RuntimeError(f"injected start-up failure ({FAIL_START_ENV}={spec.rank})")
         plan = plan_run(config, spec.model_dir)
