@@ -51,16 +51,20 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
     return (torch.where(scale > 0, g / scale, 0).round() * scale).reshape(x.shape)
 
 
-@pytest.fixture(scope="module", params=["vnni", "portable", "avx2"])
+@pytest.fixture(scope="module", params=["vnni", "portable", "avx2", "avx2-vnni-emulated"])
 def products(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The product over records (records.h, exported by the shape-free library of gemm.cpp)
-    with VNNI and BF16 dot products, without, and as an AVX2 CPU builds it (PYPTO_CPU_ISA=avx2:
-    -march=x86-64-v3), which every x86-64-v3 machine tests."""
+    with VNNI and BF16 dot products, without, as an AVX2 CPU builds it (PYPTO_CPU_ISA=avx2:
+    -march=x86-64-v3), and as an AVX2 CPU with AVX-VNNI builds it, its vpdpbusd emulated
+    (PYPTO_EMULATE_AVX_VNNI): every x86-64-v3 machine tests the last three."""
     if request.param == "vnni" and "avx512_vnni" not in cpu_flags():
         pytest.skip("this CPU has no AVX512-VNNI")  # the portable builds still run
-    flags = ("-mno-avx512vnni", "-mno-avx512bf16") if request.param == "portable" else ()
+    flags = {
+        "portable": ("-mno-avx512vnni", "-mno-avx512bf16"),
+        "avx2-vnni-emulated": ("-DPYPTO_EMULATE_AVX_VNNI",),
+    }.get(request.param, ())
     with pytest.MonkeyPatch.context() as mp:
-        if request.param == "avx2":
+        if request.param.startswith("avx2"):
             mp.setenv("PYPTO_CPU_ISA", "avx2")
         path = native.build_gemm(tmp_path_factory.mktemp("gemm"), extra_flags=flags)
     assert path is not None, "the kernels must build here (g++ is what Inductor uses too)"
@@ -113,11 +117,15 @@ def test_avx2_and_avx512_give_the_same_packed_products(tmp_path, monkeypatch, fm
     """The integer sums are exact on both (vpmaddubsw/vpmaddwd, or VNNI) and the float steps
     the same: the two builds agree bit for bit, so a model's output does not depend on which
     CPU it ran on. The AVX-VNNI variant of the AVX2 build (Intel's AVX2 cores) is built too,
-    and run where the CPU has it."""
+    and run where the CPU has it; built with its vpdpbusd emulated, its code runs anywhere."""
     if not {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags():
         pytest.skip("this CPU cannot run the AVX-512 build")
     wide = native.build_gemm(tmp_path / "wide")
-    variants = [((), "avx2"), (("-mavxvnni",), "avx_vnni")]
+    variants = [
+        ((), "avx2"),
+        (("-mavxvnni",), "avx_vnni"),
+        (("-DPYPTO_EMULATE_AVX_VNNI",), "avx2"),  # AVX-VNNI's path, on AVX2 instructions
+    ]
     monkeypatch.setenv("PYPTO_CPU_ISA", "avx2")
     builds = [
         (native.build_gemm(tmp_path / f"v{i}", extra_flags=f), flag)

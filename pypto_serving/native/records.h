@@ -21,6 +21,8 @@
 // The integer sums are exact on every path (Q4: 8 products of at most 15 x 127 per int16;
 // Q8: |weight| x sign-adjusted activation, at most 2 x 127 x 127), and the float steps are
 // the same, so AVX2 and AVX-512 give the same results. Elsewhere plain loops read the layout.
+// AVX-VNNI's path is tested on CPUs without it too: built with PYPTO_EMULATE_AVX_VNNI, its
+// vpdpbusd is the same integer sums in AVX2 instructions (`dot4`), and the rest its own code.
 //
 // Unquantized bf16 models' weights (the decode step's) are read where they lie, row by row
 // ([rows, cols]), with the activations rounded to bf16: AVX512-BF16 dot products, or on AVX2
@@ -41,6 +43,9 @@
 #define PYPTO_VNNI 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PYPTO_AVX2 1  // 8 rows a register: two halves of a record's 16
+#if defined(__AVXVNNI__) || defined(PYPTO_EMULATE_AVX_VNNI)
+#define PYPTO_AVX_VNNI 1  // AVX-VNNI's path (tests build it emulated for CPUs without it)
+#endif
 #endif
 
 namespace {
@@ -205,6 +210,24 @@ inline int32_t four(const int8_t* p) {
     return v;
 }
 
+#if defined(PYPTO_AVX_VNNI)
+// acc + the sums of four u8 x s8 products per int32 lane: AVX-VNNI's vpdpbusd. Built with
+// PYPTO_EMULATE_AVX_VNNI for a CPU without it, the same sums exactly in AVX2 (each byte
+// widened to int16, pairs of products summed by vpmaddwd), so tests run this path anywhere.
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    const __m256i even = _mm256_and_si256(u, _mm256_set1_epi16(0x00FF));
+    const __m256i odd = _mm256_srli_epi16(u, 8);
+    const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8);
+    const __m256i s_odd = _mm256_srai_epi16(s, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(even, s_even),
+                                                  _mm256_madd_epi16(odd, s_odd)));
+#endif
+}
+#endif
+
 // acc[m][r] = x[m] . weight[16 b + r] over block b of a Q4 or Q8 weight's records.
 template <int M>
 void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float acc[M][16]) {
@@ -265,7 +288,7 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
     __m256 facc[M][2];
     for (int m = 0; m < M; ++m) facc[m][0] = facc[m][1] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F);
-#if !defined(__AVXVNNI__)
+#if !defined(PYPTO_AVX_VNNI)
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
 #endif
     for (int g = 0; g < groups; ++g, rec += RECORD[w.format]) {
@@ -281,9 +304,9 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
                     for (int m = 0; m < M; ++m) {
                         const int32_t x0 = four(xg + int64_t(m) * x.k + 8 * c);
                         const int32_t x1 = four(xg + int64_t(m) * x.k + 8 * c + 4);
-#if defined(__AVXVNNI__)
-                        a[m] = _mm256_dpbusd_avx_epi32(a[m], lo, _mm256_set1_epi32(x0));
-                        a[m] = _mm256_dpbusd_avx_epi32(a[m], hi, _mm256_set1_epi32(x1));
+#if defined(PYPTO_AVX_VNNI)
+                        a[m] = dot4(a[m], lo, _mm256_set1_epi32(x0));
+                        a[m] = dot4(a[m], hi, _mm256_set1_epi32(x1));
 #else  // int16 sums: 4 chunks x 2 x 2 products of at most 15 x 127 stay below 2^15
                         const __m256i p = _mm256_add_epi16(
                             _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
@@ -295,7 +318,7 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 256 + 16 * half)));
                 const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 288 + 16 * half)));
                 for (int m = 0; m < M; ++m) {
-#if defined(__AVXVNNI__)
+#if defined(PYPTO_AVX_VNNI)
                     const __m256 s = _mm256_cvtepi32_ps(a[m]);
 #else
                     const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(a[m], ones));
@@ -308,14 +331,14 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
             } else {
                 for (int c = 0; c < 8; ++c) {
                     const __m256i u = _mm256_loadu_si256((const __m256i*)(rec + 64 * c + 32 * half));
-#if !defined(__AVXVNNI__)
+#if !defined(PYPTO_AVX_VNNI)
                     const __m256i sw = _mm256_xor_si256(u, flip);  // the signed value u - 128
                     const __m256i aw = _mm256_abs_epi8(sw);
 #endif
                     for (int m = 0; m < M; ++m) {
                         const int32_t x0 = four(xg + int64_t(m) * x.k + 4 * c);
-#if defined(__AVXVNNI__)
-                        a[m] = _mm256_dpbusd_avx_epi32(a[m], u, _mm256_set1_epi32(x0));
+#if defined(PYPTO_AVX_VNNI)
+                        a[m] = dot4(a[m], u, _mm256_set1_epi32(x0));
 #else  // |w| x (x with w's sign): pairs of at most 127 x 127 fit int16
                         const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(x0), sw);
                         a[m] = _mm256_add_epi32(a[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
@@ -324,7 +347,7 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
                 }
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 512 + 16 * half)));
                 for (int m = 0; m < M; ++m) {
-#if defined(__AVXVNNI__)
+#if defined(PYPTO_AVX_VNNI)
                     const __m256i s = _mm256_sub_epi32(a[m], _mm256_set1_epi32(128 * xsum[m * groups + g]));
 #else
                     const __m256i s = a[m];
