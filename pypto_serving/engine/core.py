@@ -172,7 +172,7 @@ class EngineCore:
                 "data_parallel_size > 1), not as one EngineCore"
             )
         self.workers: list[ChildProcess] = []
-        self._threads = torch.get_num_threads()  # restored by close
+        self._num_threads = torch.get_num_threads()  # restored by close
         self._deadline = StartupDeadline.after(p.startup_timeout_s)
         own = config
         if p.ranks_per_engine > 1:  # this process is rank 0; the others are child processes
@@ -185,7 +185,7 @@ class EngineCore:
             self._load(own)
         except BaseException as e:
             self._stop_workers()
-            torch.set_num_threads(self._threads)
+            torch.set_num_threads(self._num_threads)
             if self.workers and isinstance(e, RuntimeError):  # a rank failed: say which
                 raise PyptoError(f"start-up of the ranks failed: {e}; {self._ranks()}") from e
             raise
@@ -372,7 +372,7 @@ class EngineCore:
             self.executor.close()
         if self.config.parallel.ranks_per_engine > 1:  # local ranks, and the group itself
             self._stop_workers()
-            torch.set_num_threads(self._threads)
+            torch.set_num_threads(self._num_threads)
         elif self.lockstep:
             shutdown_distributed()
 

@@ -33,8 +33,8 @@ the layer less (`calibration.choose_w8a8_inputs`). Under `--quantization w8a8` t
 where 7 bits cost most (the LM head, and those that make attention's queries and keys:
 `Linear.exact_int8`) keep 8 bits both there at the price of a second GEMM: the weight is
 split in two halves that the int16 sums hold, 2 x high + low (`quantize_w8a8`'s split). The
-inputs are first divided by SmoothQuant's
-per-channel factors, calibrated at load time (models/calibration.py).
+inputs are first divided by SmoothQuant's per-channel factors, calibrated at load time
+(models/calibration.py).
 
 `int4-w8a8` keeps both forms of each weight and picks by the matmul's row count: int4 up to
 QUANTIZED_MAX_ROWS (decoding a few sequences: memory-bound, where int4's fewer bytes win),
