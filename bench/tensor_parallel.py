@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.iters} requests, then the median over {args.rounds} engine runs of each, TP=1 "
         f"and TP=2 alternately. {w1}Model: "
         f"{model_name}. TP=1 is one process with a thread per core; TP=2 is two ranks, each "
-        "pinned to its own core, their collectives through shared memory (gloo for the rest). "
+        "with one core's share of threads, not pinned, their collectives through shared memory "
+        "(gloo for the rest). "
         f"CPU ISA: {isa()}."
     )
     runs = [

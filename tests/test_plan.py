@@ -3,6 +3,8 @@ once where the machine allows them, and the engine runs what the plan says."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from checkpoints import build_checkpoint, build_tokenizer
@@ -107,3 +109,21 @@ def test_quantized_loads_pack_as_asked(grid_model, tmp_path, monkeypatch, pack):
         assert layers and all(m.quantized is not None for m in layers)
         assert all((m.packed is not None) == pack for m in layers)
     assert len(list((tmp_path / "quantized").glob("*.safetensors"))) == 1
+
+
+def test_the_quantized_weights_key_follows_the_layers_marked_exact(grid_model):
+    """A layer marked (or unmarked) to keep 8 bits both under w8a8 (`Linear.exact_int8`) gets
+    other kept weights, wherever the mark is set (llama.py marks every model's LM head)."""
+    from pypto_serving.distributed import ParallelGroups
+    from pypto_serving.models.quantized_cache import quantized_cache_path
+
+    model = load_model(grid_model, torch.bfloat16, torch.device("cpu"), None, None)
+    assert model.lm_head is not None and model.lm_head.exact_int8
+
+    def path() -> Path:
+        return quantized_cache_path(model, "digest", "w8a8", ParallelGroups(), native=False)
+
+    before = path()
+    assert path() == before  # the key is stable
+    model.lm_head.exact_int8 = False
+    assert path() != before

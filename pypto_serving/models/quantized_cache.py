@@ -40,12 +40,16 @@ def quantized_cache_path(
     """Where `quantize_cached` keeps a model's quantized weights: keyed by the checkpoint's
     digest, this rank's share of it, the quantization, the code that quantizes (ops/linear.py,
     models/calibration.py and its text, and the model's own file, which marks its layers) and
-    the torch version and CPU that packed them."""
+    the torch version and CPU that packed them. The layers marked to keep 8 bits both under
+    w8a8 (`Linear.exact_int8`) are keyed by name too: a mark can be set outside the model's
+    own file (llama.py marks the LM head of every model built on it)."""
     key = hashlib.blake2b(digest_size=16)
     key.update(digest.encode())
     model_file = inspect.getfile(type(model))
     for source in map(Path, (pack_linears.__code__.co_filename, calibration.__file__, model_file)):
         key.update(source.read_bytes())
+    marked = [n for n, m in model.named_modules() if isinstance(m, Linear) and m.exact_int8]
+    key.update("|".join(marked).encode())
     key.update(calibration.TEXT.read_bytes())
     ranks = [(g.rank, g.size) for g in (groups.tp, groups.pp, groups.ep)]
     key.update(
