@@ -67,14 +67,16 @@ def server_command(engine: str, model: Path, extra: str) -> tuple[list[str], dic
     return [*cmd, "--dtype", "bfloat16", *shlex.split(extra)], VLLM_ENV
 
 
-def wait_healthy(proc: subprocess.Popen[bytes], timeout: float, poll: float = 1.0) -> float:
+def wait_healthy(
+    proc: subprocess.Popen[bytes], timeout: float, poll: float = 1.0, port: int = PORT
+) -> float:
     """Seconds until the server's /health answers, asked every `poll` seconds."""
     start = time.monotonic()
     while time.monotonic() - start < timeout:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with code {proc.returncode}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
                     return time.monotonic() - start
         except OSError:
@@ -105,15 +107,15 @@ def bench(args: argparse.Namespace, concurrency: int, prompts: int, out: Path | 
 
 @contextmanager
 def serving(
-    cmd: list[str], env: dict[str, str], timeout: float, result: dict[str, Any]
+    cmd: list[str], env: dict[str, str], timeout: float, result: dict[str, Any], port: int = PORT
 ) -> Iterator[None]:
-    """Run a server until the block ends (SIGINT, then kill): `result` gets its command, its
-    start-up time, or the error that stopped the block."""
+    """Run a server (listening on `port`) until the block ends (SIGINT, then kill): `result`
+    gets its command, its start-up time, or the error that stopped the block."""
     print(f"$ {shlex.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=sys.stderr)
     result["command"] = shlex.join(cmd)
     try:
-        result["startup_s"] = wait_healthy(proc, timeout)
+        result["startup_s"] = wait_healthy(proc, timeout, port=port)
         yield
     except (RuntimeError, subprocess.SubprocessError) as e:
         result["error"] = str(e)

@@ -12,7 +12,15 @@ model is a random checkpoint of SmolLM2-135M's size and cost with heads that div
 widths, 576 and 192, as SmolLM2's 9 x 64 and 3 x 64), bf16, with SmolLM2's tokenizer.
 `--model DIR` measures another checkpoint instead.
 
+`--paired N` measures single-stream decode as served instead: `pypto serve --tp 1` and
+`pypto serve --tp 2` run at once (each idle while the other answers), and N streamed requests
+go to each, alternately, one at a time. Each pair is measured within seconds, so a change in
+the machine's speed (on a shared virtual machine, from one run to the next by a third)
+falls on both of its halves; the report gives each side's median and the median of the
+per-pair ratios, and how many pairs TP=2 won.
+
     python bench/tensor_parallel.py --markdown tp.md
+    python bench/tensor_parallel.py --paired 16 --model M   # single stream, as served
     python bench/tensor_parallel.py --rounds 5 --no-w1   # single stream, on a busy machine
     python bench/tensor_parallel.py --num-prompts 8 --output-len 16 --single-len 32   # quick
 """
@@ -20,15 +28,20 @@ widths, 576 and 192, as SmolLM2's 9 x 64 and 3 x 64), bf16, with SmolLM2's token
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
+import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).parent))
 from data_parallel import OFFLINE_METRICS, rows, run_json
-from serve_side_by_side import add_output_args, emit, report_of
+from serve_side_by_side import PORT, add_output_args, emit, report_of, serving
 from side_by_side import DEFAULT_W1, markdown_report
 
 LATENCY_METRICS = (  # (key in the `pypto bench latency` JSON, title, format)
@@ -107,6 +120,89 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return results
 
 
+def streamed(port: int, input_len: int, output_len: int) -> dict[str, float]:
+    """One streamed completion (greedy, EOS ignored): its TTFT and decode tok/s, the tokens
+    after the first over the time from the first to the last."""
+    body = {
+        "model": "tp",
+        "prompt": "hello " * input_len,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start, arrivals, tokens = time.perf_counter(), [], 0
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    with httpx.stream("POST", url, json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                arrivals.append(time.perf_counter())
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    if tokens < 2 or len(arrivals) < 2:
+        raise RuntimeError(f"a streamed request gave {tokens} tokens")
+    return {
+        "ttft_ms": (arrivals[0] - start) * 1000,
+        "decode_tok_per_s": (tokens - 1) / (arrivals[-1] - arrivals[0]),
+    }
+
+
+def measure_paired(args: argparse.Namespace) -> dict[str, Any]:
+    """`pypto serve --tp 1` and `--tp 2` at once; `--paired` requests to each, alternately."""
+    results: dict[str, Any] = {f"tp{tp}": {"server": {}, "requests": []} for tp in (1, 2)}
+    with ExitStack() as stack:
+        for tp in (1, 2):
+            port = PORT + tp
+            cmd = [sys.executable, "-m", "pypto_serving.cli", "serve", "--model", str(args.model)]
+            cmd += ["--port", str(port), "--served-model-name", "tp", "--tp", str(tp)]
+            server = results[f"tp{tp}"]["server"]
+            try:
+                stack.enter_context(serving(cmd, {}, args.startup_timeout, server, port))
+            except RuntimeError:  # it did not start: `server` says why
+                server.setdefault("error", "the server did not start")
+                return results
+        for tp in (1, 2):  # untimed: the first request of a server pays for its warm-up
+            streamed(PORT + tp, args.single_input_len, 8)
+        for i in range(args.paired):
+            for tp in (1, 2) if i % 2 == 0 else (2, 1):  # neither always goes first
+                run = streamed(PORT + tp, args.single_input_len, args.single_len)
+                results[f"tp{tp}"]["requests"].append(run)
+                print(f"pair {i} TP={tp}: {run['decode_tok_per_s']:.1f} tok/s", file=sys.stderr)
+    for tp in (1, 2):
+        reqs = results[f"tp{tp}"]["requests"]
+        results[f"tp{tp}"]["latency"] = {
+            k: statistics.median(r[k] for r in reqs) for k in ("decode_tok_per_s", "ttft_ms")
+        }
+    pairs = [
+        two["decode_tok_per_s"] / one["decode_tok_per_s"]
+        for one, two in zip(results["tp1"]["requests"], results["tp2"]["requests"], strict=True)
+    ]
+    results["pairs"] = {
+        "ratio_median": statistics.median(pairs),
+        "tp2_won": sum(r > 1 for r in pairs),
+        "count": len(pairs),
+    }
+    return results
+
+
+def paired_table(results: dict[str, Any]) -> list[str]:
+    one, two, pairs = results["tp1"]["latency"], results["tp2"]["latency"], results["pairs"]
+    return [
+        "| metric | TP=1 | TP=2 | TP=2 / TP=1 |",
+        "|---|---|---|---|",
+        rows("decode tok/s, median", one["decode_tok_per_s"], two["decode_tok_per_s"], "{:.1f}"),
+        rows("TTFT ms, median", one["ttft_ms"], two["ttft_ms"], "{:.0f}"),
+        f"| decode tok/s, median of the per-pair ratios | | | "
+        f"{pairs['ratio_median']:.2f}× |",
+        f"| pairs where TP=2 decoded faster | | | {pairs['tp2_won']} of {pairs['count']} |",
+    ]
+
+
 def table(results: dict[str, Any]) -> list[str]:
     lines = ["| metric | TP=1 | TP=2 | TP=2 / TP=1 |", "|---|---|---|---|"]
     one, two = results["tp1"], results["tp2"]
@@ -128,11 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="single-stream runs of each, alternately")
     p.add_argument("--no-w1", action="store_true", help="single stream only")
     p.add_argument("--model", type=Path, help="checkpoint (default: SmolLM2-shaped, see above)")
+    p.add_argument(
+        "--paired", type=int, metavar="N", help="N requests to each of two servers, alternately"
+    )
+    p.add_argument("--startup-timeout", type=float, default=600, help="seconds (--paired)")
     add_output_args(p)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
             args.model = smollm2_shaped(Path(tmp) / "smollm2-shaped")
+        if args.paired:
+            return paired(args)
         results = measure(args, Path(tmp))
     report = report_of(results)
     model_name = (
@@ -162,6 +264,27 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown_report(
         "Tensor parallel: TP=2 vs TP=1", report, about, table(results), commands, missing
     )
+    emit(text, report, args)
+    return 0
+
+
+def paired(args: argparse.Namespace) -> int:
+    results = measure_paired(args)
+    servers = {name: results[name]["server"] for name in ("tp1", "tp2")}
+    missing = {name: server for name, server in servers.items() if "error" in server}
+    if missing:
+        print(f"a server did not start: {missing}", file=sys.stderr)
+        return 1
+    about = (
+        f"Single stream as served: `pypto serve --tp 1` and `--tp 2` both running, "
+        f"{args.paired} streamed completions to each ({args.single_input_len} prompt tokens → "
+        f"{args.single_len}, greedy, EOS ignored), alternately, one at a time. Model: "
+        f"{args.model}. CPU ISA: {isa()}."
+    )
+    commands = [server["command"] for server in servers.values()]
+    report = report_of(results)
+    title = "Tensor parallel as served: TP=2 vs TP=1, paired"
+    text = markdown_report(title, report, about, paired_table(results), commands, {})
     emit(text, report, args)
     return 0
 

@@ -79,15 +79,22 @@ BIG_TEXT = "hello world, the quick brown fox " * 45_000
     ids=["tokenize", "chat"],
 )
 def test_health_answers_while_a_big_body_is_tokenized(live: Live, path: str, body: Any) -> None:
-    r, seconds, probes = health_during(live, "POST", path, body)
-    if path == "/tokenize":
-        assert r.status_code == 200
-        assert r.json()["count"] == len(live.llm.tokenizer.encode(BIG_TEXT))
-    else:  # far over the context: refused once tokenized
-        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    # frozen, one probe would wait for the whole request; free, each takes a sliver of it
-    assert len(probes) >= 3, (seconds, probes)
-    assert max(probes) < seconds / 3, (seconds, max(probes))
+    # Frozen, one probe waits for the whole request; free, each takes a sliver of it. A pause
+    # that stops every thread of the test process (a full garbage collection of its heap, a
+    # machine busy elsewhere) can stretch one probe too, so the request is tried up to three
+    # times: a frozen loop fails every try, a passing pause one of them.
+    tries = []
+    for _ in range(3):
+        r, seconds, probes = health_during(live, "POST", path, body)
+        if path == "/tokenize":
+            assert r.status_code == 200
+            assert r.json()["count"] == len(live.llm.tokenizer.encode(BIG_TEXT))
+        else:  # far over the context: refused once tokenized
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        tries.append((seconds, len(probes), max(probes)))
+        if len(probes) >= 3 and max(probes) < seconds / 3:
+            return
+    pytest.fail(f"/health waited for the big request in every try (seconds, probes, max): {tries}")
 
 
 def test_counts_and_sizes_are_checked_before_tokenizing(live: Live, monkeypatch) -> None:
