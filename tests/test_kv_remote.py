@@ -14,9 +14,11 @@ from live_server import free_port, tiny_llm
 from mooncake_master import mooncake_master
 from patience import patience
 
+from pypto_serving.engine.metrics import EngineMetrics
 from pypto_serving.errors import PyptoError
 from pypto_serving.kv.mooncake_pool import join, leave
 from pypto_serving.kv.remote_tier import RemoteTier
+from pypto_serving.kv.tier import TierStats, merge_tier_stats
 from pypto_serving.sampling import SamplingParams
 
 MODEL = "llama-gqa4-tied"
@@ -62,6 +64,18 @@ def test_a_prefix_computed_by_one_engine_is_a_remote_hit_for_another(tiny_model,
         assert out.outputs[0].token_ids == first.outputs[0].token_ids == expected
         stats = {s.name: s for s in b.engine.executor.kv.tier_stats()}["remote"]
         assert (stats.hits, stats.loaded, stats.rejected, stats.errors) == (6, 6, 0, 0)
+        # shared: B knows the 6 pages A wrote, and lends its own segment; no fraction in use
+        assert (stats.shared, stats.used, stats.usage) == (True, 6, None)
+        assert stats.capacity == SEGMENT // stats.page_bytes
+        metrics = {
+            (s.name, s.labels["tier"]): s.value
+            for family in EngineMetrics(b.engine.stats, "m").registry.collect()
+            for s in family.samples
+            if "tier" in s.labels
+        }
+        assert metrics["pypto_kv_tier_used_pages", "remote"] == 6
+        assert ("pypto_kv_tier_usage_perc", "remote") not in metrics
+        assert ("pypto_kv_tier_usage_perc", "device") in metrics
         again = b.generate([p], GREEDY, use_tqdm=False)[0]  # now on B's device
         assert again.cached_tokens_by_tier == {"device": 96}
         remote_tier(b).flush()
@@ -149,3 +163,11 @@ def test_two_data_parallel_replicas_share_the_pool(tiny_model, master_url):
         second = llm.generate([p], GREEDY, use_tqdm=False)[0]
         assert second.cached_tokens_by_tier == {"remote": 96}
         assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_replicas_add_their_own_tiers_but_not_the_shared_pools_pages():
+    cpu = merge_tier_stats(TierStats("cpu", 10, 1, used=6), TierStats("cpu", 10, 1, used=4))
+    assert (cpu.capacity, cpu.used, cpu.usage) == (20, 10, 0.5)
+    a, b = (TierStats("remote", 10, 1, used=n, shared=True) for n in (6, 4))
+    pool = merge_tier_stats(a, b)  # both know pages of the same pool: at least 6 are there
+    assert (pool.capacity, pool.used, pool.usage, pool.shared) == (20, 6, None, True)

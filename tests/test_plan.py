@@ -13,10 +13,12 @@ from live_server import tiny_llm
 from pypto_serving.cli import build_parser
 from pypto_serving.config import EngineConfig, engine_config
 from pypto_serving.device import cpu_packs_bf16
+from pypto_serving.distributed import ParallelGroups
 from pypto_serving.engine.plan import RunPlan, plan_run
 from pypto_serving.errors import PyptoError
 from pypto_serving.flags import engine_knobs
 from pypto_serving.models.loader import load_model
+from pypto_serving.models.quantized_cache import quantized_cache_path
 from pypto_serving.ops.linear import Linear
 from pypto_serving.sampling import SamplingParams
 
@@ -114,9 +116,6 @@ def test_quantized_loads_pack_as_asked(grid_model, tmp_path, monkeypatch, pack):
 def test_the_quantized_weights_key_follows_the_layers_marked_exact(grid_model):
     """A layer marked (or unmarked) to keep 8 bits both under w8a8 (`Linear.exact_int8`) gets
     other kept weights, wherever the mark is set (llama.py marks every model's LM head)."""
-    from pypto_serving.distributed import ParallelGroups
-    from pypto_serving.models.quantized_cache import quantized_cache_path
-
     model = load_model(grid_model, torch.bfloat16, torch.device("cpu"), None, None)
     assert model.lm_head is not None and model.lm_head.exact_int8
 

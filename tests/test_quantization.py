@@ -197,7 +197,7 @@ def test_each_layer_gets_seven_bits_where_they_cost_it_less(monkeypatch):
     inputs[symmetric] = 0.03 * signed
     for layer in inputs:
         layer.quantize("w8a8")
-        assert layer.int8 is not None and layer.int8[2] is not None  # 7-bit inputs first
+        assert layer.int8 is not None and layer.int8.row_sums is not None  # 7-bit inputs first
     model = torch.nn.ModuleList(inputs)
 
     def run_text(_model: object, _tokens: list[int]) -> None:
@@ -207,8 +207,8 @@ def test_each_layer_gets_seven_bits_where_they_cost_it_less(monkeypatch):
     monkeypatch.setattr(calibration, "_run_text", run_text)
     assert calibration.choose_w8a8_inputs(model, []) == 1  # type: ignore[arg-type]
     assert offset.int8 is not None and symmetric.int8 is not None
-    assert offset.int8[2] is not None and offset.int8[0].abs().max() == 127
-    assert symmetric.int8[2] is None and symmetric.int8[0].abs().max() == 64
+    assert offset.int8.row_sums is not None and offset.int8.weight.abs().max() == 127
+    assert symmetric.int8.row_sums is None and symmetric.int8.weight.abs().max() == 64
     for layer, x in inputs.items():  # each exact in the form it got (float32 rounding only)
         assert relative_error(layer(x), x @ layer.weight.T) < 1e-6
 
@@ -320,10 +320,10 @@ def test_the_quantized_engine_follows_the_bf16_one(tiny_model, kind):
         layer = quantized.engine.model.model.layers[0].mlp.down_proj
         head = quantized.engine.model.lm_head
         if kind == "w8a8":  # int8 weights, smoothed, and no bf16 weight packed beside them
-            assert layer.int8 is not None and layer.int8[4] is not None
+            assert layer.int8 is not None and layer.int8.smooth is not None
             assert layer.packed is None and layer.quantized is None
         elif kind == "int4-w8a8":  # both forms, the head w8a8 only; no bf16 weight packed
-            assert layer.int8[4] is not None and layer.quantized[2] == 32
+            assert layer.int8.smooth is not None and layer.quantized[2] == 32
             assert head.int8 is not None and head.quantized is None
             assert layer.packed is None and head.packed is None
         else:
@@ -389,7 +389,7 @@ def test_a_split_weight_multiplies_full_range_inputs_and_weights_exactly(monkeyp
         layer.weight.copy_(weight)
     layer.exact_int8 = True
     layer.quantize("w8a8")
-    assert layer.int8 is not None and torch.equal(layer.int8[3], low)
+    assert layer.int8 is not None and torch.equal(layer.int8.low, low)
     saved = layer.quantized_tensors()
     assert set(saved) == {"int8.weight", "int8.scale", "int8.low"}
     again = Linear(128, 48, bias=False)

@@ -75,20 +75,25 @@ class _EngineCollector(Collector):
         """Per KV tier (label tier = device, cpu, ssd): occupancy, lookups, pages moved."""
         labels = ["model_name", "tier"]
         gauges = {
-            "kv_tier_capacity_pages": ("Pages the tier's budget holds", lambda t: t.capacity),
+            "kv_tier_capacity_pages": (
+                "Pages the tier's budget holds (remote: what this server lends the pool)",
+                lambda t: t.capacity,
+            ),
             "kv_tier_used_pages": (
-                "Pages held now (device: by requests; cpu: cached or swapped; ssd: cached)",
+                "Pages held now (device: by requests; cpu: cached or swapped; ssd: cached; "
+                "remote: known in the shared pool, from any member)",
                 lambda t: t.used,
             ),
             "kv_tier_usage_perc": (
-                "Fraction of the tier's pages in use (0-1)",
-                lambda t: t.used / max(t.capacity, 1),
+                "Fraction of the tier's pages in use (0-1; none for the shared remote pool)",
+                lambda t: t.usage,
             ),
         }
         for name, (doc, get) in gauges.items():
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
             for t in tiers:
-                g.add_metric([self.model_name, t.name], get(t))
+                if (value := get(t)) is not None:
+                    g.add_metric([self.model_name, t.name], value)
             yield g
         counters = {
             "kv_tier_hits": ("Prompt pages found in the tier at admission", "hits", 1),

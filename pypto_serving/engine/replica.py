@@ -195,7 +195,7 @@ def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
             Ready(
                 os.getpid(),
                 engine.max_model_len,
-                sum(t.capacity for t in tiers if t.name != "remote"),
+                sum(t.capacity for t in tiers if not t.shared),
                 spec.config.cache.page_size,
                 str(engine.device),
                 str(engine.dtype),
@@ -203,7 +203,7 @@ def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
                 engine.stats(),
                 engine.model.groups,
                 engine.model.held_experts,
-                sum(t.capacity for t in tiers if t.name == "remote"),
+                sum(t.capacity for t in tiers if t.shared),
             )
         )
         serve(engine, conn)

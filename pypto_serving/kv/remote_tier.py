@@ -62,6 +62,7 @@ T = TypeVar("T")
 
 class RemoteTier(PageTier):
     name = "remote"
+    shared = True
 
     def __init__(
         self,

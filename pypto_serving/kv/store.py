@@ -174,7 +174,9 @@ class PagedKVStore:
         """The tiers below the device, fastest first."""
         self.stats = {"device": TierStats("device", num_pages, self.page_bytes)}
         for tier in self.lower:
-            self.stats[tier.name] = TierStats(tier.name, tier.capacity, self.page_bytes)
+            self.stats[tier.name] = TierStats(
+                tier.name, tier.capacity, self.page_bytes, shared=tier.shared
+            )
         # first guesses until measured: ~4 GB/s host copies, ~1 GB/s SSD reads
         # and ~1 GB/s plus a round trip from the shared pool
         self.costs = Costs(
@@ -357,7 +359,8 @@ class PagedKVStore:
         steps = [f"{a}->{b} {moved[a]}" for a, b in itertools.pairwise(names)]
         steps.append(f"dropped from {names[-1]} {moved[names[-1]]}")
         occupancy = ", ".join(
-            f"{s.name} {s.used / max(s.capacity, 1):.0%}" for s in self.tier_stats()
+            f"{s.name} {s.used} pages known" if s.usage is None else f"{s.name} {s.usage:.0%}"
+            for s in self.tier_stats()
         )
         log.info(
             "KV tier pressure (last %.0fs), pages: %s; occupancy: %s",

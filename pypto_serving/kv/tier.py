@@ -60,6 +60,15 @@ class TierStats:
     a page (a miss, or a page dropped), never a step."""
     rejected: int = 0
     """Pages found truncated, corrupted, foreign or forged (SSD), never served."""
+    shared: bool = False
+    """A pool that other processes fill too (the remote tier): `capacity` is what this
+    process lends it, `used` the pages it knows are there, from any member; so `used` may
+    pass `capacity`, and the tier has no fraction in use."""
+
+    @property
+    def usage(self) -> float | None:
+        """The fraction of the tier's pages in use (0-1); None for a shared pool."""
+        return None if self.shared else self.used / max(self.capacity, 1)
 
     def observe_load(self, seconds: float) -> None:
         self.load_buckets[bisect.bisect_left(LOAD_BUCKETS, seconds)] += 1
@@ -72,7 +81,7 @@ def merge_tier_stats(a: TierStats, b: TierStats) -> TierStats:
         a.name,
         a.capacity + b.capacity,
         a.page_bytes,
-        a.used + b.used,
+        max(a.used, b.used) if a.shared else a.used + b.used,  # shared: the same pages
         a.hits + b.hits,
         a.misses + b.misses,
         a.stored + b.stored,
@@ -82,6 +91,7 @@ def merge_tier_stats(a: TierStats, b: TierStats) -> TierStats:
         [x + y for x, y in zip(a.load_buckets, b.load_buckets, strict=True)],
         a.errors + b.errors,
         a.rejected + b.rejected,
+        a.shared,
     )
 
 
@@ -91,6 +101,8 @@ class PageTier(ABC):
     name: str
     capacity: int
     """Pages it can hold."""
+    shared = False
+    """Filled by other processes too (`TierStats.shared`)."""
 
     @abstractmethod
     def __len__(self) -> int:

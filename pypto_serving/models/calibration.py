@@ -85,11 +85,11 @@ def choose_w8a8_inputs(model: CausalLM, token_ids: list[int]) -> int:
     other: dict[Linear, Int8Form] = {}
     for layer in model.modules():
         if isinstance(layer, Linear) and layer.int8 is not None:
-            smooth, low = layer.int8[4], layer.int8[3]
-            if low is not None:  # split: 8 bits both already
+            smooth = layer.int8.smooth
+            if layer.int8.low is not None:  # split: 8 bits both already
                 continue
             weight = layer.weight.detach().float() * (1 if smooth is None else smooth)
-            other[layer] = (*quantize_w8a8(weight, seven_bit_inputs=False), smooth)
+            other[layer] = Int8Form(*quantize_w8a8(weight, seven_bit_inputs=False), smooth)
             errors[layer] = [0.0, 0.0]
 
     def record(layer: Linear, args: tuple[torch.Tensor, ...]) -> None:

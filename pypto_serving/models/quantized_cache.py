@@ -112,7 +112,7 @@ def quantize_cached(
         log.info(
             "w8a8 on an int8 GEMM without int8 dot products: %d layers with 8-bit inputs and "
             "weights (two GEMMs), %d with 7-bit inputs, the rest with 7-bit weights",
-            sum(m.int8 is not None and m.int8[3] is not None for m in layers.values()),
+            sum(m.int8 is not None and m.int8.low is not None for m in layers.values()),
             kept,
         )
     tensors = {

@@ -53,6 +53,7 @@ on the rows beside it.
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -226,10 +227,20 @@ W8A8 = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | Non
 """A weight quantized for `int8_linear`: (int8 weight, or its high half where split; float32
 scale per output row; the int8 weight's int32 sums per output row where inputs get 7 bits, else
 None; the weight's low bits where split, else None)."""
-Int8Form = tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None
-]
-"""A w8a8 layer's `Linear.int8`: `W8A8` and the smoothing factors per input channel or None."""
+class Int8Form(NamedTuple):
+    """A w8a8 layer's `Linear.int8`: `W8A8`'s parts and the smoothing factors, in the order
+    `int8_linear` takes them."""
+
+    weight: torch.Tensor
+    """The int8 weight, or its high half where split."""
+    scale: torch.Tensor
+    """float32, per output row."""
+    row_sums: torch.Tensor | None
+    """The weight's int32 sums per output row where inputs get 7 bits, else None."""
+    low: torch.Tensor | None
+    """The weight's low bits where split, else None."""
+    smooth: torch.Tensor | None
+    """The smoothing factors per input channel, or None."""
 
 
 def quantize_w8a8(
@@ -430,7 +441,7 @@ class Linear(nn.Linear):
         weight = self.weight.detach()
         if kind == "w8a8":
             smoothed = weight.float() * (1 if smooth is None else smooth)
-            self.int8 = (*quantize_w8a8(smoothed, split=exact and self.exact_int8), smooth)
+            self.int8 = Int8Form(*quantize_w8a8(smoothed, split=exact and self.exact_int8), smooth)
             return
         multiple = {"int8": INT8_MULTIPLE, "q4": INT4_GROUP, "q8": INT4_GROUP}.get(
             kind, INT4_GROUP * INT4_INNER_K_TILES
@@ -490,7 +501,7 @@ class Linear(nn.Linear):
             group = 0 if scales.dim() == 1 else self.in_features // scales.shape[0]
             self.quantized = (tensors["quantized.weight"], scales, group)
         if "int8.weight" in tensors:
-            self.int8 = (
+            self.int8 = Int8Form(
                 tensors["int8.weight"],
                 tensors["int8.scale"],
                 tensors.get("int8.row_sums"),
