@@ -69,7 +69,9 @@ def run_json(cmd: list[str], out: Path) -> dict[str, Any]:
 def serve(args: argparse.Namespace, dp: int, tmp: Path) -> dict[str, Any]:
     cmd, env = server_command("ours", model_dir(), f"--dp {dp}")
     result: dict[str, Any] = {}
-    with serving(cmd, env, args.startup_timeout, result):
+    with serving(cmd, env, args.startup_timeout, result) as started:
+        if not started:
+            return result
         bench(args, 4, 4, None)  # warm-up, untimed
         for concurrency, prompts in args.cases:
             out = tmp / f"dp{dp}_c{concurrency}.json"

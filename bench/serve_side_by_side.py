@@ -108,17 +108,24 @@ def bench(args: argparse.Namespace, concurrency: int, prompts: int, out: Path | 
 @contextmanager
 def serving(
     cmd: list[str], env: dict[str, str], timeout: float, result: dict[str, Any], port: int = PORT
-) -> Iterator[None]:
-    """Run a server (listening on `port`) until the block ends (SIGINT, then kill): `result`
-    gets its command, its start-up time, or the error that stopped the block."""
+) -> Iterator[bool]:
+    """Run a server (listening on `port`) until the block ends (SIGINT, then kill). Yields
+    whether it started: if not, the block should measure nothing. `result` gets its command,
+    its start-up time, or the error that stopped it (at start-up or in the block)."""
     print(f"$ {shlex.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=sys.stderr)
     result["command"] = shlex.join(cmd)
     try:
-        result["startup_s"] = wait_healthy(proc, timeout, port=port)
-        yield
-    except (RuntimeError, subprocess.SubprocessError) as e:
-        result["error"] = str(e)
+        started = False
+        try:
+            result["startup_s"] = wait_healthy(proc, timeout, port=port)
+            started = True
+        except RuntimeError as e:
+            result["error"] = str(e)
+        try:
+            yield started
+        except (RuntimeError, subprocess.SubprocessError) as e:
+            result["error"] = str(e)
     finally:
         stop_server(proc)
 
@@ -159,7 +166,9 @@ def run_engine(engine: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
         return {"skipped": "not installed (../shared/peers/install_vllm_cpu.sh)"}
     cmd, env = server_command(engine, model_dir(), args.ours_args if engine == "ours" else "")
     result: dict[str, Any] = {}
-    with serving(cmd, env, args.startup_timeout, result):
+    with serving(cmd, env, args.startup_timeout, result) as started:
+        if not started:
+            return result
         bench(args, 4, 4, None)  # warm-up, untimed
         for concurrency, prompts in args.cases:
             out = tmp / f"{engine}_c{concurrency}.json"

@@ -161,11 +161,8 @@ def measure_paired(args: argparse.Namespace) -> dict[str, Any]:
             cmd = [sys.executable, "-m", "pypto_serving.cli", "serve", "--model", str(args.model)]
             cmd += ["--port", str(port), "--served-model-name", "tp", "--tp", str(tp)]
             server = results[f"tp{tp}"]["server"]
-            try:
-                stack.enter_context(serving(cmd, {}, args.startup_timeout, server, port))
-            except RuntimeError:  # it did not start: `server` says why
-                server.setdefault("error", "the server did not start")
-                return results
+            if not stack.enter_context(serving(cmd, {}, args.startup_timeout, server, port)):
+                return results  # it did not start: `server` says why
         for tp in (1, 2):  # untimed: the first request of a server pays for its warm-up
             streamed(PORT + tp, args.single_input_len, 8)
         for i in range(args.paired):

@@ -89,7 +89,9 @@ def bench(args: argparse.Namespace, out: Path | None, conversations: int, turns:
 def run(name: str, flags: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     cmd, env = server_command("ours", model_dir(), flags)
     result: dict[str, Any] = {}
-    with serving(cmd, env, args.startup_timeout, result):
+    with serving(cmd, env, args.startup_timeout, result) as started:
+        if not started:
+            return result
         warmup = argparse.Namespace(**{**vars(args), "seed": args.seed + 1000})
         bench(warmup, None, 2, 1)  # other conversations, untimed
         result["run"] = bench(args, tmp / f"{name}.json", args.conversations, args.turns)
