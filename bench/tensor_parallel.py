@@ -28,16 +28,15 @@ per-pair ratios, and how many pairs TP=2 won.
 from __future__ import annotations
 
 import argparse
-import json
+import asyncio
 import statistics
 import sys
 import tempfile
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import httpx
+from pypto_serving.bench.serve_client import RequestRecord, Target, make_client, send_request
 
 sys.path.insert(0, str(Path(__file__).parent))
 from data_parallel import OFFLINE_METRICS, rows, run_json
@@ -121,35 +120,20 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 
 def streamed(port: int, input_len: int, output_len: int) -> dict[str, float]:
-    """One streamed completion (greedy, EOS ignored): its TTFT and decode tok/s, the tokens
-    after the first over the time from the first to the last."""
-    body = {
-        "model": "tp",
-        "prompt": "hello " * input_len,
-        "max_tokens": output_len,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start, arrivals, tokens = time.perf_counter(), [], 0
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    with httpx.stream("POST", url, json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                arrivals.append(time.perf_counter())
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    if tokens < 2 or len(arrivals) < 2:
-        raise RuntimeError(f"a streamed request gave {tokens} tokens")
-    return {
-        "ttft_ms": (arrivals[0] - start) * 1000,
-        "decode_tok_per_s": (tokens - 1) / (arrivals[-1] - arrivals[0]),
-    }
+    """One streamed completion (greedy, EOS ignored) through `pypto bench serve`'s client: its
+    TTFT and decode tok/s (1 / TPOT)."""
+    target = Target(f"http://127.0.0.1:{port}", "completions", "tp", ignore_eos=True)
+    prompt = "hello " * input_len
+
+    async def one() -> RequestRecord:
+        async with make_client(target) as client:
+            record = RequestRecord(conversation=0, turn=0)
+            return await send_request(client, target, prompt, input_len, output_len, record)
+
+    record = asyncio.run(one())
+    if record.ttft_s is None or record.tpot_s is None:
+        raise RuntimeError(f"a streamed request failed: {record.error or 'under 2 tokens'}")
+    return {"ttft_ms": record.ttft_s * 1000, "decode_tok_per_s": 1 / record.tpot_s}
 
 
 def measure_paired(args: argparse.Namespace) -> dict[str, Any]:
@@ -170,6 +154,8 @@ def measure_paired(args: argparse.Namespace) -> dict[str, Any]:
                 run = streamed(PORT + tp, args.single_input_len, args.single_len)
                 results[f"tp{tp}"]["requests"].append(run)
                 print(f"pair {i} TP={tp}: {run['decode_tok_per_s']:.1f} tok/s", file=sys.stderr)
+    if any("error" in results[f"tp{tp}"]["server"] for tp in (1, 2)):
+        return results  # a request failed (`serving` kept why): nothing to sum up
     for tp in (1, 2):
         reqs = results[f"tp{tp}"]["requests"]
         results[f"tp{tp}"]["latency"] = {
@@ -270,7 +256,7 @@ def paired(args: argparse.Namespace) -> int:
     servers = {name: results[name]["server"] for name in ("tp1", "tp2")}
     missing = {name: server for name, server in servers.items() if "error" in server}
     if missing:
-        print(f"a server did not start: {missing}", file=sys.stderr)
+        print(f"no figures: {missing}", file=sys.stderr)
         return 1
     about = (
         f"Single stream as served: `pypto serve --tp 1` and `--tp 2` both running, "

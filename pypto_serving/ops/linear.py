@@ -473,12 +473,8 @@ class Linear(nn.Linear):
         out: dict[str, torch.Tensor] = {}
         if self.quantized is not None:
             out["quantized.weight"], out["quantized.scales"], _ = self.quantized
-        if self.int8 is not None:
-            q, scale, row_sums, low, smooth = self.int8
-            out |= {"int8.weight": q, "int8.scale": scale}
-            for part, t in (("row_sums", row_sums), ("low", low), ("smooth", smooth)):
-                if t is not None:
-                    out[f"int8.{part}"] = t
+        if self.int8 is not None:  # int8.weight, int8.scale, and the parts it has
+            out |= {f"int8.{k}": t for k, t in self.int8._asdict().items() if t is not None}
         if self.native is not None:
             out[f"native.{self.native[1]}"] = self.native[0]
         return out
