@@ -33,10 +33,11 @@ def resolve_device(name: str = "auto") -> torch.device:
 # vector width (executor/compiled.py) all ask `cpu_flags()` / `cpu_isa()`.
 
 CPU_ISA_ENV = "PYPTO_CPU_ISA"
-"""Caps the ISA the package uses (x86): `avx2` masks the CPU's flags to x86-64-v3's, so an
-AVX-512 machine takes every decision an AVX2-only one takes (tests use it); `default` to
-x86-64-v2's. Torch itself is told by ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA, which must be
-set before torch loads (importing pypto_serving first sets them from this variable)."""
+"""Caps the ISA the package uses (x86): `avx2` masks the CPU's flags to x86-64-v3's exactly,
+so any CPU above it (AVX-512, AVX-VNNI, AMX) takes every decision an AVX2-only one (AMD Zen 3)
+takes (tests use it); `default` to x86-64-v2's. Torch itself is told by ATEN_CPU_CAPABILITY
+and ONEDNN_MAX_CPU_ISA, which must be set before torch loads (importing pypto_serving first
+sets them from this variable)."""
 CPU_ISAS = ("default", "avx2", "avx512")
 """x86 levels, lowest first: x86-64-v2 (SSE4.2), x86-64-v3 (AVX2, FMA, F16C, BMI), AVX-512
 (F, BW, VL, DQ). Names as ATEN_CPU_CAPABILITY's."""
@@ -45,10 +46,10 @@ _V2 = frozenset(
     | {"cx16", "lahf_lm", "popcnt", "pni", "ssse3", "sse4_1", "sse4_2"}
 )
 _V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
-LEVEL_FLAGS = {"default": _V2, "avx2": _V3 | {"avx_vnni"}}
-"""The flags (/proc/cpuinfo's names) an x86 level keeps: x86-64-v2's, and x86-64-v3's with
-AVX-VNNI (the 256-bit int8 dot products of Intel's AVX2 cores since Alder Lake), where the CPU
-has it."""
+LEVEL_FLAGS = {"default": _V2, "avx2": _V3}
+"""The flags (/proc/cpuinfo's names) a cap to an x86 level keeps: x86-64-v2's or x86-64-v3's.
+A CPU whose own level is AVX2 keeps all of its flags uncapped: AVX-VNNI (the 256-bit int8 dot
+products of Intel's AVX2 cores since Alder Lake) included."""
 _LEVEL_NEEDS = {
     "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
     "avx2": {"avx2", "fma", "f16c"},
@@ -87,17 +88,25 @@ def _cpuid_flags() -> dict[str, bool]:
     return {_CPUINFO_NAMES.get(k, k): v for k, v in caps.items() if isinstance(v, bool)}
 
 
-def _isa_cap() -> str | None:
-    """The lowest of PYPTO_CPU_ISA and the ISA torch's own kernels dispatch to (set by
-    ATEN_CPU_CAPABILITY or the CPU), or None: no cap (not x86, or both at AVX-512)."""
+def _level(flags: frozenset[str]) -> str:
+    """The x86 level `flags` reach: avx512, avx2 or default."""
+    return next((isa for isa, needs in _LEVEL_NEEDS.items() if needs <= flags), "default")
+
+
+def _isa_cap(flags: frozenset[str]) -> str | None:
+    """The level to mask the CPU's `flags` to, or None: PYPTO_CPU_ISA's level wherever it is
+    set below avx512; else the ISA torch's own kernels dispatch to (ATEN_CPU_CAPABILITY) where
+    that is below the CPU's own level. None off x86 and at AVX-512."""
     if not _is_x86():
         return None
-    asked = os.environ.get(CPU_ISA_ENV, "").lower() or "avx512"
-    if asked not in CPU_ISAS:
+    asked = os.environ.get(CPU_ISA_ENV, "").lower()
+    if asked and asked not in CPU_ISAS:
         raise PyptoError(f"{CPU_ISA_ENV}={asked!r}: choose one of {', '.join(CPU_ISAS)}")
     aten = torch.backends.cpu.get_cpu_capability().lower()
-    cap = min(asked, aten if aten in CPU_ISAS else "avx512", key=CPU_ISAS.index)
-    return None if cap == "avx512" else cap
+    cap = min(asked or "avx512", aten if aten in CPU_ISAS else "avx512", key=CPU_ISAS.index)
+    if cap == "avx512" or (cap != asked and cap == _level(flags)):
+        return None  # torch at the CPU's own level: nothing to mask
+    return cap
 
 
 def cpu_flags() -> frozenset[str]:
@@ -110,14 +119,13 @@ def cpu_flags() -> frozenset[str]:
         flags = frozenset(f for f in proc if cpuid.get(f, True))
     else:
         flags = frozenset(f for f, on in cpuid.items() if on)
-    cap = _isa_cap()
+    cap = _isa_cap(flags)
     return flags if cap is None else flags & LEVEL_FLAGS[cap]
 
 
 def cpu_isa() -> str:
     """The x86 level `cpu_flags()` reaches: avx512, avx2 or default (also off x86)."""
-    flags = cpu_flags()
-    return next((isa for isa, needs in _LEVEL_NEEDS.items() if needs <= flags), "default")
+    return _level(cpu_flags())
 
 
 def cpu_march() -> tuple[str, ...]:

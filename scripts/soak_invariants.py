@@ -7,7 +7,7 @@ invariants checked after every rule) under Hypothesis, one seed after another, u
 rule steps executed reach the target. A step is one rule run after the machine's setup
 (add_requests, step, abort or run_to_completion); every example also drains at teardown.
 Prints examples, steps, seconds and failures per seed and in total; exits 1 on any failure,
-after printing the falsifying example.
+after printing the error and the failing example's steps (the machine's rule calls).
 
     python scripts/soak_invariants.py                            # 100,000 steps, 4 seeds
     python scripts/soak_invariants.py --steps 20000 --seed 7 42 --json soak.json
@@ -95,6 +95,9 @@ class Batch:
     seconds: float = 0.0
     tally: Tally = field(default_factory=Tally)
     error: str | None = None
+    failing_steps: str = ""
+    """The failing example's rule calls, as Hypothesis replays it (the notes it adds to the
+    error)."""
 
 
 def run_batch(hseed: int, max_examples: int, steps_per_example: int) -> Batch:
@@ -117,7 +120,9 @@ def run_batch(hseed: int, max_examples: int, steps_per_example: int) -> Batch:
     try:
         run_state_machine_as_test(hypothesis_seed(hseed)(machine), settings=run_settings)
     except Exception as e:
+        notes = e.__dict__.pop("__notes__", [])
         batch.error = "".join(traceback.format_exception(e))
+        batch.failing_steps = "\n".join(notes)
     batch.seconds = time.perf_counter() - start
     return batch
 
@@ -172,7 +177,8 @@ def soak_seed(s: int, quota: int, steps_per_example: int) -> SeedResult:
         if batch.error is not None:
             print(
                 f"seed {s} FAILED: Hypothesis seed {hseed}, max_examples {batch.max_examples}, "
-                f"stateful_step_count {steps_per_example}\n{batch.error}",
+                f"stateful_step_count {steps_per_example}\n{batch.error}"
+                f"failing example's steps:\n{batch.failing_steps}",
                 flush=True,
             )
         elif batch.tally.steps == 0:

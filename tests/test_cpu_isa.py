@@ -33,6 +33,7 @@ from pypto_serving.device import (
     LEVEL_FLAGS,
     auto_dtype,
     cpu_flags,
+    cpu_has_native_bf16,
     cpu_isa,
     cpu_march,
     cpu_packs_bf16,
@@ -50,16 +51,22 @@ pytestmark = pytest.mark.skipif(
 )
 MODEL = "qwen3-hd32-gqa4"  # head_dim 32: the native decode step and attention take it
 GROUP, HEAD_DIM = 4, 32
-AVX512_ONLY = {"avx_vnni", "avx_ne_convert"}
+ABOVE_V3 = {"avx_vnni", "avx_ne_convert"}
 """Beside avx512* and amx*: the flags an AVX2-only CPU (AMD Zen 3) lacks that change a
-decision (int8 dot products, oneDNN's bf16 packing)."""
+decision (int8 dot products, oneDNN's bf16 packing). The AVX2 cap drops them on every CPU."""
+SAPPHIRE_RAPIDS = frozenset(
+    {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "avx512f", "avx512bw", "avx512vl"}
+    | {"avx512dq", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_int8"}
+    | {"amx_bf16", "amx_tile"}
+)
+ALDER_LAKE = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "avx_vnni"})
 
 
 def test_the_avx2_cap_masks_the_flags_to_x86_64_v3(monkeypatch):
     monkeypatch.setenv("PYPTO_CPU_ISA", "avx2")
     flags = cpu_flags()
     assert flags <= LEVEL_FLAGS["avx2"] and {"avx2", "fma", "f16c", "bmi2"} <= flags
-    assert not any(f.startswith(("avx512", "amx")) for f in flags) and not flags & AVX512_ONLY
+    assert not any(f.startswith(("avx512", "amx")) for f in flags) and not flags & ABOVE_V3
     cpu = torch.device("cpu")
     assert cpu_isa() == "avx2" and cpu_march() == ("-march=x86-64-v3",)
     assert not cpu_packs_bf16() and linear_packing(cpu, torch.bfloat16) == "panels"
@@ -72,6 +79,35 @@ def test_the_avx2_cap_masks_the_flags_to_x86_64_v3(monkeypatch):
     monkeypatch.setenv("PYPTO_CPU_ISA", "avx3")
     with pytest.raises(PyptoError, match="PYPTO_CPU_ISA='avx3': choose one of"):
         cpu_flags()
+
+
+@pytest.mark.parametrize("aten", ["AVX512", "AVX2"])
+def test_the_avx2_cap_means_x86_64_v3_on_a_cpu_with_avx_vnni_too(monkeypatch, aten):
+    """A Xeon with AMX and AVX-VNNI under PYPTO_CPU_ISA=avx2 (torch told or not) takes the
+    decisions AMD Zen 3 takes: no AVX-VNNI, no 8-bit dot products, the x86-64-v3 build."""
+    monkeypatch.setattr(device, "_proc_flags", lambda: SAPPHIRE_RAPIDS)
+    monkeypatch.setattr(device, "_cpuid_flags", dict)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: aten)
+    monkeypatch.delenv("PYPTO_CPU_ISA", raising=False)
+    assert cpu_isa() == ("avx512" if aten == "AVX512" else "avx2")
+    monkeypatch.setenv("PYPTO_CPU_ISA", "avx2")
+    assert cpu_flags() == SAPPHIRE_RAPIDS & LEVEL_FLAGS["avx2"] and not cpu_flags() & ABOVE_V3
+    assert cpu_isa() == "avx2" and cpu_march() == ("-march=x86-64-v3",)
+    assert not cpu_has_native_bf16() and not cpu_packs_bf16()
+
+
+def test_an_avx2_cpu_with_avx_vnni_keeps_it_unless_capped(monkeypatch):
+    """Intel's AVX2 cores (Alder Lake on) are an AVX2 level of their own: uncapped, their
+    AVX-VNNI builds the native kernels' vpdpbusd path; PYPTO_CPU_ISA=avx2 drops it as
+    everywhere."""
+    monkeypatch.setattr(device, "_proc_flags", lambda: ALDER_LAKE)
+    monkeypatch.setattr(device, "_cpuid_flags", dict)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.delenv("PYPTO_CPU_ISA", raising=False)
+    assert cpu_flags() == ALDER_LAKE and cpu_isa() == "avx2"
+    assert cpu_march() == ("-march=x86-64-v3", "-mavxvnni")
+    monkeypatch.setenv("PYPTO_CPU_ISA", "avx2")
+    assert "avx_vnni" not in cpu_flags() and cpu_march() == ("-march=x86-64-v3",)
 
 
 def test_pypto_cpu_isa_alone_tells_torch_when_imported_first():

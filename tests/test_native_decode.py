@@ -11,6 +11,9 @@ bf16 tests), and where the step applies.
 from __future__ import annotations
 
 import ctypes
+import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -51,18 +54,32 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
     return (torch.where(scale > 0, g / scale, 0).round() * scale).reshape(x.shape)
 
 
-@pytest.fixture(scope="module", params=["vnni", "portable", "avx2", "avx2-vnni-emulated"])
+AVX2_BUILDS = {
+    "avx2": (),
+    "avx2-vnni": ("-mavxvnni",),
+    "avx2-vnni-emulated": ("-DPYPTO_EMULATE_AVX_VNNI",),
+}
+"""The AVX2 builds (PYPTO_CPU_ISA=avx2: -march=x86-64-v3), and their extra flags: as an AVX2
+CPU builds it, as one with AVX-VNNI does (the real vpdpbusd), and that path on AVX2
+instructions (its vpdpbusd emulated exactly)."""
+
+
+@pytest.fixture(
+    scope="module", params=["vnni", "portable", "avx2", "avx2-vnni", "avx2-vnni-emulated"]
+)
 def products(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The product over records (records.h, exported by the shape-free library of gemm.cpp)
-    with VNNI and BF16 dot products, without, as an AVX2 CPU builds it (PYPTO_CPU_ISA=avx2:
-    -march=x86-64-v3), and as an AVX2 CPU with AVX-VNNI builds it, its vpdpbusd emulated
-    (PYPTO_EMULATE_AVX_VNNI): every x86-64-v3 machine tests the last three."""
+    with VNNI and BF16 dot products, without, and the AVX2 builds of AVX2_BUILDS: every
+    x86-64-v3 machine tests "avx2" and "avx2-vnni-emulated"; "avx2-vnni" runs the real
+    AVX-VNNI instruction where the CPU has it (AMX Xeons, Intel's AVX2 cores) and is skipped,
+    saying so, elsewhere."""
     if request.param == "vnni" and "avx512_vnni" not in cpu_flags():
         pytest.skip("this CPU has no AVX512-VNNI")  # the portable builds still run
-    flags = {
-        "portable": ("-mno-avx512vnni", "-mno-avx512bf16"),
-        "avx2-vnni-emulated": ("-DPYPTO_EMULATE_AVX_VNNI",),
-    }.get(request.param, ())
+    if request.param == "avx2-vnni" and "avx_vnni" not in cpu_flags():
+        pytest.skip("this CPU has no AVX-VNNI: its path runs emulated (avx2-vnni-emulated)")
+    flags = AVX2_BUILDS.get(request.param, ())
+    if request.param == "portable":
+        flags = ("-mno-avx512vnni", "-mno-avx512bf16")
     with pytest.MonkeyPatch.context() as mp:
         if request.param.startswith("avx2"):
             mp.setenv("PYPTO_CPU_ISA", "avx2")
@@ -71,6 +88,23 @@ def products(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     lib = native.load_gemm(path)
     assert lib is not None
     return lib
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the code")
+@pytest.mark.parametrize("build", ["avx2-vnni", "avx2-vnni-emulated"])
+def test_the_avx_vnni_build_holds_vpdpbusd_and_its_emulation_does_not(tmp_path, monkeypatch, build):
+    """What the "avx2-vnni" products run where the CPU has AVX-VNNI is the instruction
+    itself: its build holds vpdpbusd on ymm registers (VEX, no AVX-512), the emulated one
+    none."""
+    monkeypatch.setenv("PYPTO_CPU_ISA", "avx2")
+    path = native.build_gemm(tmp_path, extra_flags=AVX2_BUILDS[build])
+    assert path is not None
+    code = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True
+    ).stdout
+    real = re.search(r"vpdpbusd\s+%ymm", code) is not None
+    assert real == (build == "avx2-vnni"), build
+    assert "%zmm" not in code
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
