@@ -159,7 +159,7 @@ def cpu_packs_bf16() -> bool:
 
 
 @cache
-def _int8_gemm_saturates() -> bool:
+def int8_gemm_saturates() -> bool:
     """Whether torch._int_mm (oneDNN) gets full-range int8 products wrong: without int8 dot
     products (VNNI) it sums pairs of u8 x s8 products in int16, which saturates."""
     a, b = torch.full((17, 64), 127, dtype=torch.int8), torch.full((64, 16), 127, dtype=torch.int8)
@@ -176,7 +176,7 @@ def int8_gemm_full_range() -> bool:
     w8a8 gives its inputs 7 bits there (`ops.linear.int8_linear`): u8 values up to 127 keep
     every pair within int16 (127 x 127 x 2 < 32768) while the weights keep 8."""
     dot = not cpu_flags().isdisjoint({"avx512_vnni", "avx_vnni", "amx_int8"})
-    return dot and not _int8_gemm_saturates()
+    return dot and not int8_gemm_saturates()
 
 
 def resolve_dtype(name: str, device: torch.device, native: bool = False) -> torch.dtype:

@@ -25,7 +25,10 @@ def test_default_model_knows_the_capital_of_france(flags):
             "generate",
             "--chat",
             "--prompt",
-            "What is the capital of France?",
+            # "... Answer in one word.": the bare question's first token is a near-tie ("The"
+            # 0.1 nats above "L" in float32, tied once bf16 rounds the logits: then "L'Étoile,
+            # la Marseillaise..."), this one's 1.4 nats on every build and dtype
+            "What is the capital of France? Answer in one word.",
             "--temperature",
             "0",
             "--max-tokens",

@@ -9,8 +9,9 @@ most one token per call, as with EngineCore).
 
 A replica that dies (its pipe closes, a step fails) or hangs (no step result and no
 heartbeat, which it sends while a long step makes progress, for `step_timeout_s` while it
-has requests) is lost alone: it is killed, its requests fail
-(`Request.fail`, reported by the next `step()`), the router stops sending it requests, and
+has requests, plus the heartbeat's own interval: progress is told up to that late) is lost
+alone: it is killed, its requests fail (`Request.fail`, reported by the next `step()`), the
+router stops sending it requests, and
 the others keep serving. `degraded` says so (the server's /health turns 503). A thread
 polls the replica processes, so one that exits is noticed within REPLICA_CHECK_S even while
 the engine is idle (no step reads its pipe). Only when the last replica is lost does `step()`
@@ -55,6 +56,7 @@ from pypto_serving.engine.replica import (
     StepFailed,
     StepResult,
     TokenDelta,
+    heartbeat_interval,
     wait_ready,
 )
 from pypto_serving.engine.router import Router
@@ -320,6 +322,7 @@ class DPEngine:
 
     def _watch_for_hangs(self) -> None:
         now, limit = time.monotonic(), self.config.step_timeout_s
+        limit += heartbeat_interval(limit)  # progress made now is heard up to this late
         for replica in list(self._by_conn.values()):
             i = replica.index
             if self.router.num_routed[i] and now - self._heard[i] > limit:

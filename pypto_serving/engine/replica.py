@@ -62,7 +62,7 @@ SLOW_LAYERS_ENV = "PYPTO_SLOW_REPLICA_LAYERS"
 replica's, index *) take `seconds` longer: long steps that still make progress."""
 HEARTBEAT_S = 1.0
 """Most time between a replica's heartbeats while its steps make progress (a quarter of
-step_timeout_s where that is shorter)."""
+step_timeout_s where that is shorter: `heartbeat_interval`)."""
 LOCKSTEP_IDLE_S = 0.005
 """DP attention + EP, no replica with work: how long each waits for a message before they
 agree again (the added latency of a request that arrives then; the cost of idling is one
@@ -254,9 +254,15 @@ class _Heartbeat:
                     return
 
 
+def heartbeat_interval(step_timeout_s: float) -> float:
+    """How often a replica looks at its step's progress and says it moved: the parent hears
+    of progress up to this late, so it waits this much beyond step_timeout_s."""
+    return min(HEARTBEAT_S, step_timeout_s / 4)
+
+
 def serve(engine: EngineCore, conn: Connection) -> None:
     """Apply the parent's messages between steps; block on the pipe only while idle."""
-    beat = _Heartbeat(engine, conn, min(HEARTBEAT_S, engine.config.step_timeout_s / 4))
+    beat = _Heartbeat(engine, conn, heartbeat_interval(engine.config.step_timeout_s))
     try:
         (_serve_lockstep if engine.lockstep else _serve)(engine, conn, beat.send)
     finally:
