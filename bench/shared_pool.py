@@ -16,6 +16,8 @@ Both runs play the same `pypto bench serve --dataset multi-turn` load.
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = (
         f"--kv-remote mooncake://127.0.0.1:{args.master_port} --kv-remote-bytes {args.pool_bytes}"
     )
+    os.environ.setdefault("PYPTO_POOL_SECRET", secrets.token_hex(16))  # the replicas' pool
     master = start_master(args.master_port)
     try:
         with tempfile.TemporaryDirectory() as tmp:

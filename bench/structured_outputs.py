@@ -74,11 +74,12 @@ def main() -> int:
         times = []
         for schema in SCHEMAS:
             start = time.perf_counter()
-            grammars.matcher(StructuredOutputsParams(json=schema))
+            grammars.vocabulary.compile(StructuredOutputsParams(json=schema))  # uncached
             times.append(1000 * (time.perf_counter() - start))
         print(
             f"matcher per schema: median {statistics.median(times):.2f} ms, "
-            f"max {max(times):.2f} ms over {len(times)} schemas (compiled from the text)"
+            f"max {max(times):.2f} ms over {len(times)} schemas "
+            "(compiled from the text, first tokens walked)"
         )
     return 0
 

@@ -5,6 +5,7 @@ The CLI derives its flags from these fields (see cli.py), so a knob is declared 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from dataclasses import dataclass, field, fields
@@ -73,17 +74,25 @@ class CacheConfig:
     it and prefixes found there are loaded from it (`kv/remote_tier.py`)."""
     kv_remote_bytes: int = 1 << 30
     """Memory this process lends to the shared pool when kv_remote is set (each member lends
-    its share; the pool is their sum)."""
+    its share; the pool is their sum); at least 16MiB, Mooncake's least."""
     kv_events_endpoint: str | None = None
     """A ZeroMQ endpoint to publish KV events on (pages stored into and removed from each
-    tier's prefix index, in vLLM's format), e.g. tcp://*:5557; data-parallel replica r takes
-    port + r. None: no events."""
+    tier's prefix index, in vLLM's format), e.g. tcp://127.0.0.1:5557; data-parallel replica r
+    takes port + r. One other machines can reach needs kv_events_curve_key. None: no events."""
     kv_events_topic: str = ""
     """The topic of every KV event message."""
     kv_events_replay_endpoint: str | None = None
     """A ZeroMQ endpoint where subscribers ask for the batches they missed (vLLM's replay
     socket: a ROUTER; send the first sequence number wanted, 8 bytes big-endian), e.g.
-    tcp://*:5558; data-parallel replica r takes port + r. None: no replay."""
+    tcp://127.0.0.1:5558; data-parallel replica r takes port + r. None: no replay."""
+    kv_events_curve_key: str | None = None
+    """A file with the KV event sockets' ZeroMQ CURVE key pair (a `.key_secret` file, as
+    `zmq.auth.create_certificates` writes it): the sockets then encrypt, and admit only the
+    subscribers whose public keys are in kv_events_curve_clients. Needed to bind an address
+    other machines can reach."""
+    kv_events_curve_clients: str | None = None
+    """A folder of the public keys (`.key` files) of the subscribers the KV event sockets
+    admit, read at start-up; set with kv_events_curve_key."""
     kv_cache_dtype: str = "auto"
     """How keys and values are stored: auto (the model's dtype) or int8 (each token's row of a
     head quantized with its own scale: about half of bf16's bytes, so decode attention reads
@@ -108,17 +117,64 @@ class CacheConfig:
             setattr(self, name, value)
         if self.kv_ssd_dir is not None and not str(self.kv_ssd_dir).strip():
             raise PyptoError("kv_ssd_dir must not be empty")
-        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
-            raise PyptoError("kv_events_replay_endpoint needs kv_events_endpoint (the events)")
+        self._validate_events()
         if self.kv_remote is not None:
             remote_address(self.kv_remote)
-            if self.kv_remote_bytes < 1 << 20:
+            if self.kv_remote_bytes < MOONCAKE_MIN_SEGMENT_BYTES:
                 raise PyptoError(
-                    f"kv_remote_bytes must be at least 1MiB, got {self.kv_remote_bytes}"
+                    f"kv_remote_bytes (--kv-remote-bytes) must be at least "
+                    f"{MOONCAKE_MIN_SEGMENT_BYTES >> 20}MiB, the least a Mooncake Store member "
+                    f"may lend the pool; got {self.kv_remote_bytes}",
+                    "kv_remote_bytes",
+                )
+
+    def _validate_events(self) -> None:
+        """KV events tell which prompts are cached (their tokens, unless salted): a socket
+        other machines can reach must authenticate its subscribers."""
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise PyptoError("kv_events_replay_endpoint needs kv_events_endpoint (the events)")
+        if (self.kv_events_curve_key is None) != (self.kv_events_curve_clients is None):
+            raise PyptoError(
+                "kv_events_curve_key and kv_events_curve_clients go together (the server's key "
+                "pair and the subscribers it admits)",
+                "kv_events_curve_key",
+            )
+        if self.kv_events_curve_key is not None:
+            return
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            endpoint = getattr(self, name)
+            if endpoint is not None and not local_endpoint(endpoint):
+                raise PyptoError(
+                    f"{name} {endpoint} can be reached from other machines, and KV events tell "
+                    f"the prompts cached here: bind loopback (e.g. tcp://127.0.0.1:5557) or set "
+                    f"kv_events_curve_key and kv_events_curve_clients (ZeroMQ CURVE: encrypted, "
+                    f"subscribers authenticated; see docs/serving.md, KV events)",
+                    name,
                 )
 
 
+def local_endpoint(endpoint: str) -> bool:
+    """Whether a ZeroMQ endpoint is reachable from this machine only: ipc:// or inproc://, or
+    tcp:// on a loopback address (127.0.0.0/8, ::1, localhost). An interface name or `*` is
+    not."""
+    scheme, _, rest = str(endpoint).partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rpartition(":")[0].strip("[]")
+    if scheme != "tcp" or not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 REMOTE_SCHEME = "mooncake"
+MOONCAKE_MIN_SEGMENT_BYTES = 16 << 20
+"""The least memory a Mooncake Store client may lend the pool: its `setup` refuses less
+("Total size must be at least 16777216", then the join fails with -600; mooncake 0.3.13)."""
 
 
 def remote_address(url: str) -> tuple[str, int]:
@@ -465,8 +521,17 @@ class ServerConfig:
     """Seconds a client may take to send a request's body after its headers; a slower one
     gets 408 and is disconnected."""
     max_connections: int = 512
-    """Most client connections open at once; a request on one more gets 503 with
-    Retry-After, and that connection is closed."""
+    """Most client connections open at once. One more closes the connection that has waited
+    longest for a request's headers (of the client holding the most); where none waits, a
+    request on it gets 503 with Retry-After (/health is answered) and it is closed."""
+    max_connections_per_client: int = 256
+    """Most connections open at once from one client (IP address). One more closes that
+    client's connection that has waited longest for a request's headers; where none waits, a
+    request on it gets 503 with Retry-After (/health is answered) and it is closed."""
+    max_response_logprobs: int = 1_000_000
+    """Most logprobs one response may hold (each token's and each top alternative, over every
+    choice, echoed prompt, prompt_logprobs and max_tokens); a request that could pass it is
+    a 400 before it runs (tens of MB of JSON at the limit)."""
     allowed_origins: str | None = None
     """Web pages that may call the API from a browser (CORS): comma-separated origins such
     as https://app.example.com, or * for any. None: no CORS headers (browsers refuse)."""
@@ -490,10 +555,10 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
                 raise PyptoError(f"{name} must be > 0, got {value!r}")
-        if not isinstance(self.max_connections, int) or self.max_connections < 1:
-            raise PyptoError(
-                f"max_connections must be an integer >= 1, got {self.max_connections!r}"
-            )
+        for name in ("max_connections", "max_connections_per_client", "max_response_logprobs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise PyptoError(f"{name} must be an integer >= 1, got {value!r}")
         if self.api_key is not None and not self.api_key:
             raise PyptoError("api_key must not be empty")
         for name in ("max_queued_requests", "max_queued_tokens"):

@@ -17,6 +17,8 @@ from patience import patience
 from pypto_serving.config import ServerConfig
 from pypto_serving.engine.async_llm import AsyncLLM, QueueLimits
 from pypto_serving.engine.llm import LLM
+from pypto_serving.outputs import RequestOutput
+from pypto_serving.sampling import SamplingParams
 from pypto_serving.server.app import build_app
 from pypto_serving.server.launch import uvicorn_config
 
@@ -40,6 +42,16 @@ class Live:
 
 def tiny_llm(model_dir: Path, **knobs: Any) -> LLM:
     return LLM(str(model_dir), **(FAST_KNOBS | knobs))
+
+
+def generate_salted(
+    llm: LLM, prompt: list[int], params: SamplingParams, salt: str
+) -> RequestOutput:
+    """One request with a cache_salt (as the server's `cache_salt` field gives it), to the end."""
+    family = llm.add(prompt, params, cache_salt=salt)
+    while llm.engine.has_unfinished():
+        llm.step()
+    return family.output()
 
 
 def free_port() -> int:

@@ -1,8 +1,10 @@
 """A real Mooncake master (the `mooncake_master` of mooncake-transfer-engine-non-cuda) for the
-remote KV tier's tests, on a free loopback port or inside a network namespace."""
+remote KV tier's tests, on a free loopback port or inside a network namespace, and the pool's
+secret its members are given (`PYPTO_POOL_SECRET`)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -13,6 +15,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from patience import patience
+
+from pypto_serving.kv.mooncake_pool import SECRET_ENV
+
+POOL_SECRET = "the-test-pools-secret"
+"""What every member of a test's pool is given as PYPTO_POOL_SECRET."""
+
+
+def pool_env(secret: str = POOL_SECRET) -> dict[str, str]:
+    """This process's environment with the pool's secret: for a member run as a process."""
+    return os.environ | {SECRET_ENV: secret}
 
 
 def master_binary() -> str:

@@ -413,6 +413,14 @@ CASES = [
         "logit_bias",
         "invalid_value",
     ),
+    # keys str.isdigit() takes and int() refuses: a superscript digit, 5,000 digits
+    Bad("logit_bias_key_superscript_digit", patch({"logit_bias": {"²": 1}}), "logit_bias"),
+    Bad("logit_bias_key_5000_digits", patch({"logit_bias": {"1" * 5000: 1}}), "logit_bias"),
+    Bad(  # 130 sequences, over 128: named best_of, which set their number, not n
+        "best_of_over_the_sequence_limit",
+        patch(completions={"prompt": ["hello"] * 26, "best_of": 5}, chat={"best_of": 129}),
+        "best_of",
+    ),
     Bad(
         "unenforceable_response_format",
         patch(

@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 from live_server import free_port, tiny_llm
-from mooncake_master import mooncake_master
+from mooncake_master import POOL_SECRET, mooncake_master
 
 from pypto_serving import LLM, SamplingParams
+from pypto_serving.kv.mooncake_pool import SECRET_ENV
 from pypto_serving.kv.windowed_store import WindowedKVStore
 
 NAME = "deepseekv4-swa-csa-hca-hash"  # window 8, CSA 4:1 (top 2), HCA 8:1
@@ -81,7 +82,9 @@ PATHS = {  # six entry pages of 8 tokens hold one 48-token request
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-def test_greedy_outputs_are_identical_on_every_kv_path(model, expected, tmp_path, path):
+def test_greedy_outputs_are_identical_on_every_kv_path(
+    model, expected, tmp_path, path, monkeypatch
+):
     knobs, by_tier = PATHS[path]
     if path == "ssd":
         knobs = knobs | {"kv_ssd_dir": str(tmp_path)}
@@ -90,6 +93,7 @@ def test_greedy_outputs_are_identical_on_every_kv_path(model, expected, tmp_path
             port = free_port()
             stack.enter_context(mooncake_master(port, free_port()))
             knobs = knobs | {"kv_remote": f"mooncake://127.0.0.1:{port}"}
+            monkeypatch.setenv(SECRET_ENV, POOL_SECRET)
         llm = stack.enter_context(tiny_llm(model, page_size=8, max_num_seqs=2, **knobs))
         store = store_of(llm)
         outs = one_by_one(llm, PROMPTS)

@@ -4,19 +4,25 @@ kv_events_subscriber example declares them).
 
 Ground truth: the events name exactly the pages the store indexed (their hashes, parents and
 tokens), in order: a prompt's full pages stored on the device; evicted, removed from the device
-and stored on the CPU tier; hit again, stored on the device and removed from the CPU tier."""
+and stored on the CPU tier; hit again, stored on the device and removed from the CPU tier.
+
+Issue 42, item 4: a salted request's pages are told without their tokens, on every tier; a
+socket other machines can reach is refused without CURVE keys, and with them admits only the
+subscribers whose public keys it was given."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 import zmq
-from live_server import free_port, tiny_llm
+import zmq.auth
+from live_server import free_port, generate_salted, tiny_llm
 
 from pypto_serving.errors import PyptoError
 from pypto_serving.sampling import SamplingParams
@@ -58,11 +64,15 @@ class KVEventBatch(EventBatch):
 
 
 @contextmanager
-def subscribed(endpoint: str) -> Iterator[zmq.Socket]:
+def subscribed(endpoint: str, curve: tuple[bytes, Path] | None = None) -> Iterator[zmq.Socket]:
     """A SUB socket on `endpoint`, every topic, once it has joined (a subscriber sees only
-    what is sent after it joined)."""
+    what is sent after it joined); curve: (the server's public key, a `.key_secret` file of
+    the subscriber's key pair)."""
     context = zmq.Context()
     sub = context.socket(zmq.SUB)
+    if curve is not None:
+        sub.curve_serverkey = curve[0]
+        sub.curve_publickey, sub.curve_secretkey = zmq.auth.load_certificate(curve[1])
     sub.connect(endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     time.sleep(0.5)
@@ -246,3 +256,121 @@ def test_a_subscriber_gets_missed_batches_from_the_replay_socket(tiny_model):
 def test_replay_needs_the_events_endpoint(tiny_model):
     with pytest.raises(PyptoError, match="kv_events_replay_endpoint needs kv_events_endpoint"):
         tiny_llm(tiny_model(MODEL), kv_events_replay_endpoint="tcp://127.0.0.1:1")
+
+
+def test_a_salted_requests_pages_are_told_without_their_tokens_on_every_tier(tiny_model):
+    """A salt keeps a prompt from other tenants: its pages' events carry no token ids (vLLM's
+    schema allows an empty list), stored on the device, pushed to the CPU tier, loaded back;
+    an unsalted prompt's pages keep theirs wherever they go."""
+    port = free_port()
+    params = SamplingParams(max_tokens=1, temperature=0)
+    knobs = dict(page_size=PAGE, num_kv_pages=8, kv_cpu_bytes=1 << 20, kv_events_topic="kv")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    with (
+        tiny_llm(tiny_model(MODEL), kv_events_endpoint=endpoint, **knobs) as llm,
+        subscribed(endpoint) as sub,
+    ):
+        a, b = prompt(0), prompt(1)
+        generate_salted(llm, a, params, "tenant-a")
+        llm.generate([b], params, use_tqdm=False)
+        first = [e for _, e in receive(sub)]
+        assert [e.token_ids for e in first] == [[], [], b[:PAGE], b[PAGE : 2 * PAGE]]
+        secret = {h for e in first[:2] for h in e.block_hashes}
+        for i in range(2, 6):  # a's and b's pages move to the CPU tier
+            llm.generate([prompt(i)], params, use_tqdm=False)
+        moved = [e for _, e in receive(sub) if isinstance(e, BlockStored) and e.medium == "CPU"]
+        on_cpu = {e.block_hashes[0]: e.token_ids for e in moved}
+        assert secret <= set(on_cpu) and all(on_cpu[h] == [] for h in secret)
+        assert on_cpu[first[2].block_hashes[0]] == b[:PAGE]
+        out = generate_salted(llm, a, params, "tenant-a")
+        assert out.cached_tokens_by_tier.get("cpu") == 2 * PAGE  # a hit on the CPU tier
+        back = [e for _, e in receive(sub) if isinstance(e, BlockStored)]
+        assert {e.block_hashes[0] for e in back} >= secret
+        assert all(e.token_ids == [] for e in back if e.block_hashes[0] in secret)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"kv_events_endpoint": "tcp://*:{port}"},
+        {"kv_events_endpoint": "tcp://0.0.0.0:{port}"},
+        {"kv_events_endpoint": "tcp://127.0.0.1:{port}", "kv_events_replay_endpoint": "tcp://*:1"},
+    ],
+)
+def test_a_socket_other_machines_can_reach_needs_curve_keys(tiny_model, knobs):
+    port = free_port()
+    knobs = {k: v.format(port=port) for k, v in knobs.items()}
+    with pytest.raises(PyptoError, match=r"can be reached from other machines.*CURVE"):
+        tiny_llm(tiny_model(MODEL), **knobs)
+
+
+def certificates(folder: Path) -> dict[str, tuple[bytes, Path]]:
+    """Key pairs of the server, an admitted subscriber and a stranger: name -> (public key,
+    `.key_secret` file); the admitted subscriber's public key alone in `folder/clients`."""
+    out = {}
+    for name in ("server", "client", "stranger"):
+        public_file, secret_file = zmq.auth.create_certificates(folder, name)
+        out[name] = (zmq.auth.load_certificate(public_file)[0], Path(secret_file))
+    (folder / "clients").mkdir()
+    (folder / "client.key").rename(folder / "clients" / "client.key")
+    return out
+
+
+def test_with_curve_keys_only_admitted_subscribers_receive_events(tiny_model, tmp_path):
+    certs = certificates(tmp_path)
+    port, replay_port = free_port(), free_port()
+    curve = {
+        "kv_events_curve_key": str(certs["server"][1]),
+        "kv_events_curve_clients": str(tmp_path / "clients"),
+    }
+    bind = {
+        "kv_events_endpoint": f"tcp://0.0.0.0:{port}",
+        "kv_events_replay_endpoint": f"tcp://0.0.0.0:{replay_port}",
+    }
+    endpoint, server_key = f"tcp://127.0.0.1:{port}", certs["server"][0]
+    with (
+        tiny_llm(tiny_model(MODEL), page_size=PAGE, kv_events_topic="kv", **bind, **curve) as llm,
+        subscribed(endpoint, (server_key, certs["client"][1])) as admitted,
+        subscribed(endpoint) as plain,
+        subscribed(endpoint, (server_key, certs["stranger"][1])) as stranger,
+    ):
+        a = prompt(0)
+        llm.generate([a], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+        got = [e for _, e in receive(admitted)]
+        assert [e.token_ids for e in got] == [a[:PAGE], a[PAGE : 2 * PAGE]]
+        assert receive(plain, 0.2) == [] and receive(stranger, 0.2) == []
+        context = zmq.Context()
+        for keys in ((server_key, certs["client"][1]), None):
+            dealer = context.socket(zmq.DEALER)
+            if keys is not None:
+                dealer.curve_serverkey = keys[0]
+                dealer.curve_publickey, dealer.curve_secretkey = zmq.auth.load_certificate(keys[1])
+            dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            assert bool(dealer.poll(2000)) == (keys is not None)  # the stranger gets no replay
+            dealer.close(linger=0)
+        context.term()
+
+
+def test_bad_curve_settings_are_clear_errors(tiny_model, tmp_path):
+    certs = certificates(tmp_path)
+    model, endpoint = tiny_model(MODEL), f"tcp://0.0.0.0:{free_port()}"
+    with pytest.raises(PyptoError, match="kv_events_curve_key and kv_events_curve_clients go"):
+        tiny_llm(model, kv_events_endpoint=endpoint, kv_events_curve_key=str(certs["server"][1]))
+    public_only = str(tmp_path / "server.key")
+    clients = str(tmp_path / "clients")
+    with pytest.raises(PyptoError, match=r"server\.key holds no secret key"):
+        tiny_llm(
+            model,
+            kv_events_endpoint=endpoint,
+            kv_events_curve_key=public_only,
+            kv_events_curve_clients=clients,
+        )
+    (tmp_path / "none").mkdir()
+    with pytest.raises(PyptoError, match="holds no public key"):
+        tiny_llm(
+            model,
+            kv_events_endpoint=endpoint,
+            kv_events_curve_key=str(certs["server"][1]),
+            kv_events_curve_clients=str(tmp_path / "none"),
+        )

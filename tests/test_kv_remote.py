@@ -2,21 +2,26 @@
 
 Ground truth: the reference is a fresh computation of the same prompt (greedy tokens must be
 identical), and the tier breakdown names exactly the pages that came from the pool: a prompt
-of 100 tokens in pages of 16 has 6 full pages before its last token (96 tokens)."""
+of 100 tokens in pages of 16 has 6 full pages before its last token (96 tokens).
+
+Issue 42, item 3: every member is given the pool's secret (`PYPTO_POOL_SECRET`), signs the
+pages it writes and checks the pages it reads; a page signed without it is a miss, counted."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+import torch
 from checkpoints import hash_chain
-from live_server import free_port, tiny_llm
-from mooncake_master import mooncake_master
+from live_server import free_port, generate_salted, tiny_llm
+from mooncake_master import POOL_SECRET, mooncake_master
 from patience import patience
 
+from pypto_serving.config import MOONCAKE_MIN_SEGMENT_BYTES
 from pypto_serving.engine.metrics import EngineMetrics
 from pypto_serving.errors import PyptoError
-from pypto_serving.kv.mooncake_pool import join, leave
+from pypto_serving.kv.mooncake_pool import SECRET_ENV, connect, join, leave, pool_key
 from pypto_serving.kv.remote_tier import RemoteTier
 from pypto_serving.kv.tier import TierStats, merge_tier_stats
 from pypto_serving.sampling import SamplingParams
@@ -29,6 +34,12 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0)
 
 def prompt(i: int, n: int = 100) -> list[int]:
     return [(11 * i + 5 * j) % 290 + 7 for j in range(n)]
+
+
+@pytest.fixture(autouse=True)
+def pool_secret(monkeypatch):
+    """Every member of the tests' pools knows its secret (unless a test says otherwise)."""
+    monkeypatch.setenv(SECRET_ENV, POOL_SECRET)
 
 
 @pytest.fixture
@@ -117,6 +128,76 @@ def test_a_corrupted_or_foreign_remote_page_is_a_miss(tiny_model, master_url):
         leave(pool)
 
 
+def test_joining_the_pool_needs_its_secret(tiny_model, master_url, monkeypatch):
+    url, _ = master_url
+    model = tiny_model(MODEL)
+    for secret in (None, "too-short"):
+        if secret is None:
+            monkeypatch.delenv(SECRET_ENV)
+        else:
+            monkeypatch.setenv(SECRET_ENV, secret)
+        with pytest.raises(PyptoError, match="set PYPTO_POOL_SECRET to the same secret of at"):
+            remote_llm(model, url)
+
+
+def test_a_page_signed_without_the_pools_secret_is_a_miss_and_counted(
+    tiny_model, master_url, monkeypatch
+):
+    """Issue 42's attack: a member without the secret (Mooncake lets anyone who reaches the
+    master join and write) rebuilds pages' keys, zeroes their KV, signs them with the secret
+    it has and upserts them. The victim serves the genuine pages before them and computes the
+    rest: the right tokens, each forged page it tried counted as rejected."""
+    url, _ = master_url
+    model, p = tiny_model(MODEL), prompt(8)
+    with remote_llm(model, url) as a:
+        expected = a.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        tier = remote_tier(a)
+        tier.flush()
+        layout = (tier.page_shape, tier.dtype, tier.digest, tier.num_tensors)
+        monkeypatch.setenv(SECRET_ENV, "not-the-pools-secret")
+        forger = RemoteTier(join(url, SEGMENT), 1, *layout, pool_key())
+        monkeypatch.setenv(SECRET_ENV, POOL_SECRET)
+        try:
+            zeros = tuple(torch.zeros(tier.page_shape, dtype=tier.dtype) for _ in range(2))
+            for i, h in enumerate(hash_chain(p, PAGE)[2:6], start=2):
+                forged = forger.encode(h, tuple(p[i * PAGE : (i + 1) * PAGE]), zeros)
+                assert forger.pool.upsert(tier.key(h), forged) == 0
+            with remote_llm(model, url) as b:  # a victim with nothing on its own device
+                out = b.generate([p], GREEDY, use_tqdm=False)[0]
+                assert out.cached_tokens_by_tier == {"remote": 2 * PAGE}  # up to the first forgery
+                assert out.outputs[0].token_ids == expected
+                stats = {s.name: s for s in b.engine.executor.kv.tier_stats()}["remote"]
+                assert (stats.rejected, remote_tier(b).num_rejected) == (1, 1)
+                metrics = {
+                    (s.name, s.labels.get("tier")): s.value
+                    for family in EngineMetrics(b.engine.stats, "m").registry.collect()
+                    for s in family.samples
+                }
+                assert metrics["pypto_kv_tier_rejected_pages_total", "remote"] == 1
+        finally:
+            forger.close()
+
+
+def test_cache_salt_namespaces_the_pools_keys(tiny_model, master_url):
+    """A salted request's pages sit under keys of their own: found in the pool only by
+    requests of the same salt."""
+    url, _ = master_url
+    model, p = tiny_model(MODEL), prompt(9)
+    with remote_llm(model, url) as a, remote_llm(model, url) as b:
+        first = generate_salted(a, p, GREEDY, "tenant-a")
+        remote_tier(a).flush()
+        keys = {
+            salt: {remote_tier(a).key(h) for h in hash_chain(p, PAGE, salt)[:6]}
+            for salt in (None, "tenant-a", "tenant-b")
+        }
+        assert sum(len(k) for k in keys.values()) == len(set().union(*keys.values())) == 18
+        assert b.generate([p], GREEDY, use_tqdm=False)[0].cached_tokens_by_tier == {}
+        assert generate_salted(b, p, GREEDY, "tenant-b").cached_tokens_by_tier == {}
+        out = generate_salted(b, p, GREEDY, "tenant-a")
+        assert out.cached_tokens_by_tier == {"remote": 96}
+        assert out.outputs[0].token_ids == first.outputs[0].token_ids
+
+
 def test_a_master_that_dies_mid_run_costs_recompute_not_requests(tiny_model, master_url):
     url, proc = master_url
     model = tiny_model(MODEL)
@@ -148,8 +229,18 @@ def test_bad_remote_settings_are_clear_errors(tiny_model):
         tiny_llm(model, kv_remote=url, executor="reference")
     with pytest.raises(PyptoError, match="kv_remote runs with tensor_parallel_size and pipe"):
         tiny_llm(model, kv_remote=url, tensor_parallel_size=2)
-    with pytest.raises(PyptoError, match="kv_remote_bytes must be at least 1MiB"):
-        tiny_llm(model, kv_remote=url, kv_remote_bytes=1000)
+    for small in (1000, "1MiB"):  # refused by the flag, not by a failed join
+        with pytest.raises(PyptoError, match=r"--kv-remote-bytes\) must be at least 16MiB"):
+            tiny_llm(model, kv_remote=url, kv_remote_bytes=small)
+
+
+def test_the_least_kv_remote_bytes_is_the_least_mooncake_takes(master_url):
+    """The minimum the config checks is Mooncake's own: one byte less and it refuses to join
+    (-600), so a value the config takes never fails the join for its size."""
+    url, _ = master_url
+    connect(url, MOONCAKE_MIN_SEGMENT_BYTES).close()
+    with pytest.raises(PyptoError, match="cannot join the Mooncake master"):
+        connect(url, MOONCAKE_MIN_SEGMENT_BYTES - 1)
 
 
 def test_two_data_parallel_replicas_share_the_pool(tiny_model, master_url):

@@ -23,7 +23,7 @@ import httpx
 import netns
 import pytest
 from live_server import FAST_KNOBS
-from mooncake_master import master_command
+from mooncake_master import master_command, pool_env
 from patience import patience
 
 from pypto_serving.distributed import COLLECTIVES_ENV
@@ -138,7 +138,8 @@ def test_two_servers_on_two_hosts_share_one_mooncake_master_on_a_third(tiny_mode
                 "--kv-cpu-bytes",
                 "0",
             ]
-            with serve(a, model, *remote), serve(b, model, *remote):
+            env = pool_env()  # every member knows the pool's secret
+            with serve(a, model, *remote, env=env), serve(b, model, *remote, env=env):
                 long = prompt(0)
                 first = complete(m, a, long)
                 assert tiers(first) == {}

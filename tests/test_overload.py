@@ -88,12 +88,17 @@ def test_a_request_no_wait_can_admit_is_a_400_not_a_503(tiny_model, monkeypatch)
         body = {"model": live.model, "prompt": [5, 6, 7], "max_tokens": 3}
         ok = httpx.post(url, json=body | {"n": 4}, timeout=patience(120))
         assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
-        for extra, param in [({"n": 5}, "n"), ({"prompt": [[5, 6]] * 5}, "prompt")]:
+        for extra, param, said in [
+            ({"n": 5}, "n", "x n=5 "),
+            ({"prompt": [[5, 6]] * 5}, "prompt", "5 prompt(s)"),
+            ({"best_of": 5}, "best_of", "x best_of=5 "),  # not "n=5": n is 1
+        ]:
             r = httpx.post(url, json=body | extra, timeout=patience(120))
             assert r.status_code == 400 and "retry-after" not in r.headers, r.text
             error = r.json()["error"]
             assert (error["param"], error["code"]) == (param, "invalid_value")
             assert "2 running (--max-num-seqs) and 2 queued" in error["message"]
+            assert said in error["message"], error
         # four long requests fill the running slots and the queue: then one more is a 503
         core = live.llm.engine
         slow_step = core.step

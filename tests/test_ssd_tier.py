@@ -7,6 +7,7 @@ Same fake store as test_kv_tiers.py: the KV of a token at position p is (token i
 
 import errno
 import hashlib
+import logging
 import os
 import stat
 import struct
@@ -86,6 +87,34 @@ def test_an_unlistable_ssd_folder_finds_nothing_and_the_tier_serves_on(tmp_path:
     assert second.ssd.num_errors == 1 and second.ssd.off is None
     assert compute(second, request("a2", A)) == 0
     second.close()
+
+
+def _spill_log(tmp_path: Path, caplog: pytest.LogCaptureFixture, code: int | None) -> list[str]:
+    """What closing a store with a's two pages cached on the device logs (the spill), with
+    every write under tmp_path failing with `code` (None: none failing)."""
+    store = make_store(num_pages=3, cpu_pages=0, ssd_pages=4, ssd_dir=tmp_path)
+    a = request("a", A)
+    compute(store, a)
+    store.free(a)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pypto_serving.kv.store"):
+        if code is None:
+            store.close()
+        else:
+            with inject_errors(tmp_path, code):
+                store.close()
+    return [r.getMessage() for r in caplog.records if r.name == "pypto_serving.kv.store"]
+
+
+def test_the_spill_logs_the_pages_kept_not_those_whose_writes_failed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert _spill_log(tmp_path / "ok", caplog, None) == [
+        "kept 2 cached KV pages on the SSD tier for the next start"
+    ]
+    said = _spill_log(tmp_path / "read-only", caplog, errno.EROFS)
+    assert not any("kept" in m and "not keep" not in m for m in said), said
+    assert any("could not keep 2 of 2 cached KV pages" in m and "failed" in m for m in said)
 
 
 # --- the SSD tier's files are authenticated and private -------------------------------------

@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from live_server import serving, tiny_llm
 
+from pypto_serving.server.protocol import closed_objects
 from pypto_serving.server.tool_parser import ToolCallParser
 from pypto_serving.server.tools import HERMES, SMOLLM2, call_grammar, call_schema, tool_format
 
@@ -160,6 +161,56 @@ def test_the_grammar_admits_only_valid_calls_of_the_allowed_tools(tmp_path, herm
         assert not admits(fmt, False, True, "let me look. " + block(fmt, weather[:-2] + "0}}"))
 
 
+def test_each_tools_references_resolve_to_its_own_definitions(tmp_path):
+    """Two tools defining `Loc` differently, one zod-style (`definitions`), one recursive
+    (`#`): each call is held to its own tool's definitions, in both formats."""
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    def loc(key, value):
+        return {"type": "object", "properties": {key: {"const": value}}, "required": [key]}
+
+    def at(ref, defs, place):
+        body = {"type": "object", "properties": {"at": {"$ref": ref}}, "required": ["at"]}
+        return body | {defs: {"Loc": place}}
+
+    params = {
+        "a": at("#/$defs/Loc", "$defs", loc("city", "rome")),
+        "b": at("#/definitions/Loc", "definitions", loc("zone", 1)),
+        "c": {
+            "type": "object",
+            "properties": {"n": {"enum": [1, 2]}, "next": {"$ref": "#"}},
+            "required": ["n"],
+        },
+    }
+    calls = [call_schema(n, closed_objects(s)) for n, s in params.items()]
+    build_tokenizer(tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    vocab = llguidance.hf.from_tokenizer(hf)
+    good = [
+        '{"name": "a", "arguments": {"at": {"city": "rome"}}}',
+        '{"name": "b", "arguments": {"at": {"zone": 1}}}',
+        '{"name": "c", "arguments": {"n": 1, "next": {"n": 2, "next": {"n": 1}}}}',
+    ]
+    bad = [
+        '{"name": "a", "arguments": {"at": {"zone": 1}}}',  # b's Loc
+        '{"name": "b", "arguments": {"at": {"city": "rome"}}}',  # a's Loc
+        '{"name": "c", "arguments": {"n": 1, "next": {"n": 3}}}',
+    ]
+    for body, schema in zip(good, params.values(), strict=True):
+        jsonschema.validate(json.loads(body)["arguments"], schema)  # what each tool means
+    blocks = {SMOLLM2: "<tool_call>[{}]</tool_call>", HERMES: "<tool_call>\n{}\n</tool_call>"}
+    for fmt, block in blocks.items():
+        grammar = call_grammar(fmt, calls, required=True, parallel=False)
+        admitted = []
+        for body in good + bad:
+            matcher = llguidance.LLMatcher(vocab, grammar, log_level=0)
+            ids = hf.encode(block.format(body))
+            admitted.append(all(map(matcher.consume_token, ids)) and matcher.is_accepting())
+        assert admitted == [True] * 3 + [False] * 3, fmt
+
+
 def test_the_format_follows_the_chat_template():
     assert tool_format(CHATML) is SMOLLM2  # renders no tools: SmolLM2's, in our template
     assert tool_format("{{ tools }} <tool_call>") is HERMES
@@ -255,6 +306,11 @@ def test_a_tool_result_goes_back_through_the_template(hermes):
     assert "<tool_response>" in text
 
 
+ARRAY = {"type": "array", "items": {"type": "integer"}}
+HUGE = {"type": "object", "properties": {"x": {"enum": [f"v{i:07d}" for i in range(20_000)]}}}
+"""Parameters over 200,000 characters of JSON."""
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "said"),
     [
@@ -277,13 +333,26 @@ def test_a_tool_result_goes_back_through_the_template(hermes):
                         "type": "function",
                         "function": {
                             "name": "f",
-                            "parameters": {"type": "array", "uniqueItems": True},
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"x": {"type": "array", "uniqueItems": True}},
+                            },
                         },
                     }
                 ]
             },
             "tools",
             "uniqueItems",
+        ),
+        (  # a call's arguments are an object
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": ARRAY}}]},
+            "tools",
+            "must be the JSON schema of an object",
+        ),
+        (  # over the grammar size limit: named as tools, not as structured_outputs
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": HUGE}}]},
+            "tools",
+            "over the limit of 200000",
         ),
         (
             {"tools": [{"type": "function", "function": {"name": "a b"}}]},
@@ -299,6 +368,45 @@ def test_bad_tools_are_a_400_naming_the_field(hermes, extra, param, said):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and said in error["message"], error
+
+
+def test_a_pydantic_tool_with_nested_models_is_called_to_its_schema(hermes):
+    """openai.pydantic_function_tool of a model nesting another: its parameters refer to
+    their `$defs` from their root (`#/$defs/Place`), which must resolve inside the grammar's
+    combined schema. Forced by the grammar (required, named), every call validates against
+    the tool's schema and parses as the model."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Place(BaseModel):
+        city: Literal["paris", "rome", "oslo"]
+        days: int = Field(ge=1, le=7)
+
+    class Trip(BaseModel):
+        start: Place
+        stops: list[Place] = Field(max_length=2)
+
+    tool = openai.pydantic_function_tool(Trip)
+    schema = tool["function"]["parameters"]
+    assert "$defs" in schema and schema["properties"]["start"] == {"$ref": "#/$defs/Place"}
+    schemas = {"Trip": schema, "get_time": TIME}
+    _live, api = hermes
+    kw = dict(model="tiny", messages=ASK, tools=[tool, TOOLS[1]], max_tokens=400)
+    named = {"type": "function", "function": {"name": "Trip"}}
+    names = []
+    for tool_choice in ("required", named):  # sampled: 3 different calls each
+        out = api.chat.completions.create(
+            **kw, tool_choice=tool_choice, temperature=1.0, seed=0, n=3, parallel_tool_calls=False
+        )
+        for choice in out.choices:
+            assert choice.finish_reason == "tool_calls", choice
+            (call,) = choice.message.tool_calls
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            if call.function.name == "Trip":
+                Trip.model_validate_json(call.function.arguments)
+            names.append(call.function.name)
+    assert names.count("Trip") >= 3  # every named call at least
 
 
 def test_message_shapes_are_checked(hermes):

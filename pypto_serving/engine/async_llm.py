@@ -267,23 +267,24 @@ class AsyncLLM:
 
     # --- requests -------------------------------------------------------------------------
 
-    def admit(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def admit(self, prompts: list[list[int]], params: SamplingParams, count: str = "n") -> None:
         """Raise OverloadedError if these prompts would pass a queue limit. Counted here, on
         the event loop, from what is in flight (so a burst is counted before any step runs):
         queued sequences are those beyond the running capacity (max_num_seqs per replica);
         waiting tokens are the prompts of requests without an output token yet. A request
         that would pass the sequence limit on an idle server raises PyptoError instead: no
-        amount of waiting (or retrying) admits it."""
+        amount of waiting (or retrying) admits it (`count`: the request's field that set
+        params.n, which the error names)."""
         limits = self.limits
         if limits.max_queued_requests is not None:
             new = len(prompts) * params.n
             if new > self.running_capacity + limits.max_queued_requests:
                 raise PyptoError(
-                    f"{len(prompts)} prompt(s) x n={params.n} is {new} sequences, more than "
-                    f"this server ever admits at once: {self.running_capacity} running "
+                    f"{len(prompts)} prompt(s) x {count}={params.n} is {new} sequences, more "
+                    f"than this server ever admits at once: {self.running_capacity} running "
                     f"(--max-num-seqs) and {limits.max_queued_requests} queued "
                     "(--max-queued-requests)",
-                    "n" if params.n > 1 else "prompt",
+                    count if params.n > 1 else "prompt",
                 )
             in_flight = sum(s.num_seqs for s in self._streams.values())
             queued = in_flight + new - self.running_capacity

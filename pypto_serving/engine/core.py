@@ -17,7 +17,7 @@ from pypto_serving.distributed import (
     set_collective_timeout,
     shutdown_distributed,
 )
-from pypto_serving.engine.kv_events import KVEventPublisher, endpoint_for
+from pypto_serving.engine.kv_events import Curve, KVEventPublisher, endpoint_for
 from pypto_serving.engine.plan import plan_run
 from pypto_serving.engine.process import ChildProcess, StartupDeadline
 from pypto_serving.engine.ranks import Loaded, backend_for, plan_ranks, start_workers, wait_ranks
@@ -101,6 +101,12 @@ def check_request(
     n = len(prompt_token_ids)
     if n == 0:
         raise PyptoError("the prompt is empty", param="prompt")
+    if n >= max_model_len:  # before the ids are read: a prompt may be millions of them
+        raise PyptoError(
+            f"the prompt has {n} tokens; this model's context is "
+            f"{max_model_len} (prompt plus at least one new token)",
+            param="prompt",
+        )
     if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
         raise PyptoError(f"prompt token ids must be integers in [0, {vocab_size})", "prompt")
     if any(t >= vocab_size for t in params.stop_token_ids):
@@ -109,12 +115,6 @@ def check_request(
         raise PyptoError(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
     if params.structured_outputs is not None:
         grammar.check(params.structured_outputs)
-    if n >= max_model_len:
-        raise PyptoError(
-            f"the prompt has {n} tokens; this model's context is "
-            f"{max_model_len} (prompt plus at least one new token)",
-            param="prompt",
-        )
     max_tokens = params.max_tokens
     if max_tokens is not None and n + max_tokens > max_model_len:
         raise PyptoError(
@@ -266,7 +266,8 @@ class EngineCore:
         endpoint = endpoint_for(c.kv_events_endpoint, rank or 0)
         replay = c.kv_events_replay_endpoint
         replay = endpoint_for(replay, rank or 0) if replay is not None else None
-        publisher = KVEventPublisher(endpoint, c.kv_events_topic, kv.page_size, rank, replay)
+        topic, curve = c.kv_events_topic, Curve.of(c)
+        publisher = KVEventPublisher(endpoint, topic, kv.page_size, rank, replay, curve)
         kv.events = KVEventLog()
         return publisher
 
@@ -311,8 +312,9 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Queue a request after checking it fits the model."""
         self.check(request.prompt_token_ids, request.params)
-        if request.params.structured_outputs is not None and request.matcher is None:
-            request.matcher = self.grammars.matcher(request.params.structured_outputs)
+        spec = request.params.structured_outputs
+        if spec is not None and request.matcher is None:
+            request.matcher = self.grammars.matcher(spec, request.params.min_tokens)
         request.max_model_len = self.max_model_len
         self.scheduler.add(request)
 
@@ -355,9 +357,10 @@ class EngineCore:
 
     @property
     def progress(self) -> int:
-        """Moves on while a step works (as each layer attends; the paged executor's): the
-        step watchdogs' sign of life."""
-        return self.executor.progress.layers if isinstance(self.executor, PagedExecutor) else 0
+        """Moves on while a step works (as each layer attends, on the paged executor, and as
+        its constrained rows' masks are filled): the step watchdogs' sign of life."""
+        layers = self.executor.progress.layers if isinstance(self.executor, PagedExecutor) else 0
+        return layers + self.grammars.masks_filled
 
     def close(self) -> None:
         """Finish background work (the SSD tier's queued writes), stop the tensor-parallel

@@ -12,6 +12,13 @@ A subscriber that missed batches (a gap in the sequence numbers) asks the replay
 ROUTER, for them as vLLM's do: it sends the first sequence number it wants (8 bytes,
 big-endian) and gets each batch still buffered from there (`[sequence number, payload]`, the
 last REPLAY_BATCHES kept), then an end marker (sequence number -1, empty payload).
+
+The events tell which prompts are cached here (a salted request's pages without their tokens:
+`kv/events.py`), so a socket other machines can reach must be a ZeroMQ CURVE server
+(`EngineConfig` refuses it otherwise): with `kv_events_curve_key` (the server's key pair) and
+`kv_events_curve_clients` (the public keys of the subscribers it admits, checked by a ZAP
+handler thread) both sockets encrypt, and a subscriber must know the server's public key and
+hold an admitted key pair. pyzmq's `zmq.auth.create_certificates` makes the key files.
 """
 
 from __future__ import annotations
@@ -23,9 +30,12 @@ import queue
 import re
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
+from pypto_serving.config import CacheConfig
 from pypto_serving.errors import PyptoError
 from pypto_serving.kv.events import MEDIUM, KVEvent, PageStored
 
@@ -80,6 +90,46 @@ def wire_event(event: KVEvent, block_size: int) -> BlockStored | BlockRemoved:
     return BlockRemoved([event.page_hash], medium)
 
 
+@dataclass(frozen=True, slots=True)
+class Curve:
+    """The KV event sockets' CURVE settings: the server's key pair and who it admits."""
+
+    key_file: str
+    """A `.key_secret` file (public and secret key, as zmq.auth.create_certificates writes)."""
+    clients: str
+    """A folder of the admitted subscribers' public keys (`.key` files)."""
+
+    @staticmethod
+    def of(cache: CacheConfig) -> Curve | None:
+        """The cache config's CURVE settings (None: the sockets are plain)."""
+        key_file, clients = cache.kv_events_curve_key, cache.kv_events_curve_clients
+        return Curve(key_file, clients) if key_file is not None and clients is not None else None
+
+    def keys(self) -> tuple[bytes, bytes]:
+        """The server's (public key, secret key), the clients' folder checked to hold some;
+        PyptoError naming what is wrong."""
+        from zmq.auth import load_certificate, load_certificates
+
+        try:
+            public, secret = load_certificate(self.key_file)
+            admitted = load_certificates(self.clients)
+        except (OSError, ValueError) as e:
+            raise PyptoError(f"KV events' CURVE keys: {e}", "kv_events_curve_key") from None
+        if secret is None:
+            raise PyptoError(
+                f"kv_events_curve_key {self.key_file} holds no secret key (give the "
+                "`.key_secret` file)",
+                "kv_events_curve_key",
+            )
+        if not admitted:
+            raise PyptoError(
+                f"kv_events_curve_clients {self.clients} holds no public key (`.key` file): "
+                "no subscriber could connect",
+                "kv_events_curve_clients",
+            )
+        return public, secret
+
+
 class KVEventPublisher:
     def __init__(
         self,
@@ -88,24 +138,28 @@ class KVEventPublisher:
         block_size: int,
         dp_rank: int | None,
         replay_endpoint: str | None = None,
+        curve: Curve | None = None,
     ) -> None:
+        """Bind the PUB socket on `endpoint` (and the replay ROUTER on `replay_endpoint`),
+        both CURVE servers if `curve` is given; PyptoError if the keys cannot be read or a
+        socket cannot be bound."""
         import zmq
 
+        keys = curve.keys() if curve is not None else None
         self.block_size, self.dp_rank, self.topic = block_size, dp_rank, topic.encode()
         self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.PUB)
+        self.auth = self._admit(curve.clients) if curve is not None else None
         self.replay: zmq.Socket[bytes] | None = None
+        where = endpoint
         try:
-            self.socket.bind(endpoint)
+            self.socket = self._bind(zmq.PUB, endpoint, keys)
             if replay_endpoint is not None:
-                self.replay = self.context.socket(zmq.ROUTER)
-                self.replay.bind(replay_endpoint)
+                where = replay_endpoint
+                self.replay = self._bind(zmq.ROUTER, replay_endpoint, keys)
         except zmq.ZMQError as e:
-            self.socket.close(linger=0)
-            if self.replay is not None:
-                self.replay.close(linger=0)
-            self.context.term()
-            where = endpoint if self.replay is None else replay_endpoint
+            if where != endpoint:
+                self.socket.close(linger=0)
+            self._stop()
             raise PyptoError(f"cannot publish KV events on {where}: {e}") from None
         self.endpoint = endpoint
         self.sent: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=REPLAY_BATCHES)
@@ -113,7 +167,38 @@ class KVEventPublisher:
         self.dropped = 0
         self.thread = threading.Thread(target=self._run, name="pypto-kv-events", daemon=True)
         self.thread.start()
-        log.info("publishing KV events on %s", endpoint)
+        log.info("publishing KV events on %s%s", endpoint, " (CURVE)" if keys else "")
+
+    def _admit(self, clients: str) -> Any:
+        """A ZAP handler on the context that admits only the public keys in `clients`."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        auth = ThreadAuthenticator(self.context)
+        auth.start()
+        auth.configure_curve(domain="*", location=clients)
+        return auth
+
+    def _bind(self, kind: int, endpoint: str, keys: tuple[bytes, bytes] | None) -> Any:
+        """A socket of `kind` bound to `endpoint` (a CURVE server with `keys`); ZMQError,
+        the socket closed, if it cannot be bound."""
+        import zmq
+
+        sock = self.context.socket(kind)
+        if keys is not None:
+            sock.curve_publickey, sock.curve_secretkey = keys
+            sock.curve_server = True
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        return sock
+
+    def _stop(self) -> None:
+        """End the ZAP handler and the context (every socket closed)."""
+        if self.auth is not None:
+            self.auth.stop()
+        self.context.term()
 
     def publish(self, events: list[KVEvent]) -> None:
         """Queue one batch (a step's events) for the socket."""
@@ -169,4 +254,4 @@ class KVEventPublisher:
     def close(self) -> None:
         self.queue.put(None)
         self.thread.join(5.0)
-        self.context.term()
+        self._stop()

@@ -9,10 +9,16 @@ given the same master joins the same pool, so a page computed by one is found by
 Start a master with `mooncake_master --rpc_port 50051` (the `mooncake-transfer-engine-non-cuda`
 package ships it); point servers at it with `--kv-remote mooncake://HOST:50051`. Clients meet
 each other peer to peer (Mooncake's P2PHANDSHAKE metadata), so nothing else needs running.
+
+Mooncake authenticates no one: any process that reaches the master can join and write. So
+every member signs the pages it writes, and checks the pages it reads, with a key derived from
+the pool's secret (`PYPTO_POOL_SECRET`, the same on every member, as `PYPTO_NODE_SECRET` is
+for nodes); a process without it is refused before it joins (`pool_key`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import logging
 import os
@@ -26,6 +32,8 @@ from pypto_serving.errors import PyptoError
 
 log = logging.getLogger(__name__)
 
+SECRET_ENV = "PYPTO_POOL_SECRET"
+MIN_SECRET_CHARS = 16
 CONNECT_TIMEOUT_S = 5.0
 LOCAL_BUFFER_BYTES = 64 << 20
 """The client's staging buffer for transfers (a page at a time goes through it)."""
@@ -45,6 +53,20 @@ class Pool(Protocol):
     def remove(self, key: str) -> int: ...
 
     def close(self) -> int: ...
+
+
+def pool_key() -> bytes:
+    """The key this member signs and checks pool pages with (32 bytes, derived from
+    PYPTO_POOL_SECRET); PyptoError if the secret is unset or short."""
+    secret = os.environ.get(SECRET_ENV, "")
+    if len(secret) < MIN_SECRET_CHARS:
+        raise PyptoError(
+            f"kv_remote: the members of a shared KV pool sign its pages with a shared secret: "
+            f"set {SECRET_ENV} to the same secret of at least {MIN_SECRET_CHARS} characters on "
+            f"every member (e.g. `export {SECRET_ENV}=$(openssl rand -hex 16)`)",
+            "kv_remote",
+        )
+    return hashlib.blake2b(secret.encode(), digest_size=32, person=b"pypto-kv-pool").digest()
 
 
 def local_address(host: str, port: int) -> str:
@@ -74,7 +96,8 @@ _joined_lock = threading.Lock()
 def join(url: str, segment_bytes: int) -> Pool:
     """This process's client of the Mooncake Store whose master is at `url`: one per process
     and master, made on first use and shared by every KV store of the process; each `join`
-    is paired with a `leave`."""
+    is paired with a `leave`. PyptoError without the pool's secret (`pool_key`)."""
+    pool_key()
     with _joined_lock:
         if url not in _joined:
             _joined[url] = _Membership(connect(url, segment_bytes))

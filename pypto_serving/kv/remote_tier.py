@@ -8,14 +8,18 @@ they are not already.
 
 A page is stored under `pypto/<layout digest>/<page hash>`: the layout digest covers the
 model's weights, quantization, the KV layout and dtype (as the SSD tier's folder name does),
-the page hash the chain of its tokens and all before them. Its value is
+the page hash the chain of its tokens and all before them, and the request's `cache_salt` (so
+salted requests' pages sit under keys of their own, found only by requests of the same salt).
+Its value is
 
-    MAGIC | header length (u32, little-endian) | header (JSON) | payload (raw) | checksum
+    MAGIC | header length (u32, little-endian) | header (JSON) | payload (raw) | digest
 
-(the header: layout digest, page hash, token ids, shapes, dtype; the checksum a CRC-32 of
-everything before it: it finds damage, not forgery, as the pool trusts its members). Every
-field is checked on a load: a page that is truncated, corrupted or another model's is a miss
-(counted in `rejected`, logged), never served.
+(the header: layout digest, page hash, token ids, shapes, dtype; the digest a BLAKE2b-256
+over the key and everything before it, keyed by the pool's secret: `mooncake_pool.pool_key`).
+Mooncake lets anyone who reaches the master write, so a page signed without the secret (a
+forgery: rebuilt key, zeroed KV, recomputed checksum), moved under another key, truncated,
+damaged or another model's is a miss (counted in `rejected`, logged), never served. The digest
+is checked first, so nothing else of an unsigned value is read.
 
 A pool that stops answering (its master gone, a peer's segment unreachable) never fails a
 step: each call the engine waits on has a time limit (`CALL_TIMEOUT_S`), and after a failure
@@ -26,13 +30,13 @@ The prompt recomputes what the pool would have given.
 from __future__ import annotations
 
 import concurrent.futures
+import hmac
 import json
 import logging
 import queue
 import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TypeVar
@@ -41,11 +45,11 @@ import torch
 
 from pypto_serving.kv.mooncake_pool import Pool, leave
 from pypto_serving.kv.tier import PageKV, PageTier, page_bytes
+from pypto_serving.paths import DIGEST_BYTES, keyed_digest
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"PYPTORK1"
-CHECKSUM_BYTES = 4
+MAGIC = b"PYPTORK2"
 CALL_TIMEOUT_S = 1.0
 """The longest the engine waits on one lookup or load (a Mooncake call to a dead master
 takes ~4.5 s to fail)."""
@@ -71,17 +75,18 @@ class RemoteTier(PageTier):
         page_shape: tuple[int, ...],
         dtype: torch.dtype,
         digest: str,
-        num_tensors: int = 2,
+        num_tensors: int,
+        secret: bytes,
     ) -> None:
         """pool: a Mooncake Store client (`mooncake_pool.join`; `close` leaves it); capacity:
         the pages this process lends to the pool (what its stats show: the pool's own size is
         the sum of every member's); digest: of the model and the KV layout (part of every key
-        and header)."""
+        and header); secret: the key pages are signed and checked with (`pool_key`)."""
         self.pool, self.capacity, self.page_shape, self.dtype = pool, capacity, page_shape, dtype
-        self.digest, self.num_tensors = digest, num_tensors
+        self.digest, self.num_tensors, self._secret = digest, num_tensors, secret
         self.payload_bytes = page_bytes(page_shape, dtype, num_tensors)
         self.num_rejected = 0
-        """Pages found truncated, corrupted or another model's (never served)."""
+        """Pages found unsigned, truncated, corrupted or another model's (never served)."""
         self.num_errors = 0
         """Calls that failed or ran past CALL_TIMEOUT_S (each cost a page, never a step)."""
         self.num_written = 0
@@ -149,25 +154,30 @@ class RemoteTier(PageTier):
             "payload_bytes": self.payload_bytes,
         }
 
+    def _sign(self, page_hash: bytes, body: bytes | memoryview) -> bytes:
+        """The page's digest: its key and its bytes, keyed by the pool's secret."""
+        name = self.key(page_hash).encode()
+        return keyed_digest(self._secret, struct.pack("<I", len(name)), name, body)
+
     def encode(self, page_hash: bytes, token_ids: tuple[int, ...], kv: PageKV) -> bytes:
         header = self._header(page_hash) | {"token_ids": list(token_ids)}
         head = json.dumps(header, separators=(",", ":")).encode()
         head = MAGIC + struct.pack("<I", len(head)) + head
         payload = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in kv)
-        checksum = zlib.crc32(payload, zlib.crc32(head)).to_bytes(CHECKSUM_BYTES, "little")
-        return head + payload + checksum
+        body = head + payload
+        return body + self._sign(page_hash, body)
 
     def decode(self, page_hash: bytes, token_ids: tuple[int, ...], data: bytes) -> PageKV:
         """The page's KV from a stored value; ValueError saying what is wrong with it."""
-        if len(data) < len(MAGIC) + 4 + CHECKSUM_BYTES or not data.startswith(MAGIC):
+        if len(data) < len(MAGIC) + 4 + DIGEST_BYTES or not data.startswith(MAGIC):
             raise ValueError("not a page (bad magic or too short)")
+        body, digest = memoryview(data)[:-DIGEST_BYTES], data[-DIGEST_BYTES:]
+        if not hmac.compare_digest(self._sign(page_hash, body), digest):
+            raise ValueError("its digest is not the pool's (forged, moved or damaged)")
         (size,) = struct.unpack_from("<I", data, len(MAGIC))
         start = len(MAGIC) + 4 + size
-        if start + self.payload_bytes + CHECKSUM_BYTES != len(data):
+        if start + self.payload_bytes + DIGEST_BYTES != len(data):
             raise ValueError(f"{len(data)} bytes, not a page of this layout")
-        body, checksum = memoryview(data)[:-CHECKSUM_BYTES], data[-CHECKSUM_BYTES:]
-        if zlib.crc32(body).to_bytes(CHECKSUM_BYTES, "little") != checksum:
-            raise ValueError("the checksum does not match (damaged in the pool)")
         try:
             header = json.loads(data[len(MAGIC) + 4 : start])
         except (UnicodeDecodeError, json.JSONDecodeError) as e:

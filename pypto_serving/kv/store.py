@@ -49,7 +49,7 @@ from pypto_serving.kv.disk_tier import DiskTier
 from pypto_serving.kv.events import KVEvent, KVEventLog
 from pypto_serving.kv.host_tier import HostTier
 from pypto_serving.kv.mirror import Journal, JournaledDiskTier, JournaledHostTier
-from pypto_serving.kv.mooncake_pool import Pool
+from pypto_serving.kv.mooncake_pool import Pool, pool_key
 from pypto_serving.kv.page_pool import PagePool, hash_page
 from pypto_serving.kv.paged_cache import PagedCache
 from pypto_serving.kv.remote_tier import RemoteTier
@@ -168,7 +168,8 @@ class PagedKVStore:
             self.ssd = DiskTier(*args) if journal is None else JournaledDiskTier(journal, *args)
         self.remote = None
         if remote is not None:
-            self.remote = RemoteTier(remote, remote_pages, shape, spec.dtype, full_digest, n)
+            page = (shape, spec.dtype, full_digest, n)
+            self.remote = RemoteTier(remote, remote_pages, *page, pool_key())
         tiers = (self.cpu, self.ssd, self.remote)
         self.lower: list[PageTier] = [t for t in tiers if t is not None]
         """The tiers below the device, fastest first."""
@@ -194,6 +195,8 @@ class PagedKVStore:
         self.agreed: dict[bytes, PageKV] = {}
         """Ranks > 0: the SSD pages agreed on, until the journal writes them into the device."""
         self._spilled = False
+        self._spilled_hashes: list[bytes] = []
+        """The pages the spill queued for the SSD (close reports how many it kept)."""
         self._closed = False
         self._lookups: dict[str, Counter[tuple[str, str]]] = {}
         """Hits and misses of a claim, counted once its request is admitted (allocate)."""
@@ -245,11 +248,12 @@ class PagedKVStore:
 
     def close(self) -> None:
         """Keep what the faster tiers cache on the SSD tier (`spill`), then let it finish its
-        queued writes. Called on a clean shutdown; idempotent."""
+        queued writes and say how many pages it kept. Called on a clean shutdown; idempotent."""
         self.keep_on_ssd()
         self._closed = True
         for tier in self.lower:
             tier.close()
+        self._report_spill()
 
     def keep_on_ssd(self) -> None:
         """Spill once, on a clean shutdown (not on a rank that mirrors rank 0's moves: it
@@ -260,9 +264,10 @@ class PagedKVStore:
 
     def spill(self) -> int:
         """Store the cached pages of the device and the CPU tier on the SSD tier, so a restart
-        on the same directory finds them; returns how many. Least recently used first (the
-        device's pages are the most recent), and only as many as the SSD budget holds: the
-        SSD tier's own oldest pages make room for them."""
+        on the same directory finds them; returns how many were queued (their writes may
+        fail: `close` reports what was kept). Least recently used first (the device's pages
+        are the most recent), and only as many as the SSD budget holds: the SSD tier's own
+        oldest pages make room for them."""
         assert self.ssd is not None
         pages: list[tuple[bytes, tuple[int, ...], PageTier | int]] = []
         if self.cpu is not None:
@@ -273,9 +278,26 @@ class PagedKVStore:
             kv = self._page_kv(where) if isinstance(where, int) else where.load(page_hash)
             if kv is not None and self.ssd.tokens(page_hash) is None:
                 self._push(self.lower.index(self.ssd), page_hash, token_ids, kv)
-        if pages:
-            log.info("kept %d cached KV pages on the SSD tier for the next start", len(pages))
+        self._spilled_hashes = [page_hash for page_hash, _, _ in pages]
         return len(pages)
+
+    def _report_spill(self) -> None:
+        """Log how many of the pages `spill` queued are on the SSD now that its writes are
+        done (a write that failed, e.g. a read-only disk, dropped its page), once."""
+        spilled, self._spilled_hashes = self._spilled_hashes, []
+        if not spilled or self.ssd is None:
+            return
+        kept = sum(self.ssd.tokens(h) is not None for h in spilled)
+        if kept:
+            log.info("kept %d cached KV pages on the SSD tier for the next start", kept)
+        if kept < len(spilled):
+            log.warning(
+                "could not keep %d of %d cached KV pages on the SSD tier for the next start: "
+                "writing them failed (%d SSD I/O errors in all)",
+                len(spilled) - kept,
+                len(spilled),
+                self.ssd.num_errors,
+            )
 
     # --- page data ------------------------------------------------------------------------
 

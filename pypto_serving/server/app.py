@@ -34,6 +34,7 @@ from pypto_serving.engine.async_llm import AsyncLLM
 from pypto_serving.engine.metrics import PREFIX
 from pypto_serving.errors import PyptoError
 from pypto_serving.server.errors import UNAVAILABLE, error_body, install_error_handlers
+from pypto_serving.server.json_body import FastJSONRoute
 from pypto_serving.server.openai_serving import OpenAIServing
 from pypto_serving.server.protocol import (
     ChatCompletionRequest,
@@ -190,8 +191,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     # /docs and /redoc load their scripts from this package's assets, not a CDN: they work
     # on a machine with no way out
     app = FastAPIOffline(title="PyPTO Serving", version=__version__, lifespan=lifespan)
+    app.router.route_class = FastJSONRoute  # the routes below parse JSON bodies fast
     install_error_handlers(app)
-    serving = OpenAIServing(engine, model_name)
+    serving = OpenAIServing(engine, model_name, config.max_response_logprobs)
     responses = ResponsesServing(serving)
     created = int(time.time())
 
@@ -234,7 +236,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
         def count() -> Response:  # on a worker thread: a long text takes seconds
             if body.messages is not None:
                 messages = conversation(body.messages)
-                tokens = serving.render_chat(messages, body.add_generation_prompt)
+                special = body.parse_special_tokens_in_content
+                tokens = serving.render_chat(
+                    messages, body.add_generation_prompt, parse_special=special
+                )
             else:
                 tokens = serving.tokenizer.encode(
                     body.prompt, add_special_tokens=body.add_special_tokens

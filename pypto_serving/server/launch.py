@@ -33,7 +33,7 @@ CLOSE_GRACE_S = 5
 
 
 def uvicorn_config(app: Any, config: ServerConfig) -> uvicorn.Config:
-    """uvicorn's settings for the app: h11 with the header deadline and connection cap; its
+    """uvicorn's settings for the app: h11 with the header deadline and connection caps; its
     access log (one INFO line a request) only when asked."""
     settings = uvicorn.Config(
         app,
@@ -42,7 +42,9 @@ def uvicorn_config(app: Any, config: ServerConfig) -> uvicorn.Config:
         log_level="warning",
         access_log=config.access_log,
         timeout_graceful_shutdown=CLOSE_GRACE_S,
-        http=guarded_protocol(config.header_timeout_s, config.max_connections),
+        http=guarded_protocol(
+            config.header_timeout_s, config.max_connections, config.max_connections_per_client
+        ),
         ws="none",
     )
     if config.access_log:  # after uvicorn set its loggers to log_level

@@ -116,6 +116,13 @@ class TextOffsets:
         self.offset += len(self._decoder.decode(data))
         return at
 
+    def copy(self) -> TextOffsets:
+        """Offsets that go on from here independently (each choice after a shared echo)."""
+        out = TextOffsets()
+        out.offset = self.offset
+        out._decoder.setstate(self._decoder.getstate())
+        return out
+
 
 def completion_logprobs(
     names: TokenBytes, logprobs: list[Sampled] | None, offsets: TextOffsets
@@ -182,10 +189,11 @@ def echo_logprobs(
 
 
 def vllm_prompt_logprobs(
-    names: TokenBytes, scored: list[Sampled | None] | None
+    names: TokenBytes, scored: list[Sampled | None] | None, k: int
 ) -> list[dict[str, dict[str, Any]] | None] | None:
     """vLLM's `prompt_logprobs`: per prompt token, None for the first, else the token and the
-    top ones, keyed by token id: {"logprob", "rank", "decoded_token"}."""
+    k top ones (the prompt may have been scored with more, for an echo), keyed by token id:
+    {"logprob", "rank", "decoded_token"}."""
     if scored is None:
         return None
     out: list[dict[str, dict[str, Any]] | None] = []
@@ -200,7 +208,8 @@ def vllm_prompt_logprobs(
                 "decoded_token": names.name(s.token_id),
             }
         }
-        for rank, (t, lp) in enumerate((s.top_logprobs or {}).items(), 1):
+        top = list((s.top_logprobs or {}).items())[:k]
+        for rank, (t, lp) in enumerate(top, 1):
             entry.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": names.name(t)})
         out.append(entry)
     return out

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pypto_serving import grammar
 from pypto_serving.engine.async_llm import (
@@ -30,9 +30,11 @@ from pypto_serving.engine.async_llm import (
     RequestUpdates,
 )
 from pypto_serving.errors import PyptoError, RequestFailedError
+from pypto_serving.grammar import Grammars
 from pypto_serving.kv.tier import TIER_NAMES
 from pypto_serving.ops.sampler import Sampled
-from pypto_serving.sampling import SamplingParams, StructuredOutputsParams
+from pypto_serving.sampling import MAX_SPEC_CHARS, SamplingParams, StructuredOutputsParams
+from pypto_serving.server.chat_prompt import chat_token_ids, conversation_chars
 from pypto_serving.server.errors import UNAVAILABLE, APIError, error_body, quoted
 from pypto_serving.server.logprobs import (
     TextOffsets,
@@ -47,6 +49,12 @@ from pypto_serving.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ToolPlan,
+)
+from pypto_serving.server.response_size import (
+    ResponseShape,
+    check_response_size,
+    render_json,
+    render_sse,
 )
 from pypto_serving.server.tool_parser import ToolCallParser
 from pypto_serving.server.tools import (
@@ -68,6 +76,16 @@ class _Choice:
     logprobs: list[Sampled] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[Sampled | None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _PromptScores:
+    """A prompt's logprobs formatted once for all its choices: the echo's (completions'
+    `logprobs`; `offsets`: where its choices' own tokens go on) and vLLM's prompt_logprobs."""
+
+    echoed: dict[str, Any] | None
+    offsets: TextOffsets
+    vllm: list[dict[str, dict[str, Any]] | None] | None
 
 
 @dataclass(slots=True)
@@ -107,6 +125,8 @@ class PreparedChat:
     prompt: list[int]
     params: SamplingParams
     fmt: ToolFormat | None
+    count: str = "n"
+    """The field that set params.n (n, or best_of above it): errors about it name it."""
 
 
 async def merge(gens: list[RequestUpdates]) -> AsyncIterator[Update]:
@@ -182,7 +202,7 @@ async def until_disconnected(request: Request) -> None:
         pass
 
 
-async def unless_disconnected(request: Request, work: Awaitable[JSONResponse]) -> JSONResponse:
+async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
     """Run `work`, cancelling it (which aborts its requests) if the client goes away; the
     answer then is a 499 that nobody reads (no 500 path, no traceback)."""
     task = asyncio.ensure_future(work)
@@ -212,14 +232,16 @@ refused before it is tokenized: it cannot fit, unless a normalizer shrinks text 
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, max_response_logprobs: int) -> None:
         self.engine, self.model_name = engine, model_name
+        self.max_response_logprobs = max_response_logprobs
         self.tokenizer = engine.llm.tokenizer
         self.token_bytes = TokenBytes(self.tokenizer)
         self.tool_format = tool_format(getattr(self.tokenizer, "chat_template", None))
         self.tool_tags = tag_tokens(self.tokenizer.get_added_vocab())
         longest = max(map(len, self.tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = PROMPT_CHARS_MARGIN * engine.engine.max_model_len * longest
+        self.grammars = Grammars(engine.llm.model_dir, engine.engine.model_config.vocab_size)
 
     # --- shared -------------------------------------------------------------------------
 
@@ -232,19 +254,40 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def _check_count(self, num_prompts: int, params: SamplingParams) -> None:
+    def _check_count(self, num_prompts: int, params: SamplingParams, count: str = "n") -> None:
         """Raise unless the engine runs and one request may hold this many sequences (checked
-        before tokenizing, and again after)."""
+        before tokenizing, and again after); `count`: the field that set params.n."""
         if not self.engine.alive:
             raise EngineDeadError("the engine is not running")
         if self.engine.draining:
             raise DrainingError("the server is shutting down and takes no new requests")
         if num_prompts * params.n > MAX_SEQUENCES_PER_REQUEST:
             raise PyptoError(
-                f"{num_prompts} prompt(s) x n={params.n} sequences is over the limit of "
+                f"{num_prompts} prompt(s) x {count}={params.n} sequences is over the limit of "
                 f"{MAX_SEQUENCES_PER_REQUEST} per request",
-                "n",
+                count,
             )
+
+    async def admit_grammar(
+        self, params: SamplingParams, body: CompletionRequest | ChatCompletionRequest | None
+    ) -> None:
+        """Compile the request's structured output over the model's vocabulary, its first
+        tokens walked (grammar.py), on the grammar threads: neither the event loop nor the
+        engine's steps wait for a grammar. One that cannot be enforced, or passes a limit, is
+        a 400 naming the field that gave it (`tools` where body is None), before anything is
+        tokenized or queued."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        try:
+            if not self.grammars.admitted(spec, params.min_tokens):
+                await asyncio.get_running_loop().run_in_executor(
+                    grammar.ADMISSION, self.grammars.admit, spec, params.min_tokens
+                )
+        except PyptoError as e:
+            if body is None:
+                raise PyptoError(f"a tool's parameters: {e}", "tools") from None
+            raise PyptoError(str(e), body.structured_param()) from None
 
     def _check(
         self, prompts: list[list[int]], params: SamplingParams, prompt_param: str = "prompt"
@@ -259,16 +302,39 @@ class OpenAIServing:
                     raise
                 raise PyptoError(str(e), prompt_param) from None
 
+    def _check_size(
+        self, shape: ResponseShape, prompts: list[list[int]], params: SamplingParams
+    ) -> None:
+        """Raise unless the response stays within --max-response-logprobs (response_size.py)."""
+        max_model_len = self.engine.engine.max_model_len
+        limit = self.max_response_logprobs
+        check_response_size(shape, prompts, params.max_tokens, max_model_len, limit)
+
+    def _prompt_scores(
+        self, body: CompletionRequest, ids: list[int], scored: list[Sampled | None] | None
+    ) -> _PromptScores:
+        """Prompt `ids`' echoed logprobs and vLLM's prompt_logprobs, as the body asks."""
+        offsets = TextOffsets()
+        echoed = None
+        if scored is not None and body.echo and body.logprobs is not None:
+            echoed = echo_logprobs(self.token_bytes, ids, scored, body.logprobs, offsets)
+        vllm = None
+        if body.prompt_logprobs is not None:
+            vllm = vllm_prompt_logprobs(self.token_bytes, scored, body.prompt_logprobs)
+        return _PromptScores(echoed, offsets, vllm)
+
     def _start(
         self,
         prompts: list[list[int]],
         params: SamplingParams,
         request_id: str,
         cache_salt: str | None,
+        count: str = "n",
     ) -> list[RequestUpdates]:
-        """Queue the prompts, which `_check` has passed (a bad prompt must queue nothing)."""
+        """Queue the prompts, which `_check` has passed (a bad prompt must queue nothing);
+        `count`: the field that set params.n."""
         try:
-            self.engine.admit(prompts, params)
+            self.engine.admit(prompts, params, count)
         except OverloadedError as e:
             raise APIError(503, str(e), UNAVAILABLE, None, "overloaded", RETRY_AFTER) from None
         return [
@@ -282,15 +348,17 @@ class OpenAIServing:
         self.check_model(body.model)
         params = body.sampling_params(body.max_tokens, body.logprobs)
         texts = body.prompts()
-        self._check_count(len(texts), params)
+        self._check_count(len(texts), params, body.sequences_param())
+        await self.admit_grammar(params, body)
         prompts = await self.encode(texts)
         self._check(prompts, params)
+        self._check_size(ResponseShape.of_completion(body, params), prompts, params)
         echoes = [
             (p if isinstance(p, str) else self.tokenizer.decode(ids)) if body.echo else ""
             for p, ids in zip(texts, prompts, strict=True)
         ]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        updates = merge(self._start(prompts, params, rid, body.cache_salt))
+        updates = merge(self._start(prompts, params, rid, body.cache_salt, body.sequences_param()))
         usage = _Usage(prompt_tokens=sum(map(len, prompts)))
         n = params.n
 
@@ -300,21 +368,19 @@ class OpenAIServing:
             logprobs: list[Sampled] | None,
             reason: str | None,
             offsets: TextOffsets,
-            scored: list[Sampled | None] | None = None,
+            scores: _PromptScores | None = None,
         ) -> dict[str, Any]:
-            """A choice; with `scored` (its prompt's logprobs), the echoed prompt's logprobs
-            lead its own and vLLM's prompt_logprobs come with it."""
-            echoed = None
-            if scored is not None and body.echo and body.logprobs is not None:
-                ids = prompts[index // n]
-                echoed = echo_logprobs(self.token_bytes, ids, scored, body.logprobs, offsets)
+            """A choice; with `scores` (its prompt's), the echoed prompt's logprobs lead its
+            own and vLLM's prompt_logprobs come with it."""
+            echoed = scores.echoed if scores is not None else None
+            if echoed is not None:
                 logprobs = logprobs or []
             lp = completion_logprobs(self.token_bytes, logprobs, offsets)
             if echoed is not None and lp is not None:
                 lp = {key: echoed[key] + lp[key] for key in echoed}
             out = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
             if body.prompt_logprobs is not None:
-                out["prompt_logprobs"] = vllm_prompt_logprobs(self.token_bytes, scored)
+                out["prompt_logprobs"] = scores.vllm if scores is not None else None
             return out
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
@@ -330,6 +396,18 @@ class OpenAIServing:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
+            def echo_events(
+                p: int, scored: list[Sampled | None], offsets: list[TextOffsets]
+            ) -> str:
+                """Prompt p's echo in each of its choices, formatted once (a worker thread's)."""
+                scores = self._prompt_scores(body, prompts[p], scored)
+                events = []
+                for i in range(p * n, (p + 1) * n):
+                    offsets[i] = scores.offsets.copy()
+                    c = choice(i, echoes[p], None, None, offsets[i], scores)
+                    events.append(render_sse(chunk([c], None)))
+                return "".join(events)
+
             async def stream() -> AsyncIterator[str]:
                 offsets = [TextOffsets() for _ in range(len(prompts) * n)]
                 scoring = params.prompt_logprobs is not None
@@ -338,11 +416,8 @@ class OpenAIServing:
                         yield sse(chunk([choice(i, echoes[i // n], None, None, offsets[i])], None))
                 async for p, update in updates:
                     if update.prompt_logprobs is not None:  # the echo, once the prompt is scored
-                        for i in range(p * n, (p + 1) * n):
-                            text = echoes[p]
-                            scored = update.prompt_logprobs
-                            c = choice(i, text, None, None, offsets[i], scored)
-                            yield sse(chunk([c], None))
+                        scored = update.prompt_logprobs
+                        yield await asyncio.to_thread(echo_events, p, scored, offsets)
                     for d in update.deltas:
                         i = p * n + d.index
                         c = choice(i, d.text, d.logprobs, d.finish_reason, offsets[i])
@@ -355,23 +430,26 @@ class OpenAIServing:
 
             return self._streaming(stream())
 
-        async def collect() -> JSONResponse:
+        def response(choices: list[_Choice]) -> Response:
+            """The whole response (each prompt's scores formatted once), built and encoded on
+            a worker thread: it may be large."""
+            scores = [
+                self._prompt_scores(body, ids, choices[p * body.n].prompt_logprobs)
+                for p, ids in enumerate(prompts)
+            ]
+            want = body.logprobs is not None
+            out = []
+            for i, c in enumerate(choices):
+                s = scores[i // body.n]
+                lp = c.logprobs if want else None
+                out.append(choice(i, c.text, lp, c.finish_reason, s.offsets.copy(), s))
+            body_bytes = render_json(chunk(out, usage.as_dict()))
+            return Response(body_bytes, media_type="application/json")
+
+        async def collect() -> Response:
             choices = [_Choice(echoes[i // n]) for i in range(len(prompts) * n)]
             await gather(updates, choices, n, usage)
-            choices = best(choices, body.n, n)
-            want = body.logprobs is not None
-            out = [
-                choice(
-                    i,
-                    c.text,
-                    c.logprobs if want else None,
-                    c.finish_reason,
-                    TextOffsets(),
-                    c.prompt_logprobs,
-                )
-                for i, c in enumerate(choices)
-            ]
-            return JSONResponse(chunk(out, usage.as_dict()))
+            return await asyncio.to_thread(response, best(choices, body.n, n))
 
         return await unless_disconnected(raw, collect())
 
@@ -387,17 +465,22 @@ class OpenAIServing:
         if plan is not None:
             fmt = self._tool_format()
             params = replace(params, structured_outputs=self.tool_grammar(fmt, plan))
-        self._check_count(1, params)
+        self._check_count(1, params, body.sequences_param())
+        await self.admit_grammar(params, body if plan is None else None)
         shown = [t.for_template() for t in plan.tools] if plan is not None else None
-        prompt = await asyncio.to_thread(self.render_chat, body.conversation(), True, shown)
+        special = body.parse_special_tokens_in_content
+        prompt = await asyncio.to_thread(
+            self.render_chat, body.conversation(), True, shown, special
+        )
         self._check([prompt], params, "messages")
-        return PreparedChat(prompt, params, fmt)
+        self._check_size(ResponseShape.of_chat(body, params), [prompt], params)
+        return PreparedChat(prompt, params, fmt, body.sequences_param())
 
     def start_chat(
         self, chat: PreparedChat, request_id: str, cache_salt: str | None
     ) -> AsyncIterator[Update]:
         """The prepared request queued: its updates (closing them aborts it)."""
-        return merge(self._start([chat.prompt], chat.params, request_id, cache_salt))
+        return merge(self._start([chat.prompt], chat.params, request_id, cache_salt, chat.count))
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
         prepared = await self.prepare_chat(body)
@@ -427,6 +510,12 @@ class OpenAIServing:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             tail = {"usage": None} if include_usage else {}
 
+            def first_event(
+                first: list[dict[str, Any]], prompt_logprobs: list[Sampled | None] | None
+            ) -> str:
+                scored = self._prompt_logprobs(body, prompt_logprobs)
+                return render_sse(chunk(first, "chat.completion.chunk", **tail, **scored))
+
             async def stream() -> AsyncIterator[str]:
                 # the role comes with the first tokens, not before the prompt is processed:
                 # a client timing the first chunk times the first token (vLLM's benchmark)
@@ -440,9 +529,8 @@ class OpenAIServing:
                     for i in range(params.n)
                 ]
                 async for _, update in updates:
-                    if first:
-                        scored = self._prompt_logprobs(body, update.prompt_logprobs)
-                        yield sse(chunk(first, "chat.completion.chunk", **tail, **scored))
+                    if first:  # with prompt_logprobs it may be large: a worker thread's
+                        yield await asyncio.to_thread(first_event, first, update.prompt_logprobs)
                         first = []
                     for d in update.deltas:
                         usage.completion_tokens += len(d.token_ids)
@@ -461,10 +549,8 @@ class OpenAIServing:
 
             return self._streaming(stream())
 
-        async def collect() -> JSONResponse:
-            choices = [_Choice() for _ in range(params.n)]
-            await gather(updates, choices, params.n, usage)
-            choices = best(choices, body.n, params.n)
+        def response(choices: list[_Choice]) -> Response:
+            """The whole response, built and encoded on a worker thread: it may be large."""
             out = [
                 {
                     "index": i,
@@ -477,7 +563,13 @@ class OpenAIServing:
                 for i, c in enumerate(choices)
             ]
             scored = self._prompt_logprobs(body, choices[0].prompt_logprobs)
-            return JSONResponse(chunk(out, "chat.completion", usage=usage.as_dict(), **scored))
+            whole = chunk(out, "chat.completion", usage=usage.as_dict(), **scored)
+            return Response(render_json(whole), media_type="application/json")
+
+        async def collect() -> Response:
+            choices = [_Choice() for _ in range(params.n)]
+            await gather(updates, choices, params.n, usage)
+            return await asyncio.to_thread(response, best(choices, body.n, params.n))
 
         return await unless_disconnected(raw, collect())
 
@@ -487,7 +579,8 @@ class OpenAIServing:
         """vLLM's chat `prompt_logprobs` (a field of the response), where asked for."""
         if body.prompt_logprobs is None:
             return {}
-        return {"prompt_logprobs": vllm_prompt_logprobs(self.token_bytes, scored)}
+        k = body.prompt_logprobs
+        return {"prompt_logprobs": vllm_prompt_logprobs(self.token_bytes, scored, k)}
 
     # --- tools --------------------------------------------------------------------------
 
@@ -507,9 +600,14 @@ class OpenAIServing:
         """The grammar holding the reply to calls of the allowed tools (see tools.py); a tool
         whose parameters cannot be enforced is a 400 naming tools."""
         calls = [call_schema(t.name, t.arguments_schema()) for t in plan.allowed]
-        spec = StructuredOutputsParams(
-            grammar=call_grammar(fmt, calls, plan.required, plan.parallel, self.tool_tags)
-        )
+        text = call_grammar(fmt, calls, plan.required, plan.parallel, self.tool_tags)
+        if len(text) > MAX_SPEC_CHARS:
+            raise PyptoError(
+                f"the tools' parameters are too large: the grammar of their calls is {len(text)} "
+                f"characters, over the limit of {MAX_SPEC_CHARS}",
+                "tools",
+            )
+        spec = StructuredOutputsParams(grammar=text)
         try:
             grammar.check(spec)
         except PyptoError as e:
@@ -544,12 +642,8 @@ class OpenAIServing:
     async def encode(self, texts: list[str | list[int]]) -> list[list[int]]:
         """Token ids of the prompts; texts are tokenized on a worker thread, and refused first
         when longer than `max_prompt_chars`."""
-        if any(isinstance(t, str) and len(t) > self.max_prompt_chars for t in texts):
-            raise PyptoError(
-                f"the prompt is over {self.max_prompt_chars} characters, more than this "
-                f"model's context of {self.engine.engine.max_model_len} tokens can hold",
-                "prompt",
-            )
+        for t in texts:
+            self._check_chars(len(t) if isinstance(t, str) else 0, "the prompt", "prompt")
         if not any(isinstance(t, str) for t in texts):
             return [list(t) for t in texts if not isinstance(t, str)]
         encode = self.tokenizer.encode
@@ -562,27 +656,32 @@ class OpenAIServing:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
+        parse_special: bool = False,
     ) -> list[int]:
         """Token ids of a conversation in the tokenizer's own chat template; with tools, or
-        with calls and their results in it, in the template of the model's tool format."""
+        with calls and their results in it, in the template of the model's tool format.
+        Refused first when its text is longer than `max_prompt_chars`; control tokens written
+        in its strings are text unless `parse_special` (chat_prompt.py)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise PyptoError("this model has no chat template; use /v1/completions", "messages")
+        self._check_chars(conversation_chars(messages), "the conversation", "messages")
         template = None
         if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
             messages = [template_message(m) for m in messages]
             template = self.tool_format.template() if self.tool_format is not None else None
-        try:
-            out = self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools,
-                chat_template=template,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                return_dict=False,
+        return chat_token_ids(
+            self.tokenizer, messages, add_generation_prompt, tools, template, parse_special
+        )
+
+    def _check_chars(self, chars: int, what: str, param: str) -> None:
+        """Raise unless a text of `chars` characters may fit the context (checked before it
+        is tokenized: a longer one cannot, unless a normalizer shrinks text a lot)."""
+        if chars > self.max_prompt_chars:
+            raise PyptoError(
+                f"{what} is over {self.max_prompt_chars} characters, more than this "
+                f"model's context of {self.engine.engine.max_model_len} tokens can hold",
+                param,
             )
-        except Exception as e:  # the template itself may reject a conversation
-            raise PyptoError(f"the chat template rejected the messages: {e}", "messages") from None
-        return list(out["input_ids"] if isinstance(out, dict) else out)
 
     # --- SSE ----------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ seconds for a large body), and the number of prompts and of chat items is checke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -25,10 +25,9 @@ from pydantic import (
     model_validator,
 )
 
-from pypto_serving import grammar
 from pypto_serving.errors import PyptoError
-from pypto_serving.sampling import SamplingParams, StructuredOutputsParams
-from pypto_serving.server.errors import APIError
+from pypto_serving.sampling import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
+from pypto_serving.server.errors import APIError, quoted
 
 MAX_TOP_LOGPROBS = 20
 GUIDED = ("json", "regex", "choice", "grammar")
@@ -39,6 +38,8 @@ MAX_TOOLS = 128
 """Most tools one request may offer (OpenAI's limit)."""
 MAX_CHAT_ITEMS = 10_000
 """Most messages plus content parts in one conversation."""
+MAX_TOKEN_ID_DIGITS = 19
+"""Digits of the largest token id a logit_bias key may name (a 64-bit integer's)."""
 
 
 class _Body(BaseModel):
@@ -84,6 +85,15 @@ def _few_prompts(prompt: Any) -> Any:
             "prompt",
         )
     return prompt
+
+
+def _few_biases(bias: Any) -> Any:
+    """Refuse a logit_bias of more than MAX_LOGIT_BIAS tokens, before validating its keys."""
+    if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS:
+        raise PyptoError(
+            f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias"
+        )
+    return bias
 
 
 def _few_chat_items(messages: Any) -> Any:
@@ -210,7 +220,7 @@ class _Sampling(_Request):
     requests of the same salt (and requests without one only with each other)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float] | None, BeforeValidator(_few_biases)] = None
     """Token id (as a string, OpenAI's JSON) -> a bias in [-100, 100] added to its logit."""
     best_of: int | None = None
     """Candidates to sample per prompt (default n): the n of highest cumulative logprob are
@@ -256,14 +266,9 @@ class _Sampling(_Request):
             "repetition_penalty": self.repetition_penalty,
         }
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        bias: dict[int, float] = {}
-        for key, value in (self.logit_bias or {}).items():
-            if not key.strip().isdigit():
-                raise PyptoError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
-            bias[int(key)] = value
         return SamplingParams(
             n=best_of,
-            logit_bias=bias,
+            logit_bias={token_id(key): value for key, value in (self.logit_bias or {}).items()},
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             seed=self.seed,
@@ -276,6 +281,11 @@ class _Sampling(_Request):
             **{k: v for k, v in given.items() if v is not None},
         )
 
+    def sequences_param(self) -> str:
+        """The field that sets the sequences sampled per prompt: best_of where it is above
+        n (what errors about their number name)."""
+        return "best_of" if self.best_of is not None and self.best_of > self.n else "n"
+
     def candidates(self) -> int:
         """Sequences sampled per prompt: best_of, at least n."""
         if self.best_of is None:
@@ -286,7 +296,15 @@ class _Sampling(_Request):
 
     def structured(self) -> StructuredOutputsParams | None:
         """What the output must match: response_format, structured_outputs or vLLM's older
-        guided_* fields, one of them at most."""
+        guided_* fields, one of them at most (compiled when the server admits the request,
+        off the event loop: `OpenAIServing.admit_grammar`)."""
+        return next(iter(self._structured().values()), None)
+
+    def structured_param(self) -> str:
+        """The field that gives the structured output: what errors about it name."""
+        return next(iter(self._structured()), "structured_outputs")
+
+    def _structured(self) -> dict[str, StructuredOutputsParams]:
         guided = (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar)
         found: dict[str, StructuredOutputsParams | None] = {
             "response_format": self.response_format.structured() if self.response_format else None,
@@ -303,13 +321,22 @@ class _Sampling(_Request):
             raise PyptoError(
                 f"give one of {', '.join(given)}: each constrains the output", next(iter(given))
             )
-        for name, spec in given.items():  # a grammar that cannot be enforced: 400 naming it
-            try:
-                grammar.check(spec)
-            except PyptoError as e:
-                raise PyptoError(str(e), name) from e
-            return spec
-        return None
+        return given
+
+
+def token_id(key: str) -> int:
+    """A logit_bias key as a token id: ASCII decimal digits (blanks around them allowed), at
+    most MAX_TOKEN_ID_DIGITS of them once leading zeros are gone; the vocabulary's bound is
+    the engine's check."""
+    text = key.strip()
+    digits = text.lstrip("0") or "0"  # int() refuses over 4,300 digits, leading zeros too
+    if not (text.isascii() and text.isdigit()) or len(digits) > MAX_TOKEN_ID_DIGITS:
+        raise PyptoError(
+            "logit_bias keys must be token ids: ASCII decimal integers within the "
+            f"vocabulary, got {quoted(key)}",
+            "logit_bias",
+        )
+    return int(digits)
 
 
 TokenIds = Annotated[list[StrictInt], Field(fail_fast=True)]
@@ -341,9 +368,9 @@ class CompletionRequest(_Sampling):
             return [p]
         if not p:
             raise PyptoError("the prompt is empty", "prompt")
-        if all(isinstance(x, int) for x in p):
-            return [cast(list[int], list(p))]
-        return [x if isinstance(x, str) else list(cast(list[int], x)) for x in p]
+        if isinstance(p[0], int):  # validated: a list of token ids, or of prompts, not mixed
+            return [p]
+        return [x if isinstance(x, str) else list(x) for x in p]
 
 
 class TextPart(_Body):
@@ -430,6 +457,18 @@ class FunctionSpec(_Body):
     strict: bool | None = None
     """Accepted: calls are always generated as OpenAI's strict mode generates them."""
 
+    @model_validator(mode="after")
+    def _object_parameters(self) -> FunctionSpec:
+        """A call's arguments are a JSON object: parameters must say so (OpenAI's rule);
+        empty ones (`{}`) are taken as no parameters."""
+        if self.parameters and self.parameters.get("type") != "object":
+            raise PyptoError(
+                f"the parameters of tool {self.name!r} must be the JSON schema of an object "
+                '({"type": "object", ...}): a call\'s arguments are a JSON object',
+                "tools",
+            )
+        return self
+
     def for_template(self) -> dict[str, Any]:
         return {"type": "function", "function": self.model_dump(exclude_none=True)}
 
@@ -437,8 +476,7 @@ class FunctionSpec(_Body):
         """The schema a call's arguments are generated to: the tool's, with objects taking no
         properties it does not name (what strict mode means; without it a model may go on
         inventing properties until max_tokens). Such arguments validate either way."""
-        schema = self.parameters if self.parameters is not None else NO_ARGUMENTS
-        return closed_objects(schema)
+        return closed_objects(self.parameters or NO_ARGUMENTS)
 
 
 class Tool(_Body):
@@ -474,6 +512,9 @@ class ChatCompletionRequest(_Sampling):
     """Default: auto where there are tools, none where there are none (OpenAI's rule)."""
     parallel_tool_calls: bool | None = None
     """False: one call at most. Default true."""
+    parse_special_tokens_in_content: bool = False
+    """True (a trusted client's choice): control tokens written in the messages and tools
+    (`<|im_end|>`) are control tokens; by default they are text (server/chat_prompt.py)."""
 
     def tool_plan(self) -> ToolPlan | None:
         """What the reply may call, or None where it calls nothing (no tools, or none)."""
@@ -563,6 +604,8 @@ class TokenizeRequest(_Request):
     messages: Conversation | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    parse_special_tokens_in_content: bool = False
+    """As chat's: control tokens written in the messages are text unless this is true."""
 
 
 class DetokenizeRequest(_Request):

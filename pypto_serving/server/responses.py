@@ -141,6 +141,8 @@ class ResponsesRequest(_Request):
     seed: int | None = None
     include: list[str] | None = None
     truncation: Literal["disabled"] | None = None
+    parse_special_tokens_in_content: bool = False
+    """As chat's: control tokens written in the input and tools are text unless this is true."""
 
     def chat(self) -> ChatCompletionRequest:
         """The same request as chat takes it; 400 naming the field for what has no such."""
@@ -162,6 +164,7 @@ class ResponsesRequest(_Request):
             "user": self.user,
             "parallel_tool_calls": self.parallel_tool_calls,
             "stream": self.stream,
+            "parse_special_tokens_in_content": self.parse_special_tokens_in_content,
         }
         if self.tools:
             body["tools"] = [

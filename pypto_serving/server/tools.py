@@ -64,19 +64,57 @@ def tool_format(chat_template: str | None) -> ToolFormat | None:
     return HERMES if OPEN in chat_template else None
 
 
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+"""Keywords whose values are data, not schemas: a `$ref` in them is not a reference."""
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+"""Keywords whose values map names (any, even a keyword's) to schemas."""
+
+
 def call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
-    """The JSON schema of one call to a tool: its name, then arguments matching its schema."""
+    """The JSON schema of one call to a tool: its name, then arguments matching its schema.
+
+    Parameters holding local references (pydantic's `#/$defs/Loc`, `#` for recursion) would
+    break nested under `arguments`: they are kept whole in the call's `$defs` under the
+    tool's name instead, every local reference rewritten to point below it
+    (`#/$defs/<name>/$defs/Loc`), and `arguments` refers to them. Tool names are unique, so
+    the `$defs` of several calls never collide when `call_grammar` hoists them to the root
+    of the schema that combines them."""
+    where = f"#/$defs/{name}"
+    rebased = _rebased(parameters, where)
+    refers = rebased != parameters  # it holds local references
+    arguments = {"$ref": where} if refers else parameters
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters},
+        "properties": {"name": {"const": name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
+        **({"$defs": {name: rebased}} if refers else {}),
     }
 
 
-def _json_rule(schema: dict[str, Any]) -> str:
+def _rebased(schema: Any, root: str) -> Any:
+    """`schema` with each local reference (`#...`) made to point below `root` instead."""
+    if isinstance(schema, list):
+        return [_rebased(s, root) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        elif key in DATA_KEYWORDS:
+            out[key] = value
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {n: _rebased(s, root) for n, s in value.items()}
+        else:
+            out[key] = _rebased(value, root)
+    return out
+
+
+def _json_rule(schema: dict[str, Any], defs: dict[str, Any]) -> str:
     options = {"whitespace_flexible": True, "whitespace_pattern": CALL_WHITESPACE}
-    return "%json " + json.dumps({**schema, "x-guidance": options})
+    hoisted = {"$defs": defs} if defs else {}
+    return "%json " + json.dumps({**schema, **hoisted, "x-guidance": options})
 
 
 def tag_tokens(added_vocab: dict[str, int]) -> tuple[int | None, int | None]:
@@ -94,18 +132,21 @@ def call_grammar(
     tags: tuple[int | None, int | None] = (None, None),
 ) -> str:
     """A Lark grammar (llguidance's) for a reply that calls the tools of `calls` (their call
-    schemas): only calls where `required`, else free text with calls where the model opens a
-    block; one call unless `parallel`. `tags`: the tags' token ids (tag_tokens)."""
+    schemas, their `$defs` hoisted to the root): only calls where `required`, else free text
+    with calls where the model opens a block; one call unless `parallel`. `tags`: the tags'
+    token ids (tag_tokens)."""
     opening, closing = (
         json.dumps(tag) if i is None else f"<[{i}]>"
         for i, tag in zip(tags, (OPEN, CLOSE), strict=True)
     )
-    one: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    defs = {k: v for call in calls for k, v in call.get("$defs", {}).items()}
+    bare = [{k: v for k, v in call.items() if k != "$defs"} for call in calls]
+    one: dict[str, Any] = bare[0] if len(bare) == 1 else {"anyOf": bare}
     if fmt.list_body:
         listed = {"type": "array", "items": one, "minItems": 0 if not required else 1}
-        body = f"{_json_rule({**listed, **({} if parallel else {'maxItems': 1})})} {closing}"
+        body = f"{_json_rule({**listed, **({} if parallel else {'maxItems': 1})}, defs)} {closing}"
     else:
-        body = f'"\\n" {_json_rule(one)} "\\n" {closing}'
+        body = f'"\\n" {_json_rule(one, defs)} "\\n" {closing}'
     many = parallel and not fmt.list_body
     lines = ["%llguidance {}"]
     if required:
