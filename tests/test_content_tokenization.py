@@ -159,7 +159,10 @@ def live(tiny_model: Callable[[str], Path]) -> Iterator[Live]:
 
 
 def post(live: Live, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(live.url + path, json=body, timeout=600)
+    """`body` as compact JSON (a big one stays within the server's body limit)."""
+    content = json.dumps(body, separators=(",", ":"))
+    headers = {"content-type": "application/json"}
+    return httpx.post(live.url + path, content=content, headers=headers, timeout=600)
 
 
 def test_every_endpoint_tokenizes_content_as_text_unless_trusted(
@@ -256,13 +259,7 @@ def test_a_prompt_of_ids_longer_than_the_context_is_refused_unread() -> None:
 
 
 def test_a_prompt_of_millions_of_ids_is_a_400(live: Live) -> None:
-    body = json.dumps({"prompt": [1] * 1_900_000, "max_tokens": 1}, separators=(",", ":"))
-    r = httpx.post(
-        live.url + "/v1/completions",
-        content=body,
-        headers={"content-type": "application/json"},
-        timeout=600,
-    )
+    r = post(live, "/v1/completions", {"prompt": [1] * 1_900_000, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     assert "1900000 tokens" in r.json()["error"]["message"]
 
@@ -272,13 +269,7 @@ def test_a_logit_bias_over_the_limit_is_refused_before_its_keys_are_read(live: L
     with pytest.raises(PyptoError, match=f"at most {MAX_LOGIT_BIAS} tokens") as e:
         CompletionRequest.model_validate({"prompt": "hi", "logit_bias": many})
     assert e.value.param == "logit_bias"
-    body = json.dumps({"prompt": "hi", "logit_bias": many}, separators=(",", ":"))
-    r = httpx.post(
-        live.url + "/v1/completions",
-        content=body,
-        headers={"content-type": "application/json"},
-        timeout=600,
-    )
+    r = post(live, "/v1/completions", {"prompt": "hi", "logit_bias": many})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
     assert "at most 300 tokens, got 300000" in r.json()["error"]["message"]
     fine = {str(i): 1 for i in range(MAX_LOGIT_BIAS)}
