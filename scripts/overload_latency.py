@@ -14,9 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +23,7 @@ import httpx
 from pypto_serving.bench.serve import summarize_latency
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from live_server import free_port
+from live_server import pypto_serve
 
 RUNNING, QUEUED, OUTPUT = 8, 8, 256
 
@@ -103,27 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--refusals", type=int, default=200)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "pypto_serving.cli", "serve", "--model", args.model]
-    argv += ["--port", str(port), "--max-num-seqs", str(RUNNING)]
-    argv += ["--max-queued-requests", str(QUEUED)]
-    server = subprocess.Popen(argv, stderr=subprocess.DEVNULL, env=os.environ)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                print("the server did not start", file=sys.stderr)
-                return 1
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
-        result = asyncio.run(measure(url, args.refusals))
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
+    flags = ["--model", args.model, "--max-num-seqs", str(RUNNING)]
+    flags += ["--max-queued-requests", str(QUEUED)]
+    with pypto_serve(flags) as served:
+        result = asyncio.run(measure(served.url, args.refusals))
     result["model"] = args.model
     print(json.dumps(result, indent=2))
     if args.json:

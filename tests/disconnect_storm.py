@@ -262,7 +262,8 @@ def storm(llm: LLM, n: int, seed: int = 0, spread_s: float = 3.0) -> StormResult
 
     llm.abort = abort  # type: ignore[method-assign]
     loads_before = {t.name: t.loaded for t in llm.engine.stats().tiers}
-    with serving(llm) as live:
+    room = len(clients) + 64  # every client connected at once, under the connection caps
+    with serving(llm, max_connections=room, max_connections_per_client=room) as live:
         start = time.monotonic()
 
         async def all_clients() -> None:

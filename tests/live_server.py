@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import uvicorn
 from patience import patience
 
@@ -80,3 +85,43 @@ def serving(llm: LLM, name: str = "tiny", **server: Any) -> Iterator[Live]:
     finally:
         uv.should_exit = True
         thread.join(timeout=patience(30))
+
+
+@dataclass(frozen=True)
+class Served:
+    url: str
+    pid: int
+
+
+@contextmanager
+def pypto_serve(
+    flags: Sequence[str], start_s: float = 600, log: Path | None = None
+) -> Iterator[Served]:
+    """`pypto serve *flags` as its own process on a free loopback port, until the block ends
+    (then SIGTERM); yields it once /health is 200. Its log goes to `log` (a file), else
+    to this process's stderr."""
+    port = free_port()
+    argv = [sys.executable, "-m", "pypto_serving.cli", "serve", "--port", str(port), *flags]
+    out = open(log, "w") if log else None  # noqa: SIM115 (closed below)
+    server = subprocess.Popen(argv, env=os.environ, stderr=out, stdout=out)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_s
+        while True:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"`pypto serve {' '.join(flags)}` did not start")
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        yield Served(url, server.pid)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        if out:
+            out.close()

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from checkpoints import build_checkpoint, build_tokenizer
+from cpu_builds import AVX2_IS_THIS_BUILD
 
 from pypto_serving import LLM, native
 from pypto_serving.device import cpu_flags
@@ -96,6 +97,7 @@ def test_the_default_mode_does_not_promise_it(wide_model, cache):
 @pytest.mark.skipif(
     not {"avx2", "fma", "f16c"} <= cpu_flags(), reason="the AVX2 build needs an x86-64-v3 CPU"
 )
+@pytest.mark.skipif(AVX2_IS_THIS_BUILD, reason="this CPU's own build is the AVX2 build")
 @pytest.mark.parametrize("variant", ["bfloat16", "w8a8", "int8", "int4"])
 def test_the_avx2_build_keeps_it_too(wide_model, cache, variant):
     knobs = VARIANTS[variant] | {"batch_invariant": True}

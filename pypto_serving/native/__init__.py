@@ -19,7 +19,9 @@ The library is compiled on first use with the C++ compiler Inductor also uses (`
 g++), for this CPU's ISA, which picks each kernel's code path (`device.cpu_march`:
 -march=native, or x86-64-v3 for an AVX2 CPU, with AVX-VNNI where it has it; PYPTO_CPU_ISA
 included), and for one attention shape (query heads per KV head and head_dim as constants, so
-loops unroll and the decode queries stay in registers; a few seconds of compiling).
+loops unroll and the decode queries stay in registers; a few seconds of compiling). The fused
+decode step depends on no shape: it is compiled once into an object that every shape's library
+links (both compile at once where the object is new).
 It is cached under `cache_dir()/kernels` by a key of the sources, flags, compiler and the
 CPU's flags, so a restart only loads it (loading a library runs its code: one is only
 loaded from a cache folder no other user can write, and only if it is this user's file that no
@@ -49,8 +51,12 @@ from pypto_serving.paths import trusted_cache_dir, untrusted
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.cpp", "decode.cpp"))
+SOURCES = (Path(__file__).with_name("attention.cpp"),)
 """The kernels built per attention shape (GROUP and HEAD_DIM defined)."""
+SHAPE_FREE_SOURCES = (Path(__file__).with_name("decode.cpp"),)
+"""Linked into every attention shape's library but touched by no shape constant: each is
+compiled once into an object kept beside the libraries (`decode-<key>.o`), so a new shape
+compiles attention.cpp alone."""
 GEMM_SOURCES = (Path(__file__).with_name("gemm.cpp"),)
 """The panel GEMM and the product over records, which no shape constant touches: one library
 for every model."""
@@ -79,7 +85,8 @@ def build(
     extra_flags: appended to the compiler's (tests build the portable code paths with
     `-mno-avx512vnni`)."""
     defines = (f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}")
-    return _build(SOURCES, defines, f"kernels-g{group}-d{head_dim}", out_dir, cxx, extra_flags)
+    name = f"kernels-g{group}-d{head_dim}"
+    return _build(SOURCES, defines, name, out_dir, cxx, extra_flags, SHAPE_FREE_SOURCES)
 
 
 def build_gemm(
@@ -94,6 +101,29 @@ def build_shm(out_dir: Path, cxx: str | None = None) -> Path | None:
     return _build(SHM_SOURCES, (), "shm", out_dir, cxx, ())
 
 
+def _key(sources: tuple[Path, ...], flags: tuple[str, ...], found: str, version: str) -> str:
+    """What a build's output depends on: its sources and the headers, the flags, the compiler
+    and the CPU's flags."""
+    key = hashlib.sha256()
+    texts = (s.read_bytes() for s in (*sources, *HEADERS))
+    parts: list[bytes | str] = [*texts, " ".join(flags), found, version]
+    for part in parts:
+        key.update(part.encode() if isinstance(part, str) else part)
+    for flag in sorted(cpu_flags()):
+        key.update(flag.encode())
+    return key.hexdigest()[:16]
+
+
+def _kept(path: Path) -> bool:
+    """Whether `path` was built before and may be used (this user's, writable by no one else)."""
+    if not path.exists():
+        return False
+    why = untrusted(path)
+    if why is not None:
+        log.warning("not using %s (%s): building it again", path, why)
+    return why is None
+
+
 def _build(
     sources: tuple[Path, ...],
     defines: tuple[str, ...],
@@ -101,7 +131,10 @@ def _build(
     out_dir: Path,
     cxx: str | None,
     extra_flags: tuple[str, ...],
+    shape_free: tuple[Path, ...] = (),
 ) -> Path | None:
+    """Compiles `sources` (with `defines`) and whichever `shape_free` object is not kept yet,
+    at once (one compiler each), then links them into the library."""
     found = compiler(cxx)
     if found is None:
         log.warning("no C++ compiler %r: the native kernels are off", cxx or "g++")
@@ -113,31 +146,51 @@ def _build(
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("C++ compiler %s unusable (%s): the native kernels are off", found, e)
         return None
-    flags = (*FLAGS, *cpu_march(), *extra_flags, *defines)
-    key = hashlib.sha256()
-    texts = (s.read_bytes() for s in (*sources, *HEADERS))
-    parts: list[bytes | str] = [*texts, " ".join(flags), found, version]
-    for part in parts:
-        key.update(part.encode() if isinstance(part, str) else part)
-    for flag in sorted(cpu_flags()):
-        key.update(flag.encode())
-    target = out_dir / f"{name}-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        why = untrusted(target)
-        if why is None:
-            return target
-        log.warning("not loading %s (%s): building it again", target, why)
+    flags = (*FLAGS, *cpu_march(), *extra_flags)
+    target = out_dir / f"{name}-{_key(sources + shape_free, flags + defines, found, version)}.so"
+    if _kept(target):
+        return target
     out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        jobs: list[tuple[subprocess.Popen[str], Path, Path | None]] = []  # (compiler, out, kept)
+
+        def compile_(source: Path, obj: Path, kept: Path | None, more: tuple[str, ...]) -> None:
+            argv = [found, *flags, *more, "-c", "-o", str(obj), str(source)]
+            proc = subprocess.Popen(
+                argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            )
+            jobs.append((proc, obj, kept))
+
+        objects = []
+        for source in shape_free:  # one object for every shape, kept beside the libraries
+            shared = out_dir / f"{source.stem}-{_key((source,), flags, found, version)}.o"
+            if not _kept(shared):
+                compile_(source, Path(tmp) / shared.name, shared, ())
+            objects.append(shared)
+        for source in sources:
+            obj = Path(tmp) / f"{source.stem}.o"
+            compile_(source, obj, None, defines)
+            objects.append(obj)
+        failed = []
+        for proc, obj, _ in jobs:
+            err = proc.communicate()[1]
+            if proc.returncode != 0:
+                failed.append(err or f"{obj.name}: the compiler exited with {proc.returncode}")
         built = Path(tmp) / target.name
-        run = subprocess.run(
-            [found, *flags, "-o", str(built), *map(str, sources)], capture_output=True, text=True
-        )
-        if run.returncode != 0:
+        if not failed:
+            for _, obj, kept in jobs:
+                if kept is not None:
+                    obj.chmod(0o600)  # linked into a library this process loads: as private
+                    os.replace(obj, kept)
+            link = [found, *flags, "-o", str(built), *map(str, objects)]
+            run = subprocess.run(link, capture_output=True, text=True)
+            if run.returncode != 0:
+                failed.append(run.stderr)
+        if failed:
             log.warning(
                 "building the native kernels failed; they are off:\n%s",
-                run.stderr.strip()[-2000:],
+                "\n".join(failed).strip()[-2000:],
             )
             return None
         built.chmod(0o700)  # only this user may change what it loads
