@@ -91,7 +91,7 @@ def test_health_answers_while_a_big_body_is_tokenized(live: Live, path: str, bod
             assert r.json()["count"] == len(live.llm.tokenizer.encode(BIG_TEXT))
         else:  # far over the context: refused by its size, before it is tokenized
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-        tries.append((seconds, len(probes), max(probes)))
+        tries.append((seconds, len(probes), max(probes, default=0.0)))  # none: try again
         if len(probes) >= 3 and max(probes) < seconds / 3:
             return
     pytest.fail(f"/health waited for the big request in every try (seconds, probes, max): {tries}")
