@@ -399,6 +399,27 @@ async def slowloris(
     return {"sockets": len(writers), "refused_at_connect": refused, "still_open_at_end": still_open}
 
 
+async def read_stream(
+    http: httpx.AsyncClient, url: str, body: dict[str, Any], keep: int, what: str, tally: Tally
+) -> bool:
+    """POST a streaming request and read up to `keep` data events; True when it dropped
+    there (closing the connection), False when it ran to its end or was refused (recorded)."""
+    async with http.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            tally.record(what, r, frozenset({200}))
+            return False
+        chunks = 0
+        async for line in r.aiter_lines():
+            if line.startswith('data: {"error"'):
+                tally.findings.append(f"{what}: stream ended in an error: {line[:200]}")
+            chunks += line.startswith("data: {")
+            if chunks >= keep:
+                return True
+        tally.statuses["200"] += 1
+        return False
+
+
 async def disconnects(url: str, tally: Tally, rng: random.Random) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=300)
     dropped = Counter[str]()
@@ -411,20 +432,8 @@ async def disconnects(url: str, tally: Tally, rng: random.Random) -> dict[str, A
             "ignore_eos": True,
         }
         keep = rng.randint(0, 40)
-        async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                tally.record("storm stream", r, frozenset({200}))
-                return
-            chunks = 0
-            async for line in r.aiter_lines():
-                if line.startswith('data: {"error"'):
-                    tally.findings.append(f"storm stream ended in an error: {line[:200]}")
-                chunks += line.startswith("data: {")
-                if chunks >= keep:
-                    dropped["stream"] += 1
-                    return
-            tally.statuses["200"] += 1
+        if await read_stream(http, f"{url}/v1/completions", body, keep, "storm stream", tally):
+            dropped["stream"] += 1
 
     async def plain(i: int) -> None:
         body = {"prompt": f"Tale {i}:", "max_tokens": 48, "ignore_eos": True}
@@ -472,19 +481,7 @@ async def soak(url: str, tally: Tally, rng: random.Random, minutes: float) -> di
         if kind in ("chat-stream", "drop"):
             keep = rng.randint(1, 10) if kind == "drop" else 10**9
             body = chat(f"Tell me about {topic}.", stream=True)
-            async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-                if r.status_code != 200:
-                    await r.aread()
-                    tally.record(kind, r, ok)
-                    return
-                chunks = 0
-                async for line in r.aiter_lines():
-                    if line.startswith('data: {"error"'):
-                        tally.findings.append(f"{kind}: stream ended in an error: {line[:200]}")
-                    chunks += line.startswith("data: {")
-                    if chunks >= keep:
-                        return
-                tally.statuses["200"] += 1
+            await read_stream(http, f"{url}/v1/chat/completions", body, keep, kind, tally)
             return
         if kind == "hostile":
             case = rng.choice(hostile)
