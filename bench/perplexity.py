@@ -66,7 +66,7 @@ def score_native(llm: LLM, chunks: list[list[int]]) -> tuple[float, int, torch.T
             for t in range(len(chunk)):
                 one = torch.tensor([t])
                 # the attention operator maps the token's slot, as in a step
-                step = StepAttention(kv.cache, pages, one, torch.tensor([1]), one + 1, 1, 1)
+                step = StepAttention(kv.pool.cache, pages, one, torch.tensor([1]), one + 1, 1, 1)
                 logits = executor.native.logits(
                     torch.tensor([chunk[t]]), one, step.slot_mapping, step.block_table, one + 1
                 )

@@ -24,9 +24,14 @@ from pypto_serving.request import Request, RequestStatus
 class KVCapacity(Protocol):
     """The questions the scheduler asks the KV store (it never sees page ids)."""
 
-    def num_cached_tokens(self, request: Request) -> int | None:
-        """Claim the request's cached prefix (or swapped-out KV); return how many tokens it
-        covers, or None if it cannot be brought in yet (try again later)."""
+    def num_cached_tokens(self, request: Request, limit: int | None = None) -> int | None:
+        """Claim the request's cached prefix (or swapped-out KV), at most `limit` tokens of it;
+        return how many tokens it covers, or None if it cannot be brought in yet (try again
+        later)."""
+        ...
+
+    def cached_tokens_by_tier(self, request: Request) -> dict[str, int]:
+        """The tokens of the request's claim per tier they came from."""
         ...
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
@@ -97,7 +102,10 @@ class Scheduler:
         self.waiting.sort(key=lambda r: (r.priority, r.arrival))
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            cached = self.kv.num_cached_tokens(req)
+            limit = None  # a request scoring its prompt: no hit past the positions scored
+            if req.params.prompt_logprobs is not None:
+                limit = len(req.prompt_logprobs)
+            cached = self.kv.num_cached_tokens(req, limit)
             if cached is None:  # its swapped-out KV does not fit yet
                 break
             req.num_computed_tokens = cached
@@ -109,6 +117,7 @@ class Scheduler:
             if req.num_preemptions == 0:  # first admission: record the prefix-cache hit
                 req.scheduled_time = time.monotonic()
                 req.num_cached_tokens = req.num_computed_tokens
+                req.cached_tokens_by_tier = self.kv.cached_tokens_by_tier(req)
                 self.prefix_queries += len(req.prompt_token_ids)
                 self.prefix_hits += req.num_cached_tokens
             self.waiting.pop(0)

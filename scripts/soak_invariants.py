@@ -2,7 +2,7 @@
 """Soak the scheduler + paged KV store + CPU/SSD tiers state machine for many steps.
 
 Runs tests/test_scheduler_invariants.py's SchedulerMachine (the real Scheduler over a real
-PagedKVStore with CPU and SSD tiers, a fake executor, and the paged-engine and tier
+KV (a manager over a pool) with CPU and SSD tiers, a fake executor, and the paged-engine and tier
 invariants checked after every rule) under Hypothesis, one seed after another, until the
 rule steps executed reach the target. A step is one rule run after the machine's setup
 (add_requests, step, abort or run_to_completion); every example also drains at teardown.
@@ -82,7 +82,7 @@ class CountingMachine(SchedulerMachine):
         tally.preemptions += scheduler.num_preemptions
         tally.swaps += scheduler.num_swapped
         tally.prefix_hit_tokens += scheduler.prefix_hits
-        tally.add(Tally(tier_hits={name: s.hits for name, s in self.h.store.stats.items()}))
+        tally.add(Tally(tier_hits={name: s.hits for name, s in self.h.store.pool.stats.items()}))
 
 
 @dataclass

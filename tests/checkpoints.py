@@ -379,14 +379,24 @@ def assert_top5_rule(expected: list[Any], got: list[Any]) -> int:
 
 
 def fake_kv_store(num_pages: int, page_size: int, **options: Any) -> Any:
-    """A PagedKVStore for tests without a model: one layer, one KV head of dim 2 (room for a
-    token's fake KV, (token id, position)), fp32 on the CPU. `options`: prefix caching, tiers."""
+    """The KV of one full-attention group for tests without a model: one layer, one KV head
+    of dim 2 (room for a token's fake KV, (token id, position)), fp32 on the CPU. `options`:
+    the pool's (prefix caching, tiers)."""
     from pypto_serving.kv.paged_cache import PagedCache
     from pypto_serving.kv.spec import KVSpec
-    from pypto_serving.kv.store import PagedKVStore
 
     spec = KVSpec("gqa", 1, 1, 2, 2, page_size, torch.float32, num_tensors=2)
-    return PagedKVStore(PagedCache(spec, num_pages, torch.device("cpu")), **options)
+    return one_group(PagedCache(spec, num_pages, torch.device("cpu")), **options)
+
+
+def one_group(cache: Any, **options: Any) -> Any:
+    """`KVGroups` of one full-attention group over a pool of `cache`'s pages (`options`: the
+    pool's)."""
+    from pypto_serving.kv.groups import KVGroups
+    from pypto_serving.kv.manager import KVManager
+    from pypto_serving.kv.pool import KVPool
+
+    return KVGroups([KVManager(cache.spec.kind, KVPool(cache, **options))])
 
 
 def hash_chain(token_ids: list[int], page_size: int, salt: str | None = None) -> list[bytes]:

@@ -28,7 +28,7 @@ from patience import patience
 
 from pypto_serving.engine.async_llm import AsyncLLM
 from pypto_serving.engine.llm import LLM
-from pypto_serving.kv.store import PagedKVStore
+from pypto_serving.kv.groups import KVGroups
 from pypto_serving.request import Request, RequestStatus
 from pypto_serving.sampling import SamplingParams
 
@@ -168,12 +168,14 @@ async def run_client(http: httpx.AsyncClient, url: str, model: str, c: Client) -
         await reading
 
 
-def abort_state(request: Request, kv: PagedKVStore) -> str:
+def abort_state(request: Request, kv: KVGroups) -> str:
     """Where a request was when its abort was applied."""
     if request.finished:
         return "finished"
     if request.status is RequestStatus.PREEMPTED:
-        return "preempted (swapped)" if request.request_id in kv.swapped else "preempted"
+        return (
+            "preempted (swapped)" if request.request_id in kv.managers[0].swapped else "preempted"
+        )
     if request.status is RequestStatus.WAITING:
         return "queued"
     if request.num_computed_tokens < len(request.prompt_token_ids):
@@ -220,13 +222,13 @@ def holdings(llm: LLM) -> list[str]:
     stats = core.stats()
     if stats.num_running or stats.num_waiting:
         held.append(f"{stats.num_running} running, {stats.num_waiting} waiting")
-    referenced = [p for p in range(kv.pool.num_pages) if kv.pool.ref_count(p)]
+    referenced = [p for p in range(kv.pool.num_pages) if kv.pool.device.ref_count(p)]
     if referenced:
         held.append(f"device pages with references: {referenced}")
-    if kv.tables:
-        held.append(f"page tables: {sorted(kv.tables)}")
-    if kv.swapped or (kv.cpu is not None and kv.cpu.held_keys()):
-        held.append(f"swapped: {sorted(kv.swapped)}")
+    if kv.managers[0].tables:
+        held.append(f"page tables: {sorted(kv.managers[0].tables)}")
+    if kv.managers[0].swapped or (kv.pool.cpu is not None and kv.pool.cpu.held_keys()):
+        held.append(f"swapped: {sorted(kv.managers[0].swapped)}")
     return held
 
 

@@ -15,9 +15,16 @@ import torch
 from pypto_serving.config import CacheConfig
 from pypto_serving.distributed import ParallelGroups
 from pypto_serving.executor.kv_stores import build_kv_store
-from pypto_serving.kv.paged_attention import PagedKV, StepAttention, active_step, current_step
-from pypto_serving.kv.spec import KVSpec
-from pypto_serving.kv.store import PagedKVStore
+from pypto_serving.kv.groups import KVGroups
+from pypto_serving.kv.paged_attention import (
+    PagedKV,
+    StepAttention,
+    StepBatch,
+    active_step,
+    current_step,
+    paged_step,
+)
+from pypto_serving.kv.spec import KVGroup, KVSpec
 from pypto_serving.ops.attention import DenseKV, KVAttention, causal_attention
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
@@ -32,6 +39,15 @@ def kv_spec(
     cfg: Any, num_layers: int, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> KVSpec:
     return KVSpec("toy", num_layers, 1, cfg.head_dim, cfg.head_dim, page_size, dtype, num_tensors=2)
+
+
+def kv_groups(
+    cfg: Any, num_layers: int, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> list[KVGroup]:
+    return [KVGroup("toy", kv_spec(cfg, num_layers, page_size, dtype))]
+
+
+step = paged_step  # one group of full attention: the generic step
 
 
 def attend(
@@ -68,9 +84,9 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) ->
 # --- the test -----------------------------------------------------------------------------------
 
 
-def toy_store() -> PagedKVStore:
+def toy_store() -> KVGroups:
     """The executor's KV store for a model whose attention kind is the toy one."""
-    toy = SimpleNamespace(kv_spec=kv_spec)
+    toy = SimpleNamespace(kv_groups=kv_groups, step=step)
     model = SimpleNamespace(
         cfg=SimpleNamespace(head_dim=D),
         num_local_layers=LAYERS,
@@ -82,9 +98,7 @@ def toy_store() -> PagedKVStore:
     return build_kv_store(model, cpu, torch.float32, cache, 0, "", describe=False)  # type: ignore[arg-type]
 
 
-def run_step(
-    store: PagedKVStore, plan: list[tuple[Request, int]], dense: dict[str, DenseKV]
-) -> None:
+def run_step(store: KVGroups, plan: list[tuple[Request, int]], dense: dict[str, DenseKV]) -> None:
     """A step as the paged executor runs it (decodes first), each layer's output checked
     against the dense oracle's, sequence by sequence."""
     plan = sorted(plan, key=lambda p: p[1] > 1)
@@ -93,19 +107,21 @@ def run_step(
     starts = [r.num_computed_tokens for r, _ in plan]
     q_lens = torch.tensor([n for _, n in plan])
     positions = torch.cat([torch.arange(s, s + n) for s, (_, n) in zip(starts, plan, strict=True)])
-    step = StepAttention(
-        store.cache,
-        store.pages([r.request_id for r, _ in plan]),
+    ids = [r.request_id for r, _ in plan]
+    batch = StepBatch(
+        ids,
+        store.pages(ids),
         positions,
         q_lens,
         torch.tensor(starts) + q_lens,
         sum(n == 1 for _, n in plan),
         int(q_lens.max()),
     )
+    attention = step(store, None, batch)
     total = len(positions)
     for layer in range(LAYERS):
         q, k, v = torch.randn(total, HEADS, D), torch.randn(total, D), torch.randn(total, D)
-        with active_step(step):
+        with active_step(attention):
             got = attend(PagedKV(), torch.tensor(layer), q, k, v)
         first = 0
         for r, n in plan:
@@ -113,7 +129,7 @@ def run_step(
             want = attend(dense[r.request_id], torch.tensor(layer), q[rows], k[rows], v[rows])
             torch.testing.assert_close(got[rows], want, atol=1e-5, rtol=1e-5)
             first += n
-    assert step.layers == LAYERS
+    assert attention.layers == LAYERS
     for r, n in plan:
         r.num_computed_tokens += n
 
@@ -121,9 +137,9 @@ def run_step(
 def test_a_kind_defined_in_one_file_runs_on_the_generic_machinery() -> None:
     torch.manual_seed(0)
     store = toy_store()
-    spec = store.cache.spec
-    assert spec.kind == "toy" and len(store.cache.tensors) == 2
-    assert store.page_bytes == 2 * LAYERS * PAGE * D * 4  # K and V of one head, float32
+    spec = store.pool.cache.spec
+    assert spec.kind == "toy" and len(store.pool.cache.tensors) == 2
+    assert store.pool.page_bytes == 2 * LAYERS * PAGE * D * 4  # K and V of one head, float32
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     a, b = Request("a", list(range(11)), params), Request("b", list(range(100, 109)), params)
     dense = {"a": DenseKV(LAYERS), "b": DenseKV(LAYERS)}

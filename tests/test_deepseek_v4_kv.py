@@ -1,4 +1,5 @@
-"""DeepSeek-V4's KV on the paged executor (kv/kinds/compressed.py over kv/windowed_store.py):
+"""DeepSeek-V4's KV on the paged executor (kv/kinds/compressed.py: two KV groups, its entries
+and its windowed rows):
 the same greedy tokens as the reference executor whichever way the KV got there - recomputed,
 hit on the device at page boundaries that are and are not multiples of the compression
 ratios, loaded back from the CPU tier or the SSD (also after a restart), swapped out and in,
@@ -23,8 +24,9 @@ from live_server import free_port, tiny_llm
 from mooncake_master import POOL_SECRET, mooncake_master
 
 from pypto_serving import LLM, SamplingParams
+from pypto_serving.kv.groups import KVGroups
+from pypto_serving.kv.kinds.compressed import ENTRIES, ROWS
 from pypto_serving.kv.mooncake_pool import SECRET_ENV
-from pypto_serving.kv.windowed_store import WindowedKVStore
 
 NAME = "deepseekv4-swa-csa-hca-hash"  # window 8, CSA 4:1 (top 2), HCA 8:1
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -53,9 +55,9 @@ def one_by_one(llm: LLM, prompts: list[list[int]]) -> list[Any]:
     return [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
 
 
-def store_of(llm: LLM) -> WindowedKVStore:
+def store_of(llm: LLM) -> KVGroups:
     store = llm.engine.executor.kv
-    assert isinstance(store, WindowedKVStore)
+    assert isinstance(store, KVGroups) and [m.name for m in store.managers] == [ENTRIES, ROWS]
     return store
 
 
@@ -97,8 +99,8 @@ def test_greedy_outputs_are_identical_on_every_kv_path(
         llm = stack.enter_context(tiny_llm(model, page_size=8, max_num_seqs=2, **knobs))
         store = store_of(llm)
         outs = one_by_one(llm, PROMPTS)
-        for group in (store.rows, store.pages_store):
-            for tier in (group.ssd, group.remote):
+        for group in store.managers:
+            for tier in (group.pool.ssd, group.pool.remote):
                 if tier is not None:
                     tier.flush()
         last = one_by_one(llm, PROMPTS[:1])[0]
@@ -112,7 +114,7 @@ def test_pages_on_ssd_are_found_after_a_restart(model, expected, tmp_path):
         one_by_one(first, PROMPTS[:2])
     with tiny_llm(model, **knobs) as second:
         store = store_of(second)
-        ssd = store.pages_store.ssd
+        ssd = store.manager(ENTRIES).pool.ssd
         assert ssd is not None and ssd.num_found == 10  # 47 tokens computed: 5 full pages each
         outs = one_by_one(second, PROMPTS[:2])
         assert [o.outputs[0].token_ids for o in outs] == expected[:2]
@@ -144,22 +146,22 @@ def test_the_window_gives_pages_back_so_a_long_generation_fits(model):
     knobs |= {"max_num_batched_tokens": 32}
     with tiny_llm(model, page_size=8, **knobs) as llm:
         store = store_of(llm)
-        device = store.rows.num_pages * store.rows.page_bytes
-        device += store.pages_store.num_pages * store.pages_store.page_bytes
+        rows = store.manager(ROWS)
+        device = sum(m.pool.num_pages * m.pool.page_bytes for m in store.managers)
         assert device <= budget < 1020 * full_kv_bytes
         held: list[int] = []
-        allocate = store.rows.allocate
+        allocate = rows.allocate
 
         def counted(request: Any, num_new_tokens: int) -> bool:
             ok = allocate(request, num_new_tokens)
-            held.append(store.rows.pool.num_pages - store.rows.pool.num_free)
+            held.append(rows.pool.num_pages - rows.pool.num_free)
             return ok
 
-        store.rows.allocate = counted  # type: ignore[method-assign]
+        rows.allocate = counted  # type: ignore[method-assign]
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == 1000
         assert llm.engine.stats().num_preemptions == 0
         # the prompt's 3 pages at first, then the window's page and the one being written
         assert len(held) >= 1000 and max(held) <= 3 and max(held[10:]) == 2
-        assert store.rows.pool.num_free == store.rows.pool.num_pages  # all given back
+        assert rows.pool.num_free == rows.pool.num_pages  # all given back
     assert out.outputs[0].token_ids == reference(model, [prompt], params)[0]

@@ -123,7 +123,7 @@ def test_pages_stored_and_removed_per_tier_in_vllms_format(tiny_model):
         assert all(e.medium == "GPU" and e.block_size == PAGE for e in stored)
         first, second = stored[0].block_hashes[0], stored[1].block_hashes[0]
         assert stored[0].parent_block_hash is None and stored[1].parent_block_hash == first
-        assert {first, second} <= set(llm.engine.executor.kv.pool.cached_hashes())
+        assert {first, second} <= set(llm.engine.executor.kv.pool.device.cached_hashes())
 
         for i in range(1, 5):  # other prompts take the device's pages: a's move to the CPU
             llm.generate([prompt(i)], params, use_tqdm=False)
@@ -153,7 +153,7 @@ def test_deepseek_v4_publishes_the_pages_it_keeps_whole(tiny_model):
         stored = [e for _, e in receive(sub)]
         assert [e.token_ids for e in stored] == [a[:PAGE], a[PAGE : 2 * PAGE]]
         assert all(isinstance(e, BlockStored) and e.medium == "GPU" for e in stored)
-        whole = llm.engine.executor.kv.pages_store.pool.cached_hashes()
+        whole = llm.engine.executor.kv.pool.device.cached_hashes()  # the entries' group
         assert {e.block_hashes[0] for e in stored} == set(whole)
 
 

@@ -29,7 +29,7 @@ def test_the_int8_kv_engine_follows_the_bf16_one(tiny_model):
     with tiny_llm(tiny_model(MODEL), kv_cache_dtype="int8", **knobs) as int8:
         got = int8.generate(PROMPTS, params, use_tqdm=False)
         assert int8.engine.stats().num_recompilations == 0
-        assert int8.engine.executor.kv.cache.k_cache.dtype == torch.int8
+        assert int8.engine.executor.kv.pool.cache.k_cache.dtype == torch.int8
     # int8 rounding moves a few tokens, not every sequence
     assert assert_top5_rule(expected, got) < len(PROMPTS)
 
@@ -51,13 +51,13 @@ def test_an_int8_pool_holds_more_pages_in_the_same_bytes(tiny_model):
     budget = {"num_kv_pages": None, "kv_device_bytes": 1 << 20, "kv_cpu_bytes": 0}
     with tiny_llm(tiny_model(MODEL), dtype="bfloat16", **budget) as plain:
         bf16 = plain.engine.executor.kv
-        pages, page_bytes = bf16.num_pages, bf16.page_bytes
+        pages, page_bytes = bf16.num_pages, bf16.pool.page_bytes
     with tiny_llm(tiny_model(MODEL), dtype="bfloat16", kv_cache_dtype="int8", **budget) as int8:
         store = int8.engine.executor.kv
         # a row of 32 bf16 values (64 bytes) becomes 32 int8 values and a float32 scale
-        assert store.page_bytes * 64 == page_bytes * 36
-        assert store.num_pages == (1 << 20) // store.page_bytes > pages
-        assert store.cache.k_cache.shape[-1] == 36
+        assert store.pool.page_bytes * 64 == page_bytes * 36
+        assert store.num_pages == (1 << 20) // store.pool.page_bytes > pages
+        assert store.pool.cache.k_cache.shape[-1] == 36
 
 
 def test_kv_cache_dtype_errors(tiny_model):

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from checkpoints import one_group
 
 from pypto_serving import native
 from pypto_serving.config import CacheConfig
@@ -25,12 +26,12 @@ from pypto_serving.distributed import ParallelGroups
 from pypto_serving.errors import PyptoError
 from pypto_serving.executor.kv_stores import build_kv_store
 from pypto_serving.kv.disk_tier import MAGIC, SUFFIX
+from pypto_serving.kv.groups import KVGroups
 from pypto_serving.kv.host_tier import HostTier
 from pypto_serving.kv.kinds import gqa, mla
 from pypto_serving.kv.paged_attention import PagedKV, StepAttention, active_step
 from pypto_serving.kv.paged_cache import PagedCache
 from pypto_serving.kv.spec import KVSpec
-from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 
@@ -45,9 +46,9 @@ def mla_store(
     page_size: int = PS,
     entry: int = E,
     **options: object,
-) -> PagedKVStore:
+) -> KVGroups:
     spec = KVSpec("mla", LAYERS, 1, entry, entry, page_size, dtype, num_tensors=1)
-    return PagedKVStore(PagedCache(spec, num_pages, CPU), **options)  # type: ignore[arg-type]
+    return one_group(PagedCache(spec, num_pages, CPU), **options)  # type: ignore[arg-type]
 
 
 def request(request_id: str, prompt: list[int]) -> Request:
@@ -79,7 +80,7 @@ class Reference:
 
 
 def run_step(
-    store: PagedKVStore,
+    store: KVGroups,
     plan: list[tuple[Request, int]],
     kernel: object,
     ref: Reference,
@@ -99,7 +100,7 @@ def run_step(
     positions = torch.cat([torch.arange(s, s + n) for s, (_, n) in zip(starts, plan, strict=True)])
     num_decodes = sum(n == 1 for _, n in plan)
     step = StepAttention(
-        store.cache,
+        store.pool.cache,
         store.pages([r.request_id for r, _ in plan]),
         positions,
         q_lens,
@@ -128,7 +129,7 @@ def run_step(
         r.num_computed_tokens += n
 
 
-def admit(store: PagedKVStore, r: Request, ref: Reference, source: str | None = None) -> int:
+def admit(store: KVGroups, r: Request, ref: Reference, source: str | None = None) -> int:
     cached = store.num_cached_tokens(r)
     assert cached is not None
     r.num_computed_tokens = cached
@@ -146,21 +147,23 @@ def test_mla_operator_matches_float64(path: str, dtype: torch.dtype) -> None:
         kernel = native.library(HEADS, E)  # one KV head: all heads share the latent
         assert kernel is not None, "the kernels must build here (g++ is what Inductor uses too)"
     store, ref, gen = mla_store(16, dtype), Reference(), torch.Generator().manual_seed(0)
-    assert len(store.cache.tensors) == 1 and store.cache.k_cache is store.cache.v_cache
+    assert (
+        len(store.pool.cache.tensors) == 1 and store.pool.cache.k_cache is store.pool.cache.v_cache
+    )
     a = request("a", list(range(1000, 1040)))  # 2 full pages and 8 tokens
     b = request("b", list(range(1000, 1016)) + list(range(2000, 2010)))  # a's first page
     c = request("c", list(range(3000, 3020)))
     admit(store, a, ref)
     run_step(store, [(a, 40)], kernel, ref, gen, dtype)
     assert admit(store, b, ref, source="a") == PS  # shares a's first page
-    assert store.tables["b"].pages[0] == store.tables["a"].pages[0]
+    assert store.managers[0].tables["b"].pages[0] == store.managers[0].tables["a"].pages[0]
     run_step(store, [(b, 10), (a, 1)], kernel, ref, gen, dtype)
     admit(store, c, ref)
     run_step(store, [(a, 1), (b, 1), (c, 12)], kernel, ref, gen, dtype)
     run_step(store, [(a, 1), (b, 1), (c, 8)], kernel, ref, gen, dtype)
     for _ in range(6):  # a crosses into its 4th page, b into its 3rd
         run_step(store, [(a, 1), (b, 1), (c, 1)], kernel, ref, gen, dtype)
-    assert [len(store.tables[r].pages) for r in "abc"] == [4, 3, 2]
+    assert [len(store.managers[0].tables[r].pages) for r in "abc"] == [4, 3, 2]
 
 
 # --- what a token's KV costs ------------------------------------------------------------------
@@ -193,10 +196,10 @@ def test_the_store_and_its_tiers_hold_mla_pages_at_the_latent_size() -> None:
     page = LAYERS * PS * E * 2  # bf16
     cache = CacheConfig(page_size=PS, num_kv_pages=5, kv_cpu_bytes=3 * page)
     store = build_kv_store(model, CPU, torch.bfloat16, cache, 0, "d", describe=False)  # type: ignore[arg-type]
-    assert store.cache.spec.kind == "mla" and store.page_bytes == page
-    assert [t.nbytes for t in store.cache.tensors] == [5 * page]
-    assert store.cpu is not None and store.cpu.capacity == 3
-    assert [t.nbytes for t in store.cpu.slots] == [3 * page]
+    assert store.pool.cache.spec.kind == "mla" and store.pool.page_bytes == page
+    assert [t.nbytes for t in store.pool.cache.tensors] == [5 * page]
+    assert store.pool.cpu is not None and store.pool.cpu.capacity == 3
+    assert [t.nbytes for t in store.pool.cpu.slots] == [3 * page]
     assert {s.name: s.page_bytes for s in store.tier_stats()} == {"device": page, "cpu": page}
     int8 = CacheConfig(page_size=PS, num_kv_pages=5, kv_cache_dtype="int8")
     with pytest.raises(PyptoError, match="int8 is for grouped-query attention"):
@@ -210,8 +213,8 @@ A = list(range(10, 19))  # 2 full pages and 1 token
 B = list(range(100, 109))
 
 
-def slots(store: PagedKVStore, r: Request, positions: range) -> list[int]:
-    pages = store.tables[r.request_id].pages
+def slots(store: KVGroups, r: Request, positions: range) -> list[int]:
+    pages = store.managers[0].tables[r.request_id].pages
     return [pages[p // TPS] * TPS + p % TPS for p in positions]
 
 
@@ -219,7 +222,7 @@ def fake_entries(r: Request, positions: range, layer: int) -> torch.Tensor:
     return torch.tensor([[r.token_ids[p], p, layer] * 2 for p in positions], dtype=torch.float32)
 
 
-def compute(store: PagedKVStore, r: Request) -> int:
+def compute(store: KVGroups, r: Request) -> int:
     """Claim the cached prefix, allocate, write the rest's fake entries, index full pages."""
     cached = store.num_cached_tokens(r)
     assert cached is not None
@@ -227,33 +230,33 @@ def compute(store: PagedKVStore, r: Request) -> int:
     assert store.allocate(r, r.num_tokens - cached)
     new = range(cached, r.num_tokens)
     for layer in range(LAYERS):
-        store.cache.k_cache[layer, 0, slots(store, r, new)] = fake_entries(r, new, layer)
+        store.pool.cache.k_cache[layer, 0, slots(store, r, new)] = fake_entries(r, new, layer)
     store.cache_full_pages(r, r.num_tokens)
     r.num_computed_tokens = r.num_tokens
     return cached
 
 
-def assert_entries(store: PagedKVStore, r: Request) -> None:
+def assert_entries(store: KVGroups, r: Request) -> None:
     context = range(r.num_computed_tokens)
     for layer in range(LAYERS):
-        got = store.cache.k_cache[layer, 0, slots(store, r, context)]
+        got = store.pool.cache.k_cache[layer, 0, slots(store, r, context)]
         assert torch.equal(got, fake_entries(r, context, layer))
 
 
-def tier_store(tmp_path: Path, **options: object) -> PagedKVStore:
+def tier_store(tmp_path: Path, **options: object) -> KVGroups:
     return mla_store(3, page_size=TPS, entry=TE, ssd_dir=tmp_path, digest="m", **options)
 
 
 def test_mla_pages_go_down_to_cpu_and_ssd_and_come_back(tmp_path: Path) -> None:
     store = tier_store(tmp_path, cpu_pages=1, ssd_pages=4)
-    assert store.cpu is not None and store.ssd is not None
+    assert store.pool.cpu is not None and store.pool.ssd is not None
     a = request("a", A)
     compute(store, a)
     store.free(a)
     compute(store, request("b", B))  # a's pages: one to the CPU tier, the other on to SSD
-    assert len(store.cpu) == 1 and len(store.ssd) == 1
-    store.ssd.flush()
-    (page_file,) = store.ssd.dir.glob("*" + SUFFIX)
+    assert len(store.pool.cpu) == 1 and len(store.pool.ssd) == 1
+    store.pool.ssd.flush()
+    (page_file,) = store.pool.ssd.dir.glob("*" + SUFFIX)
     raw = page_file.read_bytes()
     (size,) = struct.unpack("<I", raw[len(MAGIC) : len(MAGIC) + 4])
     header = json.loads(raw[len(MAGIC) + 4 : len(MAGIC) + 4 + size])
@@ -274,15 +277,15 @@ def test_mla_pages_survive_a_restart_and_never_mix_with_gqa_pages(tmp_path: Path
     store.free(a)
     store.close()  # spills the cached pages to SSD
     again = tier_store(tmp_path, ssd_pages=4)
-    assert again.ssd is not None and again.ssd.num_found == 2
+    assert again.pool.ssd is not None and again.pool.ssd.num_found == 2
     a2 = request("a2", A)
     assert compute(again, a2) == 2 * TPS
     assert_entries(again, a2)
     again.close()
     grouped = KVSpec("gqa", LAYERS, 1, TE // 2, TE // 2, TPS, torch.float32, num_tensors=2)
-    assert grouped.page_bytes == again.page_bytes  # same bytes a page
-    other = PagedKVStore(PagedCache(grouped, 3, CPU), ssd_dir=tmp_path, ssd_pages=4, digest="m")
-    assert other.ssd is not None and other.ssd.num_found == 0  # another folder, not a mix
+    assert grouped.page_bytes == again.pool.page_bytes  # same bytes a page
+    other = one_group(PagedCache(grouped, 3, CPU), ssd_dir=tmp_path, ssd_pages=4, digest="m")
+    assert other.pool.ssd is not None and other.pool.ssd.num_found == 0  # another folder, not a mix
     assert other.num_cached_tokens(request("a3", A)) == 0
     other.close()
 

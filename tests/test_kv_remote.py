@@ -55,7 +55,7 @@ def remote_llm(model, url: str, **knobs):
 
 
 def remote_tier(llm) -> RemoteTier:
-    tier = llm.engine.executor.kv.remote
+    tier = llm.engine.executor.kv.pool.remote
     assert isinstance(tier, RemoteTier)
     return tier
 

@@ -15,7 +15,7 @@ import torch
 from checkpoints import fake_kv_store, hash_chain
 
 from pypto_serving.kv.disk_tier import MAGIC, SUFFIX, DiskTier
-from pypto_serving.kv.store import PagedKVStore
+from pypto_serving.kv.groups import KVGroups
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 
@@ -30,7 +30,7 @@ def make_store(
     ssd_pages: int = 0,
     ssd_dir: Path | None = None,
     digest: str = "model-a",
-) -> PagedKVStore:
+) -> KVGroups:
     return fake_kv_store(
         num_pages, PS, cpu_pages=cpu_pages, ssd_dir=ssd_dir, ssd_pages=ssd_pages, digest=digest
     )
@@ -40,12 +40,12 @@ def request(request_id: str, prompt: list[int]) -> Request:
     return Request(request_id, prompt, SamplingParams(max_tokens=4, ignore_eos=True))
 
 
-def slots(store: PagedKVStore, req: Request, positions: range) -> list[int]:
-    pages = store.tables[req.request_id].pages
+def slots(store: KVGroups, req: Request, positions: range) -> list[int]:
+    pages = store.managers[0].tables[req.request_id].pages
     return [pages[p // PS] * PS + p % PS for p in positions]
 
 
-def compute(store: PagedKVStore, req: Request) -> int:
+def compute(store: KVGroups, req: Request) -> int:
     """Admit `req` like the scheduler and executor do: claim, allocate, write the KV of the
     tokens not cached, index full pages. Returns the number of tokens claimed from the cache."""
     cached = store.num_cached_tokens(req)
@@ -54,24 +54,24 @@ def compute(store: PagedKVStore, req: Request) -> int:
     assert store.allocate(req, req.num_tokens - cached)
     new = range(cached, req.num_tokens)
     values = torch.tensor([[req.token_ids[p], p] for p in new], dtype=torch.float32)
-    store.cache.k_cache[0, 0, slots(store, req, new)] = values
-    store.cache.v_cache[0, 0, slots(store, req, new)] = -values
+    store.pool.cache.k_cache[0, 0, slots(store, req, new)] = values
+    store.pool.cache.v_cache[0, 0, slots(store, req, new)] = -values
     store.cache_full_pages(req, req.num_tokens)
     req.num_computed_tokens = req.num_tokens
     return cached
 
 
-def assert_kv(store: PagedKVStore, req: Request) -> None:
+def assert_kv(store: KVGroups, req: Request) -> None:
     """The request's context holds exactly its tokens' KV."""
     context = range(req.num_computed_tokens)
     want = [[req.token_ids[p], p] for p in context]
-    assert store.cache.k_cache[0, 0, slots(store, req, context)].tolist() == want
-    assert store.cache.v_cache[0, 0, slots(store, req, context)].tolist() == [
+    assert store.pool.cache.k_cache[0, 0, slots(store, req, context)].tolist() == want
+    assert store.pool.cache.v_cache[0, 0, slots(store, req, context)].tolist() == [
         [-t, -p] for t, p in want
     ]
 
 
-def stats(store: PagedKVStore) -> dict[str, dict[str, int]]:
+def stats(store: KVGroups) -> dict[str, dict[str, int]]:
     keys = ("hits", "misses", "stored", "loaded", "evicted", "used")
     return {s.name: {k: getattr(s, k) for k in keys} for s in store.tier_stats()}
 
@@ -81,25 +81,25 @@ def test_device_pages_demote_to_cpu_and_load_back_on_a_hit() -> None:
     ha, hb = hash_chain(A, PS), hash_chain(B, PS)
     a = request("a", A)
     assert compute(store, a) == 0
-    assert store.tables["a"].pages == [0, 1, 2]
+    assert store.managers[0].tables["a"].pages == [0, 1, 2]
     store.free(a)  # LRU: 2, 1, 0 (a's pages 0 and 1 stay cached on the device)
     b = request("b", B)
     assert compute(store, b) == 0
     # b took 2 (uncached), then 1 and 0, whose cached KV went to the CPU tier in that order
-    assert store.tables["b"].pages == [2, 1, 0]
-    assert store.cpu is not None and store.cpu.hashes() == [ha[1], ha[0]]
-    assert store.pool.cached_hashes() == {hb[0]: 2, hb[1]: 1}
+    assert store.managers[0].tables["b"].pages == [2, 1, 0]
+    assert store.pool.cpu is not None and store.pool.cpu.hashes() == [ha[1], ha[0]]
+    assert store.pool.device.cached_hashes() == {hb[0]: 2, hb[1]: 1}
     store.free(b)  # LRU: 0, 1, 2
 
     again = request("a2", A)
     assert compute(store, again) == 8  # both full pages, loaded from the CPU tier
     # loading took pages 0 (uncached) and 1 (b's second page: demoted), then the last
     # token's page took 2 (b's first page: demoted)
-    assert store.tables["a2"].pages == [0, 1, 2]
-    assert again.cached_tokens_by_tier == {"cpu": 8}
+    assert store.managers[0].tables["a2"].pages == [0, 1, 2]
+    assert store.cached_tokens_by_tier(again) == {"cpu": 8}
     assert_kv(store, again)
-    assert store.pool.cached_hashes() == {ha[0]: 0, ha[1]: 1}
-    assert store.cpu.hashes() == [hb[1], hb[0]]  # exclusive: a's pages left the CPU tier
+    assert store.pool.device.cached_hashes() == {ha[0]: 0, ha[1]: 1}
+    assert store.pool.cpu.hashes() == [hb[1], hb[0]]  # exclusive: a's pages left the CPU tier
     s = stats(store)
     assert s["device"] == {
         "hits": 0,
@@ -121,28 +121,28 @@ def test_cpu_pressure_pushes_lru_pages_to_ssd_and_an_ssd_hit_loads_back(tmp_path
     compute(store, a)
     store.free(a)
     compute(store, b)  # a's page 1 -> cpu, then page 0 -> cpu, page 1 -> ssd
-    assert store.cpu is not None and store.ssd is not None
-    assert store.cpu.hashes() == [ha[0]]
-    assert store.ssd.hashes() == [ha[1]]
-    store.ssd.flush()
-    page_file = store.ssd.dir / (ha[1].hex() + SUFFIX)
+    assert store.pool.cpu is not None and store.pool.ssd is not None
+    assert store.pool.cpu.hashes() == [ha[0]]
+    assert store.pool.ssd.hashes() == [ha[1]]
+    store.pool.ssd.flush()
+    page_file = store.pool.ssd.dir / (ha[1].hex() + SUFFIX)
     assert page_file.read_bytes().startswith(MAGIC)
     store.free(b)
 
     again = request("a2", A)
     assert compute(store, again) == 8
-    assert again.cached_tokens_by_tier == {"cpu": 4, "ssd": 4}
+    assert store.cached_tokens_by_tier(again) == {"cpu": 4, "ssd": 4}
     assert_kv(store, again)
     assert not page_file.exists()  # the page moved up: one copy at a time
     hb = hash_chain(B, PS)  # a2's pages pushed b's down: page 1 to cpu and on to ssd, then 0
-    assert store.ssd.hashes() == [hb[1]] and store.cpu.hashes() == [hb[0]]
+    assert store.pool.ssd.hashes() == [hb[1]] and store.pool.cpu.hashes() == [hb[0]]
     s = stats(store)
     assert (
         s["ssd"]["hits"] == 1 and s["ssd"]["loaded"] == 1 and s["cpu"]["misses"] == 3
     )  # a, b, a2 page 1
 
 
-def _page_on_ssd(tmp_path: Path) -> tuple[PagedKVStore, Path]:
+def _page_on_ssd(tmp_path: Path) -> tuple[KVGroups, Path]:
     """A store whose device and CPU tiers are gone, with a's first page on SSD (flushed)."""
     store = make_store(num_pages=3, cpu_pages=0, ssd_pages=4, ssd_dir=tmp_path)
     a = request("a", A)
@@ -151,10 +151,10 @@ def _page_on_ssd(tmp_path: Path) -> tuple[PagedKVStore, Path]:
     b = request("b", B)
     compute(store, b)
     store.free(b)
-    assert store.ssd is not None
-    store.ssd.flush()
-    assert len(store.ssd) == 2
-    return store, store.ssd.dir / (hash_chain(A, PS)[0].hex() + SUFFIX)
+    assert store.pool.ssd is not None
+    store.pool.ssd.flush()
+    assert len(store.pool.ssd) == 2
+    return store, store.pool.ssd.dir / (hash_chain(A, PS)[0].hex() + SUFFIX)
 
 
 def _flip(path: Path) -> None:
@@ -175,9 +175,9 @@ def _foreign(path: Path) -> None:
     compute(other, a)
     other.free(a)
     compute(other, request("b", B))
-    assert other.ssd is not None
-    other.ssd.flush()
-    shutil.copy(other.ssd.dir / path.name, path)
+    assert other.pool.ssd is not None
+    other.pool.ssd.flush()
+    shutil.copy(other.pool.ssd.dir / path.name, path)
     other.close()
 
 
@@ -191,9 +191,9 @@ def test_a_damaged_or_foreign_ssd_page_is_a_miss_and_is_deleted(
     damage(page_file)  # type: ignore[operator]
     again = request("a2", A)
     assert compute(store, again) == 0  # page 0 unreadable: nothing after it is used either
-    assert again.cached_tokens_by_tier == {}
+    assert store.cached_tokens_by_tier(again) == {}
     assert not page_file.exists()
-    assert store.ssd is not None and store.ssd.num_unreadable == 1
+    assert store.pool.ssd is not None and store.pool.ssd.num_unreadable == 1
     assert_kv(store, again)  # recomputed
     store.close()
 
@@ -207,31 +207,31 @@ def test_ssd_pages_survive_a_restart_and_junk_is_cleaned_up(tmp_path: Path) -> N
 
     second = make_store(num_pages=3, cpu_pages=0, ssd_pages=4, ssd_dir=tmp_path)
     # a's pages were on SSD; close() kept b's (cached on the device) there too
-    assert second.ssd is not None and second.ssd.num_found == 4
+    assert second.pool.ssd is not None and second.pool.ssd.num_found == 4
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         h.hex() + SUFFIX for h in hash_chain(A, PS) + hash_chain(B, PS)
     )
     assert "4 from earlier runs" in second.describe()
     again = request("a2", A)
     assert compute(second, again) == 8
-    assert again.cached_tokens_by_tier == {"ssd": 8}
+    assert second.cached_tokens_by_tier(again) == {"ssd": 8}
     assert_kv(second, again)
     second.close()
 
     other_model = make_store(num_pages=3, ssd_pages=4, ssd_dir=tmp_path, digest="model-b")
-    assert other_model.ssd is not None and other_model.ssd.num_found == 0
+    assert other_model.pool.ssd is not None and other_model.pool.ssd.num_found == 0
     other_model.close()
 
 
 def test_restart_over_budget_keeps_the_newest_pages(tmp_path: Path) -> None:
     store, _ = _page_on_ssd(tmp_path)
-    assert store.ssd is not None
-    folder, (old, new) = store.ssd.dir, store.ssd.hashes()
+    assert store.pool.ssd is not None
+    folder, (old, new) = store.pool.ssd.dir, store.pool.ssd.hashes()
     store.close()
     os.utime(folder / (new.hex() + SUFFIX), ns=(2 * 10**18, 2 * 10**18))
     os.utime(folder / (old.hex() + SUFFIX), ns=(10**18, 10**18))
     smaller = make_store(num_pages=3, ssd_pages=1, ssd_dir=tmp_path)
-    assert smaller.ssd is not None and smaller.ssd.hashes() == [new]
+    assert smaller.pool.ssd is not None and smaller.pool.ssd.hashes() == [new]
     assert [p.name for p in folder.iterdir()] == [new.hex() + SUFFIX]
     smaller.close()
 
@@ -242,9 +242,9 @@ def test_ssd_budget_evicts_the_least_recently_stored_page(tmp_path: Path) -> Non
     compute(store, a)
     store.free(a)
     compute(store, request("b", B))  # a's page 1, then page 0 (which pushes page 1 out)
-    assert store.ssd is not None and store.ssd.hashes() == [hash_chain(A, PS)[0]]
-    store.ssd.flush()
-    assert len(list(store.ssd.dir.iterdir())) == 1
+    assert store.pool.ssd is not None and store.pool.ssd.hashes() == [hash_chain(A, PS)[0]]
+    store.pool.ssd.flush()
+    assert len(list(store.pool.ssd.dir.iterdir())) == 1
     assert stats(store)["ssd"]["evicted"] == 1
     store.close()
 
@@ -269,7 +269,7 @@ def test_preemption_swaps_to_cpu_and_resumes_with_the_same_kv() -> None:
     compute(store, a)
     assert store.preempt(a)
     a.num_computed_tokens = 0  # what the scheduler does
-    assert store.cpu is not None and store.cpu.num_held == 3 and store.pool.num_free == 4
+    assert store.pool.cpu is not None and store.pool.cpu.num_held == 3 and store.pool.num_free == 4
     b = request("b", list(range(200, 216)))  # all 4 device pages: a's cached pages demote
     compute(store, b)
     assert store.num_cached_tokens(a) is None  # no room for a's 3 pages yet
@@ -277,8 +277,8 @@ def test_preemption_swaps_to_cpu_and_resumes_with_the_same_kv() -> None:
     assert store.num_cached_tokens(a) == 9
     a.num_computed_tokens = 9
     assert_kv(store, a)
-    assert store.cpu.num_held == 0 and store.swapped == {}
-    assert store.num_swap_ins == 1
+    assert store.pool.cpu.num_held == 0 and store.managers[0].swapped == {}
+    assert store.pool.num_swap_ins == 1
     assert store.allocate(a, 1)  # and it decodes on
 
 
@@ -287,10 +287,10 @@ def test_preemption_recomputes_when_swap_has_no_room_or_does_not_pay() -> None:
     a = request("a", A)
     compute(small, a)
     assert not small.preempt(a)
-    assert small.swapped == {} and small.pool.num_free == 4
+    assert small.managers[0].swapped == {} and small.pool.num_free == 4
 
     cheap = make_store(num_pages=4, cpu_pages=4)
-    cheap.costs.recompute_s_per_token = 0.0  # recomputing is free: never swap
+    cheap.pool.costs.recompute_s_per_token = 0.0  # recomputing is free: never swap
     a = request("a", A)
     compute(cheap, a)
     assert not cheap.preempt(a)
@@ -303,7 +303,11 @@ def test_a_finished_swapped_request_releases_its_cpu_pages() -> None:
     assert store.preempt(a)
     a.finish("abort")
     store.free(a)
-    assert store.swapped == {} and store.cpu is not None and store.cpu.num_held == 0
+    assert (
+        store.managers[0].swapped == {}
+        and store.pool.cpu is not None
+        and store.pool.cpu.num_held == 0
+    )
 
 
 def test_loading_slower_than_recompute_is_skipped() -> None:
@@ -313,13 +317,13 @@ def test_loading_slower_than_recompute_is_skipped() -> None:
     store.free(a)
     compute(store, b)
     store.free(b)
-    store.costs.load_s_per_page["cpu"] = 1.0  # one page: a second to load, ~4 ms to compute
+    store.pool.costs.load_s_per_page["cpu"] = 1.0  # one page: a second to load, ~4 ms to compute
     again = request("a2", A)
     assert compute(store, again) == 0
     assert stats(store)["cpu"]["loaded"] == 0
     assert_kv(store, again)  # recomputed; its pages are the canonical copies now
-    assert set(hash_chain(A, PS)) <= set(store.pool.cached_hashes())
-    assert store.cpu is not None and not set(hash_chain(A, PS)) & set(store.cpu.hashes())
+    assert set(hash_chain(A, PS)) <= set(store.pool.device.cached_hashes())
+    assert store.pool.cpu is not None and not set(hash_chain(A, PS)) & set(store.pool.cpu.hashes())
 
 
 def test_describe_reports_every_tier_budget(tmp_path: Path) -> None:

@@ -102,11 +102,11 @@ def test_mla_greedy_outputs_are_identical_on_every_kv_path(
         knobs = knobs | {"kv_ssd_dir": str(tmp_path)}
     with tiny_llm(models[shape], **knobs) as llm:
         store = llm.engine.executor.kv
-        assert store.cache.spec.kind == "mla" and store.page_bytes == page_bytes(shape)
+        assert store.pool.cache.spec.kind == "mla" and store.pool.page_bytes == page_bytes(shape)
         assert (llm.engine.executor.attention_kernel is not None) == (shape == "native")
         outs = one_by_one(llm, [0, 1, 2])
-        if store.ssd is not None:
-            store.ssd.flush()
+        if store.pool.ssd is not None:
+            store.pool.ssd.flush()
         last = one_by_one(llm, [0])[0]
         assert [o.outputs[0].token_ids for o in [*outs, last]] == [
             *expected[shape],
@@ -132,7 +132,7 @@ def test_mla_pages_on_ssd_are_found_after_a_restart(models, expected, tmp_path: 
     with tiny_llm(models["pytorch"], **knobs) as first:
         one_by_one(first, [0, 1])
     with tiny_llm(models["pytorch"], **knobs) as second:
-        assert second.engine.executor.kv.ssd.num_found == 4
+        assert second.engine.executor.kv.pool.ssd.num_found == 4
         outs = one_by_one(second, [0, 1])
         assert [o.outputs[0].token_ids for o in outs] == expected["pytorch"][:2]
         assert [o.cached_tokens_by_tier for o in outs] == [{"ssd": 32}] * 2

@@ -142,7 +142,7 @@ def test_abort_frees_everything_at_any_stage(tiny_model):
         llm.abort(f)
     assert not core.has_unfinished() and not core.scheduler.requests and not llm._families
     kv = core.executor.kv
-    assert kv.pool.num_free == kv.num_pages and not kv.tables
+    assert kv.pool.num_free == kv.num_pages and not kv.managers[0].tables
     assert all(f.children[0].finish_reason == "abort" for f in families)
 
 

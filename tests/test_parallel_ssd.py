@@ -41,8 +41,8 @@ def restart(path: Path, ssd: Path, **parallel: object) -> list:  # type: ignore[
     knobs = {"num_kv_pages": 6, "kv_cpu_bytes": 0, "kv_ssd_dir": str(ssd)}
     with tiny_llm(path, **knobs, **parallel) as llm:
         store = llm.engine.executor.kv  # rank 0's
-        assert store.ssd is not None and store.ssd.dir.parent == ssd / "rank0"
-        assert store.ssd.num_found == 6
+        assert store.pool.ssd is not None and store.pool.ssd.dir.parent == ssd / "rank0"
+        assert store.pool.ssd.num_found == 6
         return one_by_one(llm, PROMPTS[:3])
 
 
@@ -83,7 +83,7 @@ def test_a_page_damaged_on_rank_1_only_is_a_miss_on_every_rank(tmp_path: Path) -
     knobs = {"num_kv_pages": 6, "kv_cpu_bytes": 0, "kv_ssd_dir": str(ssd)}
     with tiny_llm(path, **knobs, tensor_parallel_size=2) as llm:
         outs = one_by_one(llm, PROMPTS[:3])
-        rank_0_unreadable = llm.engine.executor.kv.ssd.num_unreadable
+        rank_0_unreadable = llm.engine.executor.kv.pool.ssd.num_unreadable
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert [o.cached_tokens_by_tier for o in outs] == [{}, {"ssd": 32}, {"ssd": 32}]
     assert rank_0_unreadable == 0  # rank 0 read its copy: the miss came from rank 1's

@@ -56,9 +56,9 @@ def reload_and_swap(path: Path, page: int, **parallel: object) -> None:
     knobs = {"num_kv_pages": 6, "kv_cpu_bytes": 64 * page, "kv_ssd_dir": None}
     with tiny_llm(path, **knobs, **parallel) as llm:
         store = llm.engine.executor.kv  # rank 0's: 64 pages of its share (MLA: all of it)
-        assert store.cpu is not None and store.cpu.capacity == 64
-        if store.cache.spec.kind == "mla":
-            assert store.page_bytes == page  # the whole latent: the one copy is rank 0's
+        assert store.pool.cpu is not None and store.pool.cpu.capacity == 64
+        if store.pool.cache.spec.kind == "mla":
+            assert store.pool.page_bytes == page  # the whole latent: the one copy is rank 0's
         outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS[:3]]
         last = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]
         assert [o.outputs[0].token_ids for o in [*outs, last]] == [*expected, expected[0]]
@@ -67,7 +67,9 @@ def reload_and_swap(path: Path, page: int, **parallel: object) -> None:
     with tiny_llm(path, **knobs, **parallel) as llm:
         assert greedy(llm, SHORT) == short
         stats = llm.engine.stats()
-        assert stats.num_swapped > 0 and llm.engine.executor.kv.num_swap_ins == stats.num_swapped
+        assert (
+            stats.num_swapped > 0 and llm.engine.executor.kv.pool.num_swap_ins == stats.num_swapped
+        )
 
 
 @pytest.mark.parametrize("parallel", list(PARALLEL))

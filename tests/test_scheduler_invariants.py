@@ -1,4 +1,5 @@
-"""The real Scheduler over a small real PagedKVStore, driven by a fake executor (no model).
+"""The real Scheduler over a small real KV (one group: a manager over a pool), driven by a fake
+executor (no model).
 
 The fake executor does what PagedExecutor does with the KV store, minus the model: it writes
 each computed token's (token id, position) into the token's KV slot, checks that the context
@@ -22,7 +23,7 @@ from hypothesis import Phase, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from pypto_serving.config import SchedulerConfig
-from pypto_serving.kv.store import PagedKVStore
+from pypto_serving.kv.groups import KVGroups
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.request import Request, RequestStatus
 from pypto_serving.sampling import SamplingParams
@@ -61,7 +62,7 @@ def make_store(
     cpu_pages: int = 0,
     ssd_pages: int = 0,
     ssd_dir: Path | None = None,
-) -> PagedKVStore:
+) -> KVGroups:
     return fake_kv_store(
         num_pages,
         PS,
@@ -88,30 +89,34 @@ def make_request(
 class FakeExecutor:
     """PagedExecutor's side of the KV store contract, with `next_token` standing in for a model."""
 
-    def __init__(self, store: PagedKVStore) -> None:
+    def __init__(self, store: KVGroups) -> None:
         self.store = store
 
     def _slots(self, pages: list[int], positions: range) -> torch.Tensor:
         return torch.tensor([pages[p // PS] * PS + p % PS for p in positions], dtype=torch.long)
 
     def execute(self, out: SchedulerOutput) -> dict[str, Sampled]:
-        store, pool = self.store, self.store.pool
+        store, pool = self.store, self.store.pool.device
         sampled: dict[str, Sampled] = {}
         for s in out.scheduled:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             assert req.status is RequestStatus.RUNNING
             assert n >= 1 and start + n <= req.num_tokens
-            pages = store.tables[req.request_id].pages
+            pages = store.managers[0].tables[req.request_id].pages
             assert len(pages) * PS >= start + n, "scheduled tokens without KV slots"
             new = range(start, start + n)
             for page in {pages[p // PS] for p in new}:  # never overwrite shared or cached KV
                 assert pool.ref_count(page) == 1 and pool.page_hash(page) is None
             values = torch.tensor(
-                [[req.token_ids[p], p] for p in new], dtype=store.cache.k_cache.dtype
+                [[req.token_ids[p], p] for p in new], dtype=store.pool.cache.k_cache.dtype
             )
-            store.cache.k_cache[0, 0, self._slots(pages, new), :] = values
+            store.pool.cache.k_cache[0, 0, self._slots(pages, new), :] = values
             context = range(start + n)  # what attention would read: exactly this request's KV
-            got = store.cache.k_cache[0, 0, self._slots(pages, context), :].to(torch.long).tolist()
+            got = (
+                store.pool.cache.k_cache[0, 0, self._slots(pages, context), :]
+                .to(torch.long)
+                .tolist()
+            )
             assert got == [[req.token_ids[p], p] for p in context], "wrong KV in the context"
             store.cache_full_pages(req, start + n)
             if start + n == req.num_tokens:
@@ -125,7 +130,7 @@ class Harness:
     """A scheduler, its store and the fake executor, stepped the way EngineCore steps them."""
 
     scheduler: Scheduler
-    store: PagedKVStore
+    store: KVGroups
     executor: FakeExecutor
 
     @classmethod
@@ -163,7 +168,7 @@ class Harness:
             assert req.output_token_ids == expected_output(
                 req.prompt_token_ids, req.params.max_tokens or 0
             )
-            assert req.request_id not in self.store.tables
+            assert req.request_id not in self.store.managers[0].tables
         return out
 
     def run(self) -> int:
@@ -187,10 +192,10 @@ class Harness:
 
 
 def check_invariants(h: Harness) -> None:
-    scheduler, store, pool = h.scheduler, h.store, h.store.pool
+    scheduler, store, pool = h.scheduler, h.store, h.store.pool.device
     # Pages: free + held = all; ref counts = table memberships; the index is consistent.
-    held = Counter(p for table in store.tables.values() for p in table.pages)
-    for table in store.tables.values():
+    held = Counter(p for table in store.managers[0].tables.values() for p in table.pages)
+    for table in store.managers[0].tables.values():
         assert len(table.pages) == len(set(table.pages))
     assert [pool.ref_count(p) for p in range(pool.num_pages)] == [
         held[p] for p in range(pool.num_pages)
@@ -206,7 +211,7 @@ def check_invariants(h: Harness) -> None:
     assert len(running) == len(scheduler.running) and len(waiting) == len(scheduler.waiting)
     assert not running & waiting
     assert set(scheduler.requests) == running | waiting
-    assert set(store.tables) == running
+    assert set(store.managers[0].tables) == running
     assert len(running) <= scheduler.config.max_num_seqs
     for req in scheduler.requests.values():
         assert not req.finished
@@ -221,7 +226,7 @@ def check_invariants(h: Harness) -> None:
     for req in scheduler.running:
         assert req.status is RequestStatus.RUNNING
         assert 0 < req.num_computed_tokens <= req.num_tokens
-        table = store.tables[req.request_id]
+        table = store.managers[0].tables[req.request_id]
         # exactly the pages its computed tokens need, and the cached chain of its full pages
         assert len(table.pages) == -(-req.num_computed_tokens // PS)
         full = req.num_computed_tokens // PS if pool.enable_prefix_caching else 0
@@ -229,36 +234,37 @@ def check_invariants(h: Harness) -> None:
 
     if not scheduler.has_unfinished():
         assert pool.num_free == pool.num_pages
-        assert store.tables == {}
+        assert store.managers[0].tables == {}
         assert scheduler.requests == {}
-        assert store.swapped == {}
-        assert store.cpu is None or store.cpu.num_held == 0
+        assert store.managers[0].swapped == {}
+        assert store.pool.cpu is None or store.pool.cpu.num_held == 0
 
 
 def check_tier_invariants(h: Harness) -> None:
     """Every tier's used + free = its capacity; every hash lives in exactly one place; the CPU
     tier holds exactly the swapped (waiting) requests' pages."""
-    store, pool = h.store, h.store.pool
-    places = [set(pool.cached_hashes())] + [set(t.hashes()) for t in store.lower]
+    store, pool = h.store, h.store.pool.device
+    places = [set(pool.cached_hashes())] + [set(t.hashes()) for t in store.pool.lower]
     assert sum(len(p) for p in places) == len(set().union(*places)), "a hash in two tiers"
-    for tier in store.lower:
+    for tier in store.pool.lower:
         assert len(tier.hashes()) == len(set(tier.hashes()))
         assert len(tier) <= tier.capacity
         for page_hash in tier.hashes():
             assert tier.tokens(page_hash) is not None
-    if store.cpu is not None:
-        cpu = store.cpu
+    if store.pool.cpu is not None:
+        cpu = store.pool.cpu
         assert len(cpu) + cpu.num_free == cpu.capacity
         assert len(cpu) == len(cpu.hashes()) + cpu.num_held
-        assert sorted(cpu.held_keys()) == sorted(store.swapped)
-        for request_id, entry in store.swapped.items():
+        swapped = store.managers[0].swapped
+        assert sorted(cpu.held_keys()) == sorted(e.key for e in swapped.values())
+        for request_id, entry in store.managers[0].swapped.items():
             req = h.scheduler.requests[request_id]
             assert req in h.scheduler.waiting and req.status is RequestStatus.PREEMPTED
             assert req.num_computed_tokens == 0 and entry.num_tokens <= req.num_tokens
     else:
-        assert store.swapped == {}
-    if store.ssd is not None:
-        assert len(store.ssd) == len(store.ssd.hashes())
+        assert store.managers[0].swapped == {}
+    if store.pool.ssd is not None:
+        assert len(store.pool.ssd) == len(store.pool.ssd.hashes())
     used = {s.name: s.used for s in store.tier_stats()}
     assert used["device"] == pool.num_pages - pool.num_free
 
@@ -352,7 +358,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         request_id = sorted(scheduler.requests)[index % len(scheduler.requests)]
         (req,) = scheduler.abort([request_id])
         assert req.finished and req.finish_reason == "abort"
-        assert request_id not in self.h.store.tables
+        assert request_id not in self.h.store.managers[0].tables
         assert scheduler.abort([request_id]) == []  # a second abort is a no-op
 
     @rule()
@@ -447,14 +453,19 @@ def test_waiting_request_whose_allocation_fails_holds_no_pages() -> None:
     a = make_request("a", list(range(1, 13)), max_tokens=4, arrival=0)  # 3 pages, then 4
     h.scheduler.add(a)
     h.step()
-    assert h.store.tables["a"].pages == [0, 1, 2]
+    assert h.store.managers[0].tables["a"].pages == [0, 1, 2]
     # b hits a's first page but needs 2 more pages with only 1 free: it must let go of the hit.
     b = make_request("b", [1, 2, 3, 4, 50, 51, 52, 53, 54], max_tokens=1, arrival=1)
     h.scheduler.add(b)
     h.step()
-    assert "b" not in h.store.tables
+    assert "b" not in h.store.managers[0].tables
     assert b.num_computed_tokens == 0 and b.status is RequestStatus.WAITING
-    assert [h.store.pool.ref_count(p) for p in range(4)] == [1, 1, 1, 1]  # a grew into page 3
+    assert [h.store.pool.device.ref_count(p) for p in range(4)] == [
+        1,
+        1,
+        1,
+        1,
+    ]  # a grew into page 3
     check_invariants(h)
     h.run()
     assert b.num_cached_tokens == 4  # b's hit, claimed when it was finally admitted
@@ -470,7 +481,7 @@ def test_abort_frees_pages_at_every_stage() -> None:
     for req in reqs:
         h.scheduler.add(req)
     h.step()  # x0 mid-prefill, x1 and x2 waiting
-    assert set(h.store.tables) == {"x0"}
+    assert set(h.store.managers[0].tables) == {"x0"}
     h.scheduler.abort(["x1"])  # waiting
     h.step()
     h.scheduler.abort(["x0"])  # running

@@ -75,8 +75,8 @@ def test_greedy_outputs_are_identical_on_every_kv_path(
     with tiny_llm(tiny_model(MODEL), **knobs) as llm:
         outs = one_by_one(llm, [0, 1, 2])
         store = llm.engine.executor.kv
-        if store.ssd is not None:
-            store.ssd.flush()  # so the hit reads the files, not the write queue
+        if store.pool.ssd is not None:
+            store.pool.ssd.flush()  # so the hit reads the files, not the write queue
         last = one_by_one(llm, [0])[0]
         assert [o.outputs[0].token_ids for o in [*outs, last]] == [*expected[:3], expected[0]]
         assert last.cached_tokens_by_tier == by_tier
@@ -111,11 +111,11 @@ def test_preemption_by_swap_or_recompute_gives_identical_outputs(tiny_model, cpu
         assert stats.num_preemptions > 0
         if cpu_pages:
             assert stats.num_swapped > 0
-            assert llm.engine.executor.kv.num_swap_ins == stats.num_swapped
+            assert llm.engine.executor.kv.pool.num_swap_ins == stats.num_swapped
         else:
             assert stats.num_swapped == 0
         store = llm.engine.executor.kv
-        assert store.swapped == {} and store.pool.num_free == store.num_pages
+        assert store.managers[0].swapped == {} and store.pool.num_free == store.num_pages
 
 
 def _damage(files: list[Path]) -> None:
@@ -131,14 +131,14 @@ def test_corrupted_ssd_pages_are_misses_and_the_output_is_unchanged(
     with tiny_llm(tiny_model(MODEL), **knobs) as llm:
         one_by_one(llm, [0, 1, 2])
         store = llm.engine.executor.kv
-        store.ssd.flush()
-        files = sorted(store.ssd.dir.glob("*" + SUFFIX))
+        store.pool.ssd.flush()
+        files = sorted(store.pool.ssd.dir.glob("*" + SUFFIX))
         assert len(files) == 2  # prompt 0's two full pages
         _damage(files)
         out = one_by_one(llm, [0])[0]
         assert out.outputs[0].token_ids == expected[0]
         assert out.cached_tokens_by_tier == {}
-        assert store.ssd.num_unreadable == 1  # the first page; the chain stops there
+        assert store.pool.ssd.num_unreadable == 1  # the first page; the chain stops there
         assert not files[0].exists()
 
 
@@ -173,10 +173,10 @@ def test_a_clean_restart_finds_every_cached_prefix(
             store = first.engine.executor.kv
             where = "cpu" if cpu_pages else "ssd"
             assert tier_stats(first)[where].used == 2  # prompt 0's two full pages
-            assert len(store.pool.cached_pages()) == 4  # prompts 1 and 2's
+            assert len(store.pool.device.cached_pages()) == 4  # prompts 1 and 2's
         assert got == expected[:3]
     with tiny_llm(tiny_model(MODEL), **knobs) as second:
-        assert second.engine.executor.kv.ssd.num_found == 6
+        assert second.engine.executor.kv.pool.ssd.num_found == 6
         outs = one_by_one(second, [0, 1, 2])
         assert [o.outputs[0].token_ids for o in outs] == expected[:3]
         assert [o.cached_tokens_by_tier for o in outs] == [{"ssd": 32}] * 3
@@ -218,15 +218,15 @@ def test_a_read_only_ssd_tier_serves_its_pages_and_never_fails_a_step(
         one_by_one(first, [0, 1, 2])  # closing keeps all three prompts' pages on SSD
     with read_only(tmp_path) as how, tiny_llm(tiny_model(MODEL), **knobs) as second:
         store = second.engine.executor.kv
-        assert store.ssd.num_found == 6 and store.ssd.off is None, how
+        assert store.pool.ssd.num_found == 6 and store.pool.ssd.off is None, how
         outs = one_by_one(second, [0, 1, 2, 3])
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert [o.num_cached_tokens for o in outs] == [32, 32, 32, 0]
-        store.ssd.flush()
+        store.pool.ssd.flush()
         # 6 files loaded and not deleted; 0's and 1's pages pushed off the device, not written
         assert tier_stats(second)["ssd"].errors == 6 + 4
-        assert len(list(store.ssd.dir.glob("*" + SUFFIX))) == 6
-    assert second.engine.executor.kv.ssd.num_errors == 6 + 4 + 4  # close: 2's and 3's pages
+        assert len(list(store.pool.ssd.dir.glob("*" + SUFFIX))) == 6
+    assert second.engine.executor.kv.pool.ssd.num_errors == 6 + 4 + 4  # close: 2's and 3's pages
 
 
 def test_server_reports_cached_tokens_per_tier_and_tier_metrics(tiny_model, tmp_path) -> None:

@@ -28,10 +28,9 @@ from pypto_serving.executor.paged import PagedExecutor
 from pypto_serving.grammar import Grammars
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.events import KVEvent, KVEventLog
+from pypto_serving.kv.groups import KVGroups
 from pypto_serving.kv.paged_attention import StepProgress
-from pypto_serving.kv.store import PagedKVStore
 from pypto_serving.kv.tier import TierStats, merge_tier_stats
-from pypto_serving.kv.windowed_store import WindowedKVStore
 from pypto_serving.models.config import ModelConfig, load_model_config
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
@@ -238,14 +237,12 @@ class EngineCore:
             describe_ranks(p.tensor_parallel_size, p.pipeline_parallel_size),
         )
 
-    def _event_store(self) -> PagedKVStore | None:
-        """The store whose page events say which prompt pages this engine holds: the paged
-        KV store, or a windowed one's pages kept whole (DeepSeek-V4's compressed entries; a
-        prefix hit needs every one of them, and only its window's rows, which are not told)."""
+    def _event_store(self) -> KVGroups | None:
+        """The paged KV, whose first group's page events say which prompt pages this engine
+        holds (DeepSeek-V4's compressed entries: a prefix hit needs every one of them, and
+        only its window's rows, which are not told); None off the paged executor."""
         kv = getattr(self.executor, "kv", None)
-        if isinstance(kv, WindowedKVStore):
-            return kv.pages_store
-        return kv if isinstance(kv, PagedKVStore) else None
+        return kv if isinstance(kv, KVGroups) else None
 
     def _kv_events(self) -> KVEventPublisher | None:
         """The publisher of the KV store's events, where cache.kv_events_endpoint asks for one;
@@ -254,7 +251,7 @@ class EngineCore:
         c = self.config.cache
         kv = self._event_store()
         if self.dp.size > 1 and kv is not None:
-            kv.events = KVEventLog()
+            kv.pool.events = KVEventLog()
         if c.kv_events_endpoint is None:
             return None
         if kv is None:
@@ -268,7 +265,7 @@ class EngineCore:
         replay = endpoint_for(replay, rank or 0) if replay is not None else None
         topic, curve = c.kv_events_topic, Curve.of(c)
         publisher = KVEventPublisher(endpoint, topic, kv.page_size, rank, replay, curve)
-        kv.events = KVEventLog()
+        kv.pool.events = KVEventLog()
         return publisher
 
     def _build_kernels_soon(self, cfg: ModelConfig) -> None:
@@ -338,9 +335,7 @@ class EngineCore:
             isinstance(self.executor, PagedExecutor) and self.executor.compiling,
             self.prompt_tokens,
             self.generation_tokens,
-            tuple(kv.tier_stats())
-            if isinstance(kv := self.executor.kv, PagedKVStore | WindowedKVStore)
-            else (),
+            tuple(kv.tier_stats()) if isinstance(kv := self.executor.kv, KVGroups) else (),
             layer_costs=self.layer_costs,
         )
 
@@ -400,7 +395,7 @@ class EngineCore:
         self.generation_tokens += len(sampled)
         self.scheduler.update(out, sampled)
         kv = self._event_store()
-        if kv is not None and kv.events is not None:
+        if kv is not None and kv.pool.events is not None:
             events = kv.events_taken()
             if self.kv_events is not None:
                 self.kv_events.publish(events)

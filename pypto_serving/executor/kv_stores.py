@@ -1,27 +1,25 @@
-"""The KV stores an executor runs over, built from its model's attention kind and the cache
-config: one `PagedKVStore` of the kind's pages (`build_kv_store`), or for a kind with a
-window two of them in a `WindowedKVStore` (`build_windowed_store`); under TP/PP each rank's
-share with its tiers mirrored (`parallel_cpu_tier`, `parallel_ssd_pages`)."""
+"""The KV an executor runs over, built from its model's attention kind and the cache config:
+a manager and a pool per KV group the kind declares (`build_kv_store`), under TP/PP each
+rank's share with its tiers mirrored (`parallel_cpu_tier`, `parallel_ssd_pages`)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import cast
 
 import torch
 
 from pypto_serving.config import CacheConfig
 from pypto_serving.errors import PyptoError
 from pypto_serving.kv.disk_tier import HEADER_BYTES
-from pypto_serving.kv.kinds import WindowedKind
+from pypto_serving.kv.groups import KVGroups
+from pypto_serving.kv.manager import KVManager
 from pypto_serving.kv.mirror import Journal
 from pypto_serving.kv.mooncake_pool import join
 from pypto_serving.kv.paged_cache import PagedCache
-from pypto_serving.kv.spec import KVSpec
-from pypto_serving.kv.store import PagedKVStore
-from pypto_serving.kv.windowed_store import WindowedKVStore
+from pypto_serving.kv.pool import KVPool
+from pypto_serving.kv.spec import KVGroup, KVSpec
 from pypto_serving.models.llama import CausalLM
 
 log = logging.getLogger(__name__)
@@ -44,45 +42,80 @@ def build_kv_store(
     digest: str,
     describe: bool = True,
     running: tuple[int, int] = (1, 1),
-) -> PagedKVStore | WindowedKVStore:
-    """The attention operator's KV (the spec of the model's attention kind, from its config)
-    and the store of its pages, with tiers sized from the cache
-    config's byte budgets (a kind that keeps rows for a window: `build_windowed_store`, its
-    rows sized for `running` = (max_num_seqs, max_num_batched_tokens)). Under tensor
-    parallelism it holds this rank's KV heads, under
-    pipeline parallelism its stage's layers, with the same page ids on every rank (the page
-    count depends only on the config); its CPU and SSD tiers mirror rank 0's (`kv/mirror.py`),
-    each rank's SSD pages in `<kv_ssd_dir>/rank<r>`."""
-    if isinstance(model.attention_kind, WindowedKind):
-        return build_windowed_store(model, device, dtype, cache, max_tokens_in_use, digest, running)
-    spec = model.attention_kind.kv_spec(
-        model.cfg, model.num_local_layers, cache.page_size, dtype, cache.kv_cache_dtype
+) -> KVGroups:
+    """The attention operator's KV: a pool and a manager for each group the model's attention
+    kind declares, from its config. A group that keeps a window gets enough device pages for
+    every running sequence's window plus a chunk of new tokens each (`running` =
+    (max_num_seqs, max_num_batched_tokens)); the groups of full attention share what is left
+    of the device budget (`num_kv_pages` each, if given), the same page count each. The CPU
+    and SSD budgets split over the groups in proportion to their page bytes. Under tensor
+    parallelism it holds this rank's KV heads, under pipeline parallelism its stage's layers,
+    with the same page ids on every rank (the page count depends only on the config); its CPU
+    and SSD tiers mirror rank 0's (`kv/mirror.py`), each rank's SSD pages in
+    `<kv_ssd_dir>/rank<r>`."""
+    layers, page = model.num_local_layers, cache.page_size
+    groups = model.attention_kind.kv_groups(model.cfg, layers, page, dtype, cache.kv_cache_dtype)
+    seqs, chunk = running
+    pages: dict[str, int] = {}
+    for g in groups:
+        if g.keep is not None:
+            pages[g.name] = seqs * (-(-g.keep // page) + 2) + -(-chunk // page)
+    window_bytes = sum(pages[g.name] * g.spec.page_bytes for g in groups if g.name in pages)
+    full = [g for g in groups if g.keep is None]
+    if full and cache.num_kv_pages:
+        pages |= dict.fromkeys((g.name for g in full), cache.num_kv_pages)
+    elif full:
+        if window_bytes and cache.kv_device_bytes <= window_bytes:
+            raise PyptoError(
+                f"kv_device_bytes ({cache.kv_device_bytes}) is less than this model's window "
+                f"rows need ({window_bytes} bytes for {seqs} sequences)",
+                "kv_device_bytes",
+            )
+        budget = replace(cache, kv_device_bytes=cache.kv_device_bytes - window_bytes)
+        page_bytes = sum(g.spec.page_bytes for g in full)
+        n = num_pages_for(budget, page_bytes, -(-max_tokens_in_use // page))
+        pages |= dict.fromkeys((g.name for g in full), n)
+    total = sum(g.spec.page_bytes for g in groups)
+    cpu, ssd = cache.kv_cpu_bytes, cache.kv_ssd_bytes
+    budgets = {
+        g.name: (cpu * g.spec.page_bytes // total, ssd * g.spec.page_bytes // total)
+        for g in groups[1:]
+    }
+    budgets[groups[0].name] = (
+        cpu - sum(b[0] for b in budgets.values()),
+        ssd - sum(b[1] for b in budgets.values()),
     )
-    store = build_paged_store(spec, model, device, cache, max_tokens_in_use, digest)
+    folder = (lambda g: g.name) if len(groups) > 1 else (lambda g: None)
+    managers = [
+        KVManager(
+            g.name,
+            build_pool(g, model, device, cache, digest, pages[g.name], budgets[g.name], folder(g)),
+            g.keep,
+        )
+        for g in groups
+    ]
+    kv = KVGroups(managers)
     if describe:
-        log.info(store.describe())
-    return store
+        log.info(kv.describe())
+    return kv
 
 
-def build_paged_store(
-    spec: KVSpec,
+def build_pool(
+    group: KVGroup,
     model: CausalLM,
     device: torch.device,
     cache: CacheConfig,
-    max_tokens_in_use: int,
     digest: str,
-    num_pages: int | None = None,
-    budgets: tuple[int, int] | None = None,
-    ssd_folder: str | None = None,
-) -> PagedKVStore:
-    """The store of `spec`'s pages (`num_pages`, or as the cache config says), its tiers
-    sized from the config's byte budgets or `budgets` (CPU, SSD), its SSD pages in
-    `ssd_folder` under kv_ssd_dir if given."""
-    cpu_bytes, ssd_bytes = budgets or (cache.kv_cpu_bytes, cache.kv_ssd_bytes)
+    num_pages: int,
+    budgets: tuple[int, int],
+    ssd_folder: str | None,
+) -> KVPool:
+    """The pool of a group's pages: `num_pages` on the device, its tiers sized from
+    `budgets` (CPU, SSD bytes), its SSD pages in `ssd_folder` under kv_ssd_dir if given."""
+    spec = group.spec
+    cpu_bytes, ssd_bytes = budgets
     cpu_pages, journal = cpu_bytes // spec.page_bytes, None
     page_bytes, g = spec.page_bytes, model.groups
-    if num_pages is None:
-        num_pages = num_pages_for(cache, page_bytes, -(-max_tokens_in_use // cache.page_size))
     ssd_dir = Path(cache.kv_ssd_dir).expanduser() if cache.kv_ssd_dir else None
     if ssd_dir is not None and ssd_folder is not None:
         ssd_dir = ssd_dir / ssd_folder
@@ -102,7 +135,7 @@ def build_paged_store(
             f"({page_bytes + HEADER_BYTES} bytes)"
         )
     try:
-        store = PagedKVStore(
+        return KVPool(
             PagedCache(spec, num_pages, device),
             cache.enable_prefix_caching,
             cpu_pages=cpu_pages,
@@ -116,51 +149,6 @@ def build_paged_store(
         )
     except OSError as e:
         raise PyptoError(f"cannot use kv_ssd_dir {ssd_dir}: {e}") from None
-    return store
-
-
-def build_windowed_store(
-    model: CausalLM,
-    device: torch.device,
-    dtype: torch.dtype,
-    cache: CacheConfig,
-    max_tokens_in_use: int,
-    digest: str,
-    running: tuple[int, int],
-) -> WindowedKVStore:
-    """A windowed kind's two stores: its rows, enough pages for every running sequence's
-    window plus a chunk of new tokens each (`max_num_seqs` x (keep + chunk)), and its
-    whole pages, from what is left of the device budget (or `num_kv_pages` of them); the
-    CPU and SSD budgets split in proportion to page bytes. running: (max_num_seqs,
-    max_num_batched_tokens)."""
-    kind = cast(WindowedKind, model.attention_kind)
-    layers, page = model.num_local_layers, cache.page_size
-    rows_spec, keep = kind.row_spec(model.cfg, layers, page, dtype, cache.kv_cache_dtype)
-    pages_spec = kind.kv_spec(model.cfg, layers, page, dtype, cache.kv_cache_dtype)
-    seqs, chunk = running
-    row_pages = seqs * (-(-keep // page) + 2) + -(-chunk // page)
-    rows_bytes = row_pages * rows_spec.page_bytes
-    if cache.num_kv_pages:
-        pages = cache.num_kv_pages
-    else:
-        if cache.kv_device_bytes <= rows_bytes:
-            raise PyptoError(
-                f"kv_device_bytes ({cache.kv_device_bytes}) is less than this model's window "
-                f"rows need ({rows_bytes} bytes for {seqs} sequences)",
-                "kv_device_bytes",
-            )
-        budget = replace(cache, kv_device_bytes=cache.kv_device_bytes - rows_bytes)
-        pages = num_pages_for(budget, pages_spec.page_bytes, -(-max_tokens_in_use // page))
-    share = rows_spec.page_bytes / (rows_spec.page_bytes + pages_spec.page_bytes)
-    cpu, ssd = cache.kv_cpu_bytes, cache.kv_ssd_bytes
-    rows_budget = (int(cpu * share), int(ssd * share))
-    pages_budget = (cpu - rows_budget[0], ssd - rows_budget[1])
-    args = (model, device, cache, max_tokens_in_use, digest)
-    rows = build_paged_store(rows_spec, *args, row_pages, rows_budget, "rows")
-    whole = build_paged_store(pages_spec, *args, pages, pages_budget, "pages")
-    store = WindowedKVStore(rows, whole, keep)
-    log.info(store.describe())
-    return store
 
 
 def parallel_cpu_tier(model: CausalLM, spec: KVSpec, budget: int) -> tuple[int, Journal | None]:

@@ -17,7 +17,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import cast
 
 import torch
 from tqdm import tqdm
@@ -47,11 +46,9 @@ from pypto_serving.executor.native_decode import NativeDecoder
 from pypto_serving.executor.prompt_logprobs import prompt_scoring, score_prompts
 from pypto_serving.grammar import Grammars
 from pypto_serving.kv import native_attention
-from pypto_serving.kv.kinds import WindowedKind, gqa
+from pypto_serving.kv.kinds import gqa
 from pypto_serving.kv.mirror import agree_ssd_loads, follow_moves, ssd_load_message
-from pypto_serving.kv.paged_attention import PagedKV, StepAttention, StepProgress, active_step
-from pypto_serving.kv.store import PagedKVStore
-from pypto_serving.kv.windowed_store import WindowedKVStore
+from pypto_serving.kv.paged_attention import PagedKV, StepBatch, StepProgress, active_step
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.models.loader import checkpoint_digest
 from pypto_serving.ops.sampler import Sampled, SamplingRow, sample
@@ -128,11 +125,12 @@ class PagedExecutor:
         self.model, self.device, self.dtype, self.groups = model, device, dtype, model.groups
         self.batch_invariant = batch_invariant
         cfg = model.cfg
-        spec = model.attention_kind.kv_spec(
+        kv_groups = model.attention_kind.kv_groups(
             cfg, model.num_local_layers, cache.page_size, dtype, cache.kv_cache_dtype
         )
-        windowed = isinstance(model.attention_kind, WindowedKind)
-        attention_kernels = attention_kernels and not windowed  # its own attention, eager
+        spec = kv_groups[0].spec
+        windowed = len(kv_groups) > 1  # its own attention, eager
+        attention_kernels = attention_kernels and not windowed
         enforce_eager = enforce_eager or windowed
         self.attention_kernel = (
             native_attention.library_for(
@@ -153,8 +151,8 @@ class PagedExecutor:
         )
         self._step_requests: list[str] = []
         """The running step's requests (a windowed kind's step reads their row pages)."""
-        if self.groups.world_size > 1 and self.groups.rank == 0 and self.kv.ssd is not None:
-            self.kv.agree = self._agree_ssd_loads
+        if self.groups.world_size > 1 and self.groups.rank == 0 and self.kv.pool.ssd is not None:
+            self.kv.pool.agree = self._agree_ssd_loads
         self.paged_kv = PagedKV()
         self.progress = StepProgress()
         """Layers attended so far, and what a layer costs here (read by the watchdogs)."""
@@ -162,7 +160,7 @@ class PagedExecutor:
         """Runs steps of up to NATIVE_MAX_ROWS decodes in one native call; other steps run on
         the graphs."""
         if native and self.attention_kernel is not None and spec.kind == gqa.NAME:
-            self.native = NativeDecoder(model, self.kv.cache, self.attention_kernel)
+            self.native = NativeDecoder(model, self.kv.pool.cache, self.attention_kernel)
         elif native:  # the native step is GQA's; other kinds' decodes run on the graphs
             log.warning("no native decode step here: decodes run on the compiled graphs")
         self.run_layer = None if enforce_eager else CompiledLayers()
@@ -223,7 +221,7 @@ class PagedExecutor:
             logits_index,
             num_decodes,
             max(counts),
-            b"" if self.kv.journal is None else self.kv.journal.take(),
+            b"" if self.kv.pool.journal is None else self.kv.pool.journal.take(),
         )
         constrained = [b for b in done if reqs[b].matcher is not None]
         masks = (  # filled in a thread while the forward runs (both release the GIL)
@@ -264,32 +262,19 @@ class PagedExecutor:
         stage receives the previous stage's hidden states and sends its own to the next, and
         the last stage's logits go back to rank 0, which samples."""
         g = self.groups
-        attention = (
-            cast(WindowedKind, self.model.attention_kind).windowed_step(
-                self.kv,
-                self.model.cfg,
-                self._step_requests,
-                step.positions,
-                step.q_lens,
-                step.ctx_lens,
-                step.num_decodes,
-                step.max_q,
-                self.progress,
-            )
-            if isinstance(self.kv, WindowedKVStore)
-            else StepAttention(
-                self.kv.cache,
-                step.pages,
-                step.positions,
-                step.q_lens,
-                step.ctx_lens,
-                step.num_decodes,
-                step.max_q,
-                self.attention_kernel,
-                self.progress,
-                self.batch_invariant,
-            )
-        )  # the operator: it maps the step's slots from the page lists
+        batch = StepBatch(
+            self._step_requests,
+            step.pages,
+            step.positions,
+            step.q_lens,
+            step.ctx_lens,
+            step.num_decodes,
+            step.max_q,
+            self.attention_kernel,
+            self.progress,
+            self.batch_invariant,
+        )  # the kind's operator maps its slots from the page lists
+        attention = self.model.attention_kind.step(self.kv, self.model.cfg, batch)
         if g.world_size > 1 and g.rank == 0:
             broadcast_step(step, self.device)
         if step.moves:  # rank 0's page moves, mirrored on every rank's share
@@ -334,21 +319,19 @@ class PagedExecutor:
         return out
 
     def _follow_moves(self, moves: bytes) -> None:
-        g, kv = self.groups, self.kv
-        assert isinstance(kv, PagedKVStore)  # a windowed store runs on one rank
+        g, kv = self.groups, self.kv.pool  # one group under TP/PP
         shared = kv.cache.spec.same_on_tp_ranks and g.tp.size > 1
         follow_moves(moves, kv.cache, kv.cpu, g.rank, shared, kv.ssd, kv.agreed)
 
     def _on_ssd_load(self, message: bytes) -> int:
-        g, kv = self.groups, self.kv
-        assert isinstance(kv, PagedKVStore)  # a windowed store runs on one rank
+        g, kv = self.groups, self.kv.pool  # one group under TP/PP
         shared = kv.cache.spec.same_on_tp_ranks and g.tp.size > 1
         return agree_ssd_loads(message, kv.cache, kv.cpu, kv.ssd, kv.agreed, g.rank, shared)
 
     def _agree_ssd_loads(self, hashes: list[bytes], loaded: int) -> int:
         """Rank 0, at admission: how many of the SSD pages it read every rank read too."""
-        assert self.kv.journal is not None
-        message = ssd_load_message(self.kv.journal.take(), hashes, loaded)
+        assert self.kv.pool.journal is not None
+        message = ssd_load_message(self.kv.pool.journal.take(), hashes, loaded)
         broadcast_step(Control(SSD_LOAD, message), self.device)
         return self._on_ssd_load(message)
 
@@ -378,7 +361,7 @@ class PagedExecutor:
         if self.groups.world_size > 1 and self.groups.rank == 0:
             try:
                 self.kv.keep_on_ssd()  # the spill's moves ride on the stop message
-                moves = b"" if self.kv.journal is None else self.kv.journal.take()
+                moves = b"" if self.kv.pool.journal is None else self.kv.pool.journal.take()
                 broadcast_step(Control(STOP, moves), self.device)
             except RuntimeError:  # a rank died: the others stop when rank 0 leaves the group
                 log.warning("could not tell every rank to stop; they stop with this process")
@@ -413,7 +396,7 @@ class PagedExecutor:
             num_kv_pages=2 * -(-9 // self.kv.page_size),  # the warm-up's requests: 8, 9 tokens
             kv_cpu_bytes=0,
             enable_prefix_caching=False,
-            kv_cache_dtype="int8" if self.kv.cache.spec.dtype == torch.int8 else "auto",
+            kv_cache_dtype="int8" if self.kv.pool.cache.spec.dtype == torch.int8 else "auto",
         )
         scratch = copy.copy(self)  # the same model and graphs; its own pages
         scratch.kv = build_kv_store(self.model, self.device, self.dtype, cache, 0, "", False)

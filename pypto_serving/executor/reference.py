@@ -24,8 +24,11 @@ class DenseKVStore:
         self.num_layers = num_layers
         self.caches: dict[str, DenseKV] = {}
 
-    def num_cached_tokens(self, request: Request) -> int:
+    def num_cached_tokens(self, request: Request, limit: int | None = None) -> int:
         return 0
+
+    def cached_tokens_by_tier(self, request: Request) -> dict[str, int]:
+        return {}
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         self.caches.setdefault(request.request_id, DenseKV(self.num_layers))

@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,9 @@ import torch.nn.functional as F
 from pypto_serving.kv.native_attention import paged_attention as native_attention
 from pypto_serving.kv.paged_cache import PagedCache, block_table, slot_mapping
 from pypto_serving.ops.attention import KVAttention
+
+if TYPE_CHECKING:
+    from pypto_serving.kv.groups import KVGroups
 
 
 class _ActiveSteps(threading.local):
@@ -83,6 +87,30 @@ class StepProgress:
         weight = 1.0 if self.other_s_per_token == 0.0 else EMA  # the first sets them
         self.attention_s_per_work += weight * (attention - self.attention_s_per_work)
         self.other_s_per_token += weight * (other - self.other_s_per_token)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One step's sequences as the executor lays them out (decodes first), for a kind's
+    `step` to build its operator from."""
+
+    request_ids: list[str]
+    pages: list[list[int]]
+    """Each sequence's pages in the first KV group (as rank 0 sends them to the others)."""
+    positions: torch.Tensor
+    """[T] the new tokens' positions."""
+    q_lens: torch.Tensor
+    """[B] new tokens per sequence."""
+    ctx_lens: torch.Tensor
+    """[B] tokens per sequence after the step (the new ones included)."""
+    num_decodes: int
+    max_q: int
+    kernel: ctypes.CDLL | None = None
+    """The native attention library, where the run plan attends with it."""
+    progress: StepProgress | None = None
+    """The executor's, advanced by each layer."""
+    decodes_as_prefill: bool = False
+    """--batch-invariant: decodes attend through the prefill kernel (`StepAttention`)."""
 
 
 class _Group:
@@ -269,6 +297,23 @@ class StepAttention:
         if self.progress is not None:
             self.progress.layers += 1
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def paged_step(kv: KVGroups, cfg: Any, batch: StepBatch) -> StepAttention:
+    """The step of a kind with one group of full attention (GQA, MLA): `StepAttention` over
+    its cache and the batch's pages."""
+    return StepAttention(
+        kv.pool.cache,
+        batch.pages,
+        batch.positions,
+        batch.q_lens,
+        batch.ctx_lens,
+        batch.num_decodes,
+        batch.max_q,
+        batch.kernel,
+        batch.progress,
+        batch.decodes_as_prefill,
+    )
 
 
 @contextmanager

@@ -10,7 +10,7 @@ and the native kernels read them in place.
     MLA   latent             [layers, 1, slots, kv_lora_rank + qk_rope_head_dim]
                              (both key and value: k_cache and v_cache are this one tensor)
 
-Below the operator the page pool (`store.PagedKVStore`) hands out page ids and moves pages
+Below the operator the pool (`pool.KVPool`) hands out page ids and moves pages
 between tiers; it reads and writes a page's bytes only through `read_page` / `write_page`.
 From a step's page lists the operator computes its block table and slot mapping itself
 (`block_table`, `slot_mapping`, used by `paged_attention.StepAttention`).

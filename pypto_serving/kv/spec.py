@@ -63,3 +63,16 @@ class KVSpec:
         """A stable one-line form (keys the SSD tier's pages)."""
         dtype = str(self.dtype).removeprefix("torch.")
         return f"{self.kind}|{self.num_tensors}x{list(self.page_shape)}|{dtype}"
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One group of an attention kind's layers as its kind declares it (`kv_groups`): a page
+    layout, and the rule its manager (`kv/manager.py`) claims prefix hits and keeps pages by."""
+
+    name: str
+    """Names the group (and its SSD folder when a model has several)."""
+    spec: KVSpec
+    keep: int | None = None
+    """Tokens before the next one that the group's layers still read (a sliding window's
+    rows); None: every one (full attention)."""

@@ -227,6 +227,8 @@ W8A8 = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | Non
 """A weight quantized for `int8_linear`: (int8 weight, or its high half where split; float32
 scale per output row; the int8 weight's int32 sums per output row where inputs get 7 bits, else
 None; the weight's low bits where split, else None)."""
+
+
 class Int8Form(NamedTuple):
     """A w8a8 layer's `Linear.int8`: `W8A8`'s parts and the smoothing factors, in the order
     `int8_linear` takes them."""

@@ -28,23 +28,25 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pypto_serving.errors import PyptoError
-from pypto_serving.kv.paged_attention import StepAttention, StepProgress, current_step
+from pypto_serving.kv.paged_attention import StepAttention, StepBatch, StepProgress, current_step
 from pypto_serving.kv.paged_cache import block_table
-from pypto_serving.kv.spec import KVSpec
-from pypto_serving.kv.windowed_store import WindowedKVStore
+from pypto_serving.kv.spec import KVGroup, KVSpec
 from pypto_serving.ops.attention import DenseKV, KVAttention
+
+if TYPE_CHECKING:
+    from pypto_serving.kv.groups import KVGroups
 
 NAME = "compressed"
 ROWS, ENTRIES = "compressed-rows", "compressed-entries"
+"""The names of the kind's two KV groups (they key the SSD tier's folders apart)."""
 QUERY_BLOCK = 256
 """A prefill chunk's queries attend in blocks of this many, each over its band of the window's
 rows (block + window keys, not chunk + window)."""
-"""The names of the kind's two caches' specs (they key the SSD tier's folders apart)."""
 
 Pool = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 """(kv rows, gate rows of whole windows, the first window's index) -> their entries [n, D]
@@ -170,6 +172,17 @@ def row_spec(
     return spec, lay.keep
 
 
+def kv_groups(
+    cfg: Any, num_layers: int, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> list[KVGroup]:
+    """Two groups: the entries, kept whole (a prefix hit needs every one: they come first),
+    and the rows, of which a sequence keeps its last `Layout.keep` tokens' (a hit needs only
+    those: the window's, and the compressors' unpooled inputs)."""
+    rows, keep = row_spec(cfg, num_layers, page_size, dtype, kv_cache_dtype)
+    entries = kv_spec(cfg, num_layers, page_size, dtype, kv_cache_dtype)
+    return [KVGroup(ENTRIES, entries), KVGroup(ROWS, rows, keep=keep)]
+
+
 def attend(
     kv: KVAttention,
     layer: torch.Tensor,
@@ -270,7 +283,7 @@ class CompressedStep(StepAttention):
 
     def __init__(
         self,
-        store: WindowedKVStore,
+        kv: KVGroups,
         layout: Layout,
         row_pages: list[list[int]],
         entry_pages: list[list[int]],
@@ -281,13 +294,13 @@ class CompressedStep(StepAttention):
         max_q: int,
         progress: StepProgress | None = None,
     ) -> None:
-        cache = store.rows.cache
+        cache = kv.manager(ROWS).pool.cache
         super().__init__(
             cache, row_pages, positions, q_lens, ctx_lens, num_decodes, max_q, None, progress
         )
         self.layout, self.positions = layout, positions
         self.rows = cache.k_cache[0, 0]  # [slots, row_width]
-        entries = store.pages_store.cache.k_cache[0, 0]
+        entries = kv.manager(ENTRIES).pool.cache.k_cache[0, 0]
         self.entries = entries.view(-1, layout.page_size * entries.shape[-1])  # a page a row
         self.entry_table = block_table(entry_pages, cache.device)
         firsts = (torch.cumsum(q_lens, 0) - q_lens).tolist()
@@ -422,28 +435,20 @@ class CompressedStep(StepAttention):
         return out[0], out[1] if indexer is not None else None
 
 
-def windowed_step(
-    store: WindowedKVStore,
-    cfg: Any,
-    request_ids: list[str],
-    positions: torch.Tensor,
-    q_lens: torch.Tensor,
-    ctx_lens: torch.Tensor,
-    num_decodes: int,
-    max_q: int,
-    progress: StepProgress | None = None,
-) -> CompressedStep:
-    """The step's operator over the executor's `WindowedKVStore`."""
-    lay = layout(cfg, len(cfg.compressed.compress_ratios), store.page_size)
+def step(kv: KVGroups, cfg: Any, batch: StepBatch) -> CompressedStep:
+    """The step's operator over the two groups' pages (PyTorch's: the kind has no native
+    kernels; every sequence attends alike, so a batch-invariant step changes nothing)."""
+    assert batch.kernel is None, "the compressed kind has no native kernels"
+    lay = layout(cfg, len(cfg.compressed.compress_ratios), kv.page_size)
     return CompressedStep(
-        store,
+        kv,
         lay,
-        store.row_pages(request_ids),
-        store.pages(request_ids),
-        positions,
-        q_lens,
-        ctx_lens,
-        num_decodes,
-        max_q,
-        progress,
+        kv.pages(batch.request_ids, ROWS),
+        kv.pages(batch.request_ids, ENTRIES),
+        batch.positions,
+        batch.q_lens,
+        batch.ctx_lens,
+        batch.num_decodes,
+        batch.max_q,
+        batch.progress,
     )

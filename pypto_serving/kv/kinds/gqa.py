@@ -14,11 +14,14 @@ from typing import Any
 import torch
 
 from pypto_serving.kv.native_attention import INT8_SCALE_BYTES, store_kv
-from pypto_serving.kv.paged_attention import StepAttention, current_step
-from pypto_serving.kv.spec import KVSpec
+from pypto_serving.kv.paged_attention import StepAttention, current_step, paged_step
+from pypto_serving.kv.spec import KVGroup, KVSpec
 from pypto_serving.ops.attention import DenseKV, KVAttention, causal_attention
 
 NAME = "gqa"
+
+step = paged_step
+"""Its step: `StepAttention` over its one group of full attention."""
 
 
 def kv_spec(
@@ -30,6 +33,13 @@ def kv_spec(
         row, store_dtype = cfg.head_dim + INT8_SCALE_BYTES, torch.int8
     heads = cfg.num_kv_heads
     return KVSpec(NAME, num_layers, heads, cfg.head_dim, row, page_size, store_dtype, num_tensors=2)
+
+
+def kv_groups(
+    cfg: Any, num_layers: int, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> list[KVGroup]:
+    """One group, of full attention: every layer, every token kept."""
+    return [KVGroup(NAME, kv_spec(cfg, num_layers, page_size, dtype, kv_cache_dtype))]
 
 
 def attend(

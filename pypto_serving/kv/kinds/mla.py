@@ -18,11 +18,14 @@ from typing import Any
 import torch
 
 from pypto_serving.errors import PyptoError
-from pypto_serving.kv.paged_attention import StepAttention, current_step
-from pypto_serving.kv.spec import KVSpec
+from pypto_serving.kv.paged_attention import StepAttention, current_step, paged_step
+from pypto_serving.kv.spec import KVGroup, KVSpec
 from pypto_serving.ops.attention import DenseKV, KVAttention, causal_attention
 
 NAME = "mla"
+
+step = paged_step
+"""Its step: `StepAttention` over its one group of full attention."""
 
 
 def kv_spec(
@@ -38,6 +41,13 @@ def kv_spec(
     return KVSpec(
         NAME, num_layers, 1, entry, entry, page_size, dtype, num_tensors=1, same_on_tp_ranks=True
     )
+
+
+def kv_groups(
+    cfg: Any, num_layers: int, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> list[KVGroup]:
+    """One group, of full attention: every layer, every token kept."""
+    return [KVGroup(NAME, kv_spec(cfg, num_layers, page_size, dtype, kv_cache_dtype))]
 
 
 def attend(

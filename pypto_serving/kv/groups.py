@@ -1,0 +1,153 @@
+"""The KV the scheduler and the executor see: every group of a model's attention layers,
+each a manager over its pool (`KVGroups`).
+
+A model declares, through its attention kind, its groups (`spec.KVGroup`): GQA and MLA have
+one, of full attention; DeepSeek-V4's compressed attention two (its entries, kept whole, and
+its rows, kept for a window). Each group has its own page geometry, so its own pool and page
+ids. The scheduler's questions are answered by asking every group:
+
+- a prefix hit is the longest length every group can serve: each claims by its own rule up
+  to what the groups before it claimed, then every claim is settled to the shortest (a
+  window whose settled claim leaves a gap claims again, and the others follow it down);
+- an admission (`allocate`) needs every group, and takes pages from all or none;
+- preemption swaps every group's pages or none.
+
+Nothing here names a kind or a page id: the groups' managers hold the page tables.
+"""
+
+from __future__ import annotations
+
+from pypto_serving.kv.events import KVEvent
+from pypto_serving.kv.manager import KVManager
+from pypto_serving.kv.pool import KVPool
+from pypto_serving.kv.tier import TierStats, merge_tier_stats
+from pypto_serving.request import Request
+
+
+class KVGroups:
+    """The managers of a model's groups, in the order its kind declares them (the first is
+    the one whose pages events report and `cached_tokens_by_tier` counts: a full-attention
+    group's, where there is one)."""
+
+    def __init__(self, managers: list[KVManager]) -> None:
+        assert managers and len({m.page_size for m in managers}) == 1
+        self.managers = managers
+        self.pool: KVPool = managers[0].pool
+        """The first group's pool: the one a model has under tensor or pipeline parallelism
+        (one group there), whose journal and tiers the other ranks mirror."""
+        self.page_size = managers[0].page_size
+
+    def manager(self, name: str) -> KVManager:
+        return next(m for m in self.managers if m.name == name)
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The longest sequence the device pages can hold: what the full-attention groups'
+        pages hold (a window's pages are reused as it moves)."""
+        full = [m.pool.num_pages * m.page_size for m in self.managers if m.keep is None]
+        return min(full) if full else 2**62
+
+    def usage(self) -> float:
+        """The fullest group's share of device pages held."""
+        return max(m.pool.usage() for m in self.managers)
+
+    def describe(self) -> str:
+        """The groups' pools and tiers, for the start-up log."""
+        if len(self.managers) == 1:
+            return f"KV tiers: {self.pool.describe()}"
+        parts = [
+            f"{m.name} ({'every token' if m.keep is None else f'{m.keep} tokens kept'}): "
+            f"{m.pool.describe()}"
+            for m in self.managers
+        ]
+        return f"KV groups: {'; '.join(parts)}"
+
+    def tier_stats(self) -> list[TierStats]:
+        """Every group's counters, summed per tier."""
+        merged: dict[str, TierStats] = {}
+        for m in self.managers:
+            for t in m.pool.tier_stats():
+                merged[t.name] = merge_tier_stats(merged[t.name], t) if t.name in merged else t
+        return list(merged.values())
+
+    def events_taken(self) -> list[KVEvent]:
+        """The first group's KV events since the last call (none where nobody listens)."""
+        events = self.pool.events
+        return events.take() if events is not None else []
+
+    def close(self) -> None:
+        for m in self.managers:
+            m.pool.close()
+
+    def keep_on_ssd(self) -> None:
+        for m in self.managers:
+            m.pool.keep_on_ssd()
+
+    # --- the scheduler's questions -----------------------------------------------------------
+
+    def num_cached_tokens(self, request: Request, limit: int | None = None) -> int | None:
+        """Claim the longest prefix every group serves (at most `limit` tokens), or a swapped
+        request's KV; None while a swapped request's KV does not fit yet."""
+        rid = request.request_id
+        swapped = [rid in m.swapped for m in self.managers]
+        if any(swapped) and not all(swapped):  # one group only: recompute
+            for m in self.managers:
+                m.drop_swap(request)
+        elif all(swapped):
+            if not all(m.swap_in_fits(request) for m in self.managers):
+                return None
+            got = [m.claim(request) for m in self.managers]
+            assert all(n == got[0] for n in got)
+            return got[0]
+        hit = limit
+        for m in self.managers:
+            n = m.claim(request, hit)
+            assert n is not None
+            hit = n if hit is None else min(hit, n)
+        assert hit is not None
+        while (settled := min(m.settle(request, hit) for m in self.managers)) < hit:
+            hit = settled
+        return hit
+
+    def cached_tokens_by_tier(self, request: Request) -> dict[str, int]:
+        """The tokens of the request's claim per tier they came from (the first group's)."""
+        return self.managers[0].by_tier(request)
+
+    def allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Pages for `num_new_tokens` more tokens in every group, or (False) in none."""
+        if any(m.pages_needed(request, num_new_tokens) > m.pool.num_free for m in self.managers):
+            return False
+        return all([m.allocate(request, num_new_tokens) for m in self.managers])
+
+    def free(self, request: Request) -> None:
+        for m in self.managers:
+            m.free(request)
+
+    def preempt(self, request: Request) -> bool:
+        """Every group's pages swapped out, or (False: it recomputes) none."""
+        swapped = [m.preempt(request) for m in self.managers]
+        if not all(swapped):
+            for m in self.managers:  # the ones that swapped forget it
+                m.drop_swap(request)
+            return False
+        return True
+
+    # --- the executor's side -----------------------------------------------------------------
+
+    def cache_full_pages(self, request: Request, num_computed_tokens: int) -> None:
+        """Index every group's newly full pages; windows give back the pages they passed."""
+        for m in self.managers:
+            m.cache_full_pages(request, num_computed_tokens)
+
+    def pages(self, request_ids: list[str], group: str | None = None) -> list[list[int]]:
+        """The requests' page lists in a group (the first if not named)."""
+        manager = self.managers[0] if group is None else self.manager(group)
+        return manager.pages(request_ids)
+
+    def observe_compute(self, num_tokens: int, seconds: float) -> None:
+        for m in self.managers:
+            m.pool.observe_compute(num_tokens, seconds)
