@@ -16,12 +16,14 @@ from checkpoints import fake_kv_store, hash_chain
 
 from pypto_serving.kv.disk_tier import MAGIC, SUFFIX, DiskTier
 from pypto_serving.kv.groups import KVGroups
+from pypto_serving.kv.host_tier import HostTier
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 
 PS = 4
 A = list(range(10, 19))  # 9 tokens: 2 full pages and 1 token
 B = list(range(100, 109))
+X, Y = list(range(300, 305)), list(range(400, 405))  # 1 full page and 1 token
 
 
 def make_store(
@@ -112,6 +114,80 @@ def test_device_pages_demote_to_cpu_and_load_back_on_a_hit() -> None:
     assert s["cpu"] == {"hits": 2, "misses": 2, "stored": 4, "loaded": 2, "evicted": 0, "used": 2}
     cpu = next(t for t in store.tier_stats() if t.name == "cpu")
     assert sum(cpu.load_buckets) == 1 and cpu.load_seconds_sum > 0
+
+
+def test_a_freed_page_is_copied_to_the_cpu_tier_in_the_background_and_its_eviction_copies_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The founding notes' offload rule: a finished request's full cached pages go to the
+    CPU tier when freed (a background thread copies them), the device keeping them too; when
+    the device reuses them, nothing is read from the device any more."""
+    threads: list[str] = []
+    copy = HostTier._copy
+
+    def copied(self: HostTier, slot: int, kv: tuple[torch.Tensor, ...]) -> None:
+        threads.append(threading.current_thread().name)
+        copy(self, slot, kv)
+
+    monkeypatch.setattr(HostTier, "_copy", copied)
+    store = make_store(num_pages=3, cpu_pages=4)
+    ha = hash_chain(A, PS)
+    a = request("a", A)
+    compute(store, a)
+    store.free(a)  # pages 2 (partial), 1, 0: the two full ones copied, last page first
+    assert store.pool.cpu is not None and store.pool.cpu.hashes() == [ha[1], ha[0]]
+    assert store.pool.device.cached_hashes() == {ha[0]: 0, ha[1]: 1}  # still on the device
+    store.pool.cpu.wait_copies()
+    assert len(threads) == 2 and all(t.startswith("pypto-kv-offload") for t in threads)
+    again = request("a1", A)  # a device hit leaves the copies be
+    assert compute(store, again) == 8 and store.cached_tokens_by_tier(again) == {"device": 8}
+    store.free(again)
+    assert len(threads) == 2  # copied already: not again
+
+    reads: list[int] = []
+    read_page = store.pool.cache.read_page
+    monkeypatch.setattr(store.pool.cache, "read_page", lambda p: reads.append(p) or read_page(p))
+    b = request("b", B)
+    compute(store, b)  # takes pages 2, 1, 0: a's cached pages evicted
+    assert store.managers[0].tables["b"].pages == [2, 1, 0]
+    assert reads == [], "an eviction read the device: the page was not copied when freed"
+    s = stats(store)
+    assert s["device"]["evicted"] == 2 and s["cpu"]["stored"] == 2
+    store.free(b)  # b's pages are copied in their turn, into the two slots left
+    assert store.pool.cpu.hashes() == [ha[1], ha[0], *reversed(hash_chain(B, PS))]
+
+    a2 = request("a2", A)
+    assert compute(store, a2) == 8 and store.cached_tokens_by_tier(a2) == {"cpu": 8}
+    assert_kv(store, a2)
+
+
+def test_copies_made_on_free_give_way_first_and_take_only_free_slots() -> None:
+    """A copy of a page the device holds still is the first thing dropped when the CPU tier
+    needs room, and a freed page is copied only into a free slot: the hierarchy keeps every
+    page it kept without the copies."""
+    store = make_store(num_pages=5, cpu_pages=2)
+    ha, hx = hash_chain(A, PS), hash_chain(X, PS)
+    a = request("a", A)
+    compute(store, a)  # pages 0, 1, 2
+    store.free(a)  # LRU: 3, 4, 2, 1, 0; a's full pages copied: the CPU tier is full
+    assert store.pool.cpu is not None and store.pool.cpu.hashes() == [ha[1], ha[0]]
+    x, y = request("x", X), request("y", Y)
+    compute(store, x)  # pages 3, 4
+    compute(store, y)  # pages 2, 1: a's page 1 evicted, its copy the page now (no copy made)
+    store.free(x)  # x's full page: no free slot, not copied
+    assert store.pool.cpu.hashes() == [ha[1], ha[0]]
+    z = request("z", A[:5])
+    assert compute(store, z) == 4  # a's first page, on the device: held again (pages 0, 4)
+    w = request("w", [1, 2, 3])
+    compute(store, w)  # takes page 3: x's page goes to the CPU tier, a's copy of page 0 gives way
+    assert store.pool.cpu.hashes() == [ha[1], hx[0]]
+    assert store.pool.device.cached_hashes()[ha[0]] == 0
+    for r in (z, y, w):
+        store.free(r)
+    a2 = request("a2", A)
+    assert compute(store, a2) == 8
+    assert store.cached_tokens_by_tier(a2) == {"device": 4, "cpu": 4}
+    assert_kv(store, a2)
 
 
 def test_cpu_pressure_pushes_lru_pages_to_ssd_and_an_ssd_hit_loads_back(tmp_path: Path) -> None:

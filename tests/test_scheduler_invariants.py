@@ -241,11 +241,18 @@ def check_invariants(h: Harness) -> None:
 
 
 def check_tier_invariants(h: Harness) -> None:
-    """Every tier's used + free = its capacity; every hash lives in exactly one place; the CPU
-    tier holds exactly the swapped (waiting) requests' pages."""
+    """Every tier's used + free = its capacity; every hash lives in one place, but for the
+    CPU tier's copies of pages the device holds still (made when they were freed); the CPU
+    tier holds exactly the swapped (waiting) requests' pages besides its cached ones."""
     store, pool = h.store, h.store.pool.device
-    places = [set(pool.cached_hashes())] + [set(t.hashes()) for t in store.pool.lower]
-    assert sum(len(p) for p in places) == len(set().union(*places)), "a hash in two tiers"
+    device, lower = set(pool.cached_hashes()), [set(t.hashes()) for t in store.pool.lower]
+    assert sum(len(p) for p in lower) == len(set().union(*lower)), "a hash in two lower tiers"
+    copies = set(store.pool._backups)
+    assert copies <= device and copies <= set(store.pool.cpu.hashes() if store.pool.cpu else ())
+    assert all(
+        device & p == (copies if t is store.pool.cpu else set())
+        for t, p in zip(store.pool.lower, lower, strict=True)
+    ), "a copy not made on free"
     for tier in store.pool.lower:
         assert len(tier.hashes()) == len(set(tier.hashes()))
         assert len(tier) <= tier.capacity

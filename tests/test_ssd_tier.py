@@ -28,21 +28,21 @@ def test_a_full_disk_drops_the_pages_pushed_to_ssd_and_writes_resume_after(
     tmp_path: Path,
 ) -> None:
     store = make_store(num_pages=3, cpu_pages=0, ssd_pages=4, ssd_dir=tmp_path)
-    assert store.ssd is not None
+    assert store.pool.ssd is not None
     a, b = request("a", A), request("b", B)
     compute(store, a)
     store.free(a)
     with inject_errors(tmp_path, errno.ENOSPC, ("open",)):
         compute(store, b)  # a's two pages go to SSD: neither can be written
-        store.ssd.flush()
-    assert store.ssd.num_errors == 2 and len(store.ssd) == 0
-    assert list(store.ssd.dir.iterdir()) == []  # no temporary file left either
+        store.pool.ssd.flush()
+    assert store.pool.ssd.num_errors == 2 and len(store.pool.ssd) == 0
+    assert list(store.pool.ssd.dir.iterdir()) == []  # no temporary file left either
     store.free(b)
     again = request("a2", A)
     assert compute(store, again) == 0  # recomputed
     assert_kv(store, again)
-    store.ssd.flush()  # b's pages were pushed down with space back: written
-    assert len(list(store.ssd.dir.glob("*" + SUFFIX))) == 2
+    store.pool.ssd.flush()  # b's pages were pushed down with space back: written
+    assert len(list(store.pool.ssd.dir.glob("*" + SUFFIX))) == 2
     assert {t.name: t.errors for t in store.tier_stats()} == {"device": 0, "ssd": 2}
     store.close()
 
@@ -51,7 +51,7 @@ def test_a_failing_read_is_a_miss_and_an_undeletable_file_is_still_served(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store, page_file = _page_on_ssd(tmp_path)
-    assert store.ssd is not None
+    assert store.pool.ssd is not None
     real_open = open
 
     def failing_open(path: object, *args: object, **kwargs: object) -> object:
@@ -63,18 +63,18 @@ def test_a_failing_read_is_a_miss_and_an_undeletable_file_is_still_served(
     again = request("a2", A)
     assert compute(store, again) == 0
     assert_kv(store, again)
-    assert store.ssd.num_errors == 1 and store.ssd.num_unreadable == 0
+    assert store.pool.ssd.num_errors == 1 and store.pool.ssd.num_unreadable == 0
     assert page_file.exists()  # a read error is not a verdict on the file
     monkeypatch.undo()
     store.close()
 
     store, page_file = _page_on_ssd(tmp_path / "second")
-    assert store.ssd is not None
+    assert store.pool.ssd is not None
     with inject_errors(tmp_path, errno.EROFS, ("unlink",)):
         again = request("a2", A)
         assert compute(store, again) == 8  # both pages loaded; their files stay
         assert_kv(store, again)
-    assert store.ssd.num_errors == 2 and page_file.exists()
+    assert store.pool.ssd.num_errors == 2 and page_file.exists()
     store.close()
 
 
@@ -83,8 +83,8 @@ def test_an_unlistable_ssd_folder_finds_nothing_and_the_tier_serves_on(tmp_path:
     store.close()
     with inject_errors(tmp_path, errno.EACCES, ("listdir",)):
         second = make_store(num_pages=3, cpu_pages=0, ssd_pages=4, ssd_dir=tmp_path)
-    assert second.ssd is not None and second.ssd.num_found == 0
-    assert second.ssd.num_errors == 1 and second.ssd.off is None
+    assert second.pool.ssd is not None and second.pool.ssd.num_found == 0
+    assert second.pool.ssd.num_errors == 1 and second.pool.ssd.off is None
     assert compute(second, request("a2", A)) == 0
     second.close()
 
@@ -97,13 +97,13 @@ def _spill_log(tmp_path: Path, caplog: pytest.LogCaptureFixture, code: int | Non
     compute(store, a)
     store.free(a)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="pypto_serving.kv.store"):
+    with caplog.at_level(logging.INFO, logger="pypto_serving.kv.pool"):
         if code is None:
             store.close()
         else:
             with inject_errors(tmp_path, code):
                 store.close()
-    return [r.getMessage() for r in caplog.records if r.name == "pypto_serving.kv.store"]
+    return [r.getMessage() for r in caplog.records if r.name == "pypto_serving.kv.pool"]
 
 
 def test_the_spill_logs_the_pages_kept_not_those_whose_writes_failed(
@@ -146,16 +146,16 @@ def test_a_forged_ssd_page_is_rejected_unless_made_with_the_secret(
     secret = (tmp_path / "secret").read_bytes()
     _forge(page_file, {"plain": b"", "other key": b"k" * 32, "the secret": secret}[key])
     again = request("a2", A)
-    assert store.ssd is not None
+    assert store.pool.ssd is not None
     if key != "the secret":
         assert compute(store, again) == 0
-        assert store.ssd.num_unreadable == 1 and not page_file.exists()
+        assert store.pool.ssd.num_unreadable == 1 and not page_file.exists()
         assert_kv(store, again)  # recomputed
         assert {t.name: t.rejected for t in store.tier_stats()}["ssd"] == 1
     else:
         assert compute(store, again) == 8
         first_page = slots(store, again, range(PS))
-        assert store.cache.k_cache[0, 0, first_page].abs().sum() == 0  # the forged zeros
+        assert store.pool.cache.k_cache[0, 0, first_page].abs().sum() == 0  # the forged zeros
     store.close()
 
 
@@ -196,21 +196,21 @@ def test_an_unusable_secret_turns_the_ssd_tier_off(tmp_path: Path, how: str) -> 
         secret.chmod(0o600)
         os.chown(secret, 65534, 65534)
     store = make_store(num_pages=3, cpu_pages=0, ssd_pages=4, ssd_dir=tmp_path)
-    assert store.ssd is not None and store.ssd.off is not None
-    assert store.ssd.capacity == 0 and "off:" in store.describe()
+    assert store.pool.ssd is not None and store.pool.ssd.off is not None
+    assert store.pool.ssd.capacity == 0 and "off:" in store.describe()
     a = request("a", A)
     compute(store, a)
     store.free(a)
     compute(store, request("b", B))  # a's pages are dropped, not written
     store.close()
-    assert list(store.ssd.dir.iterdir()) == []
+    assert list(store.pool.ssd.dir.iterdir()) == []
 
 
 def test_a_folder_that_cannot_be_made_turns_the_ssd_tier_off(tmp_path: Path) -> None:
     with inject_errors(tmp_path, errno.EROFS, ("mkdir",)):
         store = make_store(num_pages=3, cpu_pages=0, ssd_pages=4, ssd_dir=tmp_path)
-    assert store.ssd is not None and store.ssd.off is not None
-    assert store.ssd.capacity == 0 and store.ssd.num_errors == 1
+    assert store.pool.ssd is not None and store.pool.ssd.off is not None
+    assert store.pool.ssd.capacity == 0 and store.pool.ssd.num_errors == 1
     a = request("a", A)
     compute(store, a)
     store.free(a)

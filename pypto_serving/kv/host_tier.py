@@ -1,14 +1,19 @@
 """The CPU tier: pages of KV in host memory, in fixed slots allocated once.
 
 It holds two kinds of pages: cached pages (found by hash, least recently stored first out) and
-the pages of requests preempted by swap (held under the request id until it resumes; never
-evicted). On a machine with a GPU the slots are pinned memory, so copies to and from the
-device run at full speed.
+the pages of requests preempted by swap (held under a key until it resumes; never evicted).
+On a machine with a GPU the slots are pinned memory, so copies to and from the device run at
+full speed.
+
+A page can be stored later (`store_later`): its slot and its index entry are taken at once,
+its bytes copied by a background thread; reading the slot back, or giving it up, waits for
+the copy first. All bookkeeping stays on the caller's thread.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import Executor, Future
 
 import torch
 
@@ -36,6 +41,8 @@ class HostTier(PageTier):
         self._free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
         self._cached: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()
         self._held: dict[str, list[int]] = {}
+        self._copying: dict[int, Future[None]] = {}
+        """Slots whose bytes a background copy is still writing (`store_later`)."""
 
     def __len__(self) -> int:
         return self.capacity - len(self._free)
@@ -53,13 +60,23 @@ class HostTier(PageTier):
         if len(kv) != len(self.slots):
             raise ValueError(f"a page of {len(kv)} tensors for a tier of {len(self.slots)}")
         slot = self._free.pop()
-        for held, t in zip(self.slots, kv, strict=True):
-            held[slot].copy_(t)
+        self._copy(slot, kv)
         return slot
 
     def _take(self, slot: int) -> PageKV:
+        self._settle(slot)
         self._free.append(slot)
         return tuple(held[slot].clone() for held in self.slots)
+
+    def _settle(self, slot: int) -> None:
+        """Wait for a background copy into `slot`, if one is running."""
+        copy = self._copying.pop(slot, None)
+        if copy is not None:
+            copy.result()
+
+    def _copy(self, slot: int, kv: PageKV) -> None:
+        for held, t in zip(self.slots, kv, strict=True):
+            held[slot].copy_(t)
 
     def tokens(self, page_hash: bytes) -> tuple[int, ...] | None:
         entry = self._cached.get(page_hash)
@@ -69,6 +86,25 @@ class HostTier(PageTier):
         if page_hash in self._cached:
             raise ValueError("page already stored in the cpu tier")
         self._cached[page_hash] = (self._put(kv), token_ids)
+
+    def store_later(
+        self, page_hash: bytes, token_ids: tuple[int, ...], kv: PageKV, copier: Executor
+    ) -> Future[None]:
+        """`store`, the bytes copied on `copier`'s thread: the caller keeps `kv` unchanged until
+        the returned future is done."""
+        if page_hash in self._cached:
+            raise ValueError("page already stored in the cpu tier")
+        if len(kv) != len(self.slots):
+            raise ValueError(f"a page of {len(kv)} tensors for a tier of {len(self.slots)}")
+        slot = self._free.pop()
+        self._cached[page_hash] = (slot, token_ids)
+        self._copying[slot] = copy = copier.submit(self._copy, slot, kv)
+        return copy
+
+    def wait_copies(self) -> None:
+        """Wait for every background copy."""
+        for slot in list(self._copying):
+            self._settle(slot)
 
     def load(self, page_hash: bytes) -> PageKV | None:
         slot, _ = self._cached.pop(page_hash)
@@ -80,6 +116,7 @@ class HostTier(PageTier):
     def discard(self, page_hash: bytes) -> bool:
         entry = self._cached.pop(page_hash, None)
         if entry is not None:
+            self._settle(entry[0])
             self._free.append(entry[0])
         return entry is not None
 

@@ -248,6 +248,10 @@ class PagePool:
         """The hash a page is cached under, or None if it is not in the prefix cache."""
         return self._page(page_id).hash
 
+    def page_tokens(self, page_id: int) -> tuple[int, ...] | None:
+        """The token ids a page is cached with, or None if it is not in the prefix cache."""
+        return self._page(page_id).token_ids
+
     def ref_count(self, page_id: int) -> int:
         """Number of references currently held on a page."""
         return self._page(page_id).ref_count

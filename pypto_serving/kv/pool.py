@@ -10,14 +10,23 @@ reads and writes a page only through it (`read_page`, `write_page`), so a page o
 moves between tiers alike.
 
 Tiers (the Mooncake way): the device pages, then optionally CPU memory, then optionally SSD,
-then optionally a pool shared with other servers (`remote_tier.py`, a Mooncake Store). One
-index across the local tiers maps a page hash to exactly one place (placement is exclusive
-among them); the shared pool is not exclusive: every page indexed on the device is written to
-it too (write-through), and a hit there copies the page and leaves it for others:
+then optionally a pool shared with other servers (`remote_tier.py`, a Mooncake Store). The
+lower local tiers hold a page hash in at most one place; the device may hold a page the CPU
+tier holds too, its copy made when the page was freed. The shared pool is not exclusive: every
+page indexed on the device is written to it too (write-through), and a hit there copies the
+page and leaves it for others:
 
-    device ──a cached page's slot is reused──▶ cpu ──cpu full: its LRU page──▶ ssd ──▶ dropped
-       ▲                                          │                            │
-       └──────── a hit: read back (`read`), into pages the manager allocated ─┘
+    device ──a cached page freed (no holder left): copied──▶ cpu ──cpu full: its LRU page──▶ ssd
+       ▲                                                      │                          │
+       └────────── a hit: read back (`read`), into pages the manager allocated ──────────┘
+
+The founding notes' offload rule: a complete cached page no request holds any more is copied
+to the CPU tier when it is freed, by a background thread (`_back_up`), so that when the device
+later reuses the page for another (the LRU's eviction) nothing is left to copy and the step
+that allocates pays nothing. Under TP/PP the copy is made at once (the other ranks replay rank
+0's moves in order). A page reused before its copy is done waits for it. Such a copy takes
+only a free CPU slot, and is the first to go when the tier needs room (the device has the page
+still), so the copies never cost the hierarchy a page it would otherwise keep.
 
 Device page lifecycle (prefix caching on):
 
@@ -39,6 +48,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -180,6 +190,18 @@ class KVPool:
         engine sets it where KV events are published: `kv/events.py`)."""
         self._pressure = dict.fromkeys(self.stats, 0)  # pages pushed out since last log
         self._pressure_logged = time.monotonic()
+        self._copier = (
+            ThreadPoolExecutor(1, thread_name_prefix="pypto-kv-offload")
+            if self.cpu is not None and journal is None
+            else None
+        )
+        """Copies freed pages to the CPU tier in the background (`_back_up`)."""
+        self._copies: dict[int, Future[None]] = {}
+        """Device pages a background copy is still reading."""
+        self._backups: dict[bytes, None] = {}
+        """The CPU tier's copies of pages the device holds still (`_back_up`), in the order
+        they were freed (the order the device will reuse them)."""
+        self._closed = False
 
     @property
     def num_pages(self) -> int:
@@ -227,7 +249,10 @@ class KVPool:
     def close(self) -> None:
         """Keep what the faster tiers cache on the SSD tier (`spill`), then let it finish its
         queued writes and say how many pages it kept. Called on a clean shutdown; idempotent."""
+        self._closed = True
         self.keep_on_ssd()
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
         for tier in self.lower:
             tier.close()
         self._report_spill()
@@ -249,7 +274,8 @@ class KVPool:
         pages: list[tuple[bytes, tuple[int, ...], PageTier | int]] = []
         if self.cpu is not None:
             pages += [(h, t, self.cpu) for h in self.cpu.hashes() if (t := self.cpu.tokens(h))]
-        pages += [(h, t, page_id) for h, t, page_id in self.device.cached_pages()]
+        on_cpu = {h for h, _, _ in pages}  # a device page's copy there is the same page
+        pages += [(h, t, p) for h, t, p in self.device.cached_pages() if h not in on_cpu]
         pages = pages[max(len(pages) - self.ssd.capacity, 0) :]
         for page_hash, token_ids, where in pages:
             kv = self._page_kv(where) if isinstance(where, int) else where.load(page_hash)
@@ -287,8 +313,15 @@ class KVPool:
         return page_ids
 
     def free(self, page_ids: Iterable[int]) -> None:
-        """Drop one reference to each page; those at 0 join the LRU tail in the order given."""
-        self.device.free(list(page_ids))
+        """Drop one reference to each page; those at 0 join the LRU tail in the order given,
+        and a cached one is copied to the CPU tier (`_back_up`)."""
+        page_ids = list(page_ids)
+        self.device.free(page_ids)
+        if self.cpu is None:
+            return
+        for page_id in page_ids:
+            if self.device.ref_count(page_id) == 0:
+                self._back_up(page_id)
 
     def acquire(self, page_ids: Iterable[int]) -> None:
         """One more reference to each (indexed) device page, as a hit shares it."""
@@ -487,12 +520,39 @@ class KVPool:
 
     # --- demotion: device -> cpu -> ssd -> dropped ------------------------------------------
 
+    def _back_up(self, page_id: int) -> None:
+        """A cached device page no request holds: copy it to the CPU tier now (in the
+        background where no other rank mirrors this pool), unless a copy is there already."""
+        page_hash, token_ids = self.device.page_hash(page_id), self.device.page_tokens(page_id)
+        if page_hash is None or token_ids is None or self.cpu is None or self._closed:
+            return
+        if self.cpu.tokens(page_hash) is not None or self.cpu.num_free == 0:
+            return
+        if self._copier is None:
+            self.cpu.store(page_hash, token_ids, self._page_kv(page_id))
+        else:
+            if len(self._copies) > 2 * self.num_pages:  # forget the finished ones
+                self._copies = {p: c for p, c in self._copies.items() if not c.done()}
+            kv = self.cache.read_page(page_id)
+            self._copies[page_id] = self.cpu.store_later(page_hash, token_ids, kv, self._copier)
+        self._backups[page_hash] = None
+        self.stats["cpu"].stored += 1
+        if self.events is not None:
+            self.events.stored("cpu", page_hash, None, token_ids)
+
     def _demote(self, page_id: int, page_hash: bytes, token_ids: tuple[int, ...]) -> None:
-        """The device is reusing a cached page: keep its KV in the first lower tier."""
+        """The device is reusing a cached page: its KV is kept in the first lower tier (the
+        CPU tier has it already where it was copied when freed)."""
         self.stats["device"].evicted += 1
         self._pressure["device"] += 1
         if self.events is not None:
             self.events.removed("device", page_hash)
+        copy = self._copies.pop(page_id, None)
+        if copy is not None:  # the page is about to be overwritten: its copy must be done
+            copy.result()
+        backed_up = self._backups.pop(page_hash, 0) is None
+        if backed_up and self.cpu is not None and self.cpu.tokens(page_hash) == token_ids:
+            return  # the CPU tier's copy is the page now
         if self.lower:
             self._push(0, page_hash, token_ids, self._page_kv(page_id))
 
@@ -508,9 +568,18 @@ class KVPool:
             self.events.stored(tier.name, page_hash, None, token_ids)
 
     def _make_room(self, level: int, num_pages: int) -> bool:
+        """Free `num_pages` places in lower tier `level`: first dropping copies of pages the
+        device still holds (the CPU tier's, `_back_up`), then pushing its LRU pages one tier
+        down (dropped from the last); False if held pages fill it."""
         tier = self.lower[level]
         if tier is self.remote:
             return True  # the shared pool's master evicts
+        while tier is self.cpu and tier.capacity - len(tier) < num_pages and self._backups:
+            copy = next(reversed(self._backups))  # the device reuses it last: its copy goes
+            del self._backups[copy]
+            tier.discard(copy)
+            if self.events is not None:
+                self.events.removed(tier.name, copy)
         while tier.capacity - len(tier) < num_pages:
             victim = tier.lru_hash()
             if victim is None:
