@@ -85,11 +85,20 @@ def build_kv_store(
         cpu - sum(b[0] for b in budgets.values()),
         ssd - sum(b[1] for b in budgets.values()),
     )
-    folder = (lambda g: g.name) if len(groups) > 1 else (lambda g: None)
+    several = len(groups) > 1  # each group's SSD pages in a folder of its name
     managers = [
         KVManager(
             g.name,
-            build_pool(g, model, device, cache, digest, pages[g.name], budgets[g.name], folder(g)),
+            build_pool(
+                g,
+                model,
+                device,
+                cache,
+                digest,
+                pages[g.name],
+                budgets[g.name],
+                g.name if several else None,
+            ),
             g.keep,
         )
         for g in groups

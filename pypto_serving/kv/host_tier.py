@@ -101,11 +101,6 @@ class HostTier(PageTier):
         self._copying[slot] = copy = copier.submit(self._copy, slot, kv)
         return copy
 
-    def wait_copies(self) -> None:
-        """Wait for every background copy."""
-        for slot in list(self._copying):
-            self._settle(slot)
-
     def load(self, page_hash: bytes) -> PageKV | None:
         slot, _ = self._cached.pop(page_hash)
         return self._take(slot)
