@@ -111,7 +111,7 @@ def main(model_dir: str) -> None:
                         assert q.abs().max() <= 64
                     else:
                         assert torch.equal(row_sums, q.sum(1, dtype=torch.int32))
-            native = llm.engine.native
+            native = llm.engine.attention.native_decode
             assert llm.engine.dtype == torch.bfloat16  # auto too, the native kernels at hand
         diverged = assert_top5_rule(expected, got)
         print(f"{name}: follows float32 (diverged {diverged}/{len(prompts)}, native {native})")

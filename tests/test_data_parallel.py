@@ -17,13 +17,13 @@ import time
 
 import httpx
 import pytest
+from fault_injection import FAIL_REPLICA_START, HANG_REPLICA_START, inject
 from live_server import FAST_KNOBS, serving, tiny_llm
 from parallel_checks import children_of, config_error, gone
 from patience import patience, wait_for
 
 from pypto_serving.distributed import Group
 from pypto_serving.engine.dp import DPEngine, ReplicaDiedError
-from pypto_serving.engine.replica import FAIL_START_ENV, HANG_START_ENV
 from pypto_serving.errors import PyptoError, RequestFailedError
 from pypto_serving.sampling import SamplingParams
 
@@ -113,7 +113,7 @@ def test_dp2_server_streams_the_single_engine_tokens(tiny_model, single):
 
 
 def test_a_replica_that_fails_to_start_stops_them_all(tiny_model, monkeypatch):
-    monkeypatch.setenv(FAIL_START_ENV, "1")
+    inject(monkeypatch, FAIL_REPLICA_START, "1")
     with pytest.raises(PyptoError) as e:
         tiny_llm(tiny_model(MODEL), data_parallel_size=3)
     message = str(e.value)
@@ -124,7 +124,7 @@ def test_a_replica_that_fails_to_start_stops_them_all(tiny_model, monkeypatch):
 
 
 def test_a_replica_that_hangs_while_starting_fails_start_up_naming_it(tiny_model, monkeypatch):
-    monkeypatch.setenv(HANG_START_ENV, "1")
+    inject(monkeypatch, HANG_REPLICA_START, "1")
     with pytest.raises(PyptoError) as e:
         tiny_llm(tiny_model(MODEL), data_parallel_size=2, startup_timeout_s=10)
     message = str(e.value)  # replica 0 may be late too on a loaded machine: then both named

@@ -95,15 +95,18 @@ def test_pypto_generate_matches_hf(tiny_model, tmp_path, capsys, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_pypto_serve_matches_hf(tiny_model, expected, name):
-    with tiny_llm(tiny_model(name)) as llm, serving(llm) as live:
+    with tiny_llm(tiny_model(name)) as llm:
+        # offline first: once served, the server's loop steps the same engine
         offline = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert token_ids(offline) == expected(name)
-        for prompt, out in zip(PROMPTS, offline, strict=True):
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": 32, "temperature": 0}
-            r = httpx.post(live.url + "/v1/completions", json=body | {"ignore_eos": True})
-            choice = r.json()["choices"][0]
-            assert (choice["text"], choice["finish_reason"]) == (out.outputs[0].text, "length")
-            assert r.json()["usage"]["completion_tokens"] == 32
+        with serving(llm) as live:
+            for prompt, out in zip(PROMPTS, offline, strict=True):
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 32, "temperature": 0}
+                r = httpx.post(live.url + "/v1/completions", json=body | {"ignore_eos": True})
+                choice = r.json()["choices"][0]
+                want = (out.outputs[0].text, "length")
+                assert (choice["text"], choice["finish_reason"]) == want
+                assert r.json()["usage"]["completion_tokens"] == 32
 
 
 def serving_at(url: str) -> bool:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fault_injection import FAIL_RANK_START, FAIL_REPLICA_START, fault_env
 from live_server import FAST_KNOBS, free_port, serving, tiny_llm
 from parallel_checks import gone
 from patience import patience, wait_for
@@ -259,10 +260,10 @@ def test_sigterm_ends_what_is_left_after_the_shutdown_timeout(tiny_model):
     [
         (
             ("--dp", "2"),
-            {"PYPTO_FAIL_REPLICA_START": "1"},
+            fault_env(FAIL_REPLICA_START, "1"),
             "data-parallel replica 1 (pid {}) failed to start: RuntimeError: injected",
         ),
-        (("--tp", "2"), {"PYPTO_FAIL_RANK_START": "1"}, "rank 1 (pid {}) failed to start"),
+        (("--tp", "2"), fault_env(FAIL_RANK_START, "1"), "rank 1 (pid {}) failed to start"),
         ((), {}, "corrupt safetensors file model.safetensors"),
     ],
     ids=["replica", "rank", "weights"],

@@ -69,7 +69,7 @@ def test_the_engine_takes_the_files_records_without_requantizing(q4_model):
     out, ref = q4_model
     with LLM(str(out), enforce_eager=True) as llm:  # quantization auto
         plan = llm.engine.plan
-        assert plan.quantization == "gguf" and llm.engine.native is not None
+        assert plan.quantization == "gguf" and llm.engine.attention.native_decode
         layers = {n: m for n, m in llm.engine.model.named_modules() if isinstance(m, Linear)}
         for name, layer in layers.items():
             assert layer.native is not None and layer.packed is not None, name

@@ -97,3 +97,29 @@ def test_models_call_kv_and_kv_calls_ops_never_upward():
         if top(m) in order and top(n) in order and order[top(n)] > order[top(m)]
     ]
     assert offenders == []
+
+
+def test_the_executor_takes_the_plan_and_never_imports_the_engine():
+    """engine → executor: the run plan (engine/plan.py) decides, once, and passes its answers
+    down; nothing under executor/, models/, kv/ or ops/ imports the engine."""
+    below = ("executor", "models", "kv", "ops")
+    offenders = [
+        (m, n)
+        for m, names in graph().items()
+        for n in names
+        if top(m) in below and top(n) == "engine"
+    ]
+    assert offenders == []
+
+
+def test_no_fault_injection_switch_in_the_package():
+    """Fault injection is a test-only hook (tests/fault_hooks): the server reads no switch."""
+    switches = ("PYPTO_FAIL_", "PYPTO_HANG_", "PYPTO_SLOW_")
+    files = [p for p in PACKAGE.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    found = [
+        f"{p.relative_to(PACKAGE.parent)}: {s}"
+        for p in files
+        for s in switches
+        if s in p.read_text(errors="replace")
+    ]
+    assert found == []

@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from checkpoints import hf_greedy
+from fault_injection import HANG_RANK_START, inject
 from live_server import tiny_llm
 from parallel_checks import children_of, gone
 from patience import patience
 
-from pypto_serving.engine.ranks import HANG_START_ENV
 from pypto_serving.errors import PyptoError
 from pypto_serving.sampling import SamplingParams
 
@@ -103,7 +103,7 @@ def test_closed_multi_rank_engines_let_the_next_one_start(tiny_model):
 
 
 def test_a_rank_that_hangs_while_starting_fails_start_up_naming_it(tiny_model, monkeypatch):
-    monkeypatch.setenv(HANG_START_ENV, "1")
+    inject(monkeypatch, HANG_RANK_START, "1")
     limit, started = patience(6), time.monotonic()
     with pytest.raises(PyptoError) as e:
         tiny_llm(tiny_model(MODEL), tensor_parallel_size=2, startup_timeout_s=limit)

@@ -150,17 +150,6 @@ def test_without_a_working_compiler_the_native_kernels_are_off(tmp_path: Path, c
     assert not list((tmp_path / "out").glob("*.so"))
 
 
-def test_the_kernels_are_used_only_where_they_apply(caplog):
-    cpu = torch.device("cpu")
-    library_for = native_attention.library_for
-    assert library_for(cpu, torch.bfloat16, 9, 3, 64, 64) is not None
-    with caplog.at_level(logging.INFO):
-        assert library_for(cpu, torch.float32, 4, 1, 8, 64) is None
-    assert "head_dim 8" in caplog.text
-    assert library_for(cpu, torch.float16, 9, 3, 64, 64) is None
-    assert library_for(torch.device("meta"), torch.float32, 9, 3, 64, 64) is None
-
-
 @settings(max_examples=30, deadline=None)
 @given(
     seed=st.integers(0, 2**31),

@@ -23,8 +23,10 @@ from checkpoints import assert_top5_rule, build_checkpoint, build_tokenizer, deq
 from live_server import tiny_llm
 
 from pypto_serving import native
+from pypto_serving.config import EngineConfig
 from pypto_serving.device import cpu_flags
 from pypto_serving.distributed import Group, ParallelGroups
+from pypto_serving.engine.plan import plan_attention, plan_run
 from pypto_serving.executor import native_decode
 from pypto_serving.models.config import load_model_config
 from pypto_serving.native import Matrix
@@ -328,22 +330,24 @@ def test_the_native_engine_follows_the_bf16_one(tiny_model, kind):
 
 
 def test_where_the_step_applies(tiny_model, monkeypatch):
-    cpu, bf16, one = torch.device("cpu"), torch.bfloat16, ParallelGroups()
+    bf16, one = torch.bfloat16, ParallelGroups()
     qwen3, gqa8 = (load_model_config(tiny_model(n)) for n in ("qwen3-hd32-gqa4", "llama-gqa4-tied"))
     moe = load_model_config(tiny_model("qwen3moe-e4-top2"))
     applies = native_decode.applies
-    assert applies(qwen3, "int4", cpu, bf16, one, 16)
-    assert applies(qwen3, "int4-w8a8", cpu, bf16, one, 16)
-    assert applies(qwen3, None, cpu, bf16, one, 16)  # bf16 weights, read in place
-    assert not applies(qwen3, None, cpu, torch.float32, one, 16)
-    assert not applies(qwen3, "w8a8", cpu, bf16, one, 16)  # batched throughput: the graphs
-    assert not applies(gqa8, "int4", cpu, bf16, one, 16)  # head_dim 8: no native attention
-    assert not applies(moe, "int4", cpu, bf16, one, 16)
-    assert not applies(qwen3, "int4", torch.device("meta"), bf16, one, 16)
+    assert applies(qwen3, "int4", bf16, one, 16)
+    assert applies(qwen3, "int4-w8a8", bf16, one, 16)
+    assert applies(qwen3, None, bf16, one, 16)  # bf16 weights, read in place
+    assert not applies(qwen3, None, torch.float32, one, 16)
+    assert not applies(qwen3, "w8a8", bf16, one, 16)  # batched throughput: the graphs
+    assert not applies(gqa8, "int4", bf16, one, 16)  # head_dim 8: no native attention
+    assert not applies(moe, "int4", bf16, one, 16)
     tp2 = ParallelGroups(tp=Group(0, 2))  # TP with no shared-memory group (gloo): the graphs
-    assert not applies(qwen3, None, cpu, bf16, tp2, 16)  # (with one: test_tensor_parallel.py)
+    assert not applies(qwen3, None, bf16, tp2, 16)  # (with one: test_tensor_parallel.py)
+    # the machine's part is the run plan's: the CPU and a compiler to build the step with
+    config = EngineConfig(device="cpu", dtype="bfloat16", quantization="int4")
+    assert plan_attention(plan_run(config), config, qwen3, one).native_decode
     monkeypatch.setenv("CXX", "no-such-compiler-here")  # int4 stays on PyTorch's kernel
-    assert not applies(qwen3, "int4", cpu, bf16, one, 16)
+    assert not plan_run(config).native_decode
     monkeypatch.delenv("CXX")
 
 

@@ -3,6 +3,8 @@ once where the machine allows them, and the engine runs what the plan says."""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,9 +16,11 @@ from pypto_serving.cli import build_parser
 from pypto_serving.config import EngineConfig, engine_config
 from pypto_serving.device import cpu_packs_bf16
 from pypto_serving.distributed import ParallelGroups
-from pypto_serving.engine.plan import RunPlan, plan_run
+from pypto_serving.engine.plan import RunPlan, plan_attention, plan_run
 from pypto_serving.errors import PyptoError
+from pypto_serving.executor.paged import AttentionPlan
 from pypto_serving.flags import engine_knobs
+from pypto_serving.models.config import load_model_config
 from pypto_serving.models.loader import load_model
 from pypto_serving.models.quantized_cache import quantized_cache_path
 from pypto_serving.ops.linear import Linear
@@ -59,6 +63,39 @@ def test_the_plan_takes_the_switches_where_the_machine_allows(monkeypatch):
     assert not no_attention.native_attention and not no_attention.native_decode
     with pytest.raises(PyptoError, match="num_threads must be >= 1"):
         engine_config(num_threads=0)
+
+
+def test_the_attention_plan_is_decided_once_from_the_plan_and_the_model(tiny_model, caplog):
+    """The kernels where the plan runs them, the kind has them and they take its shape (GQA's,
+    MLA's latent as one KV head); compiled unless --enforce-eager or the model's layers do not
+    compile (DeepSeek-V4's); the native decode step where GQA's model allows it."""
+
+    def attention(name: str, **knobs: object) -> AttentionPlan:
+        config = engine_config(device="cpu", **knobs)
+        cfg = load_model_config(tiny_model(name))
+        return plan_attention(plan_run(config), config, cfg, ParallelGroups())
+
+    qwen3 = attention("qwen3-hd32-gqa4", dtype="bfloat16")
+    assert qwen3 == AttentionPlan("gqa", (4, 32), compiled=True, native_decode=True)
+    assert attention("qwen3-hd32-gqa4", dtype="float32").native_decode is False  # bf16 only
+    assert attention("qwen3-hd32-gqa4", dtype="bfloat16", enforce_eager=True).compiled is False
+    with caplog.at_level(logging.INFO):  # head_dim 8: PyTorch's attention, said
+        assert attention("llama-gqa4-tied", dtype="float32").kernels is None
+    assert "head_dim 8" in caplog.text
+    off = attention("qwen3-hd32-gqa4", dtype="bfloat16", native_attention=False)
+    assert (off.kernels, off.native_decode) == (None, False)
+    reference = attention("qwen3-hd32-gqa4", dtype="bfloat16", executor="reference")
+    assert reference == AttentionPlan("gqa", None, compiled=False, native_decode=False)
+    mla = attention("deepseekv3-qlora-yarn", dtype="float32")  # a latent of 32 + 8: PyTorch's
+    assert mla == AttentionPlan("mla", None, compiled=True, native_decode=False)
+    config = engine_config(device="cpu", dtype="float32")
+    wide = replace(load_model_config(tiny_model("deepseekv3-qlora-yarn")), kv_lora_rank=56)
+    mla = plan_attention(plan_run(config), config, wide, ParallelGroups())
+    assert mla.kernels == (wide.num_heads, 64)  # every head over one KV head of 56 + 8
+    v4 = attention("deepseekv4-swa-csa-hca-hash", dtype="float32")
+    assert v4 == AttentionPlan("compressed", None, compiled=False, native_decode=False)
+    with pytest.raises(PyptoError, match="kv_cache_dtype int8 needs the native CPU attention"):
+        attention("qwen3-hd32-gqa4", kv_cache_dtype="int8", native_attention=False)
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,10 @@ import time
 
 import httpx
 import pytest
+from fault_injection import SLOW_REPLICA_LAYERS, inject
 from live_server import serving, tiny_llm
 from patience import patience
 
-from pypto_serving.engine.replica import SLOW_LAYERS_ENV
 from pypto_serving.kv.paged_attention import StepAttention
 
 MODEL = "llama-gqa4-tied"  # two layers
@@ -104,7 +104,7 @@ def test_a_prompt_whose_layer_would_outlast_the_limit_is_refused_up_front(tiny_m
 
 def test_a_replica_whose_long_steps_make_progress_is_not_lost(tiny_model, monkeypatch):
     limit = patience(2.0)
-    monkeypatch.setenv(SLOW_LAYERS_ENV, f"*:{0.55 * limit}")  # every step: 1.1 x the limit
+    inject(monkeypatch, SLOW_REPLICA_LAYERS, f"*:{0.55 * limit}")  # every step: 1.1 x the limit
     llm = tiny_llm(tiny_model(MODEL), data_parallel_size=2, step_timeout_s=limit)
     with serving(llm) as live:
         results: list[httpx.Response] = []
@@ -112,11 +112,13 @@ def test_a_replica_whose_long_steps_make_progress_is_not_lost(tiny_model, monkey
             threading.Thread(target=lambda: results.append(complete(live.url, PROMPT, 1)))
             for _ in range(2)
         ]
+        started = time.monotonic()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         assert [r.status_code for r in results] == [200, 200], [r.text for r in results]
+        assert time.monotonic() - started > limit  # the steps were slowed past the limit
         assert llm.engine.router.num_routed == [0, 0]
         assert llm.engine.lost == {}
         assert httpx.get(f"{live.url}/health").status_code == 200

@@ -214,9 +214,9 @@ def test_a_rank_that_fails_to_start_is_named_and_nothing_waits(tiny_model, monke
     in init_process_group) and no process is left behind."""
     import time
 
-    from pypto_serving.engine.ranks import FAIL_START_ENV
+    from fault_injection import FAIL_RANK_START, inject
 
-    monkeypatch.setenv(FAIL_START_ENV, "1")
+    inject(monkeypatch, FAIL_RANK_START, "1")
     start = time.monotonic()
     with pytest.raises(
         PyptoError, match=r"rank 1 \(pid \d+\) failed to start: RuntimeError: injected"

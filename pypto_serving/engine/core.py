@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,12 +25,11 @@ from pypto_serving.errors import EngineDeadError, PyptoError
 from pypto_serving.executor.compiled import trust_cpu_vector_isa_soon
 from pypto_serving.executor.paged import PagedExecutor
 from pypto_serving.grammar import Grammars
-from pypto_serving.kv import native_attention
 from pypto_serving.kv.events import KVEvent, KVEventLog
 from pypto_serving.kv.groups import KVGroups
 from pypto_serving.kv.paged_attention import StepProgress
 from pypto_serving.kv.tier import TierStats, merge_tier_stats
-from pypto_serving.models.config import ModelConfig, load_model_config
+from pypto_serving.models.config import load_model_config
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.scheduler import Scheduler
@@ -194,15 +192,12 @@ class EngineCore:
         self.plan = plan = plan_run(own, self.model_dir)
         torch.set_num_threads(plan.num_threads)
         self.device, self.dtype = plan.device, plan.dtype
-        if config.executor == "paged" and self.device.type == "cpu":
-            if plan.native_attention:
-                self._build_kernels_soon(load_model_config(self.model_dir))
-            if not config.enforce_eager:
-                trust_cpu_vector_isa_soon()  # while the model loads; warm-up compiles for it
+        if config.executor == "paged" and self.device.type == "cpu" and not config.enforce_eager:
+            trust_cpu_vector_isa_soon()  # while the model loads; warm-up compiles for it
         backend = backend_for(config, own.device)
         groups = join_group(config, 0, backend, self._deadline.left(), self.dp)
         share = load_share(config, plan, self.model_dir, groups)  # as every rank does
-        self.model, self.executor, self.native = share.model, share.executor, share.native
+        self.model, self.executor, self.attention = share.model, share.executor, share.attention
         if self.lockstep and not self.model.held_experts:  # its MoE blocks are not RoutedExperts
             raise PyptoError(
                 f"{self.model.cfg.architecture} does not support DP attention + expert "
@@ -267,21 +262,6 @@ class EngineCore:
         publisher = KVEventPublisher(endpoint, topic, kv.page_size, rank, replay, curve)
         kv.pool.events = KVEventLog()
         return publisher
-
-    def _build_kernels_soon(self, cfg: ModelConfig) -> None:
-        """Build (or load) the native kernels in a background thread while the model loads:
-        ~5 s of g++ on a cold start, overlapping the loading's single-threaded part. The
-        executor's own call waits for it (`native.library` takes a lock); a failure is met
-        there again, and said."""
-        shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.config.cache.page_size)
-
-        def build() -> None:
-            try:
-                native_attention.library_for(self.device, self.dtype, *shape)
-            except Exception:
-                log.debug("building the attention kernels ahead failed", exc_info=True)
-
-        threading.Thread(target=build, name="pypto-attention", daemon=True).start()
 
     def _ranks(self) -> str:
         return ", ".join(

@@ -2,9 +2,13 @@
 
 Device, dtype, threads, which kernels run (native attention, the native decode step, oneDNN
 packing) and the quantization are resolved here, once per process, into a frozen `RunPlan`
-that every rank builds from (rank 0 in `EngineCore`, the others in `engine/ranks.py`). The
-code below takes the plan's answers as arguments: nothing asks the environment or
-`device.py`'s capability checks again.
+that every rank builds from (rank 0 in `EngineCore`, the others in `engine/ranks.py`). Once a
+rank knows its share of the model, `plan_attention` decides how that share attends: its
+attention kind, the KV cache's storage, the native kernels or PyTorch's attention, compiled
+or eager layers, and the native decode step (`AttentionPlan`), from the run plan and what the
+model declares (its kind's `KERNELS` and `NATIVE_DECODE`, its class's `compiles`). The code
+below takes the plans' answers as arguments: nothing asks the environment, `device.py`'s
+capability checks or the model's kind again.
 """
 
 from __future__ import annotations
@@ -29,8 +33,11 @@ from pypto_serving.device import (
 from pypto_serving.distributed import ParallelGroups
 from pypto_serving.errors import PyptoError
 from pypto_serving.executor import native_decode
+from pypto_serving.executor.paged import AttentionPlan
+from pypto_serving.kv import native_attention
 from pypto_serving.models.config import ModelConfig, load_model_config
 from pypto_serving.models.gguf_weights import has_blocks
+from pypto_serving.models.loader import model_class
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +65,63 @@ class RunPlan:
     records (int8, int4, int4-w8a8), or w8a8's integers, and no native decode step (config.py's
     `batch_invariant`)."""
 
-    def decodes_natively(self, cfg: ModelConfig, groups: ParallelGroups, page_size: int) -> bool:
-        """Whether this model (this rank's share of it) runs its few-decode steps natively."""
-        return self.native_decode and native_decode.applies(
-            cfg, self.quantization, self.device, self.dtype, groups, page_size
+
+def plan_attention(
+    plan: RunPlan, config: EngineConfig, cfg: ModelConfig, groups: ParallelGroups
+) -> AttentionPlan:
+    """How this rank's share (`groups`) of the model `cfg` describes attends, under `plan`:
+    the native kernels where the plan runs them, the kind has them and they take its shape
+    (else PyTorch's, said in the log); compiled unless --enforce-eager or the model's layers do
+    not compile; the native decode step where the plan runs it and the model allows it
+    (`native_decode.applies`). An int8 KV cache needs the kernels."""
+    model, cache, paged = model_class(cfg), config.cache, config.executor == "paged"
+    kind = model.attention_kind
+    kernels = None
+    if paged and plan.native_attention and kind.KERNELS:
+        share = cfg.parallel_shard(groups.tp.size, groups.pp.size, groups.ep.size > 1)
+        spec = kind.kv_groups(share, 1, cache.page_size, plan.dtype, cache.kv_cache_dtype)[0].spec
+        heads, kv_heads, dim = share.num_heads, spec.num_heads, spec.head_dim
+        if native_attention.takes(plan.dtype, heads, kv_heads, dim, cache.page_size):
+            kernels = (heads // kv_heads, dim)
+        else:
+            log.info(
+                "attention on the PyTorch path: the native kernels do not take %s, head_dim "
+                "%d, %d query heads per KV head or pages of %d",
+                plan.dtype,
+                dim,
+                heads // kv_heads,
+                cache.page_size,
+            )
+    if cache.kv_cache_dtype == "int8" and kernels is None:
+        raise PyptoError(
+            "kv_cache_dtype int8 needs the native CPU attention kernels, which this engine "
+            f"does not run ({plan.device.type}, {str(plan.dtype).removeprefix('torch.')}, "
+            f"head_dim {cfg.head_dim}, or --no-native-attention)",
+            "kv_cache_dtype",
         )
+    return AttentionPlan(
+        kind=kind.NAME,
+        kernels=kernels,
+        compiled=paged and model.compiles and not config.enforce_eager,
+        native_decode=paged
+        and kernels is not None
+        and plan.native_decode
+        and _native_step_runs(cfg, plan.quantization, plan.dtype, groups, cache.page_size),
+    )
+
+
+def _native_step_runs(
+    cfg: ModelConfig,
+    quantization: str | None,
+    dtype: torch.dtype,
+    groups: ParallelGroups,
+    page_size: int,
+) -> bool:
+    """Whether the native decode step runs this model's decodes: its kind's, and the model's
+    sizes, layers and weights (`native_decode.applies`)."""
+    return model_class(cfg).attention_kind.NATIVE_DECODE and native_decode.applies(
+        cfg, quantization, dtype, groups, page_size
+    )
 
 
 def plan_run(config: EngineConfig, model_dir: Path | None = None) -> RunPlan:
@@ -80,6 +139,7 @@ def plan_run(config: EngineConfig, model_dir: Path | None = None) -> RunPlan:
         attention
         and config.native_decode
         and use_native_decode(device)
+        and native.compiler() is not None
         and not config.batch_invariant
     )
     quantization = _quantization(config, model_dir, device, dtype, decode)
@@ -120,13 +180,8 @@ def _quantization(
         return None
     served = config.batch_invariant or (
         decode
-        and native_decode.applies(
-            load_model_config(model_dir),
-            "gguf",
-            device,
-            dtype,
-            ParallelGroups(),
-            config.cache.page_size,
+        and _native_step_runs(
+            load_model_config(model_dir), "gguf", dtype, ParallelGroups(), config.cache.page_size
         )
     )
     if (

@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -47,12 +46,6 @@ from pypto_serving.errors import PyptoError
 from pypto_serving.executor.paged import PagedExecutor
 
 log = logging.getLogger(__name__)
-
-FAIL_START_ENV = "PYPTO_FAIL_RANK_START"
-"""Fault injection for tests: the rank this names fails before it joins the group."""
-HANG_START_ENV = "PYPTO_HANG_RANK_START"
-"""Fault injection for tests: the rank this names hangs after joining the group, before it
-loads its share (start-up then fails after `startup_timeout_s`)."""
 
 
 @dataclass(slots=True)
@@ -202,8 +195,6 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
     config = spec.config
     try:
-        if os.environ.get(FAIL_START_ENV) == str(spec.rank):
-            raise RuntimeError(f"injected start-up failure ({FAIL_START_ENV}={spec.rank})")
         plan = plan_run(config, spec.model_dir)
         torch.set_num_threads(plan.num_threads)
     except BaseException as e:  # reported before the rendezvous, so rank 0 never waits on it
@@ -212,8 +203,6 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     conn.send(Joining(os.getpid()))
     try:
         groups = join_group(config, spec.rank, spec.backend, config.parallel.startup_timeout_s)
-        if os.environ.get(HANG_START_ENV) == str(spec.rank):
-            threading.Event().wait()  # injected hang: rank 0's start-up limit ends it
         executor = load_share(config, plan, spec.model_dir, groups).executor  # as rank 0 does
         assert isinstance(executor, PagedExecutor)  # parallelism needs it (config.validate)
     except BaseException as e:  # rank 0 waits for Loaded before any collective: tell it

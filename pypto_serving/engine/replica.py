@@ -25,12 +25,11 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -46,20 +45,12 @@ from pypto_serving.engine.core import EngineCore, EngineStats
 from pypto_serving.engine.process import ChildProcess, StartFailed, StartupDeadline, describe
 from pypto_serving.errors import PyptoError
 from pypto_serving.kv.events import PageChange, page_change
-from pypto_serving.kv.paged_attention import StepAttention
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-FAIL_START_ENV = "PYPTO_FAIL_REPLICA_START"
-"""Fault injection for tests: the replica whose index this names raises during start-up."""
-HANG_START_ENV = "PYPTO_HANG_REPLICA_START"
-"""Fault injection for tests: the replica whose index this names hangs during start-up."""
-SLOW_LAYERS_ENV = "PYPTO_SLOW_REPLICA_LAYERS"
-"""Fault injection for tests: "index:seconds" makes each layer of that replica's steps (every
-replica's, index *) take `seconds` longer: long steps that still make progress."""
 HEARTBEAT_S = 1.0
 """Most time between a replica's heartbeats while its steps make progress (a quarter of
 step_timeout_s where that is shorter: `heartbeat_interval`)."""
@@ -173,13 +164,6 @@ def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
     try:
         if spec.cpus:
             os.sched_setaffinity(0, spec.cpus)
-        if os.environ.get(FAIL_START_ENV) == str(spec.index):
-            raise RuntimeError(f"injected start-up failure ({FAIL_START_ENV}={spec.index})")
-        if os.environ.get(HANG_START_ENV) == str(spec.index):
-            threading.Event().wait()  # the parent's start-up limit ends it
-        slow, _, seconds = os.environ.get(SLOW_LAYERS_ENV, "").partition(":")
-        if slow in ("*", str(spec.index)):
-            _slow_layers(float(seconds))
         if spec.rendezvous is not None and spec.rendezvous.startswith("tcp://"):
             address, _, port = spec.rendezvous.removeprefix("tcp://").rpartition(":")
             network_rendezvous(address, int(port), spec.dp_size // spec.nodes)
@@ -211,16 +195,6 @@ def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
         pass  # the parent went away: nothing to report to
     finally:
         engine.close()
-
-
-def _slow_layers(seconds: float) -> None:
-    attend = StepAttention.attend
-
-    def slow(self: StepAttention, *args: Any) -> Any:
-        time.sleep(seconds)
-        return attend(self, *args)
-
-    StepAttention.attend = slow  # type: ignore[method-assign, assignment]
 
 
 class _Heartbeat:

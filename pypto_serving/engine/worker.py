@@ -7,17 +7,22 @@ Rank 0 (`EngineCore`) then also holds the scheduler and warms the executor up; r
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from pypto_serving import native
 from pypto_serving.config import EngineConfig
 from pypto_serving.distributed import Group, ParallelGroups, init_distributed, resolve_groups
-from pypto_serving.engine.plan import RunPlan
+from pypto_serving.engine.plan import AttentionPlan, RunPlan, plan_attention
 from pypto_serving.executor.paged import PagedExecutor, build_paged_executor
 from pypto_serving.executor.reference import ReferenceExecutor
 from pypto_serving.models.config import load_model_config
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.models.loader import load_model
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -26,8 +31,8 @@ class Share:
 
     model: CausalLM
     executor: PagedExecutor | ReferenceExecutor
-    native: bool
-    """Its decodes of a few run through the native decode step."""
+    attention: AttentionPlan
+    """How it attends and steps (its decodes of a few through the native step or not)."""
 
 
 def join_group(
@@ -56,31 +61,39 @@ def load_share(
     config: EngineConfig, plan: RunPlan, model_dir: Path, groups: ParallelGroups
 ) -> Share:
     """This rank's share of the model (its heads, its stage's layers, its experts) and its
-    executor: every rank builds the same paged executor, so page counts agree."""
-    cfg = load_model_config(model_dir)
-    native = config.executor == "paged" and plan.decodes_natively(
-        cfg, groups, config.cache.page_size
-    )
+    executor, attending as `plan_attention` decides (its native kernels built while the
+    weights load): every rank builds the same paged executor, so page counts agree."""
+    attention = plan_attention(plan, config, load_model_config(model_dir), groups)
+    if attention.kernels is not None:
+        _build_kernels_soon(attention.kernels)
     model = load_model(
         model_dir,
         plan.dtype,
         plan.device,
         groups,
         plan.quantization,
-        native,
+        attention.native_decode,
         plan.pack_linear,
         records_only=plan.batch_invariant,
     )
     if config.executor == "reference":
-        return Share(model, ReferenceExecutor(model, plan.device), native)
+        return Share(model, ReferenceExecutor(model, plan.device), attention)
     executor = build_paged_executor(
-        config,
-        model,
-        plan.device,
-        plan.dtype,
-        model_dir,
-        native,
-        attention_kernels=plan.native_attention,
-        quantization=plan.quantization,
+        config, model, plan.device, plan.dtype, plan.quantization, attention, model_dir
     )
-    return Share(model, executor, native)
+    return Share(model, executor, attention)
+
+
+def _build_kernels_soon(shape: tuple[int, int]) -> None:
+    """Build (or load) the native attention kernels in a background thread while the model
+    loads: ~5 s of g++ on a cold start, overlapping the loading's single-threaded part. The
+    executor's own call waits for it (`native.library` takes a lock); a failure is met there
+    again, and said."""
+
+    def build() -> None:
+        try:
+            native.library(*shape)
+        except Exception:
+            log.debug("building the attention kernels ahead failed", exc_info=True)
+
+    threading.Thread(target=build, name="pypto-attention", daemon=True).start()

@@ -26,14 +26,13 @@ from ctypes import POINTER, c_float, c_int32, c_int64, c_void_p
 
 import torch
 
-from pypto_serving.device import use_native_decode
 from pypto_serving.distributed import ParallelGroups, shm_group
 from pypto_serving.executor.team_size import TeamSize
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.paged_cache import PagedCache
 from pypto_serving.models.config import ModelConfig
 from pypto_serving.models.llama import MLP, Attention, CausalLM, DecoderLayer
-from pypto_serving.native import Matrix, compiler
+from pypto_serving.native import Matrix
 from pypto_serving.ops.linear import INT4_GROUP, NATIVE_BF16, Linear
 
 log = logging.getLogger(__name__)
@@ -99,26 +98,21 @@ class _Step(ctypes.Structure):
 def applies(
     cfg: ModelConfig,
     quantization: str | None,
-    device: torch.device,
     dtype: torch.dtype,
     groups: ParallelGroups,
     page_size: int,
 ) -> bool:
-    """Whether an engine's decodes of a few run through the native step: bf16 or int4 weights
-    on the CPU (bf16), one rank or TP ranks joined by shared memory (no pipeline), no
-    mixture-of-experts layer, sizes (each rank's) in whole groups of 32, an attention shape
-    the native kernels take, and a C++ compiler to build them with (`--no-native-decode`
-    turns it off)."""
+    """Whether the native step can run this model's decodes (its kind's, where the run plan
+    runs the step: engine/plan.py): bf16 or int4 weights in bf16, one rank or TP ranks joined
+    by shared memory (no pipeline), no mixture-of-experts layer, sizes (each rank's) in whole
+    groups of 32, and an attention shape the native kernels take."""
     tp = groups.tp.size
     sizes = (cfg.hidden_size, cfg.intermediate_size // tp, cfg.q_size // tp)
     return (
         quantization in QUANTIZATIONS
-        and use_native_decode(device)
-        and compiler() is not None
         and dtype == torch.bfloat16
         and (groups.world_size == 1 or (groups.pp.size == 1 and shm_group() is not None))
         and not cfg.moe_layers
-        and not cfg.kv_lora_rank  # MLA (DeepSeek): no native step
         and all(n % INT4_GROUP == 0 for n in sizes)
         and native_attention.takes(dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size)
     )

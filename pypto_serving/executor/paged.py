@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,12 +46,11 @@ from pypto_serving.executor.native_decode import MAX_ROWS as NATIVE_MAX_ROWS
 from pypto_serving.executor.native_decode import NativeDecoder
 from pypto_serving.executor.prompt_logprobs import prompt_scoring, score_prompts
 from pypto_serving.grammar import Grammars
-from pypto_serving.kv import native_attention
-from pypto_serving.kv.kinds import gqa
 from pypto_serving.kv.mirror import agree_ssd_loads, follow_moves, ssd_load_message
 from pypto_serving.kv.paged_attention import PagedKV, StepBatch, StepProgress, active_step
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.models.loader import checkpoint_digest
+from pypto_serving.native import library
 from pypto_serving.ops.sampler import Sampled, SamplingRow, sample
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
@@ -59,20 +59,35 @@ from pypto_serving.scheduler import ScheduledRequest, SchedulerOutput
 log = logging.getLogger(__name__)
 
 
+@dataclass(slots=True, frozen=True)
+class AttentionPlan:
+    """How one rank's share of a model attends and steps (decided by engine/plan.py's
+    `plan_attention`)."""
+
+    kind: str
+    """The model's attention kind (`kv/kinds/`, its `NAME`)."""
+    kernels: tuple[int, int] | None
+    """(query heads per KV head, head_dim): the shape of the native attention library its
+    paged operator attends with; None: PyTorch's attention."""
+    compiled: bool
+    """Its decoder layers run compiled (warm-up compiles them); else eagerly."""
+    native_decode: bool
+    """Its steps of a few decodes run as one call of the native decode step."""
+
+
 def build_paged_executor(
     config: EngineConfig,
     model: CausalLM,
     device: torch.device,
     dtype: torch.dtype,
+    quantization: str | None,
+    attention: AttentionPlan,
     model_dir: Path,
-    native: bool = False,
-    attention_kernels: bool = True,
-    quantization: str | None = None,
 ) -> PagedExecutor:
     """The paged executor of an engine (or of one tensor-parallel rank: every rank builds the
-    same one, so page counts agree), its pool sized for the longest sequences; native: it
-    runs decodes of a few through the native step (`native_decode.applies`); quantization:
-    the model's (the run plan's, auto resolved)."""
+    same one, so page counts agree), its pool sized for the longest sequences, attending and
+    stepping as `attention` says (the loader packed the model for its native decode step);
+    quantization: the model's (the run plan's, auto resolved)."""
     cfg = model.cfg
     max_len = min(cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings)
     return PagedExecutor(
@@ -81,11 +96,9 @@ def build_paged_executor(
         dtype,
         config.cache,
         config.scheduler.max_num_seqs * max_len,
-        config.enforce_eager,
+        attention,
         # the KV of a quantized model differs: its SSD pages must not mix with the plain ones
         checkpoint_digest(model_dir) + (f"|{quantization}" if quantization else ""),
-        native,
-        attention_kernels,
         (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens),
         config.batch_invariant,
     )
@@ -109,42 +122,24 @@ class PagedExecutor:
         dtype: torch.dtype,
         cache: CacheConfig,
         max_tokens_in_use: int,
-        enforce_eager: bool = False,
+        attention: AttentionPlan,
         digest: str = "",
-        native: bool = False,
-        attention_kernels: bool = True,
         running: tuple[int, int] = (1, 1),
         batch_invariant: bool = False,
     ) -> None:
-        """max_tokens_in_use: the most tokens all running sequences can hold at once; digest:
-        identifies the checkpoint (keys the SSD tier's pages); native: decodes of a few run
-        through the native step (`native_decode.applies`; the loader packed the model for it);
-        attention_kernels: attention may run on the native kernels (the run plan's choice);
-        running: (max_num_seqs, max_num_batched_tokens), what a windowed kind's rows hold;
-        batch_invariant: decodes attend through the prefill kernel (`StepAttention`)."""
+        """max_tokens_in_use: the most tokens all running sequences can hold at once;
+        attention: how the model attends and steps (the run plan's `plan_attention`); digest:
+        identifies the checkpoint (keys the SSD tier's pages); running: (max_num_seqs,
+        max_num_batched_tokens), what a windowed kind's rows hold; batch_invariant: decodes
+        attend through the prefill kernel (`StepAttention`)."""
         self.model, self.device, self.dtype, self.groups = model, device, dtype, model.groups
         self.batch_invariant = batch_invariant
-        cfg = model.cfg
-        kv_groups = model.attention_kind.kv_groups(
-            cfg, model.num_local_layers, cache.page_size, dtype, cache.kv_cache_dtype
-        )
-        spec = kv_groups[0].spec
-        windowed = len(kv_groups) > 1  # its own attention, eager
-        attention_kernels = attention_kernels and not windowed
-        enforce_eager = enforce_eager or windowed
-        self.attention_kernel = (
-            native_attention.library_for(
-                device, dtype, cfg.num_heads, spec.num_heads, spec.head_dim, cache.page_size
-            )
-            if attention_kernels
-            else None
-        )
+        self.attention_kernel = None if attention.kernels is None else library(*attention.kernels)
         """The native paged attention library, or None for PyTorch's attention."""
         if cache.kv_cache_dtype == "int8" and self.attention_kernel is None:
             raise PyptoError(
-                "kv_cache_dtype int8 needs the native CPU attention kernels, which this engine "
-                f"does not have ({device.type}, {str(dtype).removeprefix('torch.')}, head_dim "
-                f"{cfg.head_dim}, or --no-native-attention / no C++ compiler: see the log)"
+                "kv_cache_dtype int8 needs the native CPU attention kernels, which did not "
+                "build here (a C++ compiler: g++, or $CXX; see the log)"
             )
         self.kv = build_kv_store(
             model, device, dtype, cache, max_tokens_in_use, digest, running=running
@@ -159,11 +154,9 @@ class PagedExecutor:
         self.native: NativeDecoder | None = None
         """Runs steps of up to NATIVE_MAX_ROWS decodes in one native call; other steps run on
         the graphs."""
-        if native and self.attention_kernel is not None and spec.kind == gqa.NAME:
+        if attention.native_decode and self.attention_kernel is not None:
             self.native = NativeDecoder(model, self.kv.pool.cache, self.attention_kernel)
-        elif native:  # the native step is GQA's; other kinds' decodes run on the graphs
-            log.warning("no native decode step here: decodes run on the compiled graphs")
-        self.run_layer = None if enforce_eager else CompiledLayers()
+        self.run_layer = CompiledLayers() if attention.compiled else None
         """How the model's decoder layers run: compiled, or eagerly (None)."""
         self._warming: threading.Thread | None = None
         """The warm-up compiling in the background (`warmup(background=True)`), if any."""

@@ -6,22 +6,17 @@ memory-bound, that gather and the padded reads cost more than the attention itse
 prefill chunks, the padded, masked flash attention does up to 3x the useful work. The kernels
 read each page in place, over torch's own OpenMP threads: decodes one query per sequence,
 prefill chunks in tiles of queries with the causal mask skipping pages past a tile's end.
-The library (`pypto_serving.native`) is built for one attention shape; where it is None (no
-compiler, a failed build: said once in the log) attention stays on the PyTorch path; both
-paths are tested against a float64 reference.
+The library (`pypto_serving.native`) is built for one attention shape, where the run plan
+attends with it (engine/plan.py: on the CPU, a kind with kernels, a shape they `take`); where
+it is None (no compiler, a failed build: said once in the log) attention stays on the
+PyTorch path; both paths are tested against a float64 reference.
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
 
 import torch
-
-from pypto_serving.device import use_native_attention
-from pypto_serving.native import library
-
-log = logging.getLogger(__name__)
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM, MAX_GROUP, MAX_PAGE = 256, 16, 256
@@ -40,32 +35,6 @@ def takes(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, page_siz
         and heads // kv_heads <= MAX_GROUP
         and page_size <= MAX_PAGE
     )
-
-
-def library_for(
-    device: torch.device,
-    dtype: torch.dtype,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    page_size: int,
-) -> ctypes.CDLL | None:
-    """The library for a model's attention where the kernels apply (on the CPU unless
-    `--no-native-attention`, for a shape they take), built or loaded now; None means
-    PyTorch's attention (logged)."""
-    if not use_native_attention(device):
-        return None
-    if not takes(dtype, heads, kv_heads, head_dim, page_size):
-        log.info(
-            "attention on the PyTorch path: the native kernels do not take %s, "
-            "head_dim %d, %d query heads per KV head or pages of %d",
-            dtype,
-            head_dim,
-            heads // kv_heads,
-            page_size,
-        )
-        return None
-    return library(heads // kv_heads, head_dim)
 
 
 def paged_attention(

@@ -224,7 +224,7 @@ class StepAttention:
     ) -> None:
         """pages: each sequence's page ids (from the pool); positions [T] of the new tokens;
         q_lens, ctx_lens [B] (ctx includes new), all int64 on the cache's device;
-        `kernel`: the native attention library (`native_attention.library_for`), or None for
+        `kernel`: the native attention library (the run plan's, `native.library`), or None for
         PyTorch's path; `progress`: advanced by each layer (the executor's);
         `decodes_as_prefill`: decodes run through the native prefill kernel, as chunks of one
         token (--batch-invariant: a token's attention is then the same bits whether it was

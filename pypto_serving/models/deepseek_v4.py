@@ -294,6 +294,8 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     layer_type = V4DecoderLayer
     attention_kind: ClassVar[AttentionKind] = compressed
+    compiles: ClassVar[bool] = False
+    """Its layers run eagerly (its forward takes no `run_layer`): nothing to compile."""
     main_inv_freq: torch.Tensor
     compress_inv_freq: torch.Tensor
 
@@ -326,7 +328,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         run_layer: object = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T] (a flat batch) -> normed hidden states [T, hidden]; the
-        layers always run eagerly (`run_layer` is ignored)."""
+        layers run eagerly (`compiles` is False: the plan passes no `run_layer`)."""
         v4, decoder = self.v4, self.model
         assert decoder.embed_tokens is not None and decoder.norm is not None
         angles = {

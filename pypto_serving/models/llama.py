@@ -60,8 +60,15 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = gqa.attend(kv, self.layer, q, k, v)
+        out = self.attend(kv, q, k, v)
         return self.o_proj(out.reshape(-1, cfg.q_size))
+
+    def attend(
+        self, kv: KVAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """The layer's attention over its kind's KV: GQA's here; a model of another kind
+        overrides it."""
+        return gqa.attend(kv, self.layer, q, k, v)
 
 
 class MLP(nn.Module):
@@ -214,6 +221,9 @@ class CausalLM(nn.Module):
     """The decoder layers' class (DeepSeek's model gives its own)."""
     attention_kind: ClassVar[AttentionKind] = gqa
     """The kind its layers' attention is (`kv/kinds/`): the executor builds its KV from it."""
+    compiles: ClassVar[bool] = True
+    """Whether `forward` runs its decoder layers through `run_layer` (compiled), which the run
+    plan then compiles unless --enforce-eager."""
     inv_freq: torch.Tensor
     """RoPE's inverse frequencies (a buffer, not in the checkpoint)."""
 

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pypto_serving import native as native_kernels
-from pypto_serving.device import cpu_isa, cpu_packs_bf16, int8_gemm_full_range
+from pypto_serving.device import int8_gemm_full_range
 from pypto_serving.distributed import Group, tp_all_reduce
 from pypto_serving.errors import PyptoError
 
@@ -406,20 +406,13 @@ class Linear(nn.Linear):
 
     def pack(self, form: str = "onednn") -> None:
         """Repack the (loaded) weight for oneDNN, or in panels for the native GEMM (`form`
-        "panels"); the plain weight stays for tying/loading. oneDNN's bf16 only where oneDNN
-        packs it (`device.cpu_packs_bf16`: AVX-512 BW, VL and DQ, or AVX-NE-CONVERT);
-        elsewhere a clear error, not oneDNN's."""
+        "panels"); the plain weight stays for tying/loading. The form is the run plan's
+        (`device.linear_packing`: oneDNN's bf16 only where oneDNN packs it)."""
         weight = self.weight.detach()
         self.packed_form = form
         if form == "panels":
             self.packed = pack_panels(weight)
             return
-        if weight.dtype == torch.bfloat16 and not cpu_packs_bf16():
-            raise PyptoError(
-                f"oneDNN packs bf16 weights only on CPUs with AVX-512 BW, VL and DQ, or "
-                f"AVX-NE-CONVERT; this one has neither (ISA {cpu_isa()})",
-                "dtype",
-            )
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
     @property

@@ -1,17 +1,19 @@
-"""The attention kinds, one module each (`gqa`, `mla`, `compressed`): everything a kind is
-lives in its file.
+"""The attention kinds, one module each (`gqa`, `mla`, `compressed`, ...): everything a kind
+is lives in its file.
 
-A kind's module declares its KV groups (`kv_groups`, from the model config: each group's page
-layout, what a token costs, and the rule its manager keeps pages and claims prefix hits by:
-every token, or a window of the last `keep`), builds a step's attention operator over them
-(`step`), and holds its paged operator (writes the layer's new entries through the step's slot
-mapping into the cache's tensors, then attends), the custom op the compiled graphs call it
-through, its dense oracle (over the reference executor's `DenseKV`), and `attend`, the one
-call its model code makes, which picks the dense or the paged path by the `KVAttention` it is
-given. A model declares its kind (`CausalLM.attention_kind`); the executor builds its KV from
-that kind's groups. The generic machinery (`paged_attention.StepAttention`,
-`paged_cache.PagedCache`, the groups' managers, the pool, the tiers, `ops.attention.DenseKV`)
-never names a kind.
+A kind's module declares what it can run on (`KERNELS`: its paged operator attends on the
+native attention kernels; `NATIVE_DECODE`: the native decode step runs its decodes), which
+the run plan (engine/plan.py) reads once; its KV groups (`kv_groups`, from the model config:
+each group's page layout, what a token costs, and the rule its manager keeps pages and claims
+prefix hits by: every token, or a window of the last `keep`); builds a step's attention
+operator over them (`step`); and holds its paged operator (writes the layer's new entries
+through the step's slot mapping into the cache's tensors, then attends), the custom op the
+compiled graphs call it through, its dense oracle (over the reference executor's `DenseKV`),
+and `attend`, the one call its model code makes, which picks the dense or the paged path by
+the `KVAttention` it is given. A model declares its kind (`CausalLM.attention_kind`); the
+executor builds its KV from that kind's groups. The generic machinery
+(`paged_attention.StepAttention`, `paged_cache.PagedCache`, the groups' managers, the pool,
+the tiers, `ops.attention.DenseKV`) never names a kind.
 """
 
 from __future__ import annotations
@@ -28,7 +30,16 @@ if TYPE_CHECKING:
 
 
 class AttentionKind(Protocol):
-    """What the executor asks of a model's attention kind (a module of this package)."""
+    """What the run plan and the executor ask of a model's attention kind (a module of this
+    package)."""
+
+    NAME: str
+    """The kind's name ("gqa", "mla", ...)."""
+    KERNELS: bool
+    """Whether its paged operator can attend on the native attention kernels (for a shape
+    they take, `native_attention.takes`)."""
+    NATIVE_DECODE: bool
+    """Whether the native decode step (executor/native_decode.py) can run its decodes."""
 
     def kv_groups(
         self,

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from pypto_serving.kv.groups import KVGroups
 
 NAME = "compressed"
+KERNELS = False
+NATIVE_DECODE = False
 ROWS, ENTRIES = "compressed-rows", "compressed-entries"
 """The names of the kind's two KV groups (they key the SSD tier's folders apart)."""
 QUERY_BLOCK = 256

@@ -19,6 +19,8 @@ from pypto_serving.kv.spec import KVGroup, KVSpec
 from pypto_serving.ops.attention import DenseKV, KVAttention, causal_attention
 
 NAME = "gqa"
+KERNELS = True
+NATIVE_DECODE = True
 
 step = paged_step
 """Its step: `StepAttention` over its one group of full attention."""

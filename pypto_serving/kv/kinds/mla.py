@@ -23,6 +23,8 @@ from pypto_serving.kv.spec import KVGroup, KVSpec
 from pypto_serving.ops.attention import DenseKV, KVAttention, causal_attention
 
 NAME = "mla"
+KERNELS = True
+NATIVE_DECODE = False
 
 step = paged_step
 """Its step: `StepAttention` over its one group of full attention."""
