@@ -191,6 +191,56 @@ TINY_DEEPSEEK_V4: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
+# Sliding-window models (windows shorter than the prompts): tests/test_sliding_window.py runs
+# these.
+TINY_WINDOW: dict[str, tuple[str, dict[str, Any]]] = {
+    "mistral-window8": (  # every layer windowed; head_dim != hidden / heads
+        "mistral",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            sliding_window=8,
+            tie_word_embeddings=False,
+            max_position_embeddings=4096,  # room for a long generation over the window
+        ),
+    ),
+    "mistral-window13-mha": (  # a window across page boundaries, MHA, tied
+        "mistral",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            sliding_window=13,
+            num_hidden_layers=3,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-window6-from1": (  # layer 0 full, layers 1-2 windowed (max_window_layers 1)
+        "qwen3",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_hidden_layers=3,
+            use_sliding_window=True,
+            sliding_window=6,
+            max_window_layers=1,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen2-window11-from1": (  # Qwen2's biases; layer 0 full, layer 1 windowed
+        "qwen2",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_sliding_window=True,
+            sliding_window=11,
+            max_window_layers=1,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
 WIDE: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-wide": (  # dims where the GEMMs' blocking shows (batch-invariance tests)
         "llama",
@@ -223,7 +273,7 @@ def build_checkpoint(name: str, out: Path, seed: int = 0, grid: bool = False) ->
     each group of 32 inputs spanning 0 to 15, which int4 quantization keeps exactly."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    family, overrides = {**TINY, **TINY_DEEPSEEK, **TINY_DEEPSEEK_V4, **WIDE}[name]
+    family, overrides = {**TINY, **TINY_DEEPSEEK, **TINY_DEEPSEEK_V4, **TINY_WINDOW, **WIDE}[name]
     config = AutoConfig.for_model(family, **{**BASE, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

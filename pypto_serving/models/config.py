@@ -17,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
+    "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
@@ -26,6 +27,8 @@ SUPPORTED_ARCHITECTURES = (
 )
 DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 DEEPSEEK_V4 = "DeepseekV4ForCausalLM"
+WINDOWED = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+"""Architectures whose layers may attend within a sliding window (`_windows`)."""
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -123,6 +126,11 @@ class ModelConfig:
     """Checkpoint layers after the decoder's (DeepSeek-V3's multi-token prediction): skipped."""
     compressed: CompressedAttentionConfig | None = None
     """DeepSeek-V4's compressed attention and hyper-connections (None for other models)."""
+    sliding_window: int = 0
+    """Keys a windowed layer's query sees: its own and the window - 1 before it."""
+    window_layers: tuple[int, ...] = ()
+    """The layers that attend within `sliding_window` (Mistral: every one; Qwen2/Qwen3 with
+    use_sliding_window: those from max_window_layers on); none: full attention throughout."""
 
     @property
     def q_size(self) -> int:
@@ -146,6 +154,16 @@ class ModelConfig:
             raise ModelLoadError(
                 "a mixture-of-experts model under tensor parallelism needs "
                 "enable_expert_parallel (splitting each expert by columns is not supported)"
+            )
+        if self.window_layers and pp > 1:
+            raise ModelLoadError(
+                f"{self.architecture} with sliding-window layers does not support pipeline "
+                "parallelism yet"
+            )
+        if 0 < len(self.window_layers) < self.num_layers and tp > 1:
+            raise ModelLoadError(
+                f"{self.architecture} with both sliding-window and full-attention layers does "
+                "not support tensor parallelism yet (one with every layer windowed does)"
             )
         if self.compressed is not None and (tp > 1 or pp > 1):
             raise ModelLoadError(
@@ -222,8 +240,6 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         hf = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise ModelLoadError(f"cannot parse config.json in {model_dir}: {e}") from None
-    if getattr(hf, "use_sliding_window", False):
-        raise ModelLoadError("sliding-window attention is not supported yet")
     if getattr(hf, "mlp_bias", False):
         raise ModelLoadError("mlp_bias=true is not supported")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -235,6 +251,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     else:
         inv_freq, rope_scaling = _rope(hf, head_dim)  # DeepSeek: head_dim is qk_rope_head_dim
         extra = _deepseek(hf, raw, arch) if arch in DEEPSEEK else _moe(hf, arch)
+        extra |= _windows(hf, arch)
     eos = hf.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
@@ -259,6 +276,20 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         torch_dtype=str(dtype),
     )
     return replace(cfg, **extra)
+
+
+def _windows(hf: Any, arch: str) -> dict[str, Any]:
+    """The sliding window and the layers it applies to: Mistral's `sliding_window` on every
+    layer; Qwen2/Qwen3's with `use_sliding_window`, on the layers its `layer_types` marks
+    sliding. None where the window is off or no shorter than the model's positions."""
+    window = getattr(hf, "sliding_window", None)
+    if arch not in WINDOWED or not window or window >= hf.max_position_embeddings:
+        return {}
+    if arch != "MistralForCausalLM" and not getattr(hf, "use_sliding_window", False):
+        return {}
+    types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
+    layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return {"sliding_window": int(window), "window_layers": layers} if layers else {}
 
 
 def _moe(hf: Any, arch: str) -> dict[str, Any]:

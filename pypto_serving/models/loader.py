@@ -26,6 +26,7 @@ from pypto_serving.models.deepseek_v4 import DeepseekV4ForCausalLM, V4MoE
 from pypto_serving.models.gguf_weights import stored_records
 from pypto_serving.models.llama import CausalLM, MoE
 from pypto_serving.models.quantized_cache import quantize_cached
+from pypto_serving.models.windowed import WindowedCausalLM
 from pypto_serving.ops.linear import pack_linears
 
 # HF projection name -> (our fused parameter, index of the slice it fills)
@@ -304,6 +305,8 @@ def model_class(cfg: ModelConfig) -> type[CausalLM]:
     """Our model code for the checkpoint's architecture."""
     if cfg.architecture == DEEPSEEK_V4:
         return DeepseekV4ForCausalLM
+    if cfg.window_layers:
+        return WindowedCausalLM
     return DeepseekForCausalLM if cfg.architecture in DEEPSEEK else CausalLM
 
 

@@ -1,0 +1,276 @@
+"""Sliding-window attention: grouped-query attention whose windowed layers read only the last
+`window` tokens (a query's own and the window - 1 before it): Mistral, Qwen2/Qwen3 with
+`use_sliding_window` (the layers from `max_window_layers` on). The whole kind: its KV groups,
+its paged operator and custom op, its dense oracle, and `attend`, its model code's call.
+
+Keys and values are GQA's ([layers, kv_heads, slots, head_dim] each). The windowed layers form
+one group whose manager keeps `window - 1` tokens before the next one: it gives back every
+page the window has passed while a request runs (still cached for a later prompt's hit), and
+claims a prefix hit with only the window's pages held, so a sequence of any length holds
+about a window of pages. A model whose other layers attend to everything has a second group
+of full attention, first (`kv_groups`), whose pages grow with the sequence as GQA's do.
+
+    full    ▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓     every page
+    window  ░░░░░░░░░░░░░░░░░░░░░░▓▓▓▓▓▓     the window's pages; -1 where a page went back
+
+The paged operator gathers, per sequence, only the pages from the first one its window
+reaches (never a page given back), and masks keys outside the window and after each query:
+PyTorch's attention (the native kernels read from a sequence's first page: `KERNELS` is
+False), compiled like GQA's (an opaque custom op in the layer graphs).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from pypto_serving.errors import PyptoError
+from pypto_serving.kv.kinds.gqa import paged_attend
+from pypto_serving.kv.paged_attention import StepAttention, StepBatch, current_step
+from pypto_serving.kv.spec import KVGroup, KVSpec
+from pypto_serving.ops.attention import DenseKV, KVAttention
+
+if TYPE_CHECKING:
+    from pypto_serving.kv.groups import KVGroups
+
+NAME = "window"
+KERNELS = False
+NATIVE_DECODE = False
+FULL, SLIDING = "full", "sliding"
+"""The names of the kind's groups (they key the SSD tier's folders apart)."""
+
+
+def kv_spec(cfg: Any, num_layers: int, page_size: int, dtype: torch.dtype) -> KVSpec:
+    """K and V of this rank's KV heads (`cfg.num_kv_heads`), `cfg.head_dim` values each."""
+    heads, dim = cfg.num_kv_heads, cfg.head_dim
+    return KVSpec(NAME, num_layers, heads, dim, dim, page_size, dtype, num_tensors=2)
+
+
+def layer_groups(cfg: Any, num_layers: int) -> list[tuple[str, int]]:
+    """Each of the rank's `num_layers` layers: its group and its index there."""
+    seen = {FULL: 0, SLIDING: 0}
+    out = []
+    for i in range(num_layers):
+        group = SLIDING if i in cfg.window_layers else FULL
+        out.append((group, seen[group]))
+        seen[group] += 1
+    return out
+
+
+def kv_groups(
+    cfg: Any, num_layers: int, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> list[KVGroup]:
+    """The full-attention layers' group (if any: first, the one events report), then the
+    windowed layers', which keeps `window - 1` tokens before the next one."""
+    if kv_cache_dtype == "int8":
+        raise PyptoError(
+            "kv_cache_dtype int8 runs on the native kernels, which sliding-window attention "
+            "does not use",
+            "kv_cache_dtype",
+        )
+    counts = {FULL: 0, SLIDING: 0}
+    for group, _ in layer_groups(cfg, num_layers):
+        counts[group] += 1
+    groups = []
+    if counts[FULL]:
+        groups.append(KVGroup(FULL, kv_spec(cfg, counts[FULL], page_size, dtype)))
+    keep = cfg.sliding_window - 1
+    groups.append(KVGroup(SLIDING, kv_spec(cfg, counts[SLIDING], page_size, dtype), keep=keep))
+    return groups
+
+
+def attend(
+    kv: KVAttention,
+    layer: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """Store k/v [T, kv_heads, D] of the new tokens and attend q [T, heads, D] causally, over
+    the last `window` tokens (a windowed layer's), or over everything (None); returns
+    [T, heads, D]. `layer` is the layer's index as a 0-d CPU tensor."""
+    if isinstance(kv, DenseKV):
+        return dense_attend(kv, int(layer), q, k, v, window)
+    return window_attention(q, k, v, layer)
+
+
+def dense_attend(
+    kv: DenseKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """The oracle: the sequence's keys and values so far, then causal attention within the
+    window."""
+    k, v = kv.extend(layer, k, v)
+    t, s = q.shape[0], k.shape[0]
+    keys = torch.arange(s, device=q.device)
+    mask = _mask(keys[s - t :], keys, window)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
+    )
+    return out.transpose(0, 1)
+
+
+def _mask(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[..., Q, K] whether each query position [..., Q] sees each key position [..., K]: not
+    after it, and within the `window` positions ending at it (None: every one)."""
+    q, k = queries[..., :, None], keys[..., None, :]
+    seen = k <= q
+    return seen if window is None else seen & (k > q - window)
+
+
+class WindowStep(StepAttention):
+    """The kind's operator over one step: StepAttention's block table and slot mapping over
+    the windowed group's pages (-1 where the window gave a page back), and a full-attention
+    group's own step where the model has one. A windowed layer writes its new keys and values
+    through the slot mapping, then attends each sequence's queries over the pages its window
+    reaches, with the window's mask."""
+
+    def __init__(self, kv: KVGroups, cfg: Any, batch: StepBatch, num_layers: int) -> None:
+        """The first group's pages are the batch's (what rank 0 sends every rank under tensor
+        parallelism, which the config allows for one group only); a second's, the KV's."""
+        full = kv.managers[0].name == FULL
+        sliding = kv.pages(batch.request_ids, SLIDING) if full else batch.pages
+        super().__init__(
+            kv.manager(SLIDING).pool.cache,
+            sliding,
+            batch.positions,
+            batch.q_lens,
+            batch.ctx_lens,
+            batch.num_decodes,
+            batch.max_q,
+            None,
+            batch.progress,
+        )
+        self.window = cfg.sliding_window
+        self.where = layer_groups(cfg, num_layers)
+        self.full: StepAttention | None = None
+        """The full-attention layers' step (GQA's), where the model has them."""
+        if full:
+            self.full = StepAttention(
+                kv.manager(FULL).pool.cache,
+                batch.pages,
+                batch.positions,
+                batch.q_lens,
+                batch.ctx_lens,
+                batch.num_decodes,
+                batch.max_q,
+                None,
+                batch.progress,
+            )
+        self._gathers: list[_WindowGather] | None = None
+
+    def attend_layer(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Layer `layer`'s paged attention for the step's tokens (as `attend` promises)."""
+        group, index = self.where[layer]
+        step = self if group == SLIDING else self.full
+        assert step is not None
+        return paged_attend(step, index, q, k, v)  # GQA's writes, then this step's attend
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Attend q [T, H, D] over one windowed layer's keys and values [Hkv, slots, D]:
+        decodes and prefill chunks apart, each over the pages their windows reach."""
+        if self._gathers is None:
+            self._gathers = self._make_gathers()
+        outs = [g.attend(q[g.tokens], k_cache, v_cache) for g in self._gathers]
+        self.layers += 1
+        if self.progress is not None:
+            self.progress.layers += 1
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _make_gathers(self) -> list[_WindowGather]:
+        nd, total = self.num_decodes, len(self.q_lens)
+        parts = [(0, nd), (nd, total)] if 0 < nd < total else [(0, total)]
+        tokens = torch.cumsum(self.q_lens, 0).tolist()
+        out = []
+        for lo, hi in parts:
+            first = 0 if lo == 0 else tokens[lo - 1]
+            out.append(
+                _WindowGather(
+                    self.cache.page_size,
+                    self.block_table[lo:hi],
+                    self.q_lens[lo:hi],
+                    self.ctx_lens[lo:hi],
+                    slice(first, tokens[hi - 1]),
+                    self.window,
+                )
+            )
+        return out
+
+
+class _WindowGather:
+    """Sequences of one step (decodes, or prefill chunks) attending within a window: each
+    gathers its pages from the first its earliest query's window reaches (pages before it
+    were given back: never read), padded with page 0, which the mask hides (a padded query
+    row repeats its sequence's last query, and is dropped)."""
+
+    def __init__(
+        self,
+        page_size: int,
+        table: torch.Tensor,
+        q_lens: torch.Tensor,
+        ctx_lens: torch.Tensor,
+        tokens: slice,
+        window: int,
+    ) -> None:
+        self.page_size, self.tokens = page_size, tokens
+        device = table.device
+        starts = ctx_lens - q_lens  # each sequence's first new position
+        first = (starts - (window - 1)).clamp(min=0) // page_size  # its first page read
+        width = int(((ctx_lens + page_size - 1) // page_size - first).max())
+        cols = first[:, None] + torch.arange(width, device=device)[None, :]
+        held = table.gather(1, cols.clamp(max=table.shape[1] - 1))
+        self.pages = torch.where(cols < table.shape[1], held, 0).flatten()  # padding: page 0
+        self.shape = (len(q_lens), width * page_size)  # [B, keys]
+        i = torch.arange(int(q_lens.max()), device=device)
+        q_starts = torch.cumsum(q_lens, 0) - q_lens
+        self.q_index = (q_starts[:, None] + i[None, :]).clamp(max=int(q_lens.sum()) - 1)
+        keys = first[:, None] * page_size + torch.arange(self.shape[1], device=device)[None, :]
+        queries = starts[:, None] + torch.minimum(i[None, :], q_lens[:, None] - 1)  # [B, max_q]
+        self.mask = _mask(queries, keys, window)[:, None]  # [B, 1, max_q, keys]
+        valid = (i[None, :] < q_lens[:, None]).flatten()  # padded query rows to drop
+        self.out_index = valid.nonzero().squeeze(1)
+
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """[Hkv, slots, D] -> the sequences' window keys or values [Hkv, B, keys, D]."""
+        heads, _, dim = cache.shape
+        pages = cache.view(heads, -1, self.page_size, dim).index_select(1, self.pages)
+        return pages.view(heads, *self.shape, dim)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        keys, values = self.gather(k_cache), self.gather(v_cache)
+        queries = q[self.q_index].transpose(1, 2)  # [B, H, max_q, D]
+        out = F.scaled_dot_product_attention(
+            queries,
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=self.mask,
+            enable_gqa=True,
+        )
+        out = out.transpose(1, 2)  # [B, max_q, H, D]
+        return out.reshape(-1, *out.shape[2:])[self.out_index]  # [T, H, D]
+
+
+def step(kv: KVGroups, cfg: Any, batch: StepBatch) -> WindowStep:
+    """The step's operator over the groups' pages (PyTorch's attention)."""
+    assert batch.kernel is None, "the window kind runs on PyTorch's attention"
+    num_layers = sum(m.pool.cache.spec.num_layers for m in kv.managers)
+    return WindowStep(kv, cfg, batch, num_layers)
+
+
+@torch.library.custom_op("pypto::window_attention", mutates_args=())
+def window_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor
+) -> torch.Tensor:
+    """The compiled graphs' view of the paged operator: opaque, over the active step."""
+    step = current_step()
+    assert isinstance(step, WindowStep), "a sliding-window model runs on its own step"
+    return step.attend_layer(int(layer), q, k, v)
+
+
+@window_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(q)

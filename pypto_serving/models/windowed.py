@@ -1,0 +1,43 @@
+"""Llama-family models whose layers attend within a sliding window: Mistral, and Qwen2/Qwen3
+(-MoE) with `use_sliding_window`. The model is Llama's (models/llama.py); its attention kind
+is `kv/kinds/window.py`, each windowed layer reading the last `sliding_window` tokens."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from pypto_serving.distributed import Group, ParallelGroups
+from pypto_serving.kv.kinds import AttentionKind, window
+from pypto_serving.models.config import ModelConfig
+from pypto_serving.models.llama import Attention, CausalLM, DecoderLayer
+from pypto_serving.ops.attention import KVAttention
+
+
+class WindowedAttention(Attention):
+    """GQA's projections; attention within its window (None: every token)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp: Group, size: int | None) -> None:
+        super().__init__(cfg, layer, tp)
+        self.window = size
+
+    def attend(
+        self, kv: KVAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        return window.attend(kv, self.layer, q, k, v, self.window)
+
+
+class WindowedDecoderLayer(DecoderLayer):
+    def attention(self, cfg: ModelConfig, layer: int, groups: ParallelGroups) -> nn.Module:
+        size = cfg.sliding_window if layer in cfg.window_layers else None
+        return WindowedAttention(cfg, layer, groups.tp, size)
+
+
+class WindowedCausalLM(CausalLM):
+    """A Llama-family model with sliding-window layers (`cfg.window_layers`; one stage: the
+    config refuses pipeline parallelism, so a layer's index is its checkpoint's)."""
+
+    layer_type = WindowedDecoderLayer
+    attention_kind: ClassVar[AttentionKind] = window
