@@ -228,6 +228,37 @@ TINY_WINDOW: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "gemma3-local5-global": (  # local, global, local: each its RoPE base; query scale 1/sqrt(24)
+        "gemma3_text",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_hidden_layers=3,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=3.0,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            },
+            tie_word_embeddings=True,
+        ),
+    ),
+    "gemma3-global-first-mqa": (  # a global layer first, one KV head, the default pattern
+        "gemma3_text",
+        dict(
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            num_hidden_layers=2,
+            sliding_window=9,
+            layer_types=["full_attention", "sliding_attention"],
+            query_pre_attn_scalar=32,
+            tie_word_embeddings=True,
+        ),
+    ),
     "qwen2-window11-from1": (  # Qwen2's biases; layer 0 full, layer 1 windowed
         "qwen2",
         dict(

@@ -1,9 +1,9 @@
 """Sliding-window models (Mistral; Qwen3 and Qwen2 with `use_sliding_window`, windowed from
-`max_window_layers` on) against HF transformers on tiny random checkpoints whose windows are
-shorter than the prompts: prompt logits within 1e-4 in fp32 (whole and in chunks), and 32
-greedy tokens equal to HF `generate` on four prompts longer than the window, through the
-reference executor, the paged executor (its KV: tests/test_sliding_window_kv.py), `pypto
-generate` and `pypto serve`."""
+`max_window_layers` on; Gemma 3's local and global layers) against HF transformers on tiny
+random checkpoints whose windows are shorter than the prompts: prompt logits within 1e-4 in
+fp32 (whole and in chunks), and 32 greedy tokens equal to HF `generate` on four prompts longer
+than the window, through the reference executor, the paged executor (its KV:
+tests/test_sliding_window_kv.py), `pypto generate` and `pypto serve`."""
 
 from __future__ import annotations
 
@@ -43,6 +43,10 @@ def test_config_reads_the_windowed_layers(tiny_model):
     assert found["qwen3-window6-from1"].window_layers == (1, 2)  # from max_window_layers on
     assert found["qwen2-window11-from1"].window_layers == (1,)
     assert load_model_config(tiny_model("qwen2-gqa2")).window_layers == ()  # the switch off
+    gemma = found["gemma3-local5-global"]
+    assert gemma.window_layers == (0, 2) and gemma.gemma is not None and gemma.qk_norm
+    assert gemma.gemma.query_scale == 24**-0.5 and gemma.gemma.final_logit_softcapping == 3.0
+    assert gemma.gemma.local_inv_freq != gemma.rope_inv_freq  # each its own base
     groups = window.kv_groups(found["qwen3-window6-from1"], 3, 4, torch.float32)
     assert [(g.name, g.spec.num_layers, g.keep) for g in groups] == [
         ("full", 1, None),

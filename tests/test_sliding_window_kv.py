@@ -24,6 +24,7 @@ from pypto_serving.kv.mooncake_pool import SECRET_ENV
 
 HYBRID = "qwen3-window6-from1"  # layer 0 full, layers 1-2 a window of 6
 ONLY = "mistral-window8"  # every layer a window of 8
+GEMMA = "gemma3-local5-global"  # local (window 5), global, local
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 rng = random.Random(7)
 PROMPTS = [[rng.randrange(3, 320) for _ in range(40)] for _ in range(3)]
@@ -48,10 +49,10 @@ def store_of(llm: LLM, groups: list[str]) -> KVGroups:
     return store
 
 
-GROUPS = {HYBRID: [FULL, SLIDING], ONLY: [SLIDING]}
+GROUPS = {HYBRID: [FULL, SLIDING], ONLY: [SLIDING], GEMMA: [FULL, SLIDING]}
 
 
-@pytest.mark.parametrize("name", [HYBRID, ONLY])
+@pytest.mark.parametrize("name", [HYBRID, ONLY, GEMMA])
 def test_prefix_hits_inside_and_beyond_the_window_give_the_reference_tokens(tiny_model, name):
     """Pages of 4. A shared prefix of 31 tokens: a hit of 28, far beyond either window (the
     windowed group holds only the pages its window still reads; the full group all 7). A
@@ -116,6 +117,25 @@ def test_pages_on_ssd_are_found_after_a_restart(tiny_model, tmp_path):
         assert [o.outputs[0].token_ids for o in outs] == reference(model, PROMPTS[:2])
         assert [o.num_cached_tokens for o in outs] == [36, 36]
         assert [o.cached_tokens_by_tier for o in outs] == [{"ssd": 8}] * 2  # the window's pages
+
+
+def test_gemma3_reloads_from_the_cpu_tier_and_swaps(tiny_model):
+    """Gemma 3's local and global layers: the first prompt's prefix back from the CPU tier,
+    then three requests on 16 pages, one preempted and swapped: the reference's tokens."""
+    model = tiny_model(GEMMA)
+    knobs = {"page_size": 4, "kv_cpu_bytes": 1 << 20, "max_num_seqs": 2}
+    with tiny_llm(model, num_kv_pages=12, **knobs) as llm:
+        store_of(llm, [FULL, SLIDING])
+        outs = one_by_one(llm, [*PROMPTS, PROMPTS[0]])
+        expected = reference(model, PROMPTS)
+        assert [o.outputs[0].token_ids for o in outs] == [*expected, expected[0]]
+        assert outs[-1].cached_tokens_by_tier == {"cpu": 36}
+    short = [p[:30] for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with tiny_llm(model, num_kv_pages=16, **knobs | {"max_num_seqs": 3}) as llm:
+        outs = llm.generate(short, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference(model, short, params)
+        assert llm.engine.stats().num_swapped > 0
 
 
 @pytest.mark.parametrize("cpu_bytes", [1 << 20, 0], ids=["swap", "recompute"])

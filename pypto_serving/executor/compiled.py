@@ -1,12 +1,12 @@
 """Compile once, execute many: decoder layers under torch.compile, kept across restarts,
 with a compile counter.
 
-The model runs eagerly around one compiled `DecoderLayer.forward`. The layers differ only in
-their tensors, which are graph inputs, so all of them share one graph per kind of layer
-(dense or mixture of experts), with the token count dynamic. Layers with quantized linears get
-a second graph for a decode of one token (every size static): their one-row kernel call is a
-trace-time branch; under int4-w8a8 a third, as their linears also branch at
-QUANTIZED_MAX_ROWS (a graph for 2 to 8 tokens, one for more). Tracing and compiling one
+The model runs eagerly around one compiled decoder layer `forward` (its class's own). The
+layers differ only in their tensors, which are graph inputs, so all of them share one graph
+per kind of layer (dense or mixture of experts), with the token count dynamic. Layers with
+quantized linears get a second graph for a decode of one token (every size static): their
+one-row kernel call is a trace-time branch; under int4-w8a8 a third, as their linears also branch
+at QUANTIZED_MAX_ROWS (a graph for 2 to 8 tokens, one for more). Tracing and compiling one
 layer instead of the whole model, and as few graphs as that, is what keeps start-up short
 (each graph is several g++ runs on a cold cache).
 
@@ -126,15 +126,16 @@ def _capturing_backend(
     return fn
 
 
-_layer: Callable[..., torch.Tensor] | None = None
+_layers: dict[type[DecoderLayer], Callable[..., torch.Tensor]] = {}
+"""The decoder layer classes' `forward` under torch.compile, each its own (a model's layer
+class may override it: Gemma 3's four norms)."""
 
 
-def _compiled_layer() -> Callable[..., torch.Tensor]:
-    global _layer
-    if _layer is None:
+def _compiled_layer(cls: type[DecoderLayer]) -> Callable[..., torch.Tensor]:
+    if cls not in _layers:
         torch._dynamo.config.cache_size_limit = 64  # several architectures in one process
-        _layer = torch.compile(DecoderLayer.forward, backend=_capturing_backend)
-    return _layer
+        _layers[cls] = torch.compile(cls.forward, backend=_capturing_backend)
+    return _layers[cls]
 
 
 _ISA_CHECK = """
@@ -366,6 +367,7 @@ def graph_path(
         cpu_isa(),
         torch.get_num_threads(),
         _code_digest(),
+        type(layer).__qualname__,
         type(layer.mlp).__qualname__,
         type(kv).__qualname__,
         cls,
@@ -441,7 +443,8 @@ def _keep_graph(path: Path, aot: Any, graph: LayerGraph) -> None:
         log.info("a compiled layer graph cannot be kept in %s (%s)", path, e)
 
 
-_aot: Any = None
+_aot: dict[type[DecoderLayer], Any] = {}
+"""The decoder layer classes' `forward` for `aot_compile`, each its own."""
 
 
 def _kept_guards(entries: Sequence[Any]) -> list[bool]:
@@ -475,15 +478,15 @@ def _compile_graph(
     from torch._dynamo.exc import BackendCompilerFailed, Unsupported
     from torch._inductor.exc import InductorError
 
-    global _aot
-    if _aot is None:
+    cls = type(layer)
+    if cls not in _aot:
         options: dict[str, Any] = {"guard_filter_fn": _kept_guards}
-        _aot = torch.compile(
-            DecoderLayer.forward, fullgraph=True, backend=_capturing_backend, options=options
+        _aot[cls] = torch.compile(
+            cls.forward, fullgraph=True, backend=_capturing_backend, options=options
         )
     _captured.clear()
     try:
-        aot = _aot.aot_compile(((layer, x, cos, sin, kv), {}))
+        aot = _aot[cls].aot_compile(((layer, x, cos, sin, kv), {}))
     except (BackendCompilerFailed, InductorError):
         raise  # no compiler: the executor serves eagerly
     except (Unsupported, RuntimeError) as e:
@@ -510,13 +513,13 @@ class CompiledLayers:
     graphs hold its tensors)."""
 
     def __init__(self) -> None:
-        self.graphs: dict[tuple[type, type, int], LayerGraph] = {}
-        """(kind of MLP, kind of KV attention, class of the step's token count) -> its
-        captured graph."""
+        self.graphs: dict[tuple[type, type, type, int], LayerGraph] = {}
+        """(class of layer, kind of MLP, kind of KV attention, class of the step's token
+        count) -> its captured graph."""
         self._row_bounds: dict[int, list[int]] = {}
         """id(layer) -> the token counts at which its code branches when traced (its
         linears' `row_bounds`): a step's class is how many of them its count exceeds."""
-        self._through_dynamo: set[tuple[type, type, int]] = set()
+        self._through_dynamo: set[tuple[type, type, type, int]] = set()
         """Classes whose graph could not be compiled ahead of time or captured."""
         self.compiler: threading.Thread | None = None
         """While warm-up compiles in a background thread (this one): the other threads run a
@@ -535,7 +538,7 @@ class CompiledLayers:
                 {b for m in layer.modules() if isinstance(m, Linear) for b in m.row_bounds}
             )
             self._row_bounds[id(layer)] = bounds
-        key = (type(layer.mlp), type(kv), sum(len(x) > b for b in bounds))
+        key = (type(layer), type(layer.mlp), type(kv), sum(len(x) > b for b in bounds))
         graph = self.graphs.get(key)
         if graph is not None and (out := graph(layer, x, cos, sin)) is not None:
             return out
@@ -545,9 +548,9 @@ class CompiledLayers:
             torch._dynamo.maybe_mark_dynamic(t, 0)
         # dynamo specialises a size of 1, so a graph made for one token is static: it can
         # only be the one-token graph of quantized layers, never the one for every count
-        fits = (len(x) == 1) == (1 in bounds and key[2] == 0)
+        fits = (len(x) == 1) == (1 in bounds and key[3] == 0)
         if graph is None and fits and key not in self._through_dynamo:
-            path = graph_path(layer, x, cos, sin, kv, key[2])
+            path = graph_path(layer, x, cos, sin, kv, key[3])
             made = (
                 None
                 if path is None or not path.is_file()
@@ -559,7 +562,7 @@ class CompiledLayers:
                 return out
             self._through_dynamo.add(key)
         _captured.clear()
-        out = _compiled_layer()(layer, x, cos, sin, kv)
+        out = _compiled_layer(type(layer))(layer, x, cos, sin, kv)
         if graph is None and fits and len(_captured) == 1:
             examples, fn = _captured[0]
             graph = LayerGraph.capture(fn, examples, layer, x, cos, sin)

@@ -18,6 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "Gemma3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
@@ -27,9 +28,32 @@ SUPPORTED_ARCHITECTURES = (
 )
 DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 DEEPSEEK_V4 = "DeepseekV4ForCausalLM"
-WINDOWED = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+GEMMA3 = "Gemma3ForCausalLM"
+WINDOWED = (
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    GEMMA3,
+)
 """Architectures whose layers may attend within a sliding window (`_windows`)."""
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True, slots=True)
+class GemmaConfig:
+    """Gemma 3's text model (models/gemma3.py): what differs from Llama's decoder."""
+
+    local_inv_freq: tuple[float, ...]
+    """RoPE of the sliding-window (local) layers: their own base; the global layers take
+    `ModelConfig.rope_inv_freq`."""
+    local_rope_scaling: float
+    query_scale: float
+    """The attention's scale, query_pre_attn_scalar ** -0.5 (not head_dim's)."""
+    embed_scale: float
+    """The embeddings are multiplied by hidden_size ** 0.5 (in the weights' dtype)."""
+    final_logit_softcapping: float | None
+    """Logits are soft-capped to (-c, c) by c * tanh(logits / c) where set."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +150,8 @@ class ModelConfig:
     """Checkpoint layers after the decoder's (DeepSeek-V3's multi-token prediction): skipped."""
     compressed: CompressedAttentionConfig | None = None
     """DeepSeek-V4's compressed attention and hyper-connections (None for other models)."""
+    gemma: GemmaConfig | None = None
+    """Gemma 3's own fields (None for other models)."""
     sliding_window: int = 0
     """Keys a windowed layer's query sees: its own and the window - 1 before it."""
     window_layers: tuple[int, ...] = ()
@@ -248,6 +274,9 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     rope_scaling = 1.0
     if arch == DEEPSEEK_V4:
         extra = _deepseek_v4(hf, raw)
+    elif arch == GEMMA3:
+        inv_freq, rope_scaling, gemma = _gemma3(hf, head_dim)
+        extra = _windows(hf, arch) | {"gemma": gemma, "qk_norm": True}
     else:
         inv_freq, rope_scaling = _rope(hf, head_dim)  # DeepSeek: head_dim is qk_rope_head_dim
         extra = _deepseek(hf, raw, arch) if arch in DEEPSEEK else _moe(hf, arch)
@@ -280,16 +309,47 @@ def load_model_config(model_dir: Path) -> ModelConfig:
 
 def _windows(hf: Any, arch: str) -> dict[str, Any]:
     """The sliding window and the layers it applies to: Mistral's `sliding_window` on every
-    layer; Qwen2/Qwen3's with `use_sliding_window`, on the layers its `layer_types` marks
-    sliding. None where the window is off or no shorter than the model's positions."""
+    layer; Qwen2/Qwen3's with `use_sliding_window` and Gemma 3's, on the layers its
+    `layer_types` marks sliding. None where the window is off or (but for Gemma 3, whose model
+    is built on its local layers) no shorter than the model's positions."""
     window = getattr(hf, "sliding_window", None)
-    if arch not in WINDOWED or not window or window >= hf.max_position_embeddings:
+    gemma = arch == GEMMA3
+    if arch not in WINDOWED or not window or (window >= hf.max_position_embeddings and not gemma):
         return {}
-    if arch != "MistralForCausalLM" and not getattr(hf, "use_sliding_window", False):
+    if arch.startswith("Qwen") and not getattr(hf, "use_sliding_window", False):
         return {}
     types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
     layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if gemma and not layers:
+        raise ModelLoadError("Gemma3ForCausalLM without sliding-window layers is not supported")
     return {"sliding_window": int(window), "window_layers": layers} if layers else {}
+
+
+def _gemma3(hf: Any, head_dim: int) -> tuple[tuple[float, ...], float, GemmaConfig]:
+    """Gemma 3's global RoPE (its inverse frequencies and factor) and its own fields; what its
+    modelling has and ours does not (attention logit soft-capping, bidirectional attention,
+    another activation) is refused by name."""
+    for key, value in (
+        ("attn_logit_softcapping", None),
+        ("use_bidirectional_attention", False),
+        ("hidden_activation", "gelu_pytorch_tanh"),
+    ):
+        if getattr(hf, key, value) != value:
+            raise ModelLoadError(
+                f"Gemma3ForCausalLM with {key}={getattr(hf, key)!r} is not supported ({value!r})"
+            )
+    params = hf.rope_parameters
+    inv_freq, scaling = _rope(hf, head_dim, params["full_attention"], "full_attention")
+    local, local_scaling = _rope(hf, head_dim, params["sliding_attention"], "sliding_attention")
+    softcap = getattr(hf, "final_logit_softcapping", None)
+    gemma = GemmaConfig(
+        local_inv_freq=local,
+        local_rope_scaling=local_scaling,
+        query_scale=float(hf.query_pre_attn_scalar) ** -0.5,
+        embed_scale=float(hf.hidden_size) ** 0.5,
+        final_logit_softcapping=None if softcap is None else float(softcap),
+    )
+    return inv_freq, scaling, gemma
 
 
 def _moe(hf: Any, arch: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from pypto_serving.errors import ModelLoadError, PyptoError
 from pypto_serving.models.config import DEEPSEEK, DEEPSEEK_V4, ModelConfig, load_model_config
 from pypto_serving.models.deepseek import DeepseekForCausalLM, DeepseekMoE
 from pypto_serving.models.deepseek_v4 import DeepseekV4ForCausalLM, V4MoE
+from pypto_serving.models.gemma3 import Gemma3ForCausalLM
 from pypto_serving.models.gguf_weights import stored_records
 from pypto_serving.models.llama import CausalLM, MoE
 from pypto_serving.models.quantized_cache import quantize_cached
@@ -305,6 +306,8 @@ def model_class(cfg: ModelConfig) -> type[CausalLM]:
     """Our model code for the checkpoint's architecture."""
     if cfg.architecture == DEEPSEEK_V4:
         return DeepseekV4ForCausalLM
+    if cfg.gemma is not None:
+        return Gemma3ForCausalLM
     if cfg.window_layers:
         return WindowedCausalLM
     return DeepseekForCausalLM if cfg.architecture in DEEPSEEK else CausalLM
@@ -351,7 +354,7 @@ def load_model(
     with torch.no_grad():
         load_weights(model, iter_checkpoint(files))
     model.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32, device=device)
-    if isinstance(model, DeepseekV4ForCausalLM):
+    if isinstance(model, DeepseekV4ForCausalLM | Gemma3ForCausalLM):
         model.set_rope(device)
     model = model.eval().requires_grad_(False)
     if quantization == "gguf":  # the file's own matrices: nothing to quantize or cache
