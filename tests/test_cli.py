@@ -90,7 +90,7 @@ def copy_model(src, dst):
         (
             "arch",
             "unsupported architecture GPT2LMHeadModel; supported: LlamaForCausalLM, "
-            "Qwen2ForCausalLM, Qwen3ForCausalLM",
+            "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
         ),
         ("bad_json", "config.json in"),
         ("no_tokenizer", "cannot load the tokenizer"),

@@ -18,10 +18,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
-    "Gemma3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Gemma3ForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "DeepseekV4ForCausalLM",
