@@ -21,6 +21,7 @@ False), compiled like GQA's (an opaque custom op in the layer graphs).
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -73,6 +74,7 @@ def kv_groups(
     counts = {FULL: 0, SLIDING: 0}
     for group, _ in layer_groups(cfg, num_layers):
         counts[group] += 1
+    assert counts[SLIDING], "a model of this kind has windowed layers (models/config.py)"
     groups = []
     if counts[FULL]:
         groups.append(KVGroup(FULL, kv_spec(cfg, counts[FULL], page_size, dtype)))
@@ -166,16 +168,28 @@ class WindowStep(StepAttention):
     ) -> torch.Tensor:
         """Layer `layer`'s paged attention for the step's tokens (as `attend` promises)."""
         group, index = self.where[layer]
-        step = self if group == SLIDING else self.full
-        assert step is not None
-        return paged_attend(step, index, q, k, v)  # GQA's writes, then this step's attend
+        if group == SLIDING:
+            return paged_attend(self, index, q, k, v)  # GQA's writes, then `attend` below
+        full = self.full
+        assert full is not None
+        seconds, prefill = full.attention_seconds, full.prefill_seconds
+        out = paged_attend(full, index, q, k, v)
+        self.attention_seconds += full.attention_seconds - seconds  # what the step observes
+        self.prefill_seconds += full.prefill_seconds - prefill
+        return out
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Attend q [T, H, D] over one windowed layer's keys and values [Hkv, slots, D]:
         decodes and prefill chunks apart, each over the pages their windows reach."""
         if self._gathers is None:
             self._gathers = self._make_gathers()
-        outs = [g.attend(q[g.tokens], k_cache, v_cache) for g in self._gathers]
+        outs = []
+        for g in self._gathers:
+            start = time.perf_counter()
+            outs.append(g.attend(q[g.tokens], k_cache, v_cache))
+            seconds = time.perf_counter() - start
+            self.attention_seconds += seconds
+            self.prefill_seconds += 0.0 if g.decode else seconds
         self.layers += 1
         if self.progress is not None:
             self.progress.layers += 1
@@ -216,7 +230,7 @@ class _WindowGather:
         tokens: slice,
         window: int,
     ) -> None:
-        self.page_size, self.tokens = page_size, tokens
+        self.page_size, self.tokens, self.decode = page_size, tokens, bool(q_lens.max() == 1)
         device = table.device
         starts = ctx_lens - q_lens  # each sequence's first new position
         first = (starts - (window - 1)).clamp(min=0) // page_size  # its first page read
