@@ -125,3 +125,20 @@ def pypto_serve(
             server.wait()
         if out:
             out.close()
+
+
+def assert_served_as_offline(
+    llm: LLM, prompts: list[list[int]], offline: list[Any], max_tokens: int
+) -> None:
+    """Serve `llm` (after its offline run: once served, the server's loop steps the same
+    engine) and check each prompt's greedy completion over HTTP is the offline text, to its
+    length."""
+    with serving(llm) as live:
+        for prompt, out in zip(prompts, offline, strict=True):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens}
+            body |= {"temperature": 0, "ignore_eos": True}
+            r = httpx.post(live.url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert (choice["text"], choice["finish_reason"]) == (out.outputs[0].text, "length")
+            assert r.json()["usage"]["completion_tokens"] == max_tokens

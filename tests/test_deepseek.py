@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 from checkpoints import TINY_DEEPSEEK, hf_expected, hf_greedy, hf_model, token_ids
-from live_server import free_port, serving, tiny_llm
+from live_server import assert_served_as_offline, free_port, tiny_llm
 from patience import patience, wait_for
 
 from pypto_serving import LLM, SamplingParams
@@ -99,14 +99,7 @@ def test_pypto_serve_matches_hf(tiny_model, expected, name):
         # offline first: once served, the server's loop steps the same engine
         offline = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert token_ids(offline) == expected(name)
-        with serving(llm) as live:
-            for prompt, out in zip(PROMPTS, offline, strict=True):
-                body = {"model": "tiny", "prompt": prompt, "max_tokens": 32, "temperature": 0}
-                r = httpx.post(live.url + "/v1/completions", json=body | {"ignore_eos": True})
-                choice = r.json()["choices"][0]
-                want = (out.outputs[0].text, "length")
-                assert (choice["text"], choice["finish_reason"]) == want
-                assert r.json()["usage"]["completion_tokens"] == 32
+        assert_served_as_offline(llm, PROMPTS, offline, 32)
 
 
 def serving_at(url: str) -> bool:

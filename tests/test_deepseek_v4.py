@@ -11,11 +11,10 @@ from __future__ import annotations
 import itertools
 import json
 
-import httpx
 import pytest
 import torch
 from checkpoints import TINY_DEEPSEEK_V4, hf_expected, hf_greedy, hf_model, token_ids
-from live_server import serving, tiny_llm
+from live_server import assert_served_as_offline, tiny_llm
 
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.cli import main
@@ -118,15 +117,7 @@ def test_pypto_serve_matches_hf(tiny_model, expected, name):
         # offline first: once served, the server's loop steps the same engine
         offline = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert token_ids(offline) == expected(name)
-        with serving(llm) as live:
-            for prompt, out in zip(PROMPTS, offline, strict=True):
-                body = {"model": "tiny", "prompt": prompt, "max_tokens": 32, "temperature": 0}
-                r = httpx.post(live.url + "/v1/completions", json=body | {"ignore_eos": True})
-                assert r.status_code == 200, r.text
-                choice = r.json()["choices"][0]
-                want = (out.outputs[0].text, "length")
-                assert (choice["text"], choice["finish_reason"]) == want
-                assert r.json()["usage"]["completion_tokens"] == 32
+        assert_served_as_offline(llm, PROMPTS, offline, 32)
 
 
 def test_config_reads_compressed_attention(tiny_model):

@@ -8,7 +8,6 @@ soft-capped where the config says."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -106,36 +105,21 @@ class Gemma3ForCausalLM(WindowedCausalLM):
             _gemma(self.cfg).local_inv_freq, dtype=torch.float32, device=device
         )
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv: KVAttention,
-        hidden: torch.Tensor | None = None,
-        run_layer: Callable[..., torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """As `CausalLM.forward`; the embeddings scaled, each layer with its own RoPE."""
-        gemma, decoder = _gemma(self.cfg), self.model
-        first = cast(GemmaDecoderLayer, decoder.layers[decoder.local.start])
-        dtype = first.input_layernorm.weight.dtype
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings times sqrt(hidden_size), the scale rounded to their dtype as HF does."""
+        embedded = super().embed(input_ids)
+        return embedded * torch.tensor(_gemma(self.cfg).embed_scale, dtype=embedded.dtype)
+
+    def layer_rope(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+        """The global layers' RoPE, or the local (windowed) layers' own."""
+        local = _gemma(self.cfg).local_rope_scaling
         rope = {
             False: rope_cos_sin(positions, self.inv_freq, self.cfg.rope_scaling, dtype),
-            True: rope_cos_sin(positions, self.local_inv_freq, gemma.local_rope_scaling, dtype),
+            True: rope_cos_sin(positions, self.local_inv_freq, local, dtype),
         }
-        if decoder.embed_tokens is not None:
-            embedded = decoder.embed_tokens(input_ids)
-            scale = torch.tensor(gemma.embed_scale, dtype=embedded.dtype)  # as HF: rounded
-            hidden = (embedded * scale).float()
-        assert hidden is not None
-        for i in decoder.local:
-            layer = decoder.layers[i]
-            cos, sin = rope[i in self.cfg.window_layers]
-            hidden = (
-                layer(hidden, cos, sin, kv)
-                if run_layer is None
-                else run_layer(layer, hidden, cos, sin, kv)
-            )
-        return hidden if decoder.norm is None else decoder.norm(hidden)
+        return lambda i: rope[i in self.cfg.window_layers]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().logits(hidden)

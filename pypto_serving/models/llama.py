@@ -257,20 +257,33 @@ class CausalLM(nn.Module):
         decoder layer runs (a compiled layer; None calls it). Returns hidden states
         [T, hidden] (normed on the last stage)."""
         first = cast(DecoderLayer, self.model.layers[self.model.local.start])
-        dtype = first.input_layernorm.weight.dtype
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.cfg.rope_scaling, dtype)
+        rope = self.layer_rope(positions, first.input_layernorm.weight.dtype)
         if self.model.embed_tokens is not None:
             # the residual stream stays in float32 whatever the weights' dtype
-            hidden = self.model.embed_tokens(input_ids).float()
+            hidden = self.embed(input_ids).float()
         assert hidden is not None
         for i in self.model.local:
             layer = self.model.layers[i]
+            cos, sin = rope(i)
             hidden = (
                 layer(hidden, cos, sin, kv)
                 if run_layer is None
                 else run_layer(layer, hidden, cos, sin, kv)
             )
         return hidden if self.model.norm is None else self.model.norm(hidden)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's embeddings of the tokens (a model may scale them)."""
+        assert self.model.embed_tokens is not None
+        return self.model.embed_tokens(input_ids)
+
+    def layer_rope(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin of the positions for layer i (the same for every layer here; a model whose
+        layers differ gives its own)."""
+        cos_sin = rope_cos_sin(positions, self.inv_freq, self.cfg.rope_scaling, dtype)
+        return lambda i: cos_sin
 
     @property
     def held_experts(self) -> list[int]:
