@@ -422,9 +422,9 @@ def receive_from(shape: tuple[int, ...], rank: int, device: torch.device) -> tor
 
 
 HEADER = 8
-"""Ints in a step header: tokens, sequences, pages (all sequences'), decodes, longest query,
-logits rows, the message kind (0: a step, else a `Control`'s), bytes of the page moves (or of
-the control's data)."""
+"""Ints in a step header: tokens, sequences, pages (every KV group's, all sequences'), decodes,
+longest query, logits rows, the message kind (0: a step, else a `Control`'s), bytes of the
+page moves (or of the control's data)."""
 STOP, SSD_LOAD = 1, 2
 """`Control` kinds: stop (after the last page moves), an SSD load to agree on (`kv/mirror.py`)."""
 
@@ -443,8 +443,9 @@ class StepInputs:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    pages: list[list[int]]
-    """Each sequence's page ids (each rank's attention operator maps its slots from them)."""
+    pages: list[list[list[int]]]
+    """Per KV group (in the order the model's kind declares them), each sequence's page ids:
+    each rank's attention operator maps its slots from them."""
     q_lens: torch.Tensor
     ctx_lens: torch.Tensor
     logits_index: torch.Tensor
@@ -457,8 +458,8 @@ class StepInputs:
         return [
             self.input_ids,
             self.positions,
-            torch.tensor([len(p) for p in self.pages]),
-            torch.tensor([i for p in self.pages for i in p]),
+            torch.tensor([len(p) for group in self.pages for p in group]),
+            torch.tensor([i for group in self.pages for p in group for i in p]),
             self.q_lens,
             self.ctx_lens,
             self.logits_index,
@@ -482,7 +483,8 @@ def broadcast_step(step: StepInputs | Control, device: torch.device) -> None:
         if step.data:
             _broadcast(torch.frombuffer(bytearray(step.data), dtype=torch.uint8).to(device))
         return
-    t, b, p = len(step.input_ids), len(step.q_lens), sum(len(x) for x in step.pages)
+    t, b = len(step.input_ids), len(step.q_lens)
+    p = sum(len(x) for group in step.pages for x in group)
     header[:6] = torch.tensor(
         [t, b, p, step.num_decodes, step.max_q, len(step.logits_index)], device=device
     )
@@ -501,17 +503,20 @@ def _receive_bytes(num_bytes: int, device: torch.device) -> bytes:
     return raw.cpu().numpy().tobytes()
 
 
-def receive_step(device: torch.device) -> StepInputs | Control:
-    """Ranks > 0: the next step's inputs from rank 0, or a control message."""
+def receive_step(device: torch.device, num_groups: int = 1) -> StepInputs | Control:
+    """Ranks > 0: the next step's inputs from rank 0 (page lists for `num_groups` KV groups),
+    or a control message."""
     header = torch.empty(HEADER, dtype=torch.int64, device=device)
     _broadcast(header)
     t, b, p, num_decodes, max_q, n, kind, num_bytes = header.tolist()
     if kind:
         return Control(kind, _receive_bytes(num_bytes, device))
-    payload = torch.empty(2 * t + p + 3 * b + n, dtype=torch.int64, device=device)
+    lens = num_groups * b
+    payload = torch.empty(2 * t + lens + p + 2 * b + n, dtype=torch.int64, device=device)
     _broadcast(payload)
-    ids, pos, num_pages, flat, q_lens, ctx_lens, index = payload.split([t, t, b, p, b, b, n])
+    ids, pos, num_pages, flat, q_lens, ctx_lens, index = payload.split([t, t, lens, p, b, b, n])
     ends, page_ids = torch.cumsum(num_pages, 0).tolist(), flat.tolist()
-    pages = [page_ids[end - k : end] for end, k in zip(ends, num_pages.tolist(), strict=True)]
+    lists = [page_ids[end - k : end] for end, k in zip(ends, num_pages.tolist(), strict=True)]
+    pages = [lists[i : i + b] for i in range(0, lens, b)] if b else [[]] * num_groups
     moves = _receive_bytes(num_bytes, device)
     return StepInputs(ids, pos, pages, q_lens, ctx_lens, index, num_decodes, max_q, moves)

@@ -84,13 +84,14 @@ def compare(rank: int, world: int) -> None:
         dist.broadcast(g, 0)
         emit("broadcast", case, torch.equal(t, sent) and torch.equal(g, t))
     ids = torch.arange(5)
-    step = d.StepInputs(ids, ids, [[1, 2], [3]], ids[:2], ids[:2], ids[:1], 2, 1, b"moves")
+    pages = [[[1, 2], [3]], [[7], [8, 9, 10]]]  # two KV groups' page lists
+    step = d.StepInputs(ids, ids, pages, ids[:2], ids[:2], ids[:1], 2, 1, b"moves")
     if rank == 0:
         d.broadcast_step(step, torch.device("cpu"))
         d.broadcast_step(d.Control(d.STOP, b"bye"), torch.device("cpu"))
         emit("step", True)
     else:
-        got_step = d.receive_step(torch.device("cpu"))
+        got_step = d.receive_step(torch.device("cpu"), num_groups=2)
         stop = d.receive_step(torch.device("cpu"))
         assert isinstance(got_step, d.StepInputs) and isinstance(stop, d.Control)
         same = got_step.pages == step.pages and got_step.moves == b"moves"

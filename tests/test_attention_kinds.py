@@ -109,7 +109,6 @@ def run_step(store: KVGroups, plan: list[tuple[Request, int]], dense: dict[str, 
     positions = torch.cat([torch.arange(s, s + n) for s, (_, n) in zip(starts, plan, strict=True)])
     ids = [r.request_id for r, _ in plan]
     batch = StepBatch(
-        ids,
         store.pages(ids),
         positions,
         q_lens,
@@ -150,4 +149,4 @@ def test_a_kind_defined_in_one_file_runs_on_the_generic_machinery() -> None:
     run_step(store, [(a, 1), (b, 1)], dense)  # decodes
     run_step(store, [(b, 3), (a, 3)], dense)  # two prefill chunks
     assert len(dense["a"]) == 11 and len(dense["b"]) == 9
-    assert [len(store.pages([r])[0]) for r in "ab"] == [3, 3]
+    assert [len(store.managers[0].pages([r])[0]) for r in "ab"] == [3, 3]

@@ -101,7 +101,7 @@ def run_step(
     num_decodes = sum(n == 1 for _, n in plan)
     step = StepAttention(
         store.pool.cache,
-        store.pages([r.request_id for r, _ in plan]),
+        store.managers[0].pages([r.request_id for r, _ in plan]),
         positions,
         q_lens,
         ctx_lens,

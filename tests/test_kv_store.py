@@ -297,5 +297,6 @@ def test_block_table_pads_with_zero() -> None:
     store = make_store()
     admit(store, make_request("a", list(range(10))))
     admit(store, make_request("b", list(range(100, 103))))
-    table = block_table(store.pages(["b", "a"]), store.pool.cache.device)  # the operator's
+    pages = store.managers[0].pages(["b", "a"])
+    table = block_table(pages, store.pool.cache.device)  # the operator's
     assert table.tolist() == [[3, 0, 0], [0, 1, 2]]

@@ -170,8 +170,7 @@ def test_a_window_only_model_never_runs_short_of_pages(tiny_model):
 @pytest.mark.slow
 def test_tensor_parallel_gives_the_reference_tokens(tiny_model):
     """The window-only model on two ranks, a KV head each: prefix hits beyond the window and
-    pages loaded from the CPU tier on both ranks. (The hybrid's two groups under TP are
-    refused by the config: `test_sliding_window.py`.)"""
+    pages loaded from the CPU tier on both ranks."""
     model = tiny_model(ONLY)
     knobs = {"page_size": 4, "kv_cpu_bytes": 1 << 20, "max_num_seqs": 1}
     knobs |= {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 16}  # 8 pages
@@ -182,6 +181,41 @@ def test_tensor_parallel_gives_the_reference_tokens(tiny_model):
         )
         assert [o.num_cached_tokens for o in outs[:3]] == [0, 28, 28]
         assert outs[-1].cached_tokens_by_tier == {"cpu": 8}
+
+
+def hits(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], int, dict[str, int]]]:
+    """Each prompt's greedy tokens and prefix hit (tokens, and per tier), one after another."""
+    outs = one_by_one(llm, prompts)
+    return [(o.outputs[0].token_ids, o.num_cached_tokens, o.cached_tokens_by_tier) for o in outs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [HYBRID, GEMMA])
+def test_both_groups_under_tensor_parallelism_hit_and_load_as_one_rank(tiny_model, tmp_path, name):
+    """A model of full and windowed layers on two ranks, a KV head of each group each: the
+    step carries both groups' pages and both pools' moves, so prefix hits inside and beyond
+    the window, CPU-tier loads, a swap, and after a restart the SSD tier's pages are those of
+    one rank, with the reference's tokens."""
+    model = tiny_model(name)
+    prompts = [*FORKS, *PROMPTS, FORKS[0]]
+    knobs = {"page_size": 4, "kv_cpu_bytes": 1 << 20, "num_kv_pages": 24, "max_num_seqs": 3}
+    got = {}
+    for tp in (1, 2):
+        ssd = {"kv_ssd_dir": str(tmp_path / f"tp{tp}"), "kv_ssd_bytes": 8 << 20}
+        with tiny_llm(model, tensor_parallel_size=tp, **knobs, **ssd) as llm:
+            runs = hits(llm, prompts)
+            batch = llm.generate([p[:30] for p in PROMPTS], GREEDY, use_tqdm=False)
+            runs.append(([o.outputs[0].token_ids for o in batch], llm.engine.stats().num_swapped))
+        with tiny_llm(model, tensor_parallel_size=tp, **knobs, **ssd) as llm:
+            runs += hits(llm, PROMPTS[:1])  # from the SSD pages the first engine left
+        got[tp] = runs
+    assert got[2] == got[1]
+    one = got[1]
+    expected = reference(model, [*prompts, *[p[:30] for p in PROMPTS], PROMPTS[0]])
+    assert [r[0] for r in one[:-2]] + one[-2][0] + [one[-1][0]] == expected
+    assert [n for _, n, _ in one[:3]] == [0, 28, 28]  # the forks' shared 7 pages
+    assert one[-3][2] == {"cpu": 40} and one[-2][1] > 0  # a CPU load (10 pages); a swap
+    assert one[-1][2] == {"ssd": 36}  # after the restart
 
 
 @pytest.mark.slow

@@ -86,6 +86,11 @@ def build_kv_store(
         ssd - sum(b[1] for b in budgets.values()),
     )
     several = len(groups) > 1  # each group's SSD pages in a folder of its name
+    whole = groups  # each group's layers in the whole model (under TP/PP: tiers hold all ranks')
+    if model.groups.world_size > 1:
+        kind, cfg = model.attention_kind, model.cfg
+        whole = kind.kv_groups(cfg, cfg.num_layers, page, dtype, cache.kv_cache_dtype)
+    whole_layers = {g.name: g.spec.num_layers for g in whole}
     managers = [
         KVManager(
             g.name,
@@ -97,6 +102,7 @@ def build_kv_store(
                 digest,
                 pages[g.name],
                 budgets[g.name],
+                whole_layers[g.name],
                 g.name if several else None,
             ),
             g.keep,
@@ -117,10 +123,12 @@ def build_pool(
     digest: str,
     num_pages: int,
     budgets: tuple[int, int],
+    whole_layers: int,
     ssd_folder: str | None,
 ) -> KVPool:
     """The pool of a group's pages: `num_pages` on the device, its tiers sized from
-    `budgets` (CPU, SSD bytes), its SSD pages in `ssd_folder` under kv_ssd_dir if given."""
+    `budgets` (CPU, SSD bytes; under TP/PP over a page of all `whole_layers` of the group and
+    every rank's heads), its SSD pages in `ssd_folder` under kv_ssd_dir if given."""
     spec = group.spec
     cpu_bytes, ssd_bytes = budgets
     cpu_pages, journal = cpu_bytes // spec.page_bytes, None
@@ -130,9 +138,9 @@ def build_pool(
         ssd_dir = ssd_dir / ssd_folder
     ssd_pages = ssd_bytes // (page_bytes + HEADER_BYTES)
     if g.world_size > 1:
-        cpu_pages, journal = parallel_cpu_tier(model, spec, cache.kv_cpu_bytes)
+        cpu_pages, journal = parallel_cpu_tier(model, spec, whole_layers, cpu_bytes)
         if ssd_dir is not None:  # each rank its share, in its own folder (MLA: rank 0's)
-            ssd_pages, keeps = parallel_ssd_pages(model, spec, cache.kv_ssd_bytes)
+            ssd_pages, keeps = parallel_ssd_pages(model, spec, whole_layers, ssd_bytes)
             ssd_dir = ssd_dir / f"rank{g.rank}" if keeps else None
             journal = Journal() if g.rank == 0 else None
     remote = None
@@ -160,24 +168,27 @@ def build_pool(
         raise PyptoError(f"cannot use kv_ssd_dir {ssd_dir}: {e}") from None
 
 
-def parallel_cpu_tier(model: CausalLM, spec: KVSpec, budget: int) -> tuple[int, Journal | None]:
-    """Under TP/PP: this rank's CPU-tier pages, the same count on every rank (the byte budget
-    over one page of the whole engine, every rank's share together; a KV the same on every TP
-    rank, MLA's latent, is counted and kept once, by rank 0), and rank 0's journal of the page
-    moves the other ranks mirror."""
+def parallel_cpu_tier(
+    model: CausalLM, spec: KVSpec, layers: int, budget: int
+) -> tuple[int, Journal | None]:
+    """Under TP/PP: this rank's CPU-tier pages of a group (of `layers` in the whole model),
+    the same count on every rank (the byte budget over one page of the whole engine, every
+    rank's share together; a KV the same on every TP rank, MLA's latent, is counted and kept
+    once, by rank 0), and rank 0's journal of the page moves the other ranks mirror."""
     g, same = model.groups, spec.same_on_tp_ranks
     heads = spec.num_heads * (1 if same else g.tp.size)
-    whole = replace(spec, num_layers=model.cfg.num_layers, num_heads=heads)
+    whole = replace(spec, num_layers=layers, num_heads=heads)
     pages = budget // whole.page_bytes if not (same and g.tp.rank > 0) else 0
     return pages, Journal() if g.rank == 0 and pages > 0 else None
 
 
-def parallel_ssd_pages(model: CausalLM, spec: KVSpec, budget: int) -> tuple[int, bool]:
-    """Under TP/PP: this rank's SSD-tier pages, the same count on every rank keeping one
-    (the byte budget over one page of the whole engine and every rank's file header; MLA's
-    latent is kept once per stage, by its TP rank 0), and whether this rank keeps one."""
+def parallel_ssd_pages(model: CausalLM, spec: KVSpec, layers: int, budget: int) -> tuple[int, bool]:
+    """Under TP/PP: this rank's SSD-tier pages of a group (of `layers` in the whole model),
+    the same count on every rank keeping one (the byte budget over one page of the whole
+    engine and every rank's file header; MLA's latent is kept once per stage, by its TP rank
+    0), and whether this rank keeps one."""
     g, same = model.groups, spec.same_on_tp_ranks
     heads = spec.num_heads * (1 if same else g.tp.size)
-    whole = replace(spec, num_layers=model.cfg.num_layers, num_heads=heads)
+    whole = replace(spec, num_layers=layers, num_heads=heads)
     files = g.world_size // (g.tp.size if same else 1)
     return budget // (whole.page_bytes + files * HEADER_BYTES), not (same and g.tp.rank > 0)

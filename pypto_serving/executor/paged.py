@@ -11,6 +11,7 @@ decode step (`native_decode.py`), where it applies.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import logging
 import threading
@@ -46,7 +47,14 @@ from pypto_serving.executor.native_decode import MAX_ROWS as NATIVE_MAX_ROWS
 from pypto_serving.executor.native_decode import NativeDecoder
 from pypto_serving.executor.prompt_logprobs import prompt_scoring, score_prompts
 from pypto_serving.grammar import Grammars
-from pypto_serving.kv.mirror import agree_ssd_loads, follow_moves, ssd_load_message
+from pypto_serving.kv.mirror import (
+    agree_ssd_loads,
+    follow_moves,
+    group_moves,
+    ssd_load_group,
+    ssd_load_message,
+    take_moves,
+)
 from pypto_serving.kv.paged_attention import PagedKV, StepBatch, StepProgress, active_step
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.models.loader import checkpoint_digest
@@ -144,10 +152,10 @@ class PagedExecutor:
         self.kv = build_kv_store(
             model, device, dtype, cache, max_tokens_in_use, digest, running=running
         )
-        self._step_requests: list[str] = []
-        """The running step's requests (a windowed kind's step reads their row pages)."""
-        if self.groups.world_size > 1 and self.groups.rank == 0 and self.kv.pool.ssd is not None:
-            self.kv.pool.agree = self._agree_ssd_loads
+        if self.groups.world_size > 1 and self.groups.rank == 0:
+            for i, m in enumerate(self.kv.managers):
+                if m.pool.ssd is not None:
+                    m.pool.agree = functools.partial(self._agree_ssd_loads, i)
         self.paged_kv = PagedKV()
         self.progress = StepProgress()
         """Layers attended so far, and what a layer costs here (read by the watchdogs)."""
@@ -186,7 +194,6 @@ class PagedExecutor:
         starts = [r.num_computed_tokens for r in reqs]
         counts = [s.num_new_tokens for s in scheduled]
         num_decodes = sum(n == 1 for n in counts)
-        self._step_requests = [r.request_id for r in reqs]
         token_ids: list[int] = []
         for r, start, n in zip(reqs, starts, counts, strict=True):
             token_ids += r.tokens(start, start + n)
@@ -208,13 +215,13 @@ class PagedExecutor:
         step = StepInputs(
             torch.tensor(token_ids, device=dev),
             positions,
-            self.kv.pages(self._step_requests),
+            list(self.kv.pages([r.request_id for r in reqs]).values()),
             q_lens,
             ctx_lens,
             logits_index,
             num_decodes,
             max(counts),
-            b"" if self.kv.pool.journal is None else self.kv.pool.journal.take(),
+            self._take_moves(),
         )
         constrained = [b for b in done if reqs[b].matcher is not None]
         masks = (  # filled in a thread while the forward runs (both release the GIL)
@@ -256,8 +263,7 @@ class PagedExecutor:
         the last stage's logits go back to rank 0, which samples."""
         g = self.groups
         batch = StepBatch(
-            self._step_requests,
-            step.pages,
+            {m.name: pages for m, pages in zip(self.kv.managers, step.pages, strict=True)},
             step.positions,
             step.q_lens,
             step.ctx_lens,
@@ -311,20 +317,29 @@ class PagedExecutor:
             out = receive_from(shape, g.world_size - 1, self.device)
         return out
 
+    def _take_moves(self) -> bytes:
+        """Rank 0: every KV group's page moves since the last step, for the other ranks."""
+        return take_moves([m.pool.journal for m in self.kv.managers])
+
     def _follow_moves(self, moves: bytes) -> None:
-        g, kv = self.groups, self.kv.pool  # one group under TP/PP
-        shared = kv.cache.spec.same_on_tp_ranks and g.tp.size > 1
-        follow_moves(moves, kv.cache, kv.cpu, g.rank, shared, kv.ssd, kv.agreed)
+        g, managers = self.groups, self.kv.managers
+        for m, ops in zip(managers, group_moves(moves, len(managers)), strict=True):
+            if ops:
+                kv = m.pool
+                shared = kv.cache.spec.same_on_tp_ranks and g.tp.size > 1
+                follow_moves(ops, kv.cache, kv.cpu, g.rank, shared, kv.ssd, kv.agreed)
 
     def _on_ssd_load(self, message: bytes) -> int:
-        g, kv = self.groups, self.kv.pool  # one group under TP/PP
+        g, kv = self.groups, self.kv.managers[ssd_load_group(message)].pool
         shared = kv.cache.spec.same_on_tp_ranks and g.tp.size > 1
         return agree_ssd_loads(message, kv.cache, kv.cpu, kv.ssd, kv.agreed, g.rank, shared)
 
-    def _agree_ssd_loads(self, hashes: list[bytes], loaded: int) -> int:
-        """Rank 0, at admission: how many of the SSD pages it read every rank read too."""
-        assert self.kv.pool.journal is not None
-        message = ssd_load_message(self.kv.pool.journal.take(), hashes, loaded)
+    def _agree_ssd_loads(self, group: int, hashes: list[bytes], loaded: int) -> int:
+        """Rank 0, at admission to KV group `group`: how many of the SSD pages it read every
+        rank read too."""
+        journal = self.kv.managers[group].pool.journal
+        assert journal is not None
+        message = ssd_load_message(group, journal.take(), hashes, loaded)
         broadcast_step(Control(SSD_LOAD, message), self.device)
         return self._on_ssd_load(message)
 
@@ -333,7 +348,7 @@ class PagedExecutor:
         """Ranks > 0: run the steps rank 0 broadcasts until it says stop (after the last
         page moves: its spill to the SSD tier), then finish the SSD tier's writes."""
         while True:
-            step = receive_step(self.device)
+            step = receive_step(self.device, len(self.kv.managers))
             if isinstance(step, StepInputs):
                 self.run(step)
             elif step.kind == SSD_LOAD:
@@ -354,8 +369,7 @@ class PagedExecutor:
         if self.groups.world_size > 1 and self.groups.rank == 0:
             try:
                 self.kv.keep_on_ssd()  # the spill's moves ride on the stop message
-                moves = b"" if self.kv.pool.journal is None else self.kv.pool.journal.take()
-                broadcast_step(Control(STOP, moves), self.device)
+                broadcast_step(Control(STOP, self._take_moves()), self.device)
             except RuntimeError:  # a rank died: the others stop when rank 0 leaves the group
                 log.warning("could not tell every rank to stop; they stop with this process")
         self.kv.close()

@@ -33,8 +33,7 @@ class KVGroups:
         assert managers and len({m.page_size for m in managers}) == 1
         self.managers = managers
         self.pool: KVPool = managers[0].pool
-        """The first group's pool: the one a model has under tensor or pipeline parallelism
-        (one group there), whose journal and tiers the other ranks mirror."""
+        """The first group's pool (whose events are reported)."""
         self.page_size = managers[0].page_size
 
     def manager(self, name: str) -> KVManager:
@@ -143,10 +142,9 @@ class KVGroups:
         for m in self.managers:
             m.cache_full_pages(request, num_computed_tokens)
 
-    def pages(self, request_ids: list[str], group: str | None = None) -> list[list[int]]:
-        """The requests' page lists in a group (the first if not named)."""
-        manager = self.managers[0] if group is None else self.manager(group)
-        return manager.pages(request_ids)
+    def pages(self, request_ids: list[str]) -> dict[str, list[list[int]]]:
+        """The requests' page lists in each group (by name): what a step's batch carries."""
+        return {m.name: m.pages(request_ids) for m in self.managers}
 
     def observe_compute(self, num_tokens: int, seconds: float) -> None:
         for m in self.managers:

@@ -5,9 +5,10 @@ layers under PP) with the same page ids and the same CPU-tier capacity in pages.
 store decides every move as with one rank (demote a reused cached page, load a prefix hit
 back, swap a preempted request out and in) and records it in a `Journal`: the device pages it
 reads and writes and the CPU tier's calls, in order, each page's KV named by the order it
-was produced. The journal rides on the next step (`StepInputs.moves`, JSON) and every other
-rank replays it on its own store before that step's forward (`follow_moves`), so its tier
-holds the same pages in the same slots:
+was produced. A model with several KV groups (a pool each) has a journal per group; their
+moves ride together on the next step (`StepInputs.moves`, JSON: one list per group,
+`take_moves`) and every other rank replays each group's on its own store of that group before
+that step's forward (`follow_moves`), so its tiers hold the same pages in the same slots:
 
     rank 0:  schedule ──moves recorded──▶ step + moves ──broadcast──▶ forward
     rank r:                               step + moves ──replay on its share──▶ forward
@@ -62,11 +63,25 @@ class Journal:
     def handle(self, kv: PageKV) -> int:
         return self._handles[id(kv)]
 
-    def take(self) -> bytes:
-        """The moves recorded so far, encoded (b"" when none), and a fresh start."""
-        moves = json.dumps(self.ops, separators=(",", ":")).encode() if self.ops else b""
+    def take(self) -> list[Op]:
+        """The moves recorded so far, and a fresh start."""
+        ops = self.ops
         self.ops, self._kvs, self._handles = [], [], {}
-        return moves
+        return ops
+
+
+def take_moves(journals: list[Journal | None]) -> bytes:
+    """Every KV group's moves since the last call (None: a group without a journal), as one
+    message: a list of moves per group (b"" when there are none)."""
+    ops = [[] if j is None else j.take() for j in journals]
+    return json.dumps(ops, separators=(",", ":")).encode() if any(ops) else b""
+
+
+def group_moves(moves: bytes, num_groups: int) -> list[list[Op]]:
+    """`take_moves`' message: each group's moves."""
+    groups: list[list[Op]] = json.loads(moves) if moves else [[] for _ in range(num_groups)]
+    assert len(groups) == num_groups
+    return groups
 
 
 class JournaledHostTier(HostTier):
@@ -178,7 +193,7 @@ def replay(
 
 
 def follow_moves(
-    moves: bytes,
+    ops: list[Op],
     cache: PagedCache,
     cpu: HostTier | None,
     rank: int,
@@ -189,7 +204,6 @@ def follow_moves(
     """Before a step's forward, on every rank: ranks > 0 replay rank 0's moves on their CPU
     and SSD tiers (if they keep them); with `share_written` (a KV the same on every TP rank,
     MLA's: one copy, rank 0's) the device pages the moves wrote go from rank 0 to every rank."""
-    ops: list[Op] = json.loads(moves)
     if rank > 0 and (cpu is not None or ssd is not None):
         replay(ops, cache, cpu, ssd, agreed)
     written = sorted({op[1] for op in ops if op[0] == "write"})
@@ -207,15 +221,23 @@ def follow_moves(
             cache.write_page(page_id, tuple(pages[i]))
 
 
-def ssd_load_message(moves: bytes, hashes: list[bytes], loaded: int) -> bytes:
-    """Rank 0's `SSD_LOAD`: its moves so far, the pages it read (each rank loads its share)
-    and the one it could not (each rank drops it, as rank 0's tier did)."""
+def ssd_load_message(group: int, ops: list[Op], hashes: list[bytes], loaded: int) -> bytes:
+    """Rank 0's `SSD_LOAD` in KV group `group`: its moves there so far, the pages it read
+    (each rank loads its share) and the one it could not (each rank drops it, as rank 0's
+    tier did)."""
     message = {
-        "moves": moves.decode(),
+        "group": group,
+        "moves": ops,
         "load": [h.hex() for h in hashes[:loaded]],
         "drop": [h.hex() for h in hashes[loaded : loaded + 1]],
     }
     return json.dumps(message, separators=(",", ":")).encode()
+
+
+def ssd_load_group(message: bytes) -> int:
+    """The KV group an `SSD_LOAD` message is for."""
+    group: int = json.loads(message)["group"]
+    return group
 
 
 def agree_ssd_loads(
@@ -233,7 +255,7 @@ def agree_ssd_loads(
     > 0 keep those in `agreed` until the journal writes them into device pages."""
     msg = json.loads(message)
     if msg["moves"]:
-        follow_moves(msg["moves"].encode(), cache, cpu, rank, share_written, ssd, agreed)
+        follow_moves(msg["moves"], cache, cpu, rank, share_written, ssd, agreed)
     hashes = [bytes.fromhex(h) for h in msg["load"]]
     count, mine = len(hashes), list[tuple[bytes, PageKV]]()
     if rank > 0 and ssd is not None:

@@ -94,9 +94,9 @@ class StepBatch:
     """One step's sequences as the executor lays them out (decodes first), for a kind's
     `step` to build its operator from."""
 
-    request_ids: list[str]
-    pages: list[list[int]]
-    """Each sequence's pages in the first KV group (as rank 0 sends them to the others)."""
+    pages: dict[str, list[list[int]]]
+    """Each KV group's (by name, in the kind's order): each sequence's page ids (as rank 0
+    sends them to the others under tensor or pipeline parallelism)."""
     positions: torch.Tensor
     """[T] the new tokens' positions."""
     q_lens: torch.Tensor
@@ -116,7 +116,10 @@ class StepBatch:
 class _Group:
     """Sequences of one kind in a step (all decodes, or all prefill chunks): their pages, and
     for PyTorch's path their masks. Its tokens are `tokens` of the step's flat batch; `kernel`
-    is the native attention library, or None for PyTorch's path."""
+    is the native attention library, or None for PyTorch's path; `window`: each query sees
+    only the last `window` positions (its own among them), and each sequence gathers only the
+    pages from the first its earliest query's window reaches (the ones before may have been
+    given back: never read)."""
 
     def __init__(
         self,
@@ -128,27 +131,44 @@ class _Group:
         tokens: slice,
         max_q: int,
         kernel: ctypes.CDLL | None = None,
+        window: int | None = None,
     ) -> None:
-        batch, width = block_table.shape
+        assert kernel is None or window is None, "the native kernels read every page"
         self.page_size, self.tokens, self.decode = page_size, tokens, max_q == 1
         self.kernel = kernel
         if kernel is not None:  # reads pages in place: no gather, no mask
             self.block_table, self.ctx_lens = block_table.contiguous(), ctx_lens.contiguous()
             self.q_lens = None if self.decode else q_lens.contiguous()
             return
+        device, starts = block_table.device, ctx_lens - q_lens  # each sequence's first query
+        first = torch.zeros_like(starts)  # each sequence's first page read
+        if window is not None:
+            first = (starts - (window - 1)).clamp(min=0) // page_size
+            width = int(((ctx_lens + page_size - 1) // page_size - first).max())
+            cols = first[:, None] + torch.arange(width, device=device)[None, :]
+            held = block_table.gather(1, cols.clamp(max=block_table.shape[1] - 1))
+            block_table = torch.where(cols < block_table.shape[1], held, 0)  # padding: page 0
+        batch, width = block_table.shape
         self.pages = block_table.flatten()  # keys are gathered whole pages at a time
         self.shape = (batch, width * page_size)  # [B, padded context]
-        j = torch.arange(self.shape[1], device=block_table.device)
-        inside = j[None, :] < ctx_lens[:, None]  # [B, ctx]: keys that exist
-        if self.decode:  # one query per sequence: only padding keys need masking
-            bias = torch.zeros(self.shape, device=inside.device).masked_fill(~inside, -torch.inf)
+        j = torch.arange(self.shape[1], device=device)
+        keys = first[:, None] * page_size + j[None, :]  # [B, ctx]: each key's position
+        inside = keys < ctx_lens[:, None]  # keys that exist
+        if self.decode:  # one query per sequence: padding (and keys before a window) masked
+            if window is not None:
+                inside &= keys > (ctx_lens - 1 - window)[:, None]
+            bias = torch.zeros(self.shape, device=device).masked_fill(~inside, -torch.inf)
             self.bias = bias[None].expand(kv_heads, -1, -1).reshape(-1, 1, self.shape[1])
             return
-        i = torch.arange(max_q, device=block_table.device)
+        i = torch.arange(max_q, device=device)
         q_starts = torch.cumsum(q_lens, 0) - q_lens
         self.q_index = (q_starts[:, None] + i[None, :]).clamp(max=int(q_lens.sum()) - 1)
-        causal = j[None, None, :] <= (ctx_lens - q_lens)[:, None, None] + i[None, :, None]
-        self.mask = (causal & inside[:, None, :])[:, None]  # [B, 1, max_q, ctx]
+        # a padded query row repeats its sequence's last query (never a row that sees nothing)
+        queries = starts[:, None] + torch.minimum(i[None, :], q_lens[:, None] - 1)  # [B, max_q]
+        seen = keys[:, None, :] <= queries[:, :, None]
+        if window is not None:
+            seen &= keys[:, None, :] > queries[:, :, None] - window
+        self.mask = (seen & inside[:, None, :])[:, None]  # [B, 1, max_q, ctx]
         valid = (i[None, :] < q_lens[:, None]).flatten()  # padded query rows to drop
         self.out_index = valid.nonzero().squeeze(1)
 
@@ -221,6 +241,7 @@ class StepAttention:
         kernel: ctypes.CDLL | None = None,
         progress: StepProgress | None = None,
         decodes_as_prefill: bool = False,
+        window: int | None = None,
     ) -> None:
         """pages: each sequence's page ids (from the pool); positions [T] of the new tokens;
         q_lens, ctx_lens [B] (ctx includes new), all int64 on the cache's device;
@@ -229,8 +250,10 @@ class StepAttention:
         `decodes_as_prefill`: decodes run through the native prefill kernel, as chunks of one
         token (--batch-invariant: a token's attention is then the same bits whether it was
         decoded or, after a preemption, recomputed in a prefill; the decode kernel sums a dot
-        product across vector lanes, the prefill kernel along it)."""
+        product across vector lanes, the prefill kernel along it); `window`: each query attends
+        over the last `window` positions only (a sliding-window layer's, `_Group`)."""
         self.cache, self.kernel, self.progress = cache, kernel, progress
+        self.window = window
         self.decodes_as_prefill = decodes_as_prefill
         self.block_table = block_table(pages, cache.device)
         """[B, W] each sequence's page ids, padded with 0."""
@@ -258,10 +281,10 @@ class StepAttention:
     def _make_groups(self) -> list[_Group]:
         heads, page, nd = self.cache.spec.num_heads, self.cache.page_size, self.num_decodes
         table, q_lens, ctx_lens, kernel = self.block_table, self.q_lens, self.ctx_lens, self.kernel
-        groups = []
+        window, groups = self.window, []
         if nd > 0:
             decodes = _Group(
-                page, heads, table[:nd], q_lens[:nd], ctx_lens[:nd], slice(0, nd), 1, kernel
+                page, heads, table[:nd], q_lens[:nd], ctx_lens[:nd], slice(0, nd), 1, kernel, window
             )
             if kernel is not None and self.decodes_as_prefill:
                 decodes.q_lens = q_lens[:nd].contiguous()
@@ -278,6 +301,7 @@ class StepAttention:
                     slice(nd, len(self.slot_mapping)),
                     self.max_q,
                     kernel,
+                    window,
                 )
             )
         return groups
@@ -304,7 +328,7 @@ def paged_step(kv: KVGroups, cfg: Any, batch: StepBatch) -> StepAttention:
     its cache and the batch's pages."""
     return StepAttention(
         kv.pool.cache,
-        batch.pages,
+        batch.pages[kv.managers[0].name],
         batch.positions,
         batch.q_lens,
         batch.ctx_lens,

@@ -186,11 +186,6 @@ class ModelConfig:
                 f"{self.architecture} with sliding-window layers does not support pipeline "
                 "parallelism yet"
             )
-        if 0 < len(self.window_layers) < self.num_layers and tp > 1:
-            raise ModelLoadError(
-                f"{self.architecture} with both sliding-window and full-attention layers does "
-                "not support tensor parallelism yet (one with every layer windowed does)"
-            )
         if self.compressed is not None and (tp > 1 or pp > 1):
             raise ModelLoadError(
                 f"{self.architecture} runs on one rank per replica for now: tensor and "

@@ -445,8 +445,8 @@ def step(kv: KVGroups, cfg: Any, batch: StepBatch) -> CompressedStep:
     return CompressedStep(
         kv,
         lay,
-        kv.pages(batch.request_ids, ROWS),
-        kv.pages(batch.request_ids, ENTRIES),
+        batch.pages[ROWS],
+        batch.pages[ENTRIES],
         batch.positions,
         batch.q_lens,
         batch.ctx_lens,

@@ -13,15 +13,15 @@ of full attention, first (`kv_groups`), whose pages grow with the sequence as GQ
     full    ▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓     every page
     window  ░░░░░░░░░░░░░░░░░░░░░░▓▓▓▓▓▓     the window's pages; -1 where a page went back
 
-The paged operator gathers, per sequence, only the pages from the first one its window
-reaches (never a page given back), and masks keys outside the window and after each query:
-PyTorch's attention (the native kernels read from a sequence's first page: `KERNELS` is
-False), compiled like GQA's (an opaque custom op in the layer graphs).
+The paged operator is StepAttention's with a window: it gathers, per sequence, only the pages
+from the first one its window reaches (never a page given back), and masks keys outside the
+window and after each query: PyTorch's attention (the native kernels read from a sequence's
+first page: `KERNELS` is False), compiled like GQA's (an opaque custom op in the layer
+graphs).
 """
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -124,19 +124,16 @@ def _mask(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torc
 
 class WindowStep(StepAttention):
     """The kind's operator over one step: StepAttention's block table and slot mapping over
-    the windowed group's pages (-1 where the window gave a page back), and a full-attention
-    group's own step where the model has one. A windowed layer writes its new keys and values
-    through the slot mapping, then attends each sequence's queries over the pages its window
-    reaches, with the window's mask."""
+    the windowed group's pages (-1 where the window gave a page back), attending within the
+    window, and a full-attention group's own step where the model has one. A windowed layer
+    writes its new keys and values through the slot mapping, then attends each sequence's
+    queries over the pages its window reaches, with the window's mask (`StepAttention`'s
+    `window`)."""
 
     def __init__(self, kv: KVGroups, cfg: Any, batch: StepBatch, num_layers: int) -> None:
-        """The first group's pages are the batch's (what rank 0 sends every rank under tensor
-        parallelism, which the config allows for one group only); a second's, the KV's."""
-        full = kv.managers[0].name == FULL
-        sliding = kv.pages(batch.request_ids, SLIDING) if full else batch.pages
         super().__init__(
             kv.manager(SLIDING).pool.cache,
-            sliding,
+            batch.pages[SLIDING],
             batch.positions,
             batch.q_lens,
             batch.ctx_lens,
@@ -144,15 +141,15 @@ class WindowStep(StepAttention):
             batch.max_q,
             None,
             batch.progress,
+            window=cfg.sliding_window,
         )
-        self.window = cfg.sliding_window
         self.where = layer_groups(cfg, num_layers)
         self.full: StepAttention | None = None
         """The full-attention layers' step (GQA's), where the model has them."""
-        if full:
+        if FULL in batch.pages:
             self.full = StepAttention(
                 kv.manager(FULL).pool.cache,
-                batch.pages,
+                batch.pages[FULL],
                 batch.positions,
                 batch.q_lens,
                 batch.ctx_lens,
@@ -161,7 +158,6 @@ class WindowStep(StepAttention):
                 None,
                 batch.progress,
             )
-        self._gathers: list[_WindowGather] | None = None
 
     def attend_layer(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -169,7 +165,7 @@ class WindowStep(StepAttention):
         """Layer `layer`'s paged attention for the step's tokens (as `attend` promises)."""
         group, index = self.where[layer]
         if group == SLIDING:
-            return paged_attend(self, index, q, k, v)  # GQA's writes, then `attend` below
+            return paged_attend(self, index, q, k, v)  # GQA's writes, then the window's attend
         full = self.full
         assert full is not None
         seconds, prefill = full.attention_seconds, full.prefill_seconds
@@ -177,95 +173,6 @@ class WindowStep(StepAttention):
         self.attention_seconds += full.attention_seconds - seconds  # what the step observes
         self.prefill_seconds += full.prefill_seconds - prefill
         return out
-
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Attend q [T, H, D] over one windowed layer's keys and values [Hkv, slots, D]:
-        decodes and prefill chunks apart, each over the pages their windows reach."""
-        if self._gathers is None:
-            self._gathers = self._make_gathers()
-        outs = []
-        for g in self._gathers:
-            start = time.perf_counter()
-            outs.append(g.attend(q[g.tokens], k_cache, v_cache))
-            seconds = time.perf_counter() - start
-            self.attention_seconds += seconds
-            self.prefill_seconds += 0.0 if g.decode else seconds
-        self.layers += 1
-        if self.progress is not None:
-            self.progress.layers += 1
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def _make_gathers(self) -> list[_WindowGather]:
-        nd, total = self.num_decodes, len(self.q_lens)
-        parts = [(0, nd), (nd, total)] if 0 < nd < total else [(0, total)]
-        tokens = torch.cumsum(self.q_lens, 0).tolist()
-        out = []
-        for lo, hi in parts:
-            first = 0 if lo == 0 else tokens[lo - 1]
-            out.append(
-                _WindowGather(
-                    self.cache.page_size,
-                    self.block_table[lo:hi],
-                    self.q_lens[lo:hi],
-                    self.ctx_lens[lo:hi],
-                    slice(first, tokens[hi - 1]),
-                    self.window,
-                )
-            )
-        return out
-
-
-class _WindowGather:
-    """Sequences of one step (decodes, or prefill chunks) attending within a window: each
-    gathers its pages from the first its earliest query's window reaches (pages before it
-    were given back: never read), padded with page 0, which the mask hides (a padded query
-    row repeats its sequence's last query, and is dropped)."""
-
-    def __init__(
-        self,
-        page_size: int,
-        table: torch.Tensor,
-        q_lens: torch.Tensor,
-        ctx_lens: torch.Tensor,
-        tokens: slice,
-        window: int,
-    ) -> None:
-        self.page_size, self.tokens, self.decode = page_size, tokens, bool(q_lens.max() == 1)
-        device = table.device
-        starts = ctx_lens - q_lens  # each sequence's first new position
-        first = (starts - (window - 1)).clamp(min=0) // page_size  # its first page read
-        width = int(((ctx_lens + page_size - 1) // page_size - first).max())
-        cols = first[:, None] + torch.arange(width, device=device)[None, :]
-        held = table.gather(1, cols.clamp(max=table.shape[1] - 1))
-        self.pages = torch.where(cols < table.shape[1], held, 0).flatten()  # padding: page 0
-        self.shape = (len(q_lens), width * page_size)  # [B, keys]
-        i = torch.arange(int(q_lens.max()), device=device)
-        q_starts = torch.cumsum(q_lens, 0) - q_lens
-        self.q_index = (q_starts[:, None] + i[None, :]).clamp(max=int(q_lens.sum()) - 1)
-        keys = first[:, None] * page_size + torch.arange(self.shape[1], device=device)[None, :]
-        queries = starts[:, None] + torch.minimum(i[None, :], q_lens[:, None] - 1)  # [B, max_q]
-        self.mask = _mask(queries, keys, window)[:, None]  # [B, 1, max_q, keys]
-        valid = (i[None, :] < q_lens[:, None]).flatten()  # padded query rows to drop
-        self.out_index = valid.nonzero().squeeze(1)
-
-    def gather(self, cache: torch.Tensor) -> torch.Tensor:
-        """[Hkv, slots, D] -> the sequences' window keys or values [Hkv, B, keys, D]."""
-        heads, _, dim = cache.shape
-        pages = cache.view(heads, -1, self.page_size, dim).index_select(1, self.pages)
-        return pages.view(heads, *self.shape, dim)
-
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        keys, values = self.gather(k_cache), self.gather(v_cache)
-        queries = q[self.q_index].transpose(1, 2)  # [B, H, max_q, D]
-        out = F.scaled_dot_product_attention(
-            queries,
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
-            attn_mask=self.mask,
-            enable_gqa=True,
-        )
-        out = out.transpose(1, 2)  # [B, max_q, H, D]
-        return out.reshape(-1, *out.shape[2:])[self.out_index]  # [T, H, D]
 
 
 def step(kv: KVGroups, cfg: Any, batch: StepBatch) -> WindowStep:
