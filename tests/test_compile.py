@@ -12,6 +12,7 @@ from patience import patience
 
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.device import cpu_isa
+from pypto_serving.executor import compiled
 from pypto_serving.executor.compiled import (
     COUNTER,
     CompiledLayers,
@@ -241,6 +242,9 @@ def test_the_cpu_vector_isa_is_the_one_inductor_probes(monkeypatch):
         cpu_vec_isa.valid_vec_isa_list.cache_clear()
         return str(cpu_vec_isa.pick_vec_isa())
 
+    def no_second_compiler_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the compiler ran again for flags it took before")
+
     # torch's own patch restores the config on exit, an exception passing or not; the probes
     # pick at the width trusting caps Inductor at (device.cpu_isa)
     simdlen = 256 if cpu_isa() == "avx2" else None
@@ -251,6 +255,10 @@ def test_the_cpu_vector_isa_is_the_one_inductor_probes(monkeypatch):
             assert config.cpp.vec_isa_ok is True
             assert str(cpu_vec_isa.pick_vec_isa()) == probed
             assert not trust_cpu_vector_isa()  # already decided: left as it is
+            config.cpp.vec_isa_ok = None  # the next engine's start, in this process
+            monkeypatch.setattr(compiled.subprocess, "run", no_second_compiler_run)
+            assert trust_cpu_vector_isa() and config.cpp.vec_isa_ok is True
+            monkeypatch.undo()
             for compiler in ("false", "/nonexistent/g++"):
                 monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda c=compiler: c)
                 picked(None)

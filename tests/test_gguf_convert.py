@@ -7,6 +7,8 @@ q/k un-permutation and the errors in milliseconds. The slow tests convert the re
 
 import json
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import gguf
@@ -96,6 +98,26 @@ def test_resolve_gguf_path_converts_once(tiny_gguf, tmp_path: Path, monkeypatch)
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+def test_processes_resolving_one_file_at_once_convert_it_once(tiny_gguf, tmp_path, monkeypatch):
+    """Two servers started together on one GGUF: the first converts while the other waits on
+    the cache's lock, then finds the conversion done (separate opens of the lock file exclude
+    each other as two processes' would)."""
+    calls: list[Path] = []
+    convert = default_model.convert_gguf_to_hf
+
+    def counted(path: Path, out: Path) -> Path:
+        calls.append(out)
+        time.sleep(0.5)  # the other thread arrives while this one converts
+        return convert(path, out)
+
+    monkeypatch.setattr(default_model, "convert_gguf_to_hf", counted)
+    cache = tmp_path / "cache"
+    with ThreadPoolExecutor(2) as pool:
+        found = list(pool.map(lambda _: resolve_model_path(str(tiny_gguf[0]), cache=cache), "ab"))
+    assert found[0] == found[1] and is_converted_dir(found[0]) and calls == [found[0]]
+    assert sorted(p.name for p in (cache / "models").iterdir()) == [found[0].name]
+
+
 def test_resolve_directory_is_returned_as_is(tmp_path: Path) -> None:
     assert resolve_model_path(str(tmp_path)) == tmp_path
 
@@ -160,16 +182,19 @@ def test_default_gguf_missing(monkeypatch) -> None:
         find_default_gguf()
 
 
-# --- the real default model (converted once per session) ---------------------------------
+# --- the real default model (converted once, into the cache every test shares) ------------
 
 
 @pytest.fixture(scope="session")
-def default_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def default_dir() -> Path:
+    """The default model's directory in the user's cache ($PYPTO_CACHE_DIR), converted by the
+    first test that asks for it (a lock keeps the xdist workers from converting it twice):
+    on a fresh machine this is the conversion every user's first run does."""
     try:
         find_default_gguf()
     except ModelLoadError as e:
         pytest.skip(str(e))
-    return resolve_model_path(None, cache=tmp_path_factory.mktemp("pypto-cache"))
+    return resolve_model_path(None)
 
 
 @pytest.mark.slow

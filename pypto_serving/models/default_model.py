@@ -5,6 +5,7 @@ The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the Py
 (`$PYPTO_CACHE_DIR`, else `~/.cache/pypto-serving`) and reused on later runs.
 """
 
+import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -79,6 +80,19 @@ def _file_key(path: Path) -> str:
 
 
 def _convert_once(gguf_path: Path, target: Path) -> Path:
+    """Convert `gguf_path` into `target` unless another process did while this one waited:
+    a lock file (in the cache's `.locks/`) lets one process convert at a time (two servers
+    starting together convert once)."""
+    locks = target.parent.with_name(".locks")
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_current_conversion(target):
+            return target
+        return _convert(gguf_path, target)
+
+
+def _convert(gguf_path: Path, target: Path) -> Path:
     if target.is_dir():  # an incomplete leftover or an older conversion: start over
         logger.warning("replacing incomplete or older conversion %s", target)
         shutil.rmtree(target)
