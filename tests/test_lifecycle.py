@@ -6,9 +6,13 @@ Ground truth: HF transformers' greedy tokens for every engine, one after another
 from __future__ import annotations
 
 import gc
+import json
 import os
+import pickle
 import re
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -22,6 +26,7 @@ from parallel_checks import children_of, gone
 from patience import patience
 
 from pypto_serving.errors import PyptoError
+from pypto_serving.models.config import read_model_config
 from pypto_serving.sampling import SamplingParams
 
 MODEL = "llama-gqa4-tied"
@@ -113,3 +118,33 @@ def test_a_rank_that_hangs_while_starting_fails_start_up_naming_it(tiny_model, m
     pids = [int(p) for p in re.findall(r"pid (\d+)", message)]
     assert pids and all(gone(pid) for pid in pids)
     assert children_of(os.getpid()) == [] and not dist.is_initialized()
+
+
+CHILD = """
+import pickle, sys
+from pathlib import Path
+from pypto_serving.models.config import load_model_config, remember_model_config
+path, read = pickle.loads(Path(sys.argv[1]).read_bytes())
+remember_model_config(path, read)
+cfg = load_model_config(path)
+print(cfg == read[1], "transformers" in sys.modules)
+"""
+
+
+def test_a_child_process_takes_its_parents_reading_of_the_config(tiny_model, tmp_path):
+    """A rank or a replica is handed its parent's reading of config.json (its spec): it gets
+    the same config without importing transformers (~3 s of its start); a config.json
+    changed since is read anew, by transformers."""
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model(MODEL), path)
+    handed = tmp_path / "read.pickle"
+    handed.write_bytes(pickle.dumps((path, read_model_config(path))))
+
+    def child() -> str:
+        run = [sys.executable, "-c", CHILD, str(handed)]
+        return subprocess.run(run, capture_output=True, text=True, check=True).stdout.strip()
+
+    assert child() == "True False"
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"rms_norm_eps": 1e-3}))
+    assert child() == "False True"

@@ -61,7 +61,7 @@ from pypto_serving.engine.replica import (
 )
 from pypto_serving.engine.router import Router
 from pypto_serving.errors import EngineDeadError, PyptoError
-from pypto_serving.models.config import load_model_config
+from pypto_serving.models.config import load_model_config, read_model_config
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 
@@ -112,7 +112,8 @@ def replica_specs(
         own = replace(
             config, device=ranks[0][0], num_threads=threads, cache=cache, parallel=parallel
         )
-        specs.append(ReplicaSpec(i, own, model_dir, cpus, level, n, rendezvous, p.nnodes))
+        read = read_model_config(model_dir)
+        specs.append(ReplicaSpec(i, own, model_dir, cpus, level, n, rendezvous, p.nnodes, read))
     return specs
 
 

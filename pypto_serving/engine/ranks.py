@@ -44,6 +44,7 @@ from pypto_serving.engine.process import (
 from pypto_serving.engine.worker import join_group, load_share
 from pypto_serving.errors import PyptoError
 from pypto_serving.executor.paged import PagedExecutor
+from pypto_serving.models.config import ModelConfig, read_model_config, remember_model_config
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class WorkerSpec:
     """The engine's config with this rank's device and threads."""
     model_dir: Path
     log_level: int
+    model_config: tuple[str, ModelConfig]
+    """The parent's reading of the model's config.json (`read_model_config`)."""
 
 
 def backend_for(config: EngineConfig, device: str) -> str:
@@ -107,7 +110,8 @@ def start_workers(
         for local, own in enumerate(ranks):
             if first + local == 0:
                 continue  # rank 0 is the engine process itself
-            spec = WorkerSpec(first + local, backend, own, model_dir, level)
+            read = read_model_config(model_dir)
+            spec = WorkerSpec(first + local, backend, own, model_dir, level, read)
             workers.append(ChildProcess(worker_main, spec))
         wait_ranks(workers, first + (1 if first == 0 else 0), Joining, deadline)
     except BaseException:
@@ -195,6 +199,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
     config = spec.config
     try:
+        remember_model_config(spec.model_dir, spec.model_config)
         plan = plan_run(config, spec.model_dir)
         torch.set_num_threads(plan.num_threads)
     except BaseException as e:  # reported before the rendezvous, so rank 0 never waits on it

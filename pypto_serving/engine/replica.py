@@ -45,6 +45,7 @@ from pypto_serving.engine.core import EngineCore, EngineStats
 from pypto_serving.engine.process import ChildProcess, StartFailed, StartupDeadline, describe
 from pypto_serving.errors import PyptoError
 from pypto_serving.kv.events import PageChange, page_change
+from pypto_serving.models.config import ModelConfig, remember_model_config
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
@@ -78,6 +79,8 @@ class ReplicaSpec:
     one machine), or tcp://ADDRESS:PORT on node 0 (replicas on several nodes)."""
     nodes: int = 1
     """The machines the replicas are spread over (as many on each)."""
+    model_config: tuple[str, ModelConfig] | None = None
+    """The parent's reading of the model's config.json (`read_model_config`)."""
 
 
 @dataclass(slots=True)
@@ -162,6 +165,8 @@ def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
     # the pipe instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        if spec.model_config is not None:
+            remember_model_config(spec.model_dir, spec.model_config)
         if spec.cpus:
             os.sched_setaffinity(0, spec.cpus)
         if spec.rendezvous is not None and spec.rendezvous.startswith("tcp://"):

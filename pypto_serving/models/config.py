@@ -239,14 +239,47 @@ def _rope(
     return tuple(inv.double().tolist()), float(factor)
 
 
-def load_model_config(model_dir: Path) -> ModelConfig:
-    """Read and check `model_dir/config.json`; raise ModelLoadError when we cannot serve it."""
+_read: dict[tuple[str, str], ModelConfig] = {}
+"""The configs this process read or was handed, by (directory, config.json's text)."""
+
+
+def _config_text(model_dir: Path) -> str:
     path = model_dir / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"missing config.json in model directory {model_dir}")
     try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return path.read_text()
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f"config.json in {model_dir} is not valid JSON: {e}") from None
+
+
+def read_model_config(model_dir: Path) -> tuple[str, ModelConfig]:
+    """config.json's text and `load_model_config`'s reading of it (for a child's spec)."""
+    text = _config_text(model_dir)
+    key = (str(model_dir), text)
+    if key not in _read:
+        _read[key] = _parse_model_config(model_dir, text)
+    return text, _read[key]
+
+
+def remember_model_config(model_dir: Path, read: tuple[str, ModelConfig]) -> None:
+    """Take a parent's `read_model_config(model_dir)` as this process's reading of that text:
+    a child process (a rank, a replica) skips transformers' config machinery (~3 s of its
+    start); a config.json changed since is read anew."""
+    text, cfg = read
+    _read[(str(model_dir), text)] = cfg
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    """Read and check `model_dir/config.json`; raise ModelLoadError when we cannot serve it.
+    Read once per process while the file's text stays the same."""
+    return read_model_config(model_dir)[1]
+
+
+def _parse_model_config(model_dir: Path, text: str) -> ModelConfig:
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
         raise ModelLoadError(f"config.json in {model_dir} is not valid JSON: {e}") from None
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
