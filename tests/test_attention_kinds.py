@@ -42,9 +42,9 @@ def kv_spec(
 
 
 def kv_groups(
-    cfg: Any, num_layers: int, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    cfg: Any, layers: range, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> list[KVGroup]:
-    return [KVGroup("toy", kv_spec(cfg, num_layers, page_size, dtype))]
+    return [KVGroup("toy", kv_spec(cfg, len(layers), page_size, dtype))]
 
 
 step = paged_step  # one group of full attention: the generic step
@@ -90,6 +90,7 @@ def toy_store() -> KVGroups:
     model = SimpleNamespace(
         cfg=SimpleNamespace(head_dim=D),
         num_local_layers=LAYERS,
+        local_layers=range(LAYERS),
         groups=ParallelGroups(),
         attention_kind=toy,
     )

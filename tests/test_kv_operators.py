@@ -191,7 +191,11 @@ def test_mla_kv_bytes_per_token_per_layer_are_the_latent_size() -> None:
 def test_the_store_and_its_tiers_hold_mla_pages_at_the_latent_size() -> None:
     cfg = SimpleNamespace(kv_lora_rank=32, qk_rope_head_dim=16, num_heads=4, num_kv_heads=4)
     model = SimpleNamespace(
-        cfg=cfg, num_local_layers=LAYERS, groups=ParallelGroups(), attention_kind=mla
+        cfg=cfg,
+        num_local_layers=LAYERS,
+        local_layers=range(LAYERS),
+        groups=ParallelGroups(),
+        attention_kind=mla,
     )
     page = LAYERS * PS * E * 2  # bf16
     cache = CacheConfig(page_size=PS, num_kv_pages=5, kv_cpu_bytes=3 * page)

@@ -104,3 +104,47 @@ def test_each_rank_keeps_its_share_and_mla_is_kept_once() -> None:
     model = SimpleNamespace(cfg=llama, groups=stages)
     pages, _ = parallel_cpu_tier(model, spec, 4, budget)  # type: ignore[arg-type]
     assert pages == budget // (2 * spec.page_bytes)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "window"])
+def test_every_pipeline_stage_counts_the_same_pages(kind: str) -> None:
+    """Rank 0 decides page ids for every stage, so each group's device and CPU pages must be
+    the same count on every stage whatever its layers: 3 layers over 2 stages (1 and 2) on
+    a byte budget that binds. The window kind's stages hold a group without layers (stage 0:
+    the full layer only; stage 1: the two windowed ones), sized like the others."""
+    from pypto_serving.config import CacheConfig
+    from pypto_serving.executor.kv_stores import build_kv_store
+    from pypto_serving.kv.kinds import window
+    from pypto_serving.models.llama import stage_layers
+
+    cfg = SimpleNamespace(num_layers=3, num_kv_heads=2, head_dim=8)
+    attention_kind: object = gqa
+    if kind == "window":
+        cfg = SimpleNamespace(**vars(cfg), window_layers=(1, 2), sliding_window=6)
+        attention_kind = window
+    cache = CacheConfig(
+        page_size=4, num_kv_pages=None, kv_device_bytes=40 << 10, kv_cpu_bytes=64 << 10
+    )
+    counts = []
+    for rank in (0, 1):
+        groups = ParallelGroups(pp=Group(rank, 2))
+        layers = stage_layers(3, groups.pp)
+        model = SimpleNamespace(
+            cfg=cfg,
+            groups=groups,
+            local_layers=layers,
+            num_local_layers=len(layers),
+            attention_kind=attention_kind,
+        )
+        store = build_kv_store(model, torch.device("cpu"), torch.float32, cache, 1 << 20, "", False)  # type: ignore[arg-type]
+        layer_counts = [m.pool.cache.spec.num_layers for m in store.managers]
+        cpu = [0 if m.pool.cpu is None else m.pool.cpu.capacity for m in store.managers]
+        counts.append(
+            [(m.name, m.pool.num_pages, c) for m, c in zip(store.managers, cpu, strict=True)]
+        )
+        assert sum(layer_counts) == len(layers)
+        device = sum(m.pool.num_pages * m.pool.cache.spec.page_bytes for m in store.managers)
+        assert device <= cache.kv_device_bytes  # the stage with more layers within it too
+        store.close()
+    assert counts[0] == counts[1], counts
+    assert all(n > 1 and c > 0 for _, n, c in counts[0]), counts

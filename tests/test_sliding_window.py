@@ -17,7 +17,6 @@ from live_server import assert_served_as_offline, tiny_llm
 
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.cli import main
-from pypto_serving.errors import ModelLoadError
 from pypto_serving.kv.kinds import window
 from pypto_serving.models.config import load_model_config
 from pypto_serving.models.loader import load_model
@@ -46,13 +45,25 @@ def test_config_reads_the_windowed_layers(tiny_model):
     assert gemma.window_layers == (0, 2) and gemma.gemma is not None and gemma.qk_norm
     assert gemma.gemma.query_scale == 24**-0.5 and gemma.gemma.final_logit_softcapping == 3.0
     assert gemma.gemma.local_inv_freq != gemma.rope_inv_freq  # each its own base
-    groups = window.kv_groups(found["qwen3-window6-from1"], 3, 4, torch.float32)
+    groups = window.kv_groups(found["qwen3-window6-from1"], range(3), 4, torch.float32)
     assert [(g.name, g.spec.num_layers, g.keep) for g in groups] == [
         ("full", 1, None),
         ("sliding", 2, 5),  # the window's 6 tokens: the next one and 5 before it
     ]
-    with pytest.raises(ModelLoadError, match="does not support pipeline parallelism"):
-        found["mistral-window8"].parallel_shard(1, 2)
+    # a pipeline stage declares both groups, holding its own layers of each (maybe none)
+    stages = [
+        window.kv_groups(found["qwen3-window6-from1"], r, 4, torch.float32)
+        for r in (range(1), range(1, 3))
+    ]
+    assert [[(g.name, g.spec.num_layers) for g in s] for s in stages] == [
+        [("full", 1), ("sliding", 0)],
+        [("full", 0), ("sliding", 2)],
+    ]
+    assert window.layer_groups(found["gemma3-local5-global"], range(1, 3)) == [
+        ("full", 0),
+        ("sliding", 0),  # checkpoint layer 2: the stage's first windowed layer
+    ]
+    assert found["mistral-window8"].parallel_shard(1, 2) == found["mistral-window8"]
     assert found["mistral-window8"].parallel_shard(2).num_kv_heads == 1
     assert found["qwen3-window6-from1"].parallel_shard(2).num_kv_heads == 1  # two groups too
 

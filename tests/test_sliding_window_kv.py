@@ -3,8 +3,8 @@ that keeps the window's last tokens, and a full-attention group where the model 
 layers): the same greedy tokens as the reference executor whichever way the KV got there -
 recomputed, a prefix hit inside the window and beyond it, loaded back from the CPU tier or the
 SSD (also after a restart) or the shared pool, swapped out and in, recomputed after
-preemption, under tensor parallelism - and the window gives its pages back, so a 4,000-token
-generation holds a few pages at a time."""
+preemption, under tensor and pipeline parallelism - and the window gives its pages back, so a
+4,000-token generation holds a few pages at a time."""
 
 from __future__ import annotations
 
@@ -190,25 +190,34 @@ def hits(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], int, dict[
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [HYBRID, GEMMA])
-def test_both_groups_under_tensor_parallelism_hit_and_load_as_one_rank(tiny_model, tmp_path, name):
-    """A model of full and windowed layers on two ranks, a KV head of each group each: the
-    step carries both groups' pages and both pools' moves, so prefix hits inside and beyond
-    the window, CPU-tier loads, a swap, and after a restart the SSD tier's pages are those of
-    one rank, with the reference's tokens."""
+@pytest.mark.parametrize(
+    ("name", "parallel"),
+    [
+        (HYBRID, "tensor_parallel_size"),
+        (GEMMA, "tensor_parallel_size"),
+        (HYBRID, "pipeline_parallel_size"),  # stage 0: the full layer; 1: the windowed two
+        (GEMMA, "pipeline_parallel_size"),  # stage 0: a local layer; 1: global and local
+    ],
+)
+def test_both_groups_on_two_ranks_hit_and_load_as_one_rank(tiny_model, tmp_path, name, parallel):
+    """A model of full and windowed layers on two ranks: under TP a KV head of each group
+    each, under PP each stage its layers of each group (none, for a stage without such
+    layers; the same page ids). The step carries both groups' pages and both pools' moves,
+    so prefix hits inside and beyond the window, CPU-tier loads, a swap, and after a restart
+    the SSD tier's pages are those of one rank, with the reference's tokens."""
     model = tiny_model(name)
     prompts = [*FORKS, *PROMPTS, FORKS[0]]
     knobs = {"page_size": 4, "kv_cpu_bytes": 1 << 20, "num_kv_pages": 24, "max_num_seqs": 3}
     got = {}
-    for tp in (1, 2):
-        ssd = {"kv_ssd_dir": str(tmp_path / f"tp{tp}"), "kv_ssd_bytes": 8 << 20}
-        with tiny_llm(model, tensor_parallel_size=tp, **knobs, **ssd) as llm:
+    for size in (1, 2):
+        ssd = {"kv_ssd_dir": str(tmp_path / f"{size}"), "kv_ssd_bytes": 8 << 20}
+        with tiny_llm(model, **{parallel: size}, **knobs, **ssd) as llm:
             runs = hits(llm, prompts)
             batch = llm.generate([p[:30] for p in PROMPTS], GREEDY, use_tqdm=False)
             runs.append(([o.outputs[0].token_ids for o in batch], llm.engine.stats().num_swapped))
-        with tiny_llm(model, tensor_parallel_size=tp, **knobs, **ssd) as llm:
+        with tiny_llm(model, **{parallel: size}, **knobs, **ssd) as llm:
             runs += hits(llm, PROMPTS[:1])  # from the SSD pages the first engine left
-        got[tp] = runs
+        got[size] = runs
     assert got[2] == got[1]
     one = got[1]
     expected = reference(model, [*prompts, *[p[:30] for p in PROMPTS], PROMPTS[0]])

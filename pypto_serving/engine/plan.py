@@ -79,7 +79,8 @@ def plan_attention(
     kernels = None
     if paged and plan.native_attention and kind.KERNELS:
         share = cfg.parallel_shard(groups.tp.size, groups.pp.size, groups.ep.size > 1)
-        spec = kind.kv_groups(share, 1, cache.page_size, plan.dtype, cache.kv_cache_dtype)[0].spec
+        one = kind.kv_groups(share, range(1), cache.page_size, plan.dtype, cache.kv_cache_dtype)
+        spec = one[0].spec
         heads, kv_heads, dim = share.num_heads, spec.num_heads, spec.head_dim
         if native_attention.takes(plan.dtype, heads, kv_heads, dim, cache.page_size):
             kernels = (heads // kv_heads, dim)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from pypto_serving.config import CacheConfig
+from pypto_serving.distributed import Group
 from pypto_serving.errors import PyptoError
 from pypto_serving.kv.disk_tier import HEADER_BYTES
 from pypto_serving.kv.groups import KVGroups
@@ -20,7 +21,7 @@ from pypto_serving.kv.mooncake_pool import join
 from pypto_serving.kv.paged_cache import PagedCache
 from pypto_serving.kv.pool import KVPool
 from pypto_serving.kv.spec import KVGroup, KVSpec
-from pypto_serving.models.llama import CausalLM
+from pypto_serving.models.llama import CausalLM, stage_layers
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +51,34 @@ def build_kv_store(
     of the device budget (`num_kv_pages` each, if given), the same page count each. The CPU
     and SSD budgets split over the groups in proportion to their page bytes. Under tensor
     parallelism it holds this rank's KV heads, under pipeline parallelism its stage's layers,
-    with the same page ids on every rank (the page count depends only on the config); its CPU
-    and SSD tiers mirror rank 0's (`kv/mirror.py`), each rank's SSD pages in
+    with the same page ids on every rank: the page counts depend only on the config, each
+    group's sized by its largest page over the pipeline stages (so no stage exceeds the
+    budget); its CPU and SSD tiers mirror rank 0's (`kv/mirror.py`), each rank's SSD pages in
     `<kv_ssd_dir>/rank<r>`."""
-    layers, page = model.num_local_layers, cache.page_size
-    groups = model.attention_kind.kv_groups(model.cfg, layers, page, dtype, cache.kv_cache_dtype)
+    kind, cfg, page = model.attention_kind, model.cfg, cache.page_size
+    kv_dtype = cache.kv_cache_dtype
+    groups = kind.kv_groups(cfg, model.local_layers, page, dtype, kv_dtype)
+    pp = model.groups.pp
+    stages = [groups]  # every pipeline stage's groups
+    if pp.size > 1:
+        stages = [
+            kind.kv_groups(
+                cfg, stage_layers(cfg.num_layers, Group(s, pp.size)), page, dtype, kv_dtype
+            )
+            for s in range(pp.size)
+        ]
+    largest = {
+        g.name: max(stage[i].spec.page_bytes for stage in stages) for i, g in enumerate(groups)
+    }
+    whole = groups  # each group in the whole model (under TP/PP: the tiers hold all ranks')
+    if model.groups.world_size > 1:
+        whole = kind.kv_groups(cfg, range(cfg.num_layers), page, dtype, kv_dtype)
     seqs, chunk = running
     pages: dict[str, int] = {}
     for g in groups:
         if g.keep is not None:
             pages[g.name] = seqs * (-(-g.keep // page) + 2) + -(-chunk // page)
-    window_bytes = sum(pages[g.name] * g.spec.page_bytes for g in groups if g.name in pages)
+    window_bytes = sum(pages[g.name] * largest[g.name] for g in groups if g.name in pages)
     full = [g for g in groups if g.keep is None]
     if full and cache.num_kv_pages:
         pages |= dict.fromkeys((g.name for g in full), cache.num_kv_pages)
@@ -72,24 +90,21 @@ def build_kv_store(
                 "kv_device_bytes",
             )
         budget = replace(cache, kv_device_bytes=cache.kv_device_bytes - window_bytes)
-        page_bytes = sum(g.spec.page_bytes for g in full)
+        page_bytes = sum(largest[g.name] for g in full)
         n = num_pages_for(budget, page_bytes, -(-max_tokens_in_use // page))
         pages |= dict.fromkeys((g.name for g in full), n)
-    total = sum(g.spec.page_bytes for g in groups)
+    # the CPU and SSD budgets split by the whole model's page bytes: the same on every rank
+    total = sum(g.spec.page_bytes for g in whole)
     cpu, ssd = cache.kv_cpu_bytes, cache.kv_ssd_bytes
     budgets = {
         g.name: (cpu * g.spec.page_bytes // total, ssd * g.spec.page_bytes // total)
-        for g in groups[1:]
+        for g in whole[1:]
     }
-    budgets[groups[0].name] = (
+    budgets[whole[0].name] = (
         cpu - sum(b[0] for b in budgets.values()),
         ssd - sum(b[1] for b in budgets.values()),
     )
     several = len(groups) > 1  # each group's SSD pages in a folder of its name
-    whole = groups  # each group's layers in the whole model (under TP/PP: tiers hold all ranks')
-    if model.groups.world_size > 1:
-        kind, cfg = model.attention_kind, model.cfg
-        whole = kind.kv_groups(cfg, cfg.num_layers, page, dtype, cache.kv_cache_dtype)
     whole_layers = {g.name: g.spec.num_layers for g in whole}
     managers = [
         KVManager(
@@ -131,8 +146,8 @@ def build_pool(
     every rank's heads), its SSD pages in `ssd_folder` under kv_ssd_dir if given."""
     spec = group.spec
     cpu_bytes, ssd_bytes = budgets
-    cpu_pages, journal = cpu_bytes // spec.page_bytes, None
-    page_bytes, g = spec.page_bytes, model.groups
+    page_bytes, g, journal = spec.page_bytes, model.groups, None
+    cpu_pages = cpu_bytes // page_bytes if page_bytes else 0  # 0: a stage without its layers
     ssd_dir = Path(cache.kv_ssd_dir).expanduser() if cache.kv_ssd_dir else None
     if ssd_dir is not None and ssd_folder is not None:
         ssd_dir = ssd_dir / ssd_folder
@@ -162,7 +177,7 @@ def build_pool(
             journal=journal,
             follows=g.rank > 0,
             remote=remote,
-            remote_pages=cache.kv_remote_bytes // page_bytes,
+            remote_pages=cache.kv_remote_bytes // page_bytes if page_bytes else 0,
         )
     except OSError as e:
         raise PyptoError(f"cannot use kv_ssd_dir {ssd_dir}: {e}") from None

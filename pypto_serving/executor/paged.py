@@ -272,6 +272,7 @@ class PagedExecutor:
             self.attention_kernel,
             self.progress,
             self.batch_invariant,
+            self.model.local_layers,
         )  # the kind's operator maps its slots from the page lists
         attention = self.model.attention_kind.step(self.kv, self.model.cfg, batch)
         if g.world_size > 1 and g.rank == 0:

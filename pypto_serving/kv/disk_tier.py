@@ -165,6 +165,8 @@ class DiskTier(PageTier):
             raise ValueError("the keyed digest does not match (damaged, or not written here)")
         if tuple(header["token_ids"]) != token_ids:  # type: ignore[arg-type]
             raise ValueError("token ids differ from the index")
+        if not payload:  # a pipeline stage without layers of this group: an empty page
+            return tuple(torch.empty(self.num_tensors, *self.page_shape, dtype=self.dtype))
         kv = torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype)
         return tuple(kv.view(self.num_tensors, *self.page_shape).unbind())
 

@@ -111,6 +111,9 @@ class StepBatch:
     """The executor's, advanced by each layer."""
     decodes_as_prefill: bool = False
     """--batch-invariant: decodes attend through the prefill kernel (`StepAttention`)."""
+    layers: range | None = None
+    """The checkpoint indices of the rank's layers (its pipeline stage's); None: the whole
+    model's."""
 
 
 class _Group:

@@ -181,11 +181,6 @@ class ModelConfig:
                 "a mixture-of-experts model under tensor parallelism needs "
                 "enable_expert_parallel (splitting each expert by columns is not supported)"
             )
-        if self.window_layers and pp > 1:
-            raise ModelLoadError(
-                f"{self.architecture} with sliding-window layers does not support pipeline "
-                "parallelism yet"
-            )
         if self.compressed is not None and (tp > 1 or pp > 1):
             raise ModelLoadError(
                 f"{self.architecture} runs on one rank per replica for now: tensor and "

@@ -150,7 +150,9 @@ class DeepseekMoE(RoutedExperts):
 class DeepseekDecoderLayer(DecoderLayer):
     """llama.py's layer with MLA, and DeepSeek's MoE after the first dense layers."""
 
-    def attention(self, cfg: ModelConfig, layer: int, groups: ParallelGroups) -> nn.Module:
+    def attention(
+        self, cfg: ModelConfig, layer: int, groups: ParallelGroups, index: int
+    ) -> nn.Module:
         return MLAttention(cfg, layer, groups.tp)
 
     def feed_forward(self, cfg: ModelConfig, groups: ParallelGroups, index: int) -> nn.Module:

@@ -71,8 +71,10 @@ class GemmaDecoderLayer(WindowedDecoderLayer):
         self.pre_feedforward_layernorm = GemmaNorm(size, eps)
         self.post_feedforward_layernorm = GemmaNorm(size, eps)
 
-    def attention(self, cfg: ModelConfig, layer: int, groups: ParallelGroups) -> nn.Module:
-        size = cfg.sliding_window if layer in cfg.window_layers else None
+    def attention(
+        self, cfg: ModelConfig, layer: int, groups: ParallelGroups, index: int
+    ) -> nn.Module:
+        size = cfg.sliding_window if index in cfg.window_layers else None
         return GemmaAttention(cfg, layer, groups.tp, size)
 
     def feed_forward(self, cfg: ModelConfig, groups: ParallelGroups, index: int) -> nn.Module:

@@ -159,11 +159,15 @@ class DecoderLayer(nn.Module):
         """layer: its index in this stage's KV store; index: in the checkpoint."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = self.attention(cfg, layer, groups)
+        self.self_attn = self.attention(cfg, layer, groups, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = self.feed_forward(cfg, groups, index)
 
-    def attention(self, cfg: ModelConfig, layer: int, groups: ParallelGroups) -> nn.Module:
+    def attention(
+        self, cfg: ModelConfig, layer: int, groups: ParallelGroups, index: int
+    ) -> nn.Module:
+        """The layer's attention (`layer`: its index in the stage's KV; `index`: in the
+        checkpoint)."""
         return Attention(cfg, layer, groups.tp)
 
     def feed_forward(self, cfg: ModelConfig, groups: ParallelGroups, index: int) -> nn.Module:
@@ -234,7 +238,9 @@ class CausalLM(nn.Module):
         self.model = Decoder(cfg, groups, self.layer_type)
         self.first_stage = groups.pp.rank == 0
         self.last_stage = groups.pp.rank == groups.pp.size - 1
-        self.num_local_layers = len(self.model.local)
+        self.local_layers = self.model.local
+        """The checkpoint indices of this stage's layers."""
+        self.num_local_layers = len(self.local_layers)
         self.lm_head: Linear | None = None
         if self.last_stage:
             shard = -(-cfg.vocab_size // groups.tp.size)

@@ -30,14 +30,16 @@ class WindowedAttention(Attention):
 
 
 class WindowedDecoderLayer(DecoderLayer):
-    def attention(self, cfg: ModelConfig, layer: int, groups: ParallelGroups) -> nn.Module:
-        size = cfg.sliding_window if layer in cfg.window_layers else None
+    def attention(
+        self, cfg: ModelConfig, layer: int, groups: ParallelGroups, index: int
+    ) -> nn.Module:
+        size = cfg.sliding_window if index in cfg.window_layers else None
         return WindowedAttention(cfg, layer, groups.tp, size)
 
 
 class WindowedCausalLM(CausalLM):
-    """A Llama-family model with sliding-window layers (`cfg.window_layers`; one stage: the
-    config refuses pipeline parallelism, so a layer's index is its checkpoint's)."""
+    """A Llama-family model with sliding-window layers (`cfg.window_layers`, by checkpoint
+    index: a pipeline stage's layers keep theirs)."""
 
     layer_type = WindowedDecoderLayer
     attention_kind: ClassVar[AttentionKind] = window

@@ -44,14 +44,16 @@ class AttentionKind(Protocol):
     def kv_groups(
         self,
         cfg: Any,
-        num_layers: int,
+        layers: range,
         page_size: int,
         dtype: torch.dtype,
         kv_cache_dtype: str = "auto",
     ) -> list[KVGroup]:
-        """The KV groups of this rank's share (`cfg` holds its heads, `num_layers` its
-        layers) in the model's `dtype`, or as `kv_cache_dtype` says ("auto": the model's);
-        the first is the one prefix-hit breakdowns and KV events report."""
+        """The KV groups of this rank's share (`cfg` holds its heads, `layers` the checkpoint
+        indices of its layers: its pipeline stage's) in the model's `dtype`, or as
+        `kv_cache_dtype` says ("auto": the model's); the first is the one prefix-hit
+        breakdowns and KV events report. Every stage of a model declares the same groups,
+        in the same order (a stage may hold no layer of one)."""
         ...
 
     def step(self, kv: KVGroups, cfg: Any, batch: StepBatch) -> StepAttention:

@@ -175,13 +175,13 @@ def row_spec(
 
 
 def kv_groups(
-    cfg: Any, num_layers: int, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    cfg: Any, layers: range, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> list[KVGroup]:
     """Two groups: the entries, kept whole (a prefix hit needs every one: they come first),
     and the rows, of which a sequence keeps its last `Layout.keep` tokens' (a hit needs only
     those: the window's, and the compressors' unpooled inputs)."""
-    rows, keep = row_spec(cfg, num_layers, page_size, dtype, kv_cache_dtype)
-    entries = kv_spec(cfg, num_layers, page_size, dtype, kv_cache_dtype)
+    rows, keep = row_spec(cfg, len(layers), page_size, dtype, kv_cache_dtype)
+    entries = kv_spec(cfg, len(layers), page_size, dtype, kv_cache_dtype)
     return [KVGroup(ENTRIES, entries), KVGroup(ROWS, rows, keep=keep)]
 
 

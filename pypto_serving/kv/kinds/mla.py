@@ -46,10 +46,10 @@ def kv_spec(
 
 
 def kv_groups(
-    cfg: Any, num_layers: int, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    cfg: Any, layers: range, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> list[KVGroup]:
     """One group, of full attention: every layer, every token kept."""
-    return [KVGroup(NAME, kv_spec(cfg, num_layers, page_size, dtype, kv_cache_dtype))]
+    return [KVGroup(NAME, kv_spec(cfg, len(layers), page_size, dtype, kv_cache_dtype))]
 
 
 def attend(

@@ -49,11 +49,12 @@ def kv_spec(cfg: Any, num_layers: int, page_size: int, dtype: torch.dtype) -> KV
     return KVSpec(NAME, num_layers, heads, dim, dim, page_size, dtype, num_tensors=2)
 
 
-def layer_groups(cfg: Any, num_layers: int) -> list[tuple[str, int]]:
-    """Each of the rank's `num_layers` layers: its group and its index there."""
+def layer_groups(cfg: Any, layers: range) -> list[tuple[str, int]]:
+    """Each of the rank's `layers` (checkpoint indices: its stage's): its group and its index
+    there."""
     seen = {FULL: 0, SLIDING: 0}
     out = []
-    for i in range(num_layers):
+    for i in layers:
         group = SLIDING if i in cfg.window_layers else FULL
         out.append((group, seen[group]))
         seen[group] += 1
@@ -61,22 +62,24 @@ def layer_groups(cfg: Any, num_layers: int) -> list[tuple[str, int]]:
 
 
 def kv_groups(
-    cfg: Any, num_layers: int, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    cfg: Any, layers: range, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> list[KVGroup]:
-    """The full-attention layers' group (if any: first, the one events report), then the
-    windowed layers', which keeps `window - 1` tokens before the next one."""
+    """The full-attention layers' group (if the model has any: first, the one events report),
+    then the windowed layers', which keeps `window - 1` tokens before the next one. A
+    pipeline stage declares both where the model has both, holding its own layers of each
+    (none, for a stage without such layers)."""
     if kv_cache_dtype == "int8":
         raise PyptoError(
             "kv_cache_dtype int8 runs on the native kernels, which sliding-window attention "
             "does not use",
             "kv_cache_dtype",
         )
+    assert cfg.window_layers, "a model of this kind has windowed layers (models/config.py)"
     counts = {FULL: 0, SLIDING: 0}
-    for group, _ in layer_groups(cfg, num_layers):
+    for group, _ in layer_groups(cfg, layers):
         counts[group] += 1
-    assert counts[SLIDING], "a model of this kind has windowed layers (models/config.py)"
     groups = []
-    if counts[FULL]:
+    if len(cfg.window_layers) < cfg.num_layers:
         groups.append(KVGroup(FULL, kv_spec(cfg, counts[FULL], page_size, dtype)))
     keep = cfg.sliding_window - 1
     groups.append(KVGroup(SLIDING, kv_spec(cfg, counts[SLIDING], page_size, dtype), keep=keep))
@@ -130,7 +133,7 @@ class WindowStep(StepAttention):
     queries over the pages its window reaches, with the window's mask (`StepAttention`'s
     `window`)."""
 
-    def __init__(self, kv: KVGroups, cfg: Any, batch: StepBatch, num_layers: int) -> None:
+    def __init__(self, kv: KVGroups, cfg: Any, batch: StepBatch, layers: range) -> None:
         super().__init__(
             kv.manager(SLIDING).pool.cache,
             batch.pages[SLIDING],
@@ -143,7 +146,7 @@ class WindowStep(StepAttention):
             batch.progress,
             window=cfg.sliding_window,
         )
-        self.where = layer_groups(cfg, num_layers)
+        self.where = layer_groups(cfg, layers)
         self.full: StepAttention | None = None
         """The full-attention layers' step (GQA's), where the model has them."""
         if FULL in batch.pages:
@@ -178,8 +181,10 @@ class WindowStep(StepAttention):
 def step(kv: KVGroups, cfg: Any, batch: StepBatch) -> WindowStep:
     """The step's operator over the groups' pages (PyTorch's attention)."""
     assert batch.kernel is None, "the window kind runs on PyTorch's attention"
-    num_layers = sum(m.pool.cache.spec.num_layers for m in kv.managers)
-    return WindowStep(kv, cfg, batch, num_layers)
+    layers = batch.layers
+    if layers is None:  # the whole model
+        layers = range(sum(m.pool.cache.spec.num_layers for m in kv.managers))
+    return WindowStep(kv, cfg, batch, layers)
 
 
 @torch.library.custom_op("pypto::window_attention", mutates_args=())
