@@ -96,6 +96,7 @@ def replica_specs(
     mine = local_replicas(config)
     plan = plan_devices(len(mine) * tp, p.device_list(), config.device)
     level = logging.getLogger().getEffectiveLevel()
+    read = read_model_config(model_dir)  # handed to every replica: none reads it again
     specs = []
     for local, i in enumerate(mine):
         ranks = plan[local * tp : (local + 1) * tp]
@@ -112,7 +113,6 @@ def replica_specs(
         own = replace(
             config, device=ranks[0][0], num_threads=threads, cache=cache, parallel=parallel
         )
-        read = read_model_config(model_dir)
         specs.append(ReplicaSpec(i, own, model_dir, cpus, level, n, rendezvous, p.nnodes, read))
     return specs
 

@@ -106,11 +106,11 @@ def start_workers(
     level = logging.getLogger().getEffectiveLevel()
     first = p.node_rank * len(ranks)
     workers: list[ChildProcess] = []
+    read = read_model_config(model_dir)  # handed to every rank: none reads it again
     try:
         for local, own in enumerate(ranks):
             if first + local == 0:
                 continue  # rank 0 is the engine process itself
-            read = read_model_config(model_dir)
             spec = WorkerSpec(first + local, backend, own, model_dir, level, read)
             workers.append(ChildProcess(worker_main, spec))
         wait_ranks(workers, first + (1 if first == 0 else 0), Joining, deadline)
