@@ -106,11 +106,13 @@ def dense_attend(
     kv: DenseKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
 ) -> torch.Tensor:
     """The oracle: the sequence's keys and values so far, then causal attention within the
-    window."""
+    window (over the keys from the first one the window lets the first query see)."""
     k, v = kv.extend(layer, k, v)
     t, s = q.shape[0], k.shape[0]
-    keys = torch.arange(s, device=q.device)
-    mask = _mask(keys[s - t :], keys, window)
+    first = 0 if window is None else max(0, s - t - window + 1)  # the first key any query sees
+    k, v = k[first:], v[first:]
+    keys = torch.arange(first, s, device=q.device)
+    mask = _mask(keys[s - first - t :], keys, window)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
     )
