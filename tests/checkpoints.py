@@ -259,6 +259,44 @@ TINY_WINDOW: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "gptoss-window6-yarn": (  # sliding, full, sliding; sinks, 4 experts top 2, YaRN
+        "gpt_oss",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_hidden_layers=3,
+            sliding_window=6,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 128,
+                "rope_theta": 10000.0,
+            },
+        ),
+    ),
+    "gptoss-full-first-mqa": (  # full, sliding; one KV head, 8 experts top 3, a tight clamp
+        "gpt_oss",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=5,
+            layer_types=["full_attention", "sliding_attention"],
+            num_local_experts=8,
+            num_experts_per_tok=3,
+            intermediate_size=32,
+            swiglu_limit=1.0,
+            swiglu_alpha=1.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+    ),
     "qwen2-window11-from1": (  # Qwen2's biases; layer 0 full, layer 1 windowed
         "qwen2",
         dict(
@@ -324,6 +362,10 @@ def build_checkpoint(name: str, out: Path, seed: int = 0, grid: bool = False) ->
                 p.add_(torch.randn_like(p) * 0.1)
             elif pname.endswith("mlp.gate.weight") and "deepseek" in family:
                 p.mul_(20)  # routing scores far apart: no near-tie for rounding to flip
+            elif pname.endswith("mlp.router.weight"):
+                p.mul_(20)  # gpt-oss's router: the same
+            elif pname.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.mul_(10)  # gpt-oss's experts: outputs that matter, gates the clamp reaches
             elif any(f"{x}.weight" in pname for x in ("q_proj", "q_b_proj", "kv_a_proj_with_mqa")):
                 p.mul_(4)  # MLA: attention far from uniform, so its scale and RoPE matter
             elif grid and p.dim() == 2 and p.shape[1] % 32 == 0:

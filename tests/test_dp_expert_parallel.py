@@ -22,7 +22,7 @@ import pytest
 import torch
 from checkpoints import hf_greedy
 from live_server import free_port, tiny_llm
-from moe_exchange import CASES
+from moe_exchange import ACTIVATIONS, CASES
 from parallel_checks import children_of, config_error, gone
 from patience import patience, wait_for
 
@@ -255,9 +255,10 @@ def test_groups_place_the_experts_over_the_replicas():
 
 @pytest.mark.slow
 def test_the_exchange_equals_every_expert_on_one_rank(tmp_path):
-    """Both transports, with rank 1 idle (no tokens) and with tokens on both ranks: each
-    token's expert outputs as one rank holding every expert computes them (up to the
-    rounding of the experts' matmuls over other row counts)."""
+    """Both transports and both activations (gpt-oss's with the experts' biases), with rank 1
+    idle (no tokens) and with tokens on both ranks: each token's expert outputs as one rank
+    holding every expert computes them (up to the rounding of the experts' matmuls over other
+    row counts)."""
     script = Path(__file__).with_name("moe_exchange.py")
     env = os.environ | {"GLOO_SOCKET_IFNAME": "lo"}
     argv = [[sys.executable, str(script), str(r), str(tmp_path / "store")] for r in range(2)]
@@ -265,5 +266,5 @@ def test_the_exchange_equals_every_expert_on_one_rank(tmp_path):
     outs = [p.communicate(timeout=patience(120))[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     got = [json.loads(line) for out in outs for line in out.splitlines()]
-    assert len(got) == 2 * 2 * len(CASES)
+    assert len(got) == 2 * 2 * len(ACTIVATIONS) * len(CASES)
     assert all(same_shape and diff < 1e-5 for *_, same_shape, diff in got), got

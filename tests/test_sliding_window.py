@@ -45,6 +45,11 @@ def test_config_reads_the_windowed_layers(tiny_model):
     assert gemma.window_layers == (0, 2) and gemma.gemma is not None and gemma.qk_norm
     assert gemma.gemma.query_scale == 24**-0.5 and gemma.gemma.final_logit_softcapping == 3.0
     assert gemma.gemma.local_inv_freq != gemma.rope_inv_freq  # each its own base
+    oss = found["gptoss-window6-yarn"]
+    assert oss.window_layers == (0, 2) and oss.gpt_oss is not None and not oss.gpt_oss.mxfp4
+    assert oss.router == "topk_softmax" and oss.moe_layers == (0, 1, 2)
+    assert oss.qkv_bias and oss.o_bias and oss.rope_scaling > 1  # YaRN's attention factor
+    assert found["gptoss-full-first-mqa"].window_layers == (1,)
     groups = window.kv_groups(found["qwen3-window6-from1"], range(3), 4, torch.float32)
     assert [(g.name, g.spec.num_layers, g.keep) for g in groups] == [
         ("full", 1, None),

@@ -25,6 +25,7 @@ from pypto_serving.kv.mooncake_pool import SECRET_ENV
 HYBRID = "qwen3-window6-from1"  # layer 0 full, layers 1-2 a window of 6
 ONLY = "mistral-window8"  # every layer a window of 8
 GEMMA = "gemma3-local5-global"  # local (window 5), global, local
+OSS = "gptoss-window6-yarn"  # sliding (window 6), full, sliding; sinks, experts
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 rng = random.Random(7)
 PROMPTS = [[rng.randrange(3, 320) for _ in range(40)] for _ in range(3)]
@@ -49,10 +50,10 @@ def store_of(llm: LLM, groups: list[str]) -> KVGroups:
     return store
 
 
-GROUPS = {HYBRID: [FULL, SLIDING], ONLY: [SLIDING], GEMMA: [FULL, SLIDING]}
+GROUPS = {HYBRID: [FULL, SLIDING], ONLY: [SLIDING], GEMMA: [FULL, SLIDING], OSS: [FULL, SLIDING]}
 
 
-@pytest.mark.parametrize("name", [HYBRID, ONLY, GEMMA])
+@pytest.mark.parametrize("name", [HYBRID, ONLY, GEMMA, OSS])
 def test_prefix_hits_inside_and_beyond_the_window_give_the_reference_tokens(tiny_model, name):
     """Pages of 4. A shared prefix of 31 tokens: a hit of 28, far beyond either window (the
     windowed group holds only the pages its window still reads; the full group all 7). A
@@ -139,11 +140,12 @@ def test_gemma3_reloads_from_the_cpu_tier_and_swaps(tiny_model):
 
 
 @pytest.mark.parametrize("cpu_bytes", [1 << 20, 0], ids=["swap", "recompute"])
-def test_preemption_by_swap_or_recompute_gives_identical_outputs(tiny_model, cpu_bytes):
-    """The hybrid model's full group runs short (16 pages for three sequences of 42 tokens):
+@pytest.mark.parametrize("name", [HYBRID, OSS])
+def test_preemption_by_swap_or_recompute_gives_identical_outputs(tiny_model, name, cpu_bytes):
+    """A hybrid model's full group runs short (16 pages for three sequences of 42 tokens):
     a request is preempted, swapped out with its window's pages (or recomputed), and resumes
     to the reference's tokens."""
-    model = tiny_model(HYBRID)
+    model = tiny_model(name)
     short = [p[:30] for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     knobs = {"page_size": 4, "num_kv_pages": 16, "kv_cpu_bytes": cpu_bytes}
@@ -197,6 +199,7 @@ def hits(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], int, dict[
         (GEMMA, "tensor_parallel_size"),
         (HYBRID, "pipeline_parallel_size"),  # stage 0: the full layer; 1: the windowed two
         (GEMMA, "pipeline_parallel_size"),  # stage 0: a local layer; 1: global and local
+        (OSS, "tensor_parallel_size"),  # and its experts over the two ranks (EP)
     ],
 )
 def test_both_groups_on_two_ranks_hit_and_load_as_one_rank(tiny_model, tmp_path, name, parallel):
@@ -211,6 +214,8 @@ def test_both_groups_on_two_ranks_hit_and_load_as_one_rank(tiny_model, tmp_path,
     got = {}
     for size in (1, 2):
         ssd = {"kv_ssd_dir": str(tmp_path / f"{size}"), "kv_ssd_bytes": 8 << 20}
+        # a mixture of experts (gpt-oss's) places its experts over the two ranks
+        ssd |= {"enable_expert_parallel": True} if name == OSS and size == 2 else {}
         with tiny_llm(model, **{parallel: size}, **knobs, **ssd) as llm:
             runs = hits(llm, prompts)
             batch = llm.generate([p[:30] for p in PROMPTS], GREEDY, use_tqdm=False)

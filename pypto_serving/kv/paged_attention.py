@@ -181,8 +181,17 @@ class _Group:
         pages = cache.view(heads, -1, self.page_size, dim).index_select(1, self.pages)
         return pages.view(heads, *self.shape, dim)
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q [T, H, D] over the group's keys and values; `sinks` [H]: a logit per head in
+        each softmax's denominator, whose value is zero (gpt-oss's; PyTorch's path only)."""
         if self.kernel is not None:
+            assert sinks is None, "the native kernels have no attention sinks"
             return native_attention(
                 self.kernel,
                 q,
@@ -196,19 +205,32 @@ class _Group:
         keys = self.gather(k_cache)
         values = keys if v_cache is k_cache else self.gather(v_cache)  # one tensor: gathered once
         if self.decode:
-            return self._decode(q, keys, values)
+            return self._decode(q, keys, values, sinks)
         queries = q[self.q_index].transpose(1, 2)  # [B, H, max_q, D]
+        mask: torch.Tensor = self.mask
+        if sinks is not None:  # a zero key and value whose score is the head's sink logit
+            keys, values = F.pad(keys, (0, 0, 0, 1)), F.pad(values, (0, 0, 0, 1))
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+            bias = bias.masked_fill(~mask, -torch.inf).expand(-1, q.shape[1], -1, -1)
+            sink = sinks.to(q.dtype)[None, :, None, None].expand(*bias.shape[:3], 1)
+            mask = torch.cat([bias, sink], dim=-1)
         out = F.scaled_dot_product_attention(
             queries,
             keys.transpose(0, 1),
             values.transpose(0, 1),
-            attn_mask=self.mask,
+            attn_mask=mask,
             enable_gqa=True,
         )
         out = out.transpose(1, 2)  # [B, max_q, H, D]
         return out.reshape(-1, *out.shape[2:])[self.out_index]  # [T, H, D]
 
-    def _decode(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def _decode(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One query per sequence as two batched matmuls over (kv head, sequence): the
         queries sharing a KV head are rows of one matrix (GQA without expanding K/V).
         About 3x faster than the CPU flash kernel at these shapes; softmax in float32."""
@@ -218,7 +240,13 @@ class _Group:
         queries = q.view(batch, kv_heads, group, dim).transpose(0, 1).reshape(-1, group, dim)
         keys, values = keys.reshape(-1, ctx, dim), values.reshape(-1, ctx, dim)
         scores = torch.bmm(queries, keys.transpose(1, 2)).float() * dim**-0.5 + self.bias
-        out = torch.bmm(scores.softmax(-1).to(values.dtype), values)  # [Hkv * B, G, D]
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:  # each head's sink logit joins the denominator
+            sink = sinks.float().view(kv_heads, 1, group, 1).expand(-1, batch, -1, -1)
+            probs = torch.cat([scores, sink.reshape(-1, group, 1)], dim=-1).softmax(-1)
+            probs = probs[..., :ctx]
+        out = torch.bmm(probs.to(values.dtype), values)  # [Hkv * B, G, D]
         out = out.view(kv_heads, batch, group, dim).transpose(0, 1)
         return out.reshape(batch, heads, dim).contiguous()  # group 1 (MHA): reshape is a view
 
@@ -309,14 +337,21 @@ class StepAttention:
             )
         return groups
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attend q [T, H, D] over the step's pages of one layer's keys and values [Hkv, slots,
         D] (written by the kind first; one tensor passed as both where keys are values); every
-        kind's paged operator ends here, once per layer."""
+        kind's paged operator ends here, once per layer. `sinks` [H]: the layer's attention
+        sinks, a logit per head in the softmax's denominator (gpt-oss's), or None."""
         outs = []
         for g in self.groups:
             start = time.perf_counter()
-            outs.append(g.attend(q[g.tokens], k_cache, v_cache))
+            outs.append(g.attend(q[g.tokens], k_cache, v_cache, sinks))
             seconds = time.perf_counter() - start
             self.attention_seconds += seconds
             self.prefill_seconds += 0.0 if g.decode else seconds

@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "Gemma3ForCausalLM",
+    "GptOssForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "DeepseekV4ForCausalLM",
@@ -29,12 +30,14 @@ SUPPORTED_ARCHITECTURES = (
 DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 DEEPSEEK_V4 = "DeepseekV4ForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
+GPT_OSS = "GptOssForCausalLM"
 WINDOWED = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     GEMMA3,
+    GPT_OSS,
 )
 """Architectures whose layers may attend within a sliding window (`_windows`)."""
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -54,6 +57,19 @@ class GemmaConfig:
     """The embeddings are multiplied by hidden_size ** 0.5 (in the weights' dtype)."""
     final_logit_softcapping: float | None
     """Logits are soft-capped to (-c, c) by c * tanh(logits / c) where set."""
+
+
+@dataclass(frozen=True, slots=True)
+class GptOssConfig:
+    """gpt-oss (models/gpt_oss.py): what differs from the windowed Llama decoder besides its
+    attention sinks and biases, which every gpt-oss has."""
+
+    swiglu_alpha: float
+    """The experts' gate activation is gate * sigmoid(alpha * gate), times (up + 1)."""
+    swiglu_limit: float
+    """The experts clamp their gate (above) and up (both sides) projections to it."""
+    mxfp4: bool
+    """The experts' weights are stored as MXFP4 blocks and scales (`models/mxfp4.py`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +144,8 @@ class ModelConfig:
     """The MoE layers' shared experts, as one MLP of this size (DeepSeek; 0: none)."""
     router: str = "softmax"
     """Expert choice: softmax top-k (Qwen3-MoE, DeepSeek-V2 greedy), group_limited_greedy
-    (DeepSeek-V2) or noaux_tc (DeepSeek-V3: sigmoid scores, e_score_correction_bias)."""
+    (DeepSeek-V2), noaux_tc (DeepSeek-V3: sigmoid scores, e_score_correction_bias) or
+    topk_softmax (gpt-oss: the top k logits, then a softmax over them)."""
     n_group: int = 1
     """Routed experts form this many groups; a token picks among its topk_group best."""
     topk_group: int = 1
@@ -152,6 +169,8 @@ class ModelConfig:
     """DeepSeek-V4's compressed attention and hyper-connections (None for other models)."""
     gemma: GemmaConfig | None = None
     """Gemma 3's own fields (None for other models)."""
+    gpt_oss: GptOssConfig | None = None
+    """gpt-oss's own fields (None for other models)."""
     sliding_window: int = 0
     """Keys a windowed layer's query sees: its own and the window - 1 before it."""
     window_layers: tuple[int, ...] = ()
@@ -300,6 +319,9 @@ def _parse_model_config(model_dir: Path, text: str) -> ModelConfig:
     elif arch == GEMMA3:
         inv_freq, rope_scaling, gemma = _gemma3(hf, head_dim)
         extra = _windows(hf, arch) | {"gemma": gemma, "qk_norm": True}
+    elif arch == GPT_OSS:
+        inv_freq, rope_scaling = _rope(hf, head_dim)
+        extra = _windows(hf, arch) | _gpt_oss(hf, raw)
     else:
         inv_freq, rope_scaling = _rope(hf, head_dim)  # DeepSeek: head_dim is qk_rope_head_dim
         extra = _deepseek(hf, raw, arch) if arch in DEEPSEEK else _moe(hf, arch)
@@ -332,20 +354,58 @@ def _parse_model_config(model_dir: Path, text: str) -> ModelConfig:
 
 def _windows(hf: Any, arch: str) -> dict[str, Any]:
     """The sliding window and the layers it applies to: Mistral's `sliding_window` on every
-    layer; Qwen2/Qwen3's with `use_sliding_window` and Gemma 3's, on the layers its
-    `layer_types` marks sliding. None where the window is off or (but for Gemma 3, whose model
-    is built on its local layers) no shorter than the model's positions."""
+    layer; Qwen2/Qwen3's with `use_sliding_window`, Gemma 3's and gpt-oss's, on the layers
+    its `layer_types` marks sliding. None where the window is off or (but for Gemma 3 and
+    gpt-oss, whose models are built on their windowed layers) no shorter than the model's
+    positions."""
     window = getattr(hf, "sliding_window", None)
-    gemma = arch == GEMMA3
-    if arch not in WINDOWED or not window or (window >= hf.max_position_embeddings and not gemma):
+    built_on_windows = arch in (GEMMA3, GPT_OSS)
+    if built_on_windows and not window:
+        raise ModelLoadError(f"{arch} without a sliding_window is not supported")
+    if arch not in WINDOWED or not window:
+        return {}
+    if window >= hf.max_position_embeddings and not built_on_windows:
         return {}
     if arch.startswith("Qwen") and not getattr(hf, "use_sliding_window", False):
         return {}
     types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
     layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    if gemma and not layers:
-        raise ModelLoadError("Gemma3ForCausalLM without sliding-window layers is not supported")
+    if built_on_windows and not layers:
+        raise ModelLoadError(f"{arch} without sliding-window layers is not supported")
     return {"sliding_window": int(window), "window_layers": layers} if layers else {}
+
+
+def _gpt_oss(hf: Any, raw: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's fields: every layer a mixture of experts (a router with a bias, the top k of
+    its logits softmaxed; experts with biases and the clamped SwiGLU), attention with biases
+    and sinks; its experts' weights in MXFP4 where the checkpoint says so."""
+    arch = GPT_OSS
+    quantization = raw.get("quantization_config") or {}
+    method = quantization.get("quant_method") if quantization else None
+    if method not in (None, "mxfp4"):
+        raise ModelLoadError(
+            f"{arch} checkpoints quantized with {method!r} are not supported (mxfp4 is)"
+        )
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{arch} with hidden_act={hf.hidden_act!r} is not supported")
+    if not getattr(hf, "attention_bias", True):
+        raise ModelLoadError(f"{arch} with attention_bias=false is not supported")
+    experts, top_k = int(hf.num_local_experts), int(hf.num_experts_per_tok)
+    if not 0 < top_k <= experts:
+        raise ModelLoadError(f"{arch}: {top_k} of {experts} experts is not a routing")
+    oss = GptOssConfig(
+        swiglu_alpha=float(hf.swiglu_alpha),
+        swiglu_limit=float(hf.swiglu_limit),
+        mxfp4=method == "mxfp4",
+    )
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(hf.intermediate_size),
+        "moe_layers": tuple(range(hf.num_hidden_layers)),
+        "router": "topk_softmax",
+        "gpt_oss": oss,
+    }
 
 
 def _gemma3(hf: Any, head_dim: int) -> tuple[tuple[float, ...], float, GemmaConfig]:

@@ -88,6 +88,9 @@ class RoutedExperts(nn.Module):
 
     float32_routing: ClassVar[bool] = False
     """The router's weights are float32 (else the model's dtype)."""
+    experts_gate_up_bias: nn.Parameter | None
+    experts_down_bias: nn.Parameter | None
+    """The experts' biases (gpt-oss's), stacked as their weights; None: none."""
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
         super().__init__()
@@ -100,7 +103,11 @@ class RoutedExperts(nn.Module):
         self.exchange = groups.expert_exchange
         self.owners = expert_owners(cfg.num_experts, ep.size, groups.expert_placement)
         self.swiglu_limit = 0.0
-        """Clamp the experts' gate and up projections (DeepSeek-V4's; 0: none)."""
+        """Clamp the experts' gate and up projections (DeepSeek-V4's, gpt-oss's; 0: none)."""
+        self.swiglu_alpha = 0.0
+        """gpt-oss's gate activation (`ops/moe.py`'s `activate`; 0: SiLU)."""
+        self.register_parameter("experts_gate_up_bias", None)
+        self.register_parameter("experts_down_bias", None)
 
     def experts(
         self,
@@ -122,6 +129,9 @@ class RoutedExperts(nn.Module):
             self.owners,
             partial,
             self.swiglu_limit,
+            self.swiglu_alpha,
+            self.experts_gate_up_bias,
+            self.experts_down_bias,
         )
 
     def join_idle(self) -> None:
@@ -135,6 +145,9 @@ class RoutedExperts(nn.Module):
             self.exchange,
             dtype,
             self.swiglu_limit,
+            self.swiglu_alpha,
+            self.experts_gate_up_bias,
+            self.experts_down_bias,
         )
 
 

@@ -2,8 +2,10 @@
 
 This file is the ONE place where checkpoint tensors are rearranged: HF parameter names are
 kept, except that q/k/v and gate/up land in slices of the fused `qkv_proj` / `gate_up_proj`,
-MLA's kv_b_proj is split into each head's `w_uk` and `w_uv` (models/deepseek.py), and under
-tensor parallelism each rank takes its slice of the split tensors first.
+MLA's kv_b_proj is split into each head's `w_uk` and `w_uv` (models/deepseek.py), experts
+land in their stacks (gpt-oss's from its [experts, inputs, outputs] tensors, gate and up
+interleaved, MXFP4 dequantized first), and under tensor parallelism each rank takes its slice
+of the split tensors first.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from safetensors import SafetensorError, safe_open
 
 from pypto_serving.distributed import Group, ParallelGroups
 from pypto_serving.errors import ModelLoadError, PyptoError
+from pypto_serving.models import mxfp4
 from pypto_serving.models.config import DEEPSEEK, DEEPSEEK_V4, ModelConfig, load_model_config
 from pypto_serving.models.deepseek import DeepseekForCausalLM, DeepseekMoE
 from pypto_serving.models.deepseek_v4 import DeepseekV4ForCausalLM, V4MoE
 from pypto_serving.models.gemma3 import Gemma3ForCausalLM
 from pypto_serving.models.gguf_weights import stored_records
+from pypto_serving.models.gpt_oss import GptOssForCausalLM, GptOssMoE
 from pypto_serving.models.llama import CausalLM, MoE
 from pypto_serving.models.quantized_cache import quantize_cached
 from pypto_serving.models.windowed import WindowedCausalLM
@@ -63,6 +67,8 @@ def fused_slices(cfg: ModelConfig, fused: str, rows: int) -> list[int]:
 def expected_loads(cfg: ModelConfig, param_name: str, param: torch.Tensor) -> int:
     """How many checkpoint tensors fill a parameter (several for the fused projections, one
     or two per expert held for the experts' stacks)."""
+    if cfg.gpt_oss is not None and ".experts_" in param_name:
+        return 1  # one tensor of every expert's (`oss_expert_parts`)
     if param_name.endswith(".experts_gate_up"):
         return 2 * param.shape[0]
     if param_name.endswith(".experts_down"):
@@ -103,6 +109,37 @@ def expert_target(
     rows = model.cfg.moe_intermediate_size
     stack = params[f"{prefix}.experts_gate_up"].data[j]
     return f"{prefix}.experts_gate_up", stack.narrow(0, 0 if proj == "gate" else rows, rows)
+
+
+OSS_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp)\.experts\.(gate_up|down)_proj(_bias)?")
+
+
+def oss_expert_parts(
+    model: CausalLM, params: Mapping[str, torch.Tensor], name: str, tensor: torch.Tensor
+) -> tuple[str, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+    """Where a gpt-oss experts tensor goes: (our stacked parameter, [(the part of it an expert
+    held here fills, the checkpoint's rows for it)]); None for a tensor that is no such one.
+    The checkpoint holds every expert's projection as [experts, inputs, outputs] (biases
+    [experts, outputs]), gate and up interleaved by output; our stacks hold nn.Linear's
+    [outputs, inputs], the gate's rows first."""
+    match = OSS_EXPERTS.fullmatch(name)
+    if match is None or model.cfg.gpt_oss is None:
+        return None
+    prefix, proj, bias = match[1], match[2], match[3] or ""
+    moe = model.get_submodule(prefix)
+    assert isinstance(moe, GptOssMoE), f"{prefix} holds no experts"
+    target = f"{prefix}.experts_{proj}{bias}"
+    stack = params[target].data
+    want = (model.cfg.num_experts, *stack.shape[1:][:: 1 if bias else -1])
+    if tuple(tensor.shape) != want:
+        raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want}")
+    parts = []
+    for j, expert in enumerate(moe.held):
+        rows = tensor[expert] if bias else tensor[expert].T
+        if proj == "gate_up":
+            rows = torch.cat([rows[0::2], rows[1::2]])
+        parts.append((stack[j], rows))
+    return target, parts
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -147,6 +184,8 @@ def tensor_parallel_slice(hf_name: str, tensor: torch.Tensor, tp: Group) -> torc
     the replicated ones: norms, and the o_proj bias, added once after the reduction)."""
     if tp.size == 1 or ".mlp.experts." in hf_name or hf_name.endswith(".mlp.gate.weight"):
         return tensor  # experts stay whole: expert parallelism places them instead
+    if hf_name.endswith(".self_attn.sinks"):  # gpt-oss's: one per head
+        return tensor.chunk(tp.size, dim=0)[tp.rank]
     if hf_name.endswith(VOCAB_PARALLEL):
         shard = -(-tensor.shape[0] // tp.size)
         part = tensor[tp.rank * shard : (tp.rank + 1) * shard]
@@ -244,6 +283,12 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -
             continue
         tensor = tensor_parallel_slice(hf_name, tensor, model.tp)
         for target_name in pipeline_targets(model, hf_name):
+            stacked = oss_expert_parts(model, params, target_name, tensor)
+            if stacked is not None:
+                for held, rows in stacked[1]:
+                    held.copy_(rows)
+                pending[stacked[0]] -= 1
+                continue
             expert = expert_target(model, params, target_name)
             if expert is not None:
                 name, part = expert
@@ -308,6 +353,8 @@ def model_class(cfg: ModelConfig) -> type[CausalLM]:
         return DeepseekV4ForCausalLM
     if cfg.gemma is not None:
         return Gemma3ForCausalLM
+    if cfg.gpt_oss is not None:
+        return GptOssForCausalLM
     if cfg.window_layers:
         return WindowedCausalLM
     return DeepseekForCausalLM if cfg.architecture in DEEPSEEK else CausalLM
@@ -351,8 +398,11 @@ def load_model(
     embed, head = model.model.embed_tokens, model.lm_head
     if cfg.tie_word_embeddings and embed is not None and head is not None:
         head.weight = embed.weight  # to_empty() gives each module its own tensor: tie again
+    weights = iter_checkpoint(files)
+    if cfg.gpt_oss is not None and cfg.gpt_oss.mxfp4:
+        weights = mxfp4.dequantized(weights)
     with torch.no_grad():
-        load_weights(model, iter_checkpoint(files))
+        load_weights(model, weights)
     model.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32, device=device)
     if isinstance(model, DeepseekV4ForCausalLM | Gemma3ForCausalLM):
         model.set_rope(device)

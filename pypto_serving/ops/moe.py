@@ -1,5 +1,6 @@
-"""Mixture of experts: top-k routing (Qwen3-MoE's, or DeepSeek's by groups) over experts
-that are SwiGLU MLPs.
+"""Mixture of experts: top-k routing (Qwen3-MoE's, DeepSeek's by groups, gpt-oss's over the
+logits) over experts that are SwiGLU MLPs (clamped, with biases and gpt-oss's gate where the
+model has them).
 
 The expert computation is one opaque custom op, `pypto::moe_experts`: which tokens go to
 which expert is data, so a compiled graph calls it like the attention op and stays one graph
@@ -59,20 +60,25 @@ def moe_experts(
     down: torch.Tensor,
     expert_ids: list[int],
     swiglu_limit: float = 0.0,
+    swiglu_alpha: float = 0.0,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H]; topk_ids, topk_weights [T, k]; gate_up [E, 2I, H] and down [E, H, I] of the
     experts held here, whose global ids are expert_ids [E]; swiglu_limit > 0 clamps the gate
-    projection above and the up projection on both sides (DeepSeek-V4). Returns [T, H] in
-    float32."""
+    projection above and the up projection on both sides (DeepSeek-V4, gpt-oss);
+    swiglu_alpha > 0 is gpt-oss's activation (`activate`); gate_up_bias [E, 2I] and down_bias
+    [E, H] the experts' biases (gpt-oss). Returns [T, H] in float32."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for j, expert in enumerate(expert_ids):
         token, slot = torch.where(topk_ids == expert)
         if token.numel() == 0:
             continue
-        gate, up = F.linear(x[token], gate_up[j]).chunk(2, dim=-1)
-        if swiglu_limit > 0:
-            gate, up = clamp_swiglu(gate, up, swiglu_limit)
-        y = F.linear(F.silu(gate) * up, down[j]) * topk_weights[token, slot, None]
+        bias = None if gate_up_bias is None else gate_up_bias[j]
+        gate, up = F.linear(x[token], gate_up[j], bias).chunk(2, dim=-1)
+        hidden = activate(gate, up, swiglu_limit, swiglu_alpha)
+        bias = None if down_bias is None else down_bias[j]
+        y = F.linear(hidden, down[j], bias) * topk_weights[token, slot, None]
         out.index_add_(0, token, y.float())
     return out
 
@@ -86,8 +92,21 @@ def _(
     down: torch.Tensor,
     expert_ids: list[int],
     swiglu_limit: float = 0.0,
+    swiglu_alpha: float = 0.0,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return torch.empty(x.shape, dtype=torch.float32, device=x.device)
+
+
+def activate(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """An expert's SwiGLU: silu(gate) * up, its inputs clamped where `limit` > 0; with
+    `alpha` > 0, gpt-oss's gate * sigmoid(alpha * gate) * (up + 1)."""
+    if limit > 0:
+        gate, up = clamp_swiglu(gate, up, limit)
+    if alpha > 0:
+        return gate * torch.sigmoid(gate * alpha) * (up + 1)
+    return F.silu(gate) * up
 
 
 def clamp_swiglu(
@@ -108,17 +127,21 @@ def routed_experts(
     owners: list[int],
     partial: torch.Tensor | None = None,
     swiglu_limit: float = 0.0,
+    swiglu_alpha: float = 0.0,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every token's weighted expert outputs [T, H] float32, plus `partial` (DeepSeek's
     shared experts: under TP this rank's columns' partial sum, joining the same all-reduce).
     exchange: the groups' `expert_exchange`; owners: each expert's rank in the EP group;
-    swiglu_limit: as `moe_experts`'."""
+    swiglu_limit, swiglu_alpha and the biases: as `moe_experts`'."""
     experts = (gate_up, down, expert_ids)
+    tail = (swiglu_limit, swiglu_alpha, gate_up_bias, down_bias)
     if exchange in ("none", "all_reduce"):
-        out = moe_experts(x, topk_ids, topk_weights, *experts, swiglu_limit)
+        out = moe_experts(x, topk_ids, topk_weights, *experts, *tail)
         out = out if partial is None else out + partial
         return tp_all_reduce(out) if exchange == "all_reduce" else out
-    out = moe_dispatch(x, topk_ids, topk_weights, *experts, owners, exchange, swiglu_limit)
+    out = moe_dispatch(x, topk_ids, topk_weights, *experts, owners, exchange, *tail)
     return out if partial is None else out + partial
 
 
@@ -130,6 +153,9 @@ def join_exchange(
     exchange: str,
     weight_dtype: torch.dtype,
     swiglu_limit: float = 0.0,
+    swiglu_alpha: float = 0.0,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> None:
     """DP attention + EP, a replica with no tokens this step: run its part of the layer's
     exchange with none of its own (its experts compute the other replicas' tokens, weighted
@@ -137,7 +163,8 @@ def join_exchange(
     x = gate_up.new_empty(0, gate_up.shape[-1])
     ids = torch.empty(0, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(0, top_k, dtype=weight_dtype, device=x.device)
-    moe_dispatch(x, ids, weights, gate_up, down, expert_ids, [], exchange, swiglu_limit)
+    tail = (swiglu_limit, swiglu_alpha, gate_up_bias, down_bias)
+    moe_dispatch(x, ids, weights, gate_up, down, expert_ids, [], exchange, *tail)
 
 
 @torch.library.custom_op("pypto::moe_dispatch", mutates_args=())
@@ -151,16 +178,20 @@ def moe_dispatch(
     owners: list[int],
     backend: str,
     swiglu_limit: float = 0.0,
+    swiglu_alpha: float = 0.0,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DP attention + EP: this rank's tokens x [T, H], routed to topk_ids with topk_weights
     [T, k], through the experts wherever they are held (owners: each expert's rank; [] when
     T is 0). Every rank of the EP group calls it once per MoE layer and step. Returns [T, H]
     float32; all_to_all adds each token's expert outputs in the order of the expert ids, as
     `moe_experts` does on one rank (the experts' matmuls, over other row counts, may round
-    differently)."""
+    differently). The activation and biases: as `moe_experts`'."""
     x, topk_ids = x.to(gate_up.dtype), topk_ids.long()  # the same dtypes on every rank
+    tail = (swiglu_limit, swiglu_alpha, gate_up_bias, down_bias)
     if backend == "allgather_reducescatter":
-        return _gather_scatter(x, topk_ids, topk_weights, gate_up, down, expert_ids, swiglu_limit)
+        return _gather_scatter(x, topk_ids, topk_weights, gate_up, down, expert_ids, tail)
     num, k = topk_ids.shape
     world = ranks_in_world()
     owner = torch.tensor(owners or [0], dtype=torch.int64, device=x.device)[topk_ids.flatten()]
@@ -171,7 +202,7 @@ def moe_dispatch(
     chosen = [topk_ids.flatten()[order].float(), topk_weights.flatten()[order].float()]
     choice, _ = all_to_all_rows(torch.stack(chosen, 1), counts, recv_counts)  # id, weight
     ids, weights = choice[:, :1].long(), choice[:, 1:].to(topk_weights.dtype)
-    y = moe_experts(rows, ids, weights, gate_up, down, expert_ids, swiglu_limit)
+    y = moe_experts(rows, ids, weights, gate_up, down, expert_ids, *tail)
     back = all_to_all_back(y, recv_counts, counts)
     pairs = torch.empty_like(back).index_copy_(0, order, back).view(num, k, x.shape[-1])
     slots = torch.argsort(topk_ids, dim=1)  # each token's experts in id order
@@ -188,7 +219,7 @@ def _gather_scatter(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     expert_ids: list[int],
-    swiglu_limit: float,
+    tail: tuple[float, float, torch.Tensor | None, torch.Tensor | None],
 ) -> torch.Tensor:
     """allgather_reducescatter: every rank's tokens (padded to the most any rank has, the
     padding routed to no expert) through this rank's experts, summed over the ranks."""
@@ -202,9 +233,7 @@ def _gather_scatter(
     every_x = all_gather_rows(F.pad(x, (0, 0, 0, pad)), rows)
     every_ids, every_weights = all_gather_rows(ids, rows), all_gather_rows(weights, rows)
     every_weights = every_weights.to(topk_weights.dtype)
-    partial = moe_experts(
-        every_x, every_ids, every_weights, gate_up, down, expert_ids, swiglu_limit
-    )
+    partial = moe_experts(every_x, every_ids, every_weights, gate_up, down, expert_ids, *tail)
     return reduce_scatter_rows(partial)[:num]
 
 
@@ -219,6 +248,9 @@ def _(
     owners: list[int],
     backend: str,
     swiglu_limit: float = 0.0,
+    swiglu_alpha: float = 0.0,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return torch.empty(x.shape, dtype=torch.float32, device=x.device)
 
@@ -233,6 +265,13 @@ def route(
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights.to(dtype)
+
+
+def route_top_logits(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's expert choice: (expert ids, weights) [T, k], the top k logits and a softmax
+    over them (in float32, weights in the logits' dtype, as Hugging Face's router)."""
+    top, ids = torch.topk(router_logits, top_k, dim=-1)
+    return ids, torch.softmax(top.float(), dim=-1).to(router_logits.dtype)
 
 
 def route_grouped(

@@ -64,10 +64,15 @@ def dense_attend(
 
 
 def paged_attend(
-    step: StepAttention, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    step: StepAttention,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write k, v [T, Hkv, D] into their slots of layer `layer`, attend q [T, H, D] over the
-    step's pages."""
+    step's pages (with the layer's attention `sinks` [H] where it has them)."""
     k_cache, v_cache = step.cache.k_cache[layer], step.cache.v_cache[layer]
     kernel, slots = step.kernel, step.slot_mapping
     if kernel is None or not store_kv(kernel, k, v, k_cache, v_cache, slots):
@@ -79,7 +84,7 @@ def paged_attend(
         else:
             k_cache.index_copy_(1, slots, k.transpose(0, 1))
             v_cache.index_copy_(1, slots, v.transpose(0, 1))
-    return step.attend(q, k_cache, v_cache)
+    return step.attend(q, k_cache, v_cache, sinks)
 
 
 @torch.library.custom_op("pypto::paged_attention", mutates_args=())

@@ -1,7 +1,9 @@
 """Sliding-window attention: grouped-query attention whose windowed layers read only the last
 `window` tokens (a query's own and the window - 1 before it): Mistral, Qwen2/Qwen3 with
-`use_sliding_window` (the layers from `max_window_layers` on). The whole kind: its KV groups,
-its paged operator and custom op, its dense oracle, and `attend`, its model code's call.
+`use_sliding_window` (the layers from `max_window_layers` on), Gemma 3's local layers,
+gpt-oss's sliding layers (its layers, sliding and full, with attention sinks: a logit per head
+in the softmax's denominator). The whole kind: its KV groups, its paged operator and custom
+op, its dense oracle, and `attend`, its model code's call.
 
 Keys and values are GQA's ([layers, kv_heads, slots, head_dim] each). The windowed layers form
 one group whose manager keeps `window - 1` tokens before the next one: it gives back every
@@ -93,30 +95,55 @@ def attend(
     k: torch.Tensor,
     v: torch.Tensor,
     window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store k/v [T, kv_heads, D] of the new tokens and attend q [T, heads, D] causally, over
     the last `window` tokens (a windowed layer's), or over everything (None); returns
-    [T, heads, D]. `layer` is the layer's index as a 0-d CPU tensor."""
+    [T, heads, D]. `layer` is the layer's index as a 0-d CPU tensor; `sinks` [heads]: the
+    layer's attention sinks (gpt-oss's: a logit per head in the softmax's denominator)."""
     if isinstance(kv, DenseKV):
-        return dense_attend(kv, int(layer), q, k, v, window)
-    return window_attention(q, k, v, layer)
+        return dense_attend(kv, int(layer), q, k, v, window, sinks)
+    return window_attention(q, k, v, layer, sinks)
 
 
 def dense_attend(
-    kv: DenseKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+    kv: DenseKV,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The oracle: the sequence's keys and values so far, then causal attention within the
-    window (over the keys from the first one the window lets the first query see)."""
+    window (over the keys from the first one the window lets the first query see), with the
+    sinks' logits in each softmax's denominator where the layer has them."""
     k, v = kv.extend(layer, k, v)
     t, s = q.shape[0], k.shape[0]
     first = 0 if window is None else max(0, s - t - window + 1)  # the first key any query sees
     k, v = k[first:], v[first:]
     keys = torch.arange(first, s, device=q.device)
     mask = _mask(keys[s - first - t :], keys, window)
+    if sinks is not None:
+        return sink_attention(q, k, v, mask, sinks)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
     )
     return out.transpose(0, 1)
+
+
+def sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
+    """Attention written out: q [T, H, D] over k, v [S, Hkv, D] where mask [T, S] allows, each
+    head's sink logit beside its scores in the softmax (float32), dropped after it."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("thd,shd->hts", q.float(), k) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask, -torch.inf)
+    sink = sinks.float()[:, None, None].expand(-1, q.shape[0], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("hts,shd->thd", probs, v).to(q.dtype)
 
 
 def _mask(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -165,16 +192,21 @@ class WindowStep(StepAttention):
             )
 
     def attend_layer(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layer `layer`'s paged attention for the step's tokens (as `attend` promises)."""
         group, index = self.where[layer]
-        if group == SLIDING:
-            return paged_attend(self, index, q, k, v)  # GQA's writes, then the window's attend
+        if group == SLIDING:  # GQA's writes, then the window's attend
+            return paged_attend(self, index, q, k, v, sinks)
         full = self.full
         assert full is not None
         seconds, prefill = full.attention_seconds, full.prefill_seconds
-        out = paged_attend(full, index, q, k, v)
+        out = paged_attend(full, index, q, k, v, sinks)
         self.attention_seconds += full.attention_seconds - seconds  # what the step observes
         self.prefill_seconds += full.prefill_seconds - prefill
         return out
@@ -191,14 +223,24 @@ def step(kv: KVGroups, cfg: Any, batch: StepBatch) -> WindowStep:
 
 @torch.library.custom_op("pypto::window_attention", mutates_args=())
 def window_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The compiled graphs' view of the paged operator: opaque, over the active step."""
     step = current_step()
     assert isinstance(step, WindowStep), "a sliding-window model runs on its own step"
-    return step.attend_layer(int(layer), q, k, v)
+    return step.attend_layer(int(layer), q, k, v, sinks)
 
 
 @window_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+def _(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: torch.Tensor,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     return torch.empty_like(q)
