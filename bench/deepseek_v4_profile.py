@@ -3,13 +3,16 @@ kind (sliding window only, CSA, HCA), and KV bytes per token of V4 against a V3-
 model of the same width (issue 25, item 5).
 
     python bench/deepseek_v4_profile.py [--prompt-len 2048] [--decode 64] [--chunk 512]
+                                        [--modes eager,compiled]
 
 The profile runs a small random V4 (built here with transformers: 6 layers of width 512, two
 of each kind, window 128, CSA 4:1 with top-64 of 8 indexer heads, HCA 32:1, 8 experts) and
 times each layer's attention (`CompressedStep.attend_layer`: rows written, windows pooled,
 attention) by its kind; the rest of the step is the projections, experts, hyper-connections
-and the head. The bytes come from the kind's own specs (kv/kinds/compressed.py) on the
-published V4-Flash shape and on a V3-style MLA model of the same width and depth.
+and the head. Each of `--modes` (eager: --enforce-eager; compiled: the layers' graphs, compiled
+before the timed request) is profiled in turn in one process. The bytes come from the kind's
+own specs (kv/kinds/compressed.py) on the published V4-Flash shape and on a V3-style MLA model
+of the same width and depth.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def kind_of(compression: compressed.Compression | None) -> str:
     return "CSA (window + indexed 4:1)" if compression.indexer else "HCA (window + 32:1)"
 
 
-def profile(model: Path, prompt_len: int, decode: int, dtype: str, chunk: int) -> None:
+def profile(model: Path, prompt_len: int, decode: int, dtype: str, chunk: int, eager: bool) -> None:
     """Time each step of one request (a prefill of `prompt_len` in chunks of `chunk`, then
     `decode` decodes), and within it each layer's attention by its kind."""
     kinds: dict[str, float] = defaultdict(float)
@@ -90,7 +93,7 @@ def profile(model: Path, prompt_len: int, decode: int, dtype: str, chunk: int) -
     compressed.CompressedStep.attend_layer = timed  # type: ignore[method-assign]
     knobs = {"page_size": 32, "max_num_batched_tokens": prompt_len}
     knobs |= {"long_prefill_token_threshold": chunk}
-    llm = LLM(str(model), dtype=dtype, enable_prefix_caching=False, **knobs)
+    llm = LLM(str(model), dtype=dtype, enable_prefix_caching=False, enforce_eager=eager, **knobs)
     llm.generate([[5] * 64], SamplingParams(max_tokens=4), use_tqdm=False)  # warm
     executor = llm.engine.executor
     execute = executor.execute
@@ -110,8 +113,9 @@ def profile(model: Path, prompt_len: int, decode: int, dtype: str, chunk: int) -
     llm.generate(prompt, params, use_tqdm=False)
     for phase, steps in phases.items():
         total = sum(t for t, _ in steps)
+        mode = "eager" if eager else "compiled"
         print(
-            f"\n{phase} at {prompt_len} tokens ({dtype}, {len(steps)} steps): "
+            f"\n{phase} at {prompt_len} tokens ({dtype}, {mode}, {len(steps)} steps): "
             f"{total * 1e3 / len(steps):.1f} ms a step"
         )
         names = sorted({k for _, by_kind in steps for k in by_kind})
@@ -120,7 +124,10 @@ def profile(model: Path, prompt_len: int, decode: int, dtype: str, chunk: int) -
             print(f"  {kind:28s} {s * 1e3 / len(steps):8.2f} ms  {s / total:6.1%}")
         rest = total - sum(sum(by_kind.values()) for _, by_kind in steps)
         print(f"  {'everything else':28s} {rest * 1e3 / len(steps):8.2f} ms  {rest / total:6.1%}")
+    if not eager:
+        print(f"  recompilations while timed: {executor.num_recompilations}")
     compressed.CompressedStep.attend_layer = attend  # type: ignore[method-assign]
+    llm.close()
 
 
 def kv_bytes() -> None:
@@ -160,11 +167,18 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--chunk", type=int, default=512, help="prefill tokens a step")
+    parser.add_argument("--modes", default="eager,compiled", help="eager, compiled, or both")
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if not modes or set(modes) - {"eager", "compiled"}:
+        parser.error(f"--modes takes eager and/or compiled, got {args.modes!r}")
     torch.set_num_threads(torch.get_num_threads())
     kv_bytes()
     with tempfile.TemporaryDirectory() as tmp:
-        profile(build_v4(Path(tmp)), args.prompt_len, args.decode, args.dtype, args.chunk)
+        model = build_v4(Path(tmp))
+        for mode in modes:
+            eager = mode == "eager"
+            profile(model, args.prompt_len, args.decode, args.dtype, args.chunk, eager)
 
 
 if __name__ == "__main__":

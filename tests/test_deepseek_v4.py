@@ -19,6 +19,7 @@ from live_server import assert_served_as_offline, tiny_llm
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.cli import main
 from pypto_serving.errors import ModelLoadError
+from pypto_serving.kv.kinds.compressed import pool_windows
 from pypto_serving.models.config import load_model_config
 from pypto_serving.models.deepseek_v4 import Compressor, DeepseekV4ForCausalLM
 from pypto_serving.models.loader import load_model
@@ -82,13 +83,24 @@ def test_reference_greedy_matches_hf_generate(tiny_model, expected, name):
     assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
 
 
+COMPILED = "deepseekv4-swa-csa-hca-hash"  # every kind of layer: window-only, CSA, HCA, hashed
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_paged_greedy_matches_hf_generate(tiny_model, expected, name):
+    """Compiled for the model with every kind of layer (each kind its own graph; the
+    attention an opaque op in it), eagerly for the others (a cold compile of a V4 layer graph
+    costs ~20 s here)."""
     # pages of 6 (ending inside compressor windows), chunks of 12 tokens
     knobs = {"page_size": 6, "max_num_batched_tokens": 12, "long_prefill_token_threshold": 12}
-    llm = LLM(str(tiny_model(name)), dtype="float32", **knobs)
+    eager = name != COMPILED
+    llm = LLM(str(tiny_model(name)), dtype="float32", enforce_eager=eager, **knobs)
+    assert llm.engine.attention.compiled is not eager
     assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
     assert llm.engine.executor.num_recompilations == 0
+    if not eager:  # one graph per kind of layer, each ahead of time and captured
+        run_layer = llm.engine.executor.run_layer
+        assert len(run_layer.graphs) == 3 and not run_layer._through_dynamo
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -106,6 +118,7 @@ def test_pypto_generate_matches_hf(tiny_model, tmp_path, name):
     out = tmp_path / "out.jsonl"
     argv = ["generate", "--model", str(path), "--prompts-file", str(prompts)]
     argv += ["--output", str(out), "--max-tokens", "32", "--temperature", "0"]
+    argv += [] if name == COMPILED else ["--enforce-eager"]  # as the paged test: one compiles
     assert main([*argv, "--dtype", "float32"]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["token_ids"] for r in rows] == want
@@ -144,9 +157,9 @@ def test_pooling_a_window_at_a_time_equals_pooling_all(overlap):
     comp.inv_freq = 1.0 / (1e4 ** (torch.arange(0, 4, 2).float() / 4))
     kv, gate = torch.randn(24, comp.ape.shape[1]), torch.randn(24, comp.ape.shape[1])
     with torch.no_grad():
-        whole = comp.pool(kv, gate, 0)
+        whole = pool_windows(comp.pooling, kv, gate, 0)
         for w in range(1, 6):
             lead = 4 if overlap else 0
             rows = slice(4 * w - lead, 4 * (w + 1))
-            one = comp.pool(kv[rows], gate[rows], w)
+            one = pool_windows(comp.pooling, kv[rows], gate[rows], w)
             assert torch.allclose(one, whole[w : w + 1], atol=1e-6), w

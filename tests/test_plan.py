@@ -93,7 +93,7 @@ def test_the_attention_plan_is_decided_once_from_the_plan_and_the_model(tiny_mod
     mla = plan_attention(plan_run(config), config, wide, ParallelGroups())
     assert mla.kernels == (wide.num_heads, 64)  # every head over one KV head of 56 + 8
     v4 = attention("deepseekv4-swa-csa-hca-hash", dtype="float32")
-    assert v4 == AttentionPlan("compressed", None, compiled=False, native_decode=False)
+    assert v4 == AttentionPlan("compressed", None, compiled=True, native_decode=False)
     with pytest.raises(PyptoError, match="kv_cache_dtype int8 needs the native CPU attention"):
         attention("qwen3-hd32-gqa4", kv_cache_dtype="int8", native_attention=False)
 

@@ -3,7 +3,9 @@ with a compile counter.
 
 The model runs eagerly around one compiled decoder layer `forward` (its class's own). The
 layers differ only in their tensors, which are graph inputs, so all of them share one graph
-per kind of layer (dense or mixture of experts), with the token count dynamic. Layers with
+per kind of layer (what it is made of: dense or mixture of experts, ...), with the token
+count dynamic; a layer may take more of the step than its hidden states and RoPE (`extra`:
+DeepSeek-V4's token ids and positions). Layers with
 quantized linears get a second graph for a decode of one token (every size static): their
 one-row kernel call is a trace-time branch; under int4-w8a8 a third, as their linears also branch
 at QUANTIZED_MAX_ROWS (a graph for 2 to 8 tokens, one for more). Tracing and compiling one
@@ -52,6 +54,7 @@ import torch
 from torch import nn
 
 from pypto_serving.device import cpu_isa
+from pypto_serving.models.config import ModelConfig
 from pypto_serving.models.llama import CausalLM, DecoderLayer
 from pypto_serving.ops.attention import KVAttention
 from pypto_serving.ops.linear import Linear
@@ -264,13 +267,22 @@ def _meta(t: object) -> Meta | None:
     return tuple(t.shape), tuple(t.stride()), str(t.dtype), t.device.type
 
 
+def _step_inputs(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, extra: tuple[torch.Tensor, ...]
+) -> dict[str, torch.Tensor]:
+    """A step's tensors a layer takes, by their names in a graph's plan."""
+    return {"x": x, "cos": cos, "sin": sin} | {f"extra{i}": t for i, t in enumerate(extra)}
+
+
 @dataclass
 class LayerGraph:
     """One compiled graph of `DecoderLayer.forward`, called without dynamo."""
 
     fn: Callable[..., Sequence[torch.Tensor]]
     plan: list[str | Where]
-    """Per graph input: "x", "cos", "sin", "tokens" (the token count), or a layer tensor's place."""
+    """Per graph input: "x", "cos", "sin", "extra0", "extra1", ... (the step's other tensors a
+    layer takes, `CompiledLayers`' `extra`), "tokens" (the token count), or a layer tensor's
+    place."""
     metas: list[Meta | None]
     """Per graph input: what the layer's tensor there must be like (None for the step's)."""
     _bound: dict[int, list[object] | None] = field(default_factory=dict)
@@ -284,10 +296,11 @@ class LayerGraph:
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        extra: tuple[torch.Tensor, ...] = (),
     ) -> LayerGraph | None:
-        """The graph compiled while running `layer` on x, cos, sin; None where an input's
-        origin cannot be told."""
-        places, args = _places(layer), {"x": x, "cos": cos, "sin": sin}
+        """The graph compiled while running `layer` on x, cos, sin (and `extra`); None where
+        an input's origin cannot be told."""
+        places, args = _places(layer), _step_inputs(x, cos, sin, extra)
         plan: list[str | Where] = []
         for e in examples:
             if isinstance(e, torch.SymInt | int) and not isinstance(e, bool):
@@ -322,7 +335,12 @@ class LayerGraph:
         return inputs
 
     def __call__(
-        self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        layer: DecoderLayer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        extra: tuple[torch.Tensor, ...] = (),
     ) -> torch.Tensor | None:
         """The layer's output, or None where this graph does not fit the layer."""
         if id(layer) not in self._bound:
@@ -330,7 +348,7 @@ class LayerGraph:
         bound = self._bound[id(layer)]
         if bound is None:
             return None
-        step = {"x": x, "cos": cos, "sin": sin, "tokens": len(x)}
+        step: dict[str, object] = {**_step_inputs(x, cos, sin, extra), "tokens": len(x)}
         args = [step[w] if isinstance(w, str) else b for w, b in zip(self.plan, bound, strict=True)]
         (out,) = self.fn(*args)
         return out
@@ -354,7 +372,13 @@ def _code_digest() -> str:
 
 
 def graph_path(
-    layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: object, cls: int
+    layer: DecoderLayer,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: object,
+    cls: int,
+    extra: tuple[torch.Tensor, ...] = (),
 ) -> Path | None:
     """Where the graph for steps of class `cls` of layers like this one is kept across
     restarts: keyed by everything the graph is made of (the code, the layer's configuration
@@ -376,16 +400,30 @@ def graph_path(
         torch.get_num_threads(),
         _code_digest(),
         type(layer).__qualname__,
-        type(layer.mlp).__qualname__,
+        _structure(layer),
         type(kv).__qualname__,
         cls,
         len(x) == 1,
-        repr(layer.self_attn.cfg),
-        [(t.dtype, t.shape[1:], t.device.type) for t in (x, cos, sin)],
+        repr(_config(layer)),
+        [(t.dtype, t.shape[1:], t.device.type) for t in (x, cos, sin, *extra)],
         tensors,
     ]
     key = hashlib.blake2b(repr(parts).encode(), digest_size=16).hexdigest()
     return folder / f"{key}.bin"
+
+
+def _structure(layer: nn.Module) -> tuple[tuple[str, str], ...]:
+    """What a layer is made of: each submodule's name and class (a dense or a mixture-of-
+    experts MLP, a compressed or a windowed attention, ...); layers alike share a graph."""
+    return tuple((name, type(m).__qualname__) for name, m in layer.named_modules())
+
+
+def _config(layer: nn.Module) -> object:
+    """The model configuration a layer's modules were built from (their shapes, norms' eps,
+    windows: constants of its graph)."""
+    return next(
+        (m.cfg for m in layer.modules() if isinstance(getattr(m, "cfg", None), ModelConfig)), None
+    )
 
 
 def _read_kept(path: Path) -> Any:
@@ -416,6 +454,7 @@ def _load_graph(
     cos: torch.Tensor,
     sin: torch.Tensor,
     kv: object,
+    extra: tuple[torch.Tensor, ...] = (),
 ) -> tuple[LayerGraph, torch.Tensor] | None:
     """A kept graph and its output for this step, or None where it cannot be used (it is then
     compiled again, and the file replaced)."""
@@ -423,13 +462,14 @@ def _load_graph(
         saved = _read_kept(path)
         aot: Any = torch.compiler.load_compiled_function(io.BytesIO(saved["artifact"]))
         # its guards check tensors as dynamo saw them when compiling: not marked dynamic
-        args = (layer, *(t.view_as(t) for t in (x, cos, sin)), kv)
+        views = [t.view_as(t) for t in (x, cos, sin, *extra)]
+        args = (layer, *views[:3], kv, *views[3:])
         if not aot.guard_check(*args):
             log.info("the kept layer graph %s does not fit this layer: compiling it", path)
             return None
         # the graph Inductor compiled (what the dynamo-made code around it calls)
         graph = LayerGraph(aot._artifacts.compiled_fn, saved["plan"], saved["metas"])
-        out, direct = aot(*args), graph(layer, x, cos, sin)
+        out, direct = aot(*args), graph(layer, x, cos, sin, extra)
     except Exception as e:  # a damaged or stale file of a cache: compile instead
         log.info("the kept layer graph %s cannot be loaded (%s): compiling it", path, e)
         return None
@@ -479,6 +519,7 @@ def _compile_graph(
     sin: torch.Tensor,
     kv: object,
     path: Path | None,
+    extra: tuple[torch.Tensor, ...] = (),
 ) -> tuple[LayerGraph, torch.Tensor] | None:
     """Compile the layer's graph for this step ahead of time (dynamo's `aot_compile`, whole
     graph), capture it, keep it at `path`; None where that cannot be done (a graph break,
@@ -494,7 +535,7 @@ def _compile_graph(
         )
     _captured.clear()
     try:
-        aot = _aot[cls].aot_compile(((layer, x, cos, sin, kv), {}))
+        aot = _aot[cls].aot_compile(((layer, x, cos, sin, kv, *extra), {}))
     except (BackendCompilerFailed, InductorError):
         raise  # no compiler: the executor serves eagerly
     except (Unsupported, RuntimeError) as e:
@@ -502,11 +543,11 @@ def _compile_graph(
         return None
     finally:
         captured, _captured[:] = list(_captured), []
-    out = aot(layer, x, cos, sin, kv)
+    out = aot(layer, x, cos, sin, kv, *extra)
     if len(captured) != 1:  # a whole graph is one backend call; anything else is not ours
         return None
-    graph = LayerGraph.capture(captured[0][1], captured[0][0], layer, x, cos, sin)
-    if graph is None or not _same(graph(layer, x, cos, sin), out):
+    graph = LayerGraph.capture(captured[0][1], captured[0][0], layer, x, cos, sin, extra)
+    if graph is None or not _same(graph(layer, x, cos, sin, extra), out):
         log.info("a compiled layer graph could not be captured; it runs through dynamo")
         return None
     if path is not None:
@@ -521,13 +562,15 @@ class CompiledLayers:
     graphs hold its tensors)."""
 
     def __init__(self) -> None:
-        self.graphs: dict[tuple[type, type, type, int], LayerGraph] = {}
-        """(class of layer, kind of MLP, kind of KV attention, class of the step's token
-        count) -> its captured graph."""
+        self.graphs: dict[tuple[type, tuple[tuple[str, str], ...], type, int], LayerGraph] = {}
+        """(class of layer, what it is made of (`_structure`), kind of KV attention, class of
+        the step's token count) -> its captured graph."""
+        self._structures: dict[int, tuple[tuple[str, str], ...]] = {}
+        """id(layer) -> `_structure(layer)`."""
         self._row_bounds: dict[int, list[int]] = {}
         """id(layer) -> the token counts at which its code branches when traced (its
         linears' `row_bounds`): a step's class is how many of them its count exceeds."""
-        self._through_dynamo: set[tuple[type, type, type, int]] = set()
+        self._through_dynamo: set[tuple[type, tuple[tuple[str, str], ...], type, int]] = set()
         """Classes whose graph could not be compiled ahead of time or captured."""
         self.compiler: threading.Thread | None = None
         """While warm-up compiles in a background thread (this one): the other threads run a
@@ -540,41 +583,47 @@ class CompiledLayers:
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv: KVAttention,
+        *extra: torch.Tensor,
     ) -> torch.Tensor:
+        """Layer `layer` on the step's hidden states x, cos and sin (and the `extra` tensors
+        its forward takes after kv: DeepSeek-V4's token ids and positions), through its
+        graph."""
         if (bounds := self._row_bounds.get(id(layer))) is None:
             bounds = sorted(
                 {b for m in layer.modules() if isinstance(m, Linear) for b in m.row_bounds}
             )
             self._row_bounds[id(layer)] = bounds
-        key = (type(layer), type(layer.mlp), type(kv), sum(len(x) > b for b in bounds))
+            self._structures[id(layer)] = _structure(layer)
+        structure = self._structures[id(layer)]
+        key = (type(layer), structure, type(kv), sum(len(x) > b for b in bounds))
         graph = self.graphs.get(key)
-        if graph is not None and (out := graph(layer, x, cos, sin)) is not None:
+        if graph is not None and (out := graph(layer, x, cos, sin, extra)) is not None:
             return out
         if (compiler := self.compiler) is not None and compiler is not threading.current_thread():
-            return layer(x, cos, sin, kv)  # until the background warm-up has made its graph
-        for t in (x, cos, sin):
+            return layer(x, cos, sin, kv, *extra)  # until the background warm-up made its graph
+        for t in (x, cos, sin, *extra):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         # dynamo specialises a size of 1, so a graph made for one token is static: it can
         # only be the one-token graph of quantized layers, never the one for every count
         fits = (len(x) == 1) == (1 in bounds and key[3] == 0)
         if graph is None and fits and key not in self._through_dynamo:
-            path = graph_path(layer, x, cos, sin, kv, key[3])
+            path = graph_path(layer, x, cos, sin, kv, key[3], extra)
             made = (
                 None
                 if path is None or not path.is_file()
-                else _load_graph(path, layer, x, cos, sin, kv)
+                else _load_graph(path, layer, x, cos, sin, kv, extra)
             )
-            made = made or _compile_graph(layer, x, cos, sin, kv, path)
+            made = made or _compile_graph(layer, x, cos, sin, kv, path, extra)
             if made is not None:
                 self.graphs[key], out = made
                 return out
             self._through_dynamo.add(key)
         _captured.clear()
-        out = _compiled_layer(type(layer))(layer, x, cos, sin, kv)
+        out = _compiled_layer(type(layer))(layer, x, cos, sin, kv, *extra)
         if graph is None and fits and len(_captured) == 1:
             examples, fn = _captured[0]
-            graph = LayerGraph.capture(fn, examples, layer, x, cos, sin)
-            if graph is not None and _same(graph(layer, x, cos, sin), out):
+            graph = LayerGraph.capture(fn, examples, layer, x, cos, sin, extra)
+            if graph is not None and _same(graph(layer, x, cos, sin, extra), out):
                 self.graphs[key] = graph
             else:
                 log.info("a compiled layer graph could not be captured; it runs through dynamo")

@@ -12,11 +12,14 @@ Attention is multi-query with one shared KV head, keys and values the same roped
     out = attend(window + compressed entries, sinks); rope⁻¹(out) per head
     wo_b(wo_a(out by o_groups))                  the grouped output projection
 Sliding-window-only layers rotate with the "main" RoPE, compressed layers (and their
-compressors and indexers) with the "compress" one. Everything runs eagerly.
+compressors and indexers) with the "compress" one. The layers compile like the others'
+(`executor/compiled.py`), the paged attention an opaque custom op of their graphs
+(`pypto::compressed_attention`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar, cast
 
 import torch
@@ -43,10 +46,9 @@ Angles = tuple[torch.Tensor, torch.Tensor]
 
 
 class Compressor(nn.Module):
-    """Pools each window of `ratio` tokens into one entry: softmax over the window's gates
-    (plus a learned bias per slot, `ape`) weighting its kv projections, then a norm and RoPE at
-    the window's first position. With `overlap` (CSA and its indexer) each token projects two
-    series and an entry pools the previous window's first series with its own second."""
+    """Pools each window of `ratio` tokens into one entry (`compressed.pool_windows`, over its
+    `pooling`): its kv and gate projections, a learned bias per slot (`ape`), a norm. With
+    `overlap` (CSA and its indexer) each token projects two series."""
 
     def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float) -> None:
         super().__init__()
@@ -63,27 +65,14 @@ class Compressor(nn.Module):
         """The new tokens' (kv, gate) projections, the compressor's rows, in float32."""
         return self.wkv(x).float(), self.wgate(x).float()
 
-    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first: int) -> torch.Tensor:
-        """Entries [n, dim] of the windows first .. first + n - 1 from their rows [n * ratio,
-        width]; with overlap and first > 0 the rows start one window earlier (its first series
-        joins entry `first`)."""
-        r, d = self.ratio, self.dim
-        kv = kv.view(-1, r, kv.shape[-1])
-        gate = gate.view(-1, r, gate.shape[-1]) + self.ape.float()
-        if self.overlap:
-            lead = 1 if first > 0 else 0
-            n = kv.shape[0] - lead
-            pooled_kv = kv.new_zeros(n, 2 * r, d)
-            pooled_gate = gate.new_full((n, 2 * r, d), float("-inf"))
-            pooled_kv[:, r:], pooled_gate[:, r:] = kv[lead:, :, d:], gate[lead:, :, d:]
-            earlier = slice(0, n + lead - 1)
-            pooled_kv[1 - lead :, :r] = kv[earlier, :, :d]
-            pooled_gate[1 - lead :, :r] = gate[earlier, :, :d]
-            kv, gate = pooled_kv, pooled_gate
-        entries = self.norm((kv * gate.softmax(dim=1)).sum(dim=1)).float()
+    @property
+    def pooling(self) -> compressed.Pooling:
+        """Its weights for pooling windows into entries."""
         assert self.inv_freq is not None
-        positions = (torch.arange(len(entries), device=kv.device) + first) * r
-        return apply_rope_interleaved(entries, *rope_angles(positions, self.inv_freq))
+        norm = self.norm
+        return compressed.Pooling(
+            self.ratio, self.overlap, self.ape, norm.weight, norm.eps, self.inv_freq
+        )
 
 
 class Indexer(nn.Module):
@@ -104,7 +93,8 @@ class Indexer(nn.Module):
         kv, gate = self.compressor(x)
         q = apply_rope_interleaved(self.wq_b(q_low).view(len(x), self.heads, self.dim), *angles)
         weights = self.weights_proj(x).float() * self.scale
-        return compressed.IndexerInputs(kv, gate, self.compressor.pool, q, weights, self.topk)
+        pooling = self.compressor.pooling
+        return compressed.IndexerInputs(kv, gate, pooling, q, weights, self.topk)
 
 
 class CompressedAttention(nn.Module):
@@ -148,8 +138,8 @@ class CompressedAttention(nn.Module):
         if self.compressor is not None:
             rows = self.compressor(x)
             indexer = None if self.indexer is None else self.indexer(x, q_low, angles)
-            pool = self.compressor.pool
-            compression = compressed.Compression(self.ratio, rows[0], rows[1], pool, indexer)
+            pooling = self.compressor.pooling
+            compression = compressed.Compression(self.ratio, rows[0], rows[1], pooling, indexer)
         out = compressed.attend(
             kv, self.layer, q, positions, raw, self.attn_sink, self.window, compression
         )
@@ -263,15 +253,16 @@ class V4DecoderLayer(DecoderLayer):
     def forward(  # type: ignore[override]
         self,
         streams: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVAttention,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        angles: dict[int, Angles],
-        kv: KVAttention,
     ) -> torch.Tensor:
-        """streams [T, hc_mult, hidden] float32 -> the streams after this layer."""
+        """streams [T, hc_mult, hidden] float32 -> the streams after this layer; cos, sin: its
+        RoPE's angles (the main or the compressed one, `layer_rope`)."""
         post, comb, x = self.hyper("attn", streams)
-        rope = angles[1 if self.attn.ratio else 0]
-        out = self.attn(self.attn_norm(x), positions, rope, kv)
+        out = self.attn(self.attn_norm(x), positions, (cos, sin), kv)
         streams = hyper_residual(streams, out, post, comb)
         post, comb, x = self.hyper("ffn", streams)
         out = self.ffn(self.ffn_norm(x), input_ids)
@@ -290,12 +281,11 @@ class HyperHead(nn.Module):
 
 class DeepseekV4ForCausalLM(CausalLM):
     """DeepseekV4ForCausalLM: one rank (tensor and pipeline parallelism are refused by the
-    config); the forward runs its layers eagerly over the residual streams."""
+    config); the forward runs its layers over the residual streams, compiled (through
+    `run_layer`, with the token ids and positions the layers take) unless --enforce-eager."""
 
     layer_type = V4DecoderLayer
     attention_kind: ClassVar[AttentionKind] = compressed
-    compiles: ClassVar[bool] = False
-    """Its layers run eagerly (its forward takes no `run_layer`): nothing to compile."""
     main_inv_freq: torch.Tensor
     compress_inv_freq: torch.Tensor
 
@@ -325,25 +315,39 @@ class DeepseekV4ForCausalLM(CausalLM):
         positions: torch.Tensor,
         kv: KVAttention,
         hidden: torch.Tensor | None = None,
-        run_layer: object = None,
+        run_layer: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] (a flat batch) -> normed hidden states [T, hidden]; the
-        layers run eagerly (`compiles` is False: the plan passes no `run_layer`)."""
+        """input_ids, positions: [T] (a flat batch) -> normed hidden states [T, hidden];
+        run_layer: as `CausalLM.forward`'s, given the token ids and positions too."""
         v4, decoder = self.v4, self.model
         assert decoder.embed_tokens is not None and decoder.norm is not None
-        angles = {
-            0: rope_angles(positions, self.main_inv_freq),
-            1: rope_angles(positions, self.compress_inv_freq),
-        }
+        rope = self.layer_rope(positions, torch.float32)
         embedded = decoder.embed_tokens(input_ids).float()
         streams = embedded[:, None, :].expand(-1, v4.hc_mult, -1).contiguous()
         for i in decoder.local:
-            streams = decoder.layers[i](streams, input_ids, positions, angles, kv)
+            layer = decoder.layers[i]
+            cos, sin = rope(i)
+            streams = (
+                layer(streams, cos, sin, kv, input_ids, positions)
+                if run_layer is None
+                else run_layer(layer, streams, cos, sin, kv, input_ids, positions)
+            )
         head = cast(HyperHead, decoder.hc_head)
         collapsed = hyper_head(
             streams, head.hc_fn, head.hc_base, head.hc_scale, v4.hc_eps, self.cfg.rms_norm_eps
         )
         return decoder.norm(collapsed)
+
+    def layer_rope(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+        """Layer i's RoPE angles [T, rope / 2] in float32: the compressed one for compressed
+        layers, the main one for the window-only ones."""
+        angles = {
+            0: rope_angles(positions, self.main_inv_freq),
+            1: rope_angles(positions, self.compress_inv_freq),
+        }
+        return lambda i: angles[1 if self.v4.compress_ratios[i] else 0]
 
 
 __all__ = ["Decoder", "DeepseekV4ForCausalLM"]

@@ -26,7 +26,6 @@ length restores it by keeping those rows (docs/attention_kinds.md).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +36,8 @@ from pypto_serving.kv.paged_attention import StepAttention, StepBatch, StepProgr
 from pypto_serving.kv.paged_cache import block_table
 from pypto_serving.kv.spec import KVGroup, KVSpec
 from pypto_serving.ops.attention import DenseKV, KVAttention
+from pypto_serving.ops.norm import rms_norm
+from pypto_serving.ops.rope import apply_rope_interleaved, rope_angles
 
 if TYPE_CHECKING:
     from pypto_serving.kv.groups import KVGroups
@@ -50,9 +51,47 @@ QUERY_BLOCK = 256
 """A prefill chunk's queries attend in blocks of this many, each over its band of the window's
 rows (block + window keys, not chunk + window)."""
 
-Pool = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
-"""(kv rows, gate rows of whole windows, the first window's index) -> their entries [n, D]
-(a compressed layer's compressor: models/deepseek_v4.py)."""
+
+@dataclass(frozen=True, slots=True)
+class Pooling:
+    """A compressor's weights for pooling its rows into entries (`pool_windows`): each window
+    of `ratio` tokens is pooled into one entry: softmax over the window's gates (plus a
+    learned bias per slot, `ape` [ratio, width]) weighting its kv projections, then an RMS
+    norm (`norm_weight` [D], `eps`) and RoPE (`inv_freq`, interleaved) at the window's first
+    position. With `overlap` (CSA and its indexer) each token projects two series and an entry
+    pools the previous window's first series with its own second."""
+
+    ratio: int
+    overlap: bool
+    ape: torch.Tensor
+    norm_weight: torch.Tensor
+    eps: float
+    inv_freq: torch.Tensor
+
+
+def pool_windows(
+    pooling: Pooling, kv: torch.Tensor, gate: torch.Tensor, first: int
+) -> torch.Tensor:
+    """Entries [n, D] float32 of the windows first .. first + n - 1 from their rows [n * ratio,
+    width]; with overlap and first > 0 the rows start one window earlier (its first series
+    joins entry `first`)."""
+    r, d = pooling.ratio, pooling.norm_weight.shape[0]
+    kv = kv.view(-1, r, kv.shape[-1])
+    gate = gate.view(-1, r, gate.shape[-1]) + pooling.ape.float()
+    if pooling.overlap:
+        lead = 1 if first > 0 else 0
+        n = kv.shape[0] - lead
+        pooled_kv = kv.new_zeros(n, 2 * r, d)
+        pooled_gate = gate.new_full((n, 2 * r, d), float("-inf"))
+        pooled_kv[:, r:], pooled_gate[:, r:] = kv[lead:, :, d:], gate[lead:, :, d:]
+        earlier = slice(0, n + lead - 1)
+        pooled_kv[1 - lead :, :r] = kv[earlier, :, :d]
+        pooled_gate[1 - lead :, :r] = gate[earlier, :, :d]
+        kv, gate = pooled_kv, pooled_gate
+    pooled = (kv * gate.softmax(dim=1)).sum(dim=1)
+    entries = rms_norm(pooled, pooling.norm_weight, pooling.eps).float()
+    positions = (torch.arange(len(entries), device=kv.device) + first) * r
+    return apply_rope_interleaved(entries, *rope_angles(positions, pooling.inv_freq))
 
 
 @dataclass(slots=True)
@@ -63,7 +102,7 @@ class IndexerInputs:
     """[T, 2 * index_head_dim] the indexer compressor's kv projections."""
     gate: torch.Tensor
     """[T, 2 * index_head_dim] its gate projections."""
-    pool: Pool
+    pooling: Pooling
     q: torch.Tensor
     """[T, index_heads, index_head_dim] roped queries."""
     weights: torch.Tensor
@@ -80,7 +119,7 @@ class Compression:
     """[T, c * head_dim] the compressor's kv projections."""
     gate: torch.Tensor
     """[T, c * head_dim] its gate projections."""
-    pool: Pool
+    pooling: Pooling
     indexer: IndexerInputs | None
     """The CSA layer's indexer; None for HCA (its entries are read whole)."""
 
@@ -200,9 +239,109 @@ def attend(
     return [T, H, D]. `positions` [T] are the new tokens'; `layer` a 0-d CPU tensor."""
     if isinstance(kv, DenseKV):
         return dense_attend(kv, int(layer), q, positions, raw, sinks, window, compression)
+    return compressed_attention(q, raw, sinks, layer, window, *_flat(compression))
+
+
+Flat = tuple[
+    int,
+    float,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    bool,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    int,
+]
+"""A `Compression` as `compressed_attention`'s arguments (the custom op takes tensors and
+numbers only): ratio (0: none), eps, the compressor's kv, gate, ape, norm weight, whether it
+overlaps, the RoPE's inv_freq, the indexer's kv, gate, ape, norm weight, queries, weights
+(None: no indexer) and top k."""
+
+
+def _flat(c: Compression | None) -> Flat:
+    if c is None:
+        return (0, 0.0, None, None, None, None, False, None, None, None, None, None, None, None, 0)
+    p, i = c.pooling, c.indexer
+    head = (c.ratio, p.eps, c.kv, c.gate, p.ape, p.norm_weight, p.overlap, p.inv_freq)
+    if i is None:
+        return (*head, None, None, None, None, None, None, 0)
+    assert i.pooling.ratio == c.ratio and i.pooling.eps == p.eps and i.pooling.overlap
+    return (*head, i.kv, i.gate, i.pooling.ape, i.pooling.norm_weight, i.q, i.weights, i.topk)
+
+
+def _unflat(flat: Flat) -> Compression | None:
+    ratio, eps, kv, gate, ape, norm, overlap, inv_freq, ikv, igate, iape, inorm, iq, iw, k = flat
+    if ratio == 0:
+        return None
+    assert kv is not None and gate is not None and ape is not None and norm is not None
+    assert inv_freq is not None
+    indexer = None
+    if ikv is not None:
+        assert igate is not None and iape is not None and inorm is not None
+        assert iq is not None and iw is not None
+        pooling = Pooling(ratio, True, iape, inorm, eps, inv_freq)
+        indexer = IndexerInputs(ikv, igate, pooling, iq, iw, k)
+    pooling = Pooling(ratio, overlap, ape, norm, eps, inv_freq)
+    return Compression(ratio, kv, gate, pooling, indexer)
+
+
+@torch.library.custom_op("pypto::compressed_attention", mutates_args=())
+def compressed_attention(
+    q: torch.Tensor,
+    raw: torch.Tensor,
+    sinks: torch.Tensor,
+    layer: torch.Tensor,
+    window: int,
+    ratio: int,
+    eps: float,
+    kv: torch.Tensor | None,
+    gate: torch.Tensor | None,
+    ape: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    overlap: bool,
+    inv_freq: torch.Tensor | None,
+    index_kv: torch.Tensor | None,
+    index_gate: torch.Tensor | None,
+    index_ape: torch.Tensor | None,
+    index_norm_weight: torch.Tensor | None,
+    index_q: torch.Tensor | None,
+    index_weights: torch.Tensor | None,
+    topk: int,
+) -> torch.Tensor:
+    """The compiled graphs' view of the paged operator (opaque, over the active step): the
+    layer's `attend` with its `Compression` spelled out (`Flat`)."""
     step = current_step()
     assert isinstance(step, CompressedStep), "a compressed model runs on its own step"
-    return step.attend_layer(int(layer), q, raw, sinks, window, compression)
+    flat: Flat = (
+        ratio,
+        eps,
+        kv,
+        gate,
+        ape,
+        norm_weight,
+        overlap,
+        inv_freq,
+        index_kv,
+        index_gate,
+        index_ape,
+        index_norm_weight,
+        index_q,
+        index_weights,
+        topk,
+    )
+    return step.attend_layer(int(layer), q, raw, sinks, window, _unflat(flat))
+
+
+@compressed_attention.register_fake
+def _(q: torch.Tensor, *args: Any) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 def dense_attend(
@@ -229,11 +368,12 @@ def dense_attend(
     if compression is not None and len(keys) >= compression.ratio:
         ratio = compression.ratio
         whole = len(keys) // ratio * ratio
-        entries = compression.pool(rows[1][:whole], rows[2][:whole], 0)
+        entries = pool_windows(compression.pooling, rows[1][:whole], rows[2][:whole], 0)
         seen = window_seen(positions, len(entries), ratio)
         indexer = compression.indexer
         if indexer is not None:  # the keys as a cache of the model's dtype keeps them
-            index_keys = indexer.pool(rows[3][:whole], rows[4][:whole], 0).to(q.dtype)
+            index_keys = pool_windows(indexer.pooling, rows[3][:whole], rows[4][:whole], 0)
+            index_keys = index_keys.to(q.dtype)
             seen = indexer_choice(indexer, index_keys, seen)
         keys = torch.cat([keys, entries.to(keys.dtype)])
         bias = torch.cat([bias, masked_bias(seen)], dim=1)
@@ -408,7 +548,7 @@ class CompressedStep(StepAttention):
         dim = width // (2 if indexer is not None else 1)  # head_dim, the raw row's width
         # per cache: (first column of its kv rows, their width, its entries' offset, their
         # width, its pool); the gate rows follow the kv rows
-        parts = [(dim, width, lay.entries[layer], dim, compression.pool)]
+        parts = [(dim, width, lay.entries[layer], dim, compression.pooling)]
         if indexer is not None:
             index_width = indexer.kv.shape[1]
             parts.append(
@@ -417,7 +557,7 @@ class CompressedStep(StepAttention):
                     index_width,
                     lay.index_keys[layer],
                     index_width // 2,
-                    indexer.pool,
+                    indexer.pooling,
                 )
             )
         pages, slots = entry_slots(self.entry_table[b], 0, total, ratio, lay.page_size)
@@ -425,13 +565,13 @@ class CompressedStep(StepAttention):
         lead = 1 if indexer is not None and done > 0 else 0
         span = slice((done - lead) * ratio - lo, total * ratio - lo)
         out = []
-        for column, rows_width, offset, entry_width, pool in parts:
+        for column, rows_width, offset, entry_width, pooling in parts:
             flat = self.entries[:, offset : offset + room * entry_width]
             block = flat.unflatten(1, (room, entry_width))
             if total > done:  # windows done .. total - 1 complete now
                 kv = seq_rows[span, column : column + rows_width]
                 gate = seq_rows[span, column + rows_width : column + 2 * rows_width]
-                pooled = pool(kv, gate, done).to(block.dtype)
+                pooled = pool_windows(pooling, kv, gate, done).to(block.dtype)
                 block[pages[done:], slots[done:]] = pooled
             out.append(block[pages, slots])
         return out[0], out[1] if indexer is not None else None
