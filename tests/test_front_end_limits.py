@@ -66,6 +66,9 @@ def health_during(
     return out["r"], out["s"], probes
 
 
+SHORT = 0.5
+"""Seconds under which a big request's answer leaves nothing to tell about /health."""
+
 BIG_TEXT = "hello world, the quick brown fox " * 45_000
 """1.5 MB: seconds of tokenizing with the tiny model's tokenizer."""
 
@@ -82,7 +85,9 @@ def test_health_answers_while_a_big_body_is_tokenized(live: Live, path: str, bod
     # Frozen, one probe waits for the whole request; free, each takes a sliver of it. A pause
     # that stops every thread of the test process (a full garbage collection of its heap, a
     # machine busy elsewhere) can stretch one probe too, so the request is tried up to three
-    # times: a frozen loop fails every try, a passing pause one of them.
+    # times: a frozen loop fails every try, a passing pause one of them. A request answered
+    # within SHORT (the chat one, refused by its size: its 1.5 MB body read and parsed, never
+    # tokenized) froze nothing for longer than that, and leaves too little time for probes.
     tries = []
     for _ in range(3):
         r, seconds, probes = health_during(live, "POST", path, body)
@@ -92,7 +97,7 @@ def test_health_answers_while_a_big_body_is_tokenized(live: Live, path: str, bod
         else:  # far over the context: refused by its size, before it is tokenized
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         tries.append((seconds, len(probes), max(probes, default=0.0)))  # none: try again
-        if len(probes) >= 3 and max(probes) < seconds / 3:
+        if (len(probes) >= 3 and max(probes) < seconds / 3) or seconds < SHORT:
             return
     pytest.fail(f"/health waited for the big request in every try (seconds, probes, max): {tries}")
 
