@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,10 +46,15 @@ def master_command(port: int, metrics_port: int) -> list[str]:
     ]
 
 
-def wait_for_port(host: str, port: int, seconds: float, proc: subprocess.Popen[bytes]) -> None:
+def wait_for_port(
+    host: str, port: int, seconds: float, proc: subprocess.Popen[bytes], log: Path | None = None
+) -> None:
+    """Until the master listens on host:port; its log's tail says why where it exits first."""
     deadline = time.monotonic() + patience(seconds)
     while time.monotonic() < deadline:
-        assert proc.poll() is None, f"mooncake_master exited with {proc.returncode}"
+        if proc.poll() is not None:
+            said = log.read_text(errors="replace")[-2000:] if log is not None else ""
+            raise AssertionError(f"mooncake_master exited with {proc.returncode}: {said}")
         try:
             socket.create_connection((host, port), timeout=1.0).close()
             return
@@ -62,14 +68,15 @@ def mooncake_master(
     port: int, metrics_port: int, prefix: list[str] | None = None, host: str = "127.0.0.1"
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A master listening on host:port until the block ends (prefix: e.g. `ip netns exec NS`)."""
-    proc = subprocess.Popen(
-        [*(prefix or []), *master_command(port, metrics_port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_for_port(host, port, 30.0, proc)
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
+    with tempfile.NamedTemporaryFile(prefix="mooncake-master-", suffix=".log") as log:
+        proc = subprocess.Popen(
+            [*(prefix or []), *master_command(port, metrics_port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_for_port(host, port, 30.0, proc, Path(log.name))
+            yield proc
+        finally:
+            proc.kill()
+            proc.wait()
