@@ -63,6 +63,8 @@ class GemmaMLP(MLP):
 class GemmaDecoderLayer(WindowedDecoderLayer):
     """Norms before and after attention and before and after the MLP."""
 
+    attention_type = GemmaAttention
+
     def __init__(self, cfg: ModelConfig, layer: int, groups: ParallelGroups, index: int) -> None:
         super().__init__(cfg, layer, groups, index)
         size, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -70,12 +72,6 @@ class GemmaDecoderLayer(WindowedDecoderLayer):
         self.post_attention_layernorm = GemmaNorm(size, eps)
         self.pre_feedforward_layernorm = GemmaNorm(size, eps)
         self.post_feedforward_layernorm = GemmaNorm(size, eps)
-
-    def attention(
-        self, cfg: ModelConfig, layer: int, groups: ParallelGroups, index: int
-    ) -> nn.Module:
-        size = cfg.sliding_window if index in cfg.window_layers else None
-        return GemmaAttention(cfg, layer, groups.tp, size)
 
     def feed_forward(self, cfg: ModelConfig, groups: ParallelGroups, index: int) -> nn.Module:
         return GemmaMLP(cfg, groups.tp)

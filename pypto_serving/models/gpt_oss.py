@@ -59,11 +59,7 @@ class GptOssMoE(RoutedExperts):
 
 
 class GptOssDecoderLayer(WindowedDecoderLayer):
-    def attention(
-        self, cfg: ModelConfig, layer: int, groups: ParallelGroups, index: int
-    ) -> nn.Module:
-        size = cfg.sliding_window if index in cfg.window_layers else None
-        return SinkAttention(cfg, layer, groups.tp, size)
+    attention_type = SinkAttention
 
     def feed_forward(self, cfg: ModelConfig, groups: ParallelGroups, index: int) -> nn.Module:
         return GptOssMoE(cfg, groups)

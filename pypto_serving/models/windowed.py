@@ -30,11 +30,14 @@ class WindowedAttention(Attention):
 
 
 class WindowedDecoderLayer(DecoderLayer):
+    attention_type: type[WindowedAttention] = WindowedAttention
+    """The layer's attention class (a model's own: Gemma 3's, gpt-oss's)."""
+
     def attention(
         self, cfg: ModelConfig, layer: int, groups: ParallelGroups, index: int
     ) -> nn.Module:
         size = cfg.sliding_window if index in cfg.window_layers else None
-        return WindowedAttention(cfg, layer, groups.tp, size)
+        return self.attention_type(cfg, layer, groups.tp, size)
 
 
 class WindowedCausalLM(CausalLM):
