@@ -123,13 +123,14 @@ def test_a_freed_page_is_copied_to_the_cpu_tier_in_the_background_and_its_evicti
     CPU tier when freed (a background thread copies them), the device keeping them too; when
     the device reuses them, nothing is read from the device any more."""
     threads: list[str] = []
-    copy = HostTier._copy
+    copy = HostTier._copy_serially
 
     def copied(self: HostTier, slot: int, kv: tuple[torch.Tensor, ...]) -> None:
-        threads.append(threading.current_thread().name)
+        niceness = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        threads.append(f"{threading.current_thread().name} nice {niceness}")
         copy(self, slot, kv)
 
-    monkeypatch.setattr(HostTier, "_copy", copied)
+    monkeypatch.setattr(HostTier, "_copy_serially", copied)
     store = make_store(num_pages=3, cpu_pages=4)
     ha = hash_chain(A, PS)
     a = request("a", A)
@@ -158,6 +159,34 @@ def test_a_freed_page_is_copied_to_the_cpu_tier_in_the_background_and_its_evicti
     assert compute(store, a2) == 8 and store.cached_tokens_by_tier(a2) == {"cpu": 8}
     assert_kv(store, a2)  # reading the slots back waited for their copies
     assert len(threads) == 4 and all(t.startswith("pypto-kv-offload") for t in threads)
+    assert all(t.endswith(" nice 19") for t in threads)  # its copies wait for idle cores
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="torch runs one thread here")
+def test_a_background_copy_starts_no_openmp_team_and_keeps_every_bit() -> None:
+    """A copy on the offload thread goes through NumPy: torch's copy_ of a page that large
+    would start an OpenMP team for that thread beside the steps' own (one more OS thread per
+    extra torch thread), which slowed every later decode step on a machine with as many
+    threads as cores. The bits arrive unchanged (bf16, a strided view of the device's page)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    shape = (4, 2, 64, 128)  # [layers, heads, page, row]: 65,536 elements, past torch's grain
+    tier = HostTier(2, shape, torch.bfloat16)
+    device = torch.randn(2, 4, 3, 2, 64, 128).to(torch.bfloat16)  # [K/V, layers, pages, ...]
+    kv = (device[0, :, 1], device[1, :, 1])  # page 1: strided views, as the cache hands them
+    with ThreadPoolExecutor(1, thread_name_prefix="pypto-kv-offload") as copier:
+        copier.submit(lambda: None).result()  # the copier's own thread is up
+        before = os_threads()
+        tier.store_later(b"h", (1, 2), kv, copier).result()
+        assert os_threads() == before, "the copy started threads (an OpenMP team)"
+    loaded = tier.load(b"h")
+    assert loaded is not None
+    for got, want in zip(loaded, kv, strict=True):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 def test_copies_made_on_free_give_way_first_and_take_only_free_slots() -> None:

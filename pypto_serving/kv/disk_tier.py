@@ -42,7 +42,13 @@ from typing import BinaryIO
 
 import torch
 
-from pypto_serving.kv.tier import PageKV, PageTier, page_bytes
+from pypto_serving.kv.tier import (
+    PageKV,
+    PageTier,
+    background_priority,
+    kv_bytes,
+    page_bytes,
+)
 from pypto_serving.paths import (
     DIGEST_BYTES,
     keyed_digest,
@@ -118,7 +124,7 @@ class DiskTier(PageTier):
     # --- file format ----------------------------------------------------------------------
 
     def _encode(self, page_hash: bytes, token_ids: tuple[int, ...], kv: PageKV) -> bytes:
-        payload = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in kv)
+        payload = kv_bytes(kv)
         header = self._expected_header(page_hash) | {"token_ids": list(token_ids)}
         head = json.dumps(header, separators=(",", ":")).encode()
         head = MAGIC + struct.pack("<I", len(head)) + head
@@ -306,6 +312,7 @@ class DiskTier(PageTier):
     # --- the writer thread ----------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        background_priority()  # its writes wait for the steps' cores to be free
         while True:
             item = self._queue.get()
             try:

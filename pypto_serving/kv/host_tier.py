@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from concurrent.futures import Executor, Future
 
+import numpy as np
 import torch
 
-from pypto_serving.kv.tier import PageKV, PageTier
+from pypto_serving.kv.tier import PageKV, PageTier, numpy_bits
 
 
 class HostTier(PageTier):
@@ -98,8 +99,17 @@ class HostTier(PageTier):
             raise ValueError(f"a page of {len(kv)} tensors for a tier of {len(self.slots)}")
         slot = self._free.pop()
         self._cached[page_hash] = (slot, token_ids)
-        self._copying[slot] = copy = copier.submit(self._copy, slot, kv)
+        self._copying[slot] = copy = copier.submit(self._copy_serially, slot, kv)
         return copy
+
+    def _copy_serially(self, slot: int, kv: PageKV) -> None:
+        """`_copy` on a background thread: a CPU page through NumPy (`numpy_bits`: no OpenMP
+        team beside the steps')."""
+        for held, t in zip(self.slots, kv, strict=True):
+            if t.device.type != "cpu":
+                held[slot].copy_(t)  # a device's copy engine, no OpenMP team
+                continue
+            np.copyto(numpy_bits(held[slot]), numpy_bits(t))
 
     def load(self, page_hash: bytes) -> PageKV | None:
         slot, _ = self._cached.pop(page_hash)

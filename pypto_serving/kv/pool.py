@@ -61,7 +61,7 @@ from pypto_serving.kv.mooncake_pool import Pool, pool_key
 from pypto_serving.kv.page_pool import PagePool
 from pypto_serving.kv.paged_cache import PagedCache
 from pypto_serving.kv.remote_tier import RemoteTier
-from pypto_serving.kv.tier import PageKV, PageTier, TierStats
+from pypto_serving.kv.tier import PageKV, PageTier, TierStats, background_priority
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class KVPool:
         self._pressure = dict.fromkeys(self.stats, 0)  # pages pushed out since last log
         self._pressure_logged = time.monotonic()
         self._copier = (
-            ThreadPoolExecutor(1, thread_name_prefix="pypto-kv-offload")
+            ThreadPoolExecutor(1, "pypto-kv-offload", initializer=background_priority)
             if self.cpu is not None and journal is None
             else None
         )

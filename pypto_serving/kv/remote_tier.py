@@ -44,7 +44,13 @@ from typing import TypeVar
 import torch
 
 from pypto_serving.kv.mooncake_pool import Pool, leave
-from pypto_serving.kv.tier import PageKV, PageTier, page_bytes
+from pypto_serving.kv.tier import (
+    PageKV,
+    PageTier,
+    background_priority,
+    kv_bytes,
+    page_bytes,
+)
 from pypto_serving.paths import DIGEST_BYTES, keyed_digest
 
 log = logging.getLogger(__name__)
@@ -163,7 +169,7 @@ class RemoteTier(PageTier):
         header = self._header(page_hash) | {"token_ids": list(token_ids)}
         head = json.dumps(header, separators=(",", ":")).encode()
         head = MAGIC + struct.pack("<I", len(head)) + head
-        payload = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in kv)
+        payload = kv_bytes(kv)
         body = head + payload
         return body + self._sign(page_hash, body)
 
@@ -296,6 +302,7 @@ class RemoteTier(PageTier):
     # --- the writer thread --------------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        background_priority()  # its writes wait for the steps' cores to be free
         while True:
             item = self._queue.get()
             try:
