@@ -16,11 +16,16 @@ from urllib.parse import urlsplit
 from pypto_serving.errors import PyptoError
 
 EXECUTORS = ("paged", "reference")
-LOAD_BALANCE = ("least_pending_tokens", "round_robin")
+LOAD_BALANCE = ("internal", "least_pending_tokens", "round_robin")
+"""Router policies; "internal" (the parallel-strategy note's spelling) is the built-in
+router's default policy, least_pending_tokens."""
 BACKENDS = ("gloo", "nccl")
 PLACEMENTS = ("linear", "round_robin")
-ALL2ALL_BACKENDS = ("all_to_all", "allgather_reducescatter")
-DATA_PARALLEL_BACKENDS = ("mp",)
+ALL2ALL_BACKENDS = ("pypto_default", "all_to_all", "allgather_reducescatter")
+"""Expert exchanges; "pypto_default" is the project's default one, all_to_all."""
+DATA_PARALLEL_BACKENDS = ("mp", "local")
+"""How replicas run: "mp" processes on this machine or over nnodes machines, "local" processes
+on this machine only (nnodes 1)."""
 QUANTIZATIONS = ("int8", "int4", "w8a8", "int4-w8a8", "gguf")
 """The forms a model's linear layers can take (besides its dtype)."""
 QUANTIZATION_CHOICES = ("auto", "none", *QUANTIZATIONS)
@@ -219,9 +224,10 @@ class ParallelConfig:
     data_parallel_size: int = 1
     """Engine replicas (DP), each a process with its own scheduler, KV store and executor."""
     data_parallel_load_balance: str = "least_pending_tokens"
-    """How requests are spread over DP replicas: least_pending_tokens (queued plus running
-    remaining tokens, less the prompt tokens a replica likely holds in its prefix cache) or
-    round_robin."""
+    """How node 0's router spreads requests over DP replicas: least_pending_tokens (queued
+    plus running remaining tokens, less the prompt tokens a replica likely holds in its prefix
+    cache), round_robin, or internal (the built-in router's default policy,
+    least_pending_tokens)."""
     tensor_parallel_size: int = 1
     """Processes (ranks) one engine's model is split across: attention heads, KV heads, MLP
     columns and the vocabulary; rank 0 schedules and broadcasts each step."""
@@ -230,21 +236,23 @@ class ParallelConfig:
     from stage to stage point-to-point, rank 0 (the first stage) schedules."""
     enable_expert_parallel: bool = False
     """Mixture-of-experts models: place whole experts across the tensor-parallel ranks
-    (their outputs summed with an all-reduce) or, with data_parallel_size > 1 and no tensor
-    parallelism, across the data-parallel replicas (DP attention + EP: each replica's tokens
-    sent to the replicas holding their experts), instead of every rank holding every expert."""
+    (their outputs summed with an all-reduce) or, with data_parallel_size > 1, across every
+    replica's ranks (DP attention + EP: each replica's tokens sent to the ranks holding their
+    experts; with TP in each replica, each TP rank exchanges with the ranks of its TP index in
+    the others, and the replica all-reduces), instead of every rank holding every expert."""
     expert_placement_strategy: str = "linear"
     """Which experts a rank holds with expert parallelism: linear (contiguous blocks) or
     round_robin (every N-th)."""
-    all2all_backend: str = "all_to_all"
+    all2all_backend: str = "pypto_default"
     """DP attention + EP: how a replica's tokens reach the experts of the others and come
-    back. all_to_all: each token row goes only to the replicas holding its chosen experts and
-    their weighted outputs come back, by all-to-all; allgather_reducescatter: every replica
-    gathers all replicas' tokens, runs its experts on them and a reduce-scatter returns each
-    replica the sums of its own tokens (more traffic, simpler collectives)."""
+    back. pypto_default: the project's default exchange, all_to_all; all_to_all: each
+    token row goes only to the replicas holding its chosen experts and their weighted
+    outputs come back, by all-to-all; allgather_reducescatter: every replica gathers all
+    replicas' tokens, runs its experts on them and a reduce-scatter returns each replica the
+    sums of its own tokens (more traffic, simpler collectives)."""
     data_parallel_backend: str = "mp"
     """How data-parallel replicas run: mp (a process each, on this machine or spread over
-    nnodes machines; the only kind)."""
+    nnodes machines) or local (a process each, all on this machine: nnodes must be 1)."""
     distributed_backend: str | None = None
     """torch.distributed backend of the tensor-parallel ranks: gloo or nccl (None: nccl on
     CUDA, gloo on the CPU)."""
@@ -339,11 +347,6 @@ class ParallelConfig:
                 f"got {self.expert_placement_strategy!r}"
             )
         self._validate_expert_parallel()
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise PyptoError(
-                "tensor_parallel_size and pipeline_parallel_size together are not supported "
-                "yet; use one of them"
-            )
         if self.distributed_backend not in (None, *BACKENDS):
             raise PyptoError(
                 f"distributed_backend must be one of {', '.join(BACKENDS)}, "
@@ -356,14 +359,22 @@ class ParallelConfig:
             )
         if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
             raise PyptoError(
-                "data_parallel_backend must be 'mp' (each replica a process on this machine, "
-                f"the only kind there is), got {self.data_parallel_backend!r}"
+                "data_parallel_backend must be 'mp' (each replica a process, on this machine "
+                "or over nnodes machines) or 'local' (each replica a process on this machine), "
+                f"got {self.data_parallel_backend!r}"
+            )
+        if self.data_parallel_backend == "local" and self.nnodes > 1:
+            raise PyptoError(
+                f"data_parallel_backend 'local' keeps every replica on this machine, but nnodes "
+                f"is {self.nnodes}: use 'mp' to spread replicas over machines"
             )
         devices = self.device_list()
         if devices is not None:
             if any(not d for d in devices):
                 raise PyptoError(f"devices must name one device per replica, got {self.devices!r}")
-            if len(devices) != self.world_size:
+            # a DP attention + EP replica's own config names its ranks' devices only
+            own = self.expert_parallel_over_dp and len(devices) == self.ranks_per_engine
+            if len(devices) != self.world_size and not own:
                 raise PyptoError(
                     f"devices names {len(devices)} device(s) for {self.world_size} process(es) "
                     f"on this machine (data_parallel_size {self.data_parallel_size} x "
@@ -384,12 +395,29 @@ class ParallelConfig:
                 "enable_expert_parallel places experts across the tensor-parallel ranks or the "
                 "data-parallel replicas: set tensor_parallel_size > 1 (or data_parallel_size > 1)"
             )
-        if self.data_parallel_size > 1 and self.ranks_per_engine > 1:
+        if self.data_parallel_size > 1 and self.pipeline_parallel_size > 1:
             raise PyptoError(
                 "enable_expert_parallel with data_parallel_size > 1 (DP attention + EP) needs "
-                "tensor_parallel_size 1 and pipeline_parallel_size 1: its expert group is the "
-                "replicas (an expert group over replicas x ranks is not supported)"
+                "pipeline_parallel_size 1: its expert group is every replica's TP ranks (an "
+                "expert group over pipeline stages is not supported)"
             )
+        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1 and self.nnodes > 1:
+            raise PyptoError(
+                "enable_expert_parallel with data_parallel_size > 1 and tensor_parallel_size > "
+                f"1 spans one machine for now (nnodes is {self.nnodes}): its expert group of "
+                "replicas x TP ranks meets through a file"
+            )
+
+    @property
+    def all2all_exchange(self) -> str:
+        """The exchange `all2all_backend` names (pypto_default: all_to_all)."""
+        return "all_to_all" if self.all2all_backend == "pypto_default" else self.all2all_backend
+
+    @property
+    def load_balance_policy(self) -> str:
+        """The router policy `data_parallel_load_balance` names (internal: the default)."""
+        policy = self.data_parallel_load_balance
+        return "least_pending_tokens" if policy == "internal" else policy
 
     @property
     def expert_parallel_over_dp(self) -> bool:

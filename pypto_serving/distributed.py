@@ -79,8 +79,9 @@ class ParallelGroups:
     """This replica's index and the number of data-parallel replicas (they share no
     collective, except the MoE layers' under DP attention + EP)."""
     ep: Group = Group()
-    """Expert parallelism: the TP ranks when enabled, or the DP replicas under DP attention +
-    EP (each holds some whole experts)."""
+    """Expert parallelism: the TP ranks when enabled, or under DP attention + EP every
+    replica's ranks (replica-major: rank dp.rank * tp.size + tp.rank), each holding some
+    whole experts."""
     expert_placement: str = "linear"
     all2all_backend: str = "all_to_all"
     """How tokens reach experts held by other replicas (DP attention + EP only)."""
@@ -89,7 +90,9 @@ class ParallelGroups:
     def expert_exchange(self) -> str:
         """How a MoE layer reaches the experts it does not hold: "none" (it holds them all),
         "all_reduce" (EP over TP: every rank has every token, the partial sums are added) or,
-        EP over the DP replicas (each its own tokens), the all2all_backend."""
+        EP over the DP replicas (each its own tokens), the all2all_backend: each rank then
+        exchanges with the other replicas' ranks of its TP index (its "column"), for the
+        experts held in that column, and with TP > 1 the columns' sums are all-reduced."""
         if self.ep.size == 1:
             return "none"
         return "all_reduce" if self.ep == self.tp else self.all2all_backend
@@ -113,13 +116,13 @@ def resolve_groups(
     dp: Group = Group(),
     all2all_backend: str = "all_to_all",
 ) -> ParallelGroups:
-    """The groups of engine rank `rank` in a world of pp_size stages x tp_size ranks, in
-    replica `dp`; with expert parallelism the experts are spread over the TP group, or over
-    the replicas when there is no TP (DP attention + EP)."""
+    """The groups of engine rank `rank` in an engine of pp_size stages x tp_size ranks, in
+    replica `dp`; with expert parallelism the experts are spread over the TP group, or with
+    several replicas (DP attention + EP) over every replica's ranks, replica-major."""
     tp = Group(rank % tp_size, tp_size)
     ep = Group()
     if expert_parallel:
-        ep = dp if tp_size == 1 and pp_size == 1 and dp.size > 1 else tp
+        ep = Group(dp.rank * tp_size + tp.rank, dp.size * tp_size) if dp.size > 1 else tp
     pp = Group(rank // tp_size, pp_size)
     return ParallelGroups(tp, pp, dp, ep, expert_placement, all2all_backend)
 
@@ -193,10 +196,24 @@ def check_no_group() -> None:
         )
 
 
-def init_distributed(rank: int, world_size: int, backend: str, timeout_s: float) -> None:
-    """Join the engine's torch.distributed world: through the rendezvous file when the ranks
-    share this machine, else MASTER_ADDR / MASTER_PORT from the environment (env://).
-    `timeout_s` bounds the rendezvous and every collective until `set_collective_timeout`."""
+def init_distributed(
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float,
+    tp_size: int | None = None,
+    engine_size: int | None = None,
+) -> None:
+    """Join the world of torch.distributed: through the rendezvous file when the ranks share
+    this machine, else MASTER_ADDR / MASTER_PORT from the environment (env://). `timeout_s`
+    bounds the rendezvous and every collective until `set_collective_timeout`.
+
+    The world's ranks are numbered engine-major, an engine's stage-major. The tensor-parallel
+    collectives run over consecutive blocks of `tp_size` ranks (a pipeline stage's ranks;
+    None: the world), rank 0's steps go to consecutive blocks of `engine_size` (an engine's
+    ranks; None: the world is one engine). Where the world holds several engines (DP
+    attention + EP), the experts' exchange runs over the ranks with the same index in every
+    engine (a "column": the world when engines have one rank each)."""
     if world_size == 1:
         return
     check_no_group()
@@ -208,44 +225,102 @@ def init_distributed(rank: int, world_size: int, backend: str, timeout_s: float)
         else env_store(rank, world_size, timeout_s)
     )
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    _choose_transport(backend, rank, world_size, timeout_s)
+    _choose_transport(backend, rank, world_size, timeout_s, tp_size or world_size, engine_size)
 
 
-_shm: ShmGroup | None = None
-"""The shared-memory transport of this process's group, when it has one."""
+@dataclass(slots=True)
+class _Comm:
+    """A group this process collects over: its torch.distributed group (None: the world),
+    its shared-memory transport if it has one, its size and its first rank in the world."""
+
+    group: dist.ProcessGroup | None = None
+    shm: ShmGroup | None = None
+    size: int = 1
+    first: int = 0
 
 
-def _choose_transport(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
-    """Shared memory for the CPU collectives when every rank can share it (all on this
-    machine), else torch.distributed's backend; every rank makes the same choice."""
-    global _shm
+_world = _Comm()
+_tp = _Comm()
+_engine = _Comm()
+_ep = _Comm()
+"""The world, this rank's TP group, its engine (whose rank 0 broadcasts the steps) and its
+experts' exchange group; each a view of the world where it is the world."""
+
+
+def _choose_transport(
+    backend: str,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    tp_size: int,
+    engine_size: int | None,
+) -> None:
+    """Shared memory for the CPU collectives when every rank of a group can share it (all on
+    this machine), else torch.distributed's backend; every rank of a group makes the same
+    choice. Each group smaller than the world is a sub-group with a segment of its own."""
+    global _world, _tp, _engine, _ep
     choice = os.environ.get(COLLECTIVES_ENV, "auto")
     if choice not in ("auto", "gloo", "shm"):
         raise PyptoError(f"{COLLECTIVES_ENV} must be auto, gloo or shm, not {choice!r}")
+    wanted = backend == "gloo" and choice != "gloo"
     store = dist.distributed_c10d._get_default_store()
-    _shm = open_group(store, rank, world_size, backend == "gloo" and choice != "gloo")
-    if _shm is not None:
-        _shm.timeout_s = max(timeout_s, 1.0)
-    elif choice == "shm":
+    _world = _Comm(None, open_group(store, rank, world_size, wanted), world_size, 0)
+    engine = engine_size or world_size
+    blocks = {"tp": tp_size, "engine": engine}
+    mine = {
+        name: [[b * n + i for i in range(n)] for b in range(world_size // n)]
+        for name, n in blocks.items()
+    }
+    # the experts' exchange: each column of several engines (one engine: the world)
+    columns = [list(range(i, world_size, engine)) for i in range(engine)]
+    mine["ep"] = columns if engine < world_size else [list(range(world_size))]
+    made: dict[str, _Comm] = {}
+    for name, lists in mine.items():  # every rank makes every group, in the same order
+        if name == "engine" and engine == tp_size:
+            made[name] = made["tp"]  # an engine of one stage: its TP group
+            continue
+        if len(lists[0]) in (1, world_size):
+            made[name] = _world if len(lists[0]) == world_size else _Comm(first=rank)
+            continue
+        for i, ranks in enumerate(lists):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                prefix = dist.PrefixStore(f"pypto-{name}{i}/", store)
+                shm = open_group(prefix, ranks.index(rank), len(ranks), wanted)
+                made[name] = _Comm(group, shm, len(ranks), ranks[0])
+    _tp, _engine, _ep = made["tp"], made["engine"], made["ep"]
+    for comm in _comms():
+        if comm.shm is not None:
+            comm.shm.timeout_s = max(timeout_s, 1.0)
+    if _world.shm is None and choice == "shm":
         shutdown_distributed()
         raise PyptoError(
             f"{COLLECTIVES_ENV}=shm: the ranks cannot share memory (backend {backend}, not "
             "all on this machine, or no C++ compiler); see the log"
         )
     if rank == 0:
-        log.info("collectives: %s", "shared memory" if _shm is not None else backend)
+        log.info("collectives: %s", "shared memory" if _world.shm is not None else backend)
+
+
+def _comms() -> list[_Comm]:
+    """Each distinct group of this process, the world first."""
+    seen: list[_Comm] = []
+    for comm in (_world, _tp, _engine, _ep):
+        if all(comm is not other for other in seen):
+            seen.append(comm)
+    return seen
 
 
 def shm_group() -> ShmGroup | None:
-    """The shared-memory transport, when this process's group has one (the native decode
-    step calls its collectives itself)."""
-    return _shm
+    """The shared-memory transport of the tensor-parallel group, when it has one (the
+    native decode step calls its collectives itself)."""
+    return _tp.shm
 
 
 def collectives_transport() -> str:
     """How this process's collectives travel: "shm", torch.distributed's backend, or "none"
     outside a group."""
-    if _shm is not None:
+    if _world.shm is not None:
         return "shm"
     return dist.get_backend() if dist.is_initialized() else "none"
 
@@ -296,18 +371,21 @@ def env_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
 def set_collective_timeout(seconds: float) -> None:
     """Once started: how long a collective may wait for the other ranks (WAIT_FOREVER_S: a
     rank > 0 waiting, however long the engine stays idle, for rank 0's next step)."""
-    if dist.is_initialized():  # torch has no public setter for a group's timeout
-        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
-    if _shm is not None:
-        _shm.timeout_s = seconds
+    for comm in _comms():
+        if dist.is_initialized() and (comm.group is not None or comm is _world):
+            # torch has no public setter for a group's timeout
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), comm.group)
+        if comm.shm is not None:
+            comm.shm.timeout_s = seconds
 
 
 def shutdown_distributed() -> None:
     """Leave the group; the process that made the rendezvous file removes it."""
-    global _made_store_dir, _shm
-    if _shm is not None:
-        _shm.close()
-        _shm = None
+    global _made_store_dir, _world, _tp, _engine, _ep
+    for comm in _comms():
+        if comm.shm is not None:
+            comm.shm.close()
+    _world, _tp, _engine, _ep = _Comm(), _Comm(), _Comm(), _Comm()
     if dist.is_initialized():
         dist.destroy_process_group()
     if _made_store_dir is not None:
@@ -316,23 +394,19 @@ def shutdown_distributed() -> None:
         _made_store_dir = None
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def ranks_in_world() -> int:
-    """Ranks of this process's torch.distributed world (1 outside one): under DP attention
-    + EP, the replicas of the expert-parallel group."""
-    return _world()
+def exchange_ranks() -> int:
+    """Ranks of the experts' exchange group (1 outside one): under DP attention + EP the
+    replicas, one rank of each (the ranks with this one's TP index)."""
+    return _ep.size
 
 
 @torch.library.custom_op("pypto::tp_all_reduce", mutates_args=())
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum over the tensor-parallel group of every rank's `x` (float32)."""
-    if _shm is not None and x.device.type == "cpu":
-        return _shm.all_reduce(x.float())
+    if _tp.shm is not None and x.device.type == "cpu":
+        return _tp.shm.all_reduce(x.float())
     out = x.float().clone()
-    dist.all_reduce(out)
+    dist.all_reduce(out, group=_tp.group)
     return out
 
 
@@ -343,27 +417,48 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("pypto::tp_all_gather", mutates_args=())
 def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
-    """Every rank's `x` [N, d] side by side along the last dimension: [N, world * d]."""
-    if _shm is not None and x.device.type == "cpu":
-        return _shm.all_gather(x)
+    """Every TP rank's `x` [N, d] side by side along the last dimension: [N, tp * d]."""
+    if _tp.shm is not None and x.device.type == "cpu":
+        return _tp.shm.all_gather(x)
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(_world())]
-    dist.all_gather(parts, x)
+    parts = [torch.empty_like(x) for _ in range(_tp.size)]
+    dist.all_gather(parts, x, group=_tp.group)
     return torch.cat(parts, dim=-1)
 
 
 @tp_all_gather.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], x.shape[-1] * _world())
+    return x.new_empty(*x.shape[:-1], x.shape[-1] * _tp.size)
+
+
+def _broadcast_in(comm: _Comm, t: torch.Tensor) -> None:
+    """The group's first rank's `t` into every other rank's of the group (in place)."""
+    if comm.size == 1:
+        return
+    if comm.shm is not None and t.device.type == "cpu":
+        comm.shm.broadcast(t)
+    else:
+        dist.broadcast(t, comm.first, group=comm.group)
+
+
+def tp_broadcast(t: torch.Tensor) -> None:
+    """The TP group's first rank's `t` into every other TP rank's (in place)."""
+    _broadcast_in(_tp, t)
+
+
+def engine_min(t: torch.Tensor) -> None:
+    """The minimum over the engine's ranks of every rank's int64 `t` (in place)."""
+    if _engine.size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_engine.group)
 
 
 def all_ranks_max(values: list[int]) -> list[int]:
-    """Each value's maximum over the world (DP attention + EP: whether any replica has work,
-    or is stopping)."""
+    """Each value's maximum over the experts' exchange group (DP attention + EP, called by
+    each replica's rank 0: whether any replica has work, or is stopping)."""
     t = torch.tensor(values, dtype=torch.int64)
-    if _shm is not None:
-        return [int(v) for v in _shm.all_gather_rows(t).view(-1, len(values)).amax(0).tolist()]
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if _ep.shm is not None:
+        return [int(v) for v in _ep.shm.all_gather_rows(t).view(-1, len(values)).amax(0).tolist()]
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_ep.group)
     return [int(v) for v in t.tolist()]
 
 
@@ -376,10 +471,10 @@ def all_to_all_rows(
     if recv_counts is None:
         counts = torch.tensor(send_counts, dtype=torch.int64)
         got = torch.empty_like(counts)
-        dist.all_to_all_single(got, counts)
+        dist.all_to_all_single(got, counts, group=_ep.group)
         recv_counts = [int(n) for n in got.tolist()]
     out = x.new_empty(sum(recv_counts), *x.shape[1:])
-    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts)
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=_ep.group)
     return out, recv_counts
 
 
@@ -389,23 +484,23 @@ def all_to_all_back(
     """The reverse of `all_to_all_rows`: rows computed for the ranks that sent them go back,
     each rank getting its rows in the order it sent them."""
     out = y.new_empty(sum(send_counts), *y.shape[1:])
-    dist.all_to_all_single(out, y.contiguous(), send_counts, recv_counts)
+    dist.all_to_all_single(out, y.contiguous(), send_counts, recv_counts, group=_ep.group)
     return out
 
 
 def all_gather_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """Every rank's `x` [rows, ...] (each padded to the same `rows`), rank 0's first."""
-    if _shm is not None and x.device.type == "cpu":
-        return _shm.all_gather_rows(x)
-    out = x.new_empty(_world() * rows, *x.shape[1:])
-    dist.all_gather_single(out, x.contiguous())
+    if _ep.shm is not None and x.device.type == "cpu":
+        return _ep.shm.all_gather_rows(x)
+    out = x.new_empty(_ep.size * rows, *x.shape[1:])
+    dist.all_gather_single(out, x.contiguous(), group=_ep.group)
     return out
 
 
 def reduce_scatter_rows(x: torch.Tensor) -> torch.Tensor:
     """The sum over the ranks of `x` [world * rows, ...]; this rank's block of rows."""
-    out = x.new_empty(len(x) // _world(), *x.shape[1:])
-    dist.reduce_scatter_single(out, x.contiguous())
+    out = x.new_empty(len(x) // _ep.size, *x.shape[1:])
+    dist.reduce_scatter_single(out, x.contiguous(), group=_ep.group)
     return out
 
 
@@ -425,8 +520,9 @@ HEADER = 8
 """Ints in a step header: tokens, sequences, pages (every KV group's, all sequences'), decodes,
 longest query, logits rows, the message kind (0: a step, else a `Control`'s), bytes of the
 page moves (or of the control's data)."""
-STOP, SSD_LOAD = 1, 2
-"""`Control` kinds: stop (after the last page moves), an SSD load to agree on (`kv/mirror.py`)."""
+STOP, SSD_LOAD, JOIN_EXPERTS = 1, 2, 3
+"""`Control` kinds: stop (after the last page moves), an SSD load to agree on (`kv/mirror.py`),
+a step with no tokens that joins the experts' exchange (DP attention + EP, an idle replica)."""
 
 
 @dataclass(slots=True)
@@ -467,11 +563,8 @@ class StepInputs:
 
 
 def _broadcast(t: torch.Tensor) -> None:
-    """Rank 0's `t` into every other rank's (in place)."""
-    if _shm is not None and t.device.type == "cpu":
-        _shm.broadcast(t)
-    else:
-        dist.broadcast(t, 0)
+    """The engine's rank 0's `t` into its other ranks' (in place)."""
+    _broadcast_in(_engine, t)
 
 
 def broadcast_step(step: StepInputs | Control, device: torch.device) -> None:

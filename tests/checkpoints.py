@@ -325,6 +325,23 @@ WIDE: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
+SPLIT8: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3moe-e8-kv4": (  # heads, KV heads and MLP split 4 ways, 8 experts: DP 2 x TP 4 x EP
+        "qwen3_moe",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
 BASE = dict(
     vocab_size=320,
     hidden_size=64,
@@ -344,7 +361,14 @@ def build_checkpoint(name: str, out: Path, seed: int = 0, grid: bool = False) ->
     each group of 32 inputs spanning 0 to 15, which int4 quantization keeps exactly."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    family, overrides = {**TINY, **TINY_DEEPSEEK, **TINY_DEEPSEEK_V4, **TINY_WINDOW, **WIDE}[name]
+    family, overrides = {
+        **TINY,
+        **TINY_DEEPSEEK,
+        **TINY_DEEPSEEK_V4,
+        **TINY_WINDOW,
+        **WIDE,
+        **SPLIT8,
+    }[name]
     config = AutoConfig.for_model(family, **{**BASE, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

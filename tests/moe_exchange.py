@@ -10,8 +10,8 @@ import json
 import sys
 
 import torch
-import torch.distributed as dist
 
+from pypto_serving.distributed import init_distributed, shutdown_distributed, use_rendezvous
 from pypto_serving.ops.moe import expert_owners, expert_placement, moe_dispatch, moe_experts
 
 CASES = ((7, 0), (5, 3))
@@ -23,7 +23,8 @@ ACTIVATIONS = ("swiglu", "gpt-oss")
 def exchange(rank: int, store: str) -> None:
     """Every backend, activation and case: (backend, activation, case, rank, shapes agree,
     largest difference)."""
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    use_rendezvous(store)
+    init_distributed(rank, 2, "gloo", 60.0, tp_size=1, engine_size=1)  # as two replicas join
     try:
         torch.manual_seed(0)  # the same experts on both ranks
         gate_up, down = torch.randn(6, 16, 8), torch.randn(6, 8, 8)
@@ -49,7 +50,7 @@ def exchange(rank: int, store: str) -> None:
                     row = [backend, activation, case, rank, mine.shape == want.shape, diff]
                     print(json.dumps(row))
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from pypto_serving.cli import main
 from pypto_serving.distributed import Group, resolve_groups
 from pypto_serving.engine.dp import DPEngine, ReplicaDiedError
 from pypto_serving.errors import PyptoError, RequestFailedError
-from pypto_serving.ops.moe import expert_owners, expert_placement
+from pypto_serving.ops.moe import column_owners, expert_owners, expert_placement
 from pypto_serving.sampling import SamplingParams
 
 QWEN_MOE, DEEPSEEK = "qwen3moe-e4-top2", "deepseekv3-qlora-yarn"
@@ -143,17 +143,92 @@ def test_dp2_ep_deepseek_v4_gives_the_hf_tokens(tiny_model, hf_tokens):
 
 
 @pytest.mark.slow
-def test_pypto_serve_dp2_ep_answers_the_single_engine_text(tiny_model):
-    """`pypto serve --dp 2 --enable-expert-parallel` as users start it: concurrent requests
-    of different lengths, then one alone, each the text of the single engine."""
+@pytest.mark.parametrize("backend", ["pypto_default", "allgather_reducescatter"])
+def test_dp2_tp2_ep_gives_the_hf_tokens(tiny_model, hf_tokens, backend):
+    """Two replicas of two TP ranks each, the 4 experts over the 4 ranks (replica-major):
+    each TP rank exchanges tokens with the other replica's rank of its TP index for the
+    experts held there, and each replica all-reduces its ranks' sums; a replica with no
+    request joins the exchange with all its ranks."""
     path = tiny_model(QWEN_MOE)
+    expected = hf_tokens(QWEN_MOE)
+    with dp_ep(path, tensor_parallel_size=2, all2all_backend=backend) as llm:
+        engine = llm.engine
+        for i, replica in enumerate(engine.replicas):
+            info = replica.info
+            assert info is not None
+            assert (info.groups.dp, info.groups.tp) == (Group(i, 2), Group(0, 2))
+            assert info.groups.ep == Group(2 * i, 4)  # its rank 0's place
+            assert info.experts == expert_placement(4, 2 * i, 4, "linear") == [2 * i]
+        assert tokens(llm) == expected
+        check_alone(llm, PROMPTS[3], expected[3])
+
+
+def test_every_rank_of_replicas_x_tp_holds_its_experts_once():
+    """DP 2 x TP 4 + EP: the expert group is the 8 ranks, replica-major; each TP rank's
+    exchange reaches its column's experts, and every expert is reached by exactly one
+    column in each replica."""
+    for strategy in ("linear", "round_robin"):
+        held = []
+        for r in range(2):
+            for t in range(4):
+                g = resolve_groups(t, 4, 1, True, strategy, Group(r, 2), "all_to_all")
+                assert (g.ep, g.expert_exchange) == (Group(r * 4 + t, 8), "all_to_all")
+                held.append(expert_placement(8, g.ep.rank, 8, strategy))
+                owners = column_owners(expert_owners(8, 8, strategy), t, 4)
+                column = {e: 0 for e in expert_placement(8, t, 8, strategy)}
+                column |= {e: 1 for e in expert_placement(8, 4 + t, 8, strategy)}
+                assert {e: o for e, o in enumerate(owners) if o >= 0} == column
+        assert sorted(e for h in held for e in h) == list(range(8))
+
+
+NOTE = {  # the founding parallel-strategy note's example, verbatim
+    "parallel": {
+        "data_parallel_size": 2,
+        "tensor_parallel_size": 4,
+        "pipeline_parallel_size": 1,
+        "enable_expert_parallel": True,
+        "expert_placement_strategy": "linear",
+        "all2all_backend": "pypto_default",
+        "data_parallel_backend": "local",
+        "data_parallel_load_balance": "internal",
+    }
+}
+
+
+@pytest.mark.slow
+def test_the_parallel_strategy_notes_example_serves_deepseek_v3(tiny_model, hf_tokens):
+    """2 replicas x 4 TP ranks, the 8 routed experts over the 8 ranks: MLA's heads split 4
+    ways in each replica, the shared experts by columns, greedy tokens equal to HF's."""
+    expected = hf_tokens(DEEPSEEK)
+    with tiny_llm(tiny_model(DEEPSEEK), **NOTE["parallel"]) as llm:
+        for i, replica in enumerate(llm.engine.replicas):
+            info = replica.info
+            assert info is not None and info.groups.ep == Group(4 * i, 8)
+            assert info.experts == [4 * i]
+        assert tokens(llm) == expected
+        check_alone(llm, PROMPTS[4], expected[4])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["flags", "note"])
+def test_pypto_serve_dp2_ep_answers_the_single_engine_text(tiny_model, tmp_path, how):
+    """`pypto serve --dp 2 --enable-expert-parallel` as users start it, and `pypto serve
+    --config` with the parallel-strategy note's JSON verbatim (2 replicas x 4 TP ranks, 8
+    experts over the 8 ranks): concurrent requests of different lengths, then one alone, each
+    the text of the single engine."""
+    path = tiny_model(QWEN_MOE if how == "flags" else "qwen3moe-e8-kv4")
     with tiny_llm(path) as one:
         out = one.generate(PROMPTS, [params(n) for n in LENGTHS], use_tqdm=False)
         expected = [r.outputs[0].text for r in out]
     port = free_port()
     argv = [sys.executable, "-m", "pypto_serving.cli", "serve", "--model", str(path)]
     argv += ["--port", str(port), "--dtype", "float32", "--enforce-eager", "--page-size", "16"]
-    argv += ["--served-model-name", "tiny", "--dp", "2", "--enable-expert-parallel"]
+    argv += ["--served-model-name", "tiny"]
+    if how == "flags":
+        argv += ["--dp", "2", "--enable-expert-parallel"]
+    else:
+        (tmp_path / "note.json").write_text(json.dumps(NOTE))
+        argv += ["--config", str(tmp_path / "note.json")]
     process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
 
@@ -208,19 +283,62 @@ def test_a_lost_replica_stops_its_expert_parallel_group(tiny_model):
     [
         ({"enable_expert_parallel": True}, "or data_parallel_size > 1"),
         (
-            {"data_parallel_size": 2, "tensor_parallel_size": 2, "enable_expert_parallel": True},
-            "(DP attention + EP) needs tensor_parallel_size 1 and pipeline_parallel_size 1",
+            {"data_parallel_size": 2, "pipeline_parallel_size": 2, "enable_expert_parallel": True},
+            "(DP attention + EP) needs pipeline_parallel_size 1",
         ),
         (
-            {"data_parallel_size": 2, "pipeline_parallel_size": 2, "enable_expert_parallel": True},
-            "needs tensor_parallel_size 1 and pipeline_parallel_size 1",
+            {
+                "data_parallel_size": 2,
+                "tensor_parallel_size": 2,
+                "enable_expert_parallel": True,
+                "nnodes": 2,
+                "master_port": 29500,
+            },
+            "tensor_parallel_size > 1 spans one machine for now (nnodes is 2)",
         ),
-        ({"all2all_backend": "pplx"}, "all2all_backend must be one of all_to_all, allgather"),
+        ({"all2all_backend": "pplx"}, "all2all_backend must be one of pypto_default, all_to_all"),
         ({"data_parallel_backend": "ray"}, "data_parallel_backend must be 'mp' (each replica"),
+        (
+            {
+                "data_parallel_backend": "local",
+                "data_parallel_size": 2,
+                "nnodes": 2,
+                "master_port": 29500,
+            },
+            "data_parallel_backend 'local' keeps every replica on this machine, but nnodes is 2",
+        ),
     ],
 )
 def test_config_errors(knobs, message):
     assert message in config_error(knobs)
+
+
+def test_the_parallel_strategy_notes_spellings_have_their_meanings():
+    """The founding note's example spells the exchange, the replicas' kind and the router's
+    policy its own way: each is accepted and means the project's default."""
+    from pypto_serving.config import engine_config
+
+    note = {
+        "all2all_backend": "pypto_default",
+        "data_parallel_backend": "local",
+        "data_parallel_load_balance": "internal",
+    }
+    p = engine_config(data_parallel_size=2, **note).parallel
+    assert (p.all2all_exchange, p.load_balance_policy) == ("all_to_all", "least_pending_tokens")
+    assert engine_config().parallel.all2all_exchange == "all_to_all"  # the default is the same
+    spelled = engine_config(
+        all2all_backend="allgather_reducescatter", data_parallel_load_balance="round_robin"
+    ).parallel
+    assert (spelled.all2all_exchange, spelled.load_balance_policy) == (
+        "allgather_reducescatter",
+        "round_robin",
+    )
+
+
+def test_a_moe_under_dp_and_tp_without_ep_is_refused_before_any_replica_starts(tiny_model):
+    with pytest.raises(PyptoError, match="under tensor parallelism needs enable_expert_parallel"):
+        tiny_llm(tiny_model(QWEN_MOE), data_parallel_size=2, tensor_parallel_size=2)
+    assert children_of(os.getpid()) == []
 
 
 def test_a_dense_model_is_refused_before_any_replica_starts(tiny_model):

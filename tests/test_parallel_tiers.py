@@ -23,7 +23,11 @@ from pypto_serving.distributed import Group, ParallelGroups
 from pypto_serving.executor.kv_stores import parallel_cpu_tier
 from pypto_serving.kv.kinds import gqa, mla
 
-PARALLEL = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+PARALLEL = {
+    "tp2": {"tensor_parallel_size": 2},
+    "pp2": {"pipeline_parallel_size": 2},
+    "tp2pp2": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+}
 
 
 def sharp_llama(out: Path) -> Path:
@@ -57,8 +61,9 @@ def reload_and_swap(path: Path, page: int, **parallel: object) -> None:
     with tiny_llm(path, **knobs, **parallel) as llm:
         store = llm.engine.executor.kv  # rank 0's: 64 pages of its share (MLA: all of it)
         assert store.pool.cpu is not None and store.pool.cpu.capacity == 64
-        if store.pool.cache.spec.kind == "mla":
-            assert store.pool.page_bytes == page  # the whole latent: the one copy is rank 0's
+        if store.pool.cache.spec.kind == "mla":  # the whole latent of its stage's layers:
+            stages = int(str(parallel.get("pipeline_parallel_size", 1)))  # the copy is rank 0's
+            assert store.pool.page_bytes == page // stages
         outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS[:3]]
         last = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]
         assert [o.outputs[0].token_ids for o in [*outs, last]] == [*expected, expected[0]]
@@ -77,9 +82,13 @@ def test_gqa_cpu_tier_under_tp_and_pp(tmp_path: Path, parallel: str) -> None:
     reload_and_swap(sharp_llama(tmp_path / "llama"), PAGE_BYTES, **PARALLEL[parallel])
 
 
-def test_mla_cpu_tier_under_tp2(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pp", [1, 2])
+def test_mla_cpu_tier_under_tp2(tmp_path: Path, pp: int) -> None:
+    """Under TP x PP each stage's first TP rank keeps the latent and hands the pages it
+    writes to its stage's other TP rank."""
     path = build(tmp_path / "mla", 16)
-    reload_and_swap(path, page_bytes("native"), tensor_parallel_size=2, enable_expert_parallel=True)
+    knobs = {"tensor_parallel_size": 2, "pipeline_parallel_size": pp}
+    reload_and_swap(path, page_bytes("native"), enable_expert_parallel=True, **knobs)
 
 
 def test_each_rank_keeps_its_share_and_mla_is_kept_once() -> None:

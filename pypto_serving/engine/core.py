@@ -177,7 +177,7 @@ class EngineCore:
                 p.tensor_parallel_size, p.pipeline_parallel_size, p.enable_expert_parallel
             )
             own = plan_ranks(config)[0]
-            self.workers = start_workers(config, model_dir, self._deadline)
+            self.workers = start_workers(config, model_dir, self._deadline, self.dp)
         try:
             self._load(own)
         except BaseException as e:
@@ -359,8 +359,8 @@ class EngineCore:
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.lockstep:  # the other replicas' tokens may need this one's experts
-                with torch.inference_mode():
-                    self.model.join_expert_exchange()
+                assert isinstance(self.executor, PagedExecutor)
+                self.executor.join_expert_exchange()
             return []
         for s in out.scheduled:
             r = s.request

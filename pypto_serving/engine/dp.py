@@ -95,6 +95,11 @@ def replica_specs(
     n, tp = p.data_parallel_size, p.ranks_per_engine
     mine = local_replicas(config)
     plan = plan_devices(len(mine) * tp, p.device_list(), config.device)
+    if len(plan) != len(mine) * tp:
+        raise PyptoError(
+            f"devices names {len(plan)} device(s) for {len(mine) * tp} process(es) on this "
+            f"machine ({len(mine)} replica(s) x {tp} rank(s)); give one per process"
+        )
     level = logging.getLogger().getEffectiveLevel()
     read = read_model_config(model_dir)  # handed to every replica: none reads it again
     specs = []
@@ -139,8 +144,10 @@ class DPEngine:
         deadline = StartupDeadline.after(p.startup_timeout_s)
         self._rendezvous: Path | None = None
         store: str | None = None
-        if self.lockstep:  # errors before any process starts
-            self.model_config.parallel_shard(1, 1, ep=True)
+        self.model_config.parallel_shard(  # errors before any process starts
+            p.tensor_parallel_size, p.pipeline_parallel_size, p.enable_expert_parallel
+        )
+        if self.lockstep:
             if p.nnodes > 1:
                 store = expert_rendezvous(config)
             else:
@@ -172,7 +179,7 @@ class DPEngine:
             len(infos),
             infos[0].page_size,
             [i.capacity_pages for i in infos],
-            config.parallel.data_parallel_load_balance,
+            config.parallel.load_balance_policy,
             pool_pages=sum(i.pool_pages for i in infos),
         )
         self._stats = [i.stats for i in infos]
@@ -396,8 +403,10 @@ def serve_replicas(config: EngineConfig, model_dir: Path) -> int:
     deadline = StartupDeadline.after(p.startup_timeout_s)
     node_secret()  # before any process starts
     store = None
-    if p.expert_parallel_over_dp:  # a model without experts is refused here
-        load_model_config(model_dir).parallel_shard(1, 1, ep=True)
+    load_model_config(model_dir).parallel_shard(  # errors before any process starts
+        p.tensor_parallel_size, p.pipeline_parallel_size, p.enable_expert_parallel
+    )
+    if p.expert_parallel_over_dp:
         store = expert_rendezvous(config)
     serves = model_fingerprint(config, model_dir)
     replicas = [Replica(spec) for spec in replica_specs(config, model_dir, store)]

@@ -17,7 +17,7 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from pypto_serving.config import EngineConfig
 from pypto_serving.device import plan_devices, resolve_device
 from pypto_serving.distributed import (
     WAIT_FOREVER_S,
+    Group,
     check_no_group,
     local_rendezvous,
     network_rendezvous,
@@ -66,6 +67,9 @@ class WorkerSpec:
     log_level: int
     model_config: tuple[str, ModelConfig]
     """The parent's reading of the model's config.json (`read_model_config`)."""
+    dp: Group = field(default_factory=Group)
+    """Its replica's place among the data-parallel replicas (DP attention + EP: the world
+    spans them all)."""
 
 
 def backend_for(config: EngineConfig, device: str) -> str:
@@ -91,15 +95,19 @@ def plan_ranks(config: EngineConfig) -> list[EngineConfig]:
 
 
 def start_workers(
-    config: EngineConfig, model_dir: Path, deadline: StartupDeadline
+    config: EngineConfig, model_dir: Path, deadline: StartupDeadline, dp: Group | None = None
 ) -> list[ChildProcess]:
     """Start this machine's ranks, all but rank 0 on node 0 (they block in the rendezvous
-    until every rank joins); set this process's environment for rank 0's own join."""
+    until every rank joins); set this process's environment for rank 0's own join. Under DP
+    attention + EP the ranks of replica `dp` join the world of every replica's ranks, whose
+    rendezvous the replica process was given."""
     p = config.parallel
     check_no_group()  # before any process starts: rank 0 could not join a second group
     ranks = plan_ranks(config)
     backend = backend_for(config, ranks[0].device)
-    if p.nnodes == 1:
+    if p.expert_parallel_over_dp:
+        pass  # the replicas' rendezvous is in the environment already (engine/replica.py)
+    elif p.nnodes == 1:
         local_rendezvous()
     else:
         network_rendezvous(p.master_addr, p.master_port or 0, len(ranks))
@@ -111,7 +119,7 @@ def start_workers(
         for local, own in enumerate(ranks):
             if first + local == 0:
                 continue  # rank 0 is the engine process itself
-            spec = WorkerSpec(first + local, backend, own, model_dir, level, read)
+            spec = WorkerSpec(first + local, backend, own, model_dir, level, read, dp or Group())
             workers.append(ChildProcess(worker_main, spec))
         wait_ranks(workers, first + (1 if first == 0 else 0), Joining, deadline)
     except BaseException:
@@ -207,7 +215,8 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         sys.exit(1)
     conn.send(Joining(os.getpid()))
     try:
-        groups = join_group(config, spec.rank, spec.backend, config.parallel.startup_timeout_s)
+        timeout = config.parallel.startup_timeout_s
+        groups = join_group(config, spec.rank, spec.backend, timeout, spec.dp)
         executor = load_share(config, plan, spec.model_dir, groups).executor  # as rank 0 does
         assert isinstance(executor, PagedExecutor)  # parallelism needs it (config.validate)
     except BaseException as e:  # rank 0 waits for Loaded before any collective: tell it

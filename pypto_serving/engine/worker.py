@@ -40,12 +40,14 @@ def join_group(
 ) -> ParallelGroups:
     """Join the engine's torch.distributed group (within `timeout_s`) as `rank` of replica
     `dp`; this rank's place in each of its groups (TP, PP, DP, EP). Under DP attention + EP
-    the group is the replicas: this replica joins as rank dp.rank of dp.size."""
+    the world is every replica's ranks: this rank joins as dp.rank * TP + rank of
+    dp.size * TP."""
     p, dp = config.parallel, dp or Group()
-    if p.expert_parallel_over_dp:
-        init_distributed(dp.rank, dp.size, backend, timeout_s)
+    if p.expert_parallel_over_dp:  # one world: every replica's ranks, replica-major
+        tp = p.tensor_parallel_size
+        init_distributed(dp.rank * tp + rank, dp.size * tp, backend, timeout_s, tp, tp)
     else:
-        init_distributed(rank, p.ranks_per_engine, backend, timeout_s)
+        init_distributed(rank, p.ranks_per_engine, backend, timeout_s, p.tensor_parallel_size)
     return resolve_groups(
         rank,
         p.tensor_parallel_size,
@@ -53,7 +55,7 @@ def join_group(
         p.enable_expert_parallel,
         p.expert_placement_strategy,
         dp,
-        p.all2all_backend,
+        p.all2all_exchange,
     )
 
 

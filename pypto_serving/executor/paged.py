@@ -26,6 +26,7 @@ from tqdm import tqdm
 from pypto_serving.config import CacheConfig, EngineConfig
 from pypto_serving.device import synchronize
 from pypto_serving.distributed import (
+    JOIN_EXPERTS,
     SSD_LOAD,
     STOP,
     Control,
@@ -309,13 +310,14 @@ class PagedExecutor:
             self.progress.observe(attention, seconds, layers, len(step.input_ids))
         if g.pp.size == 1:
             return out
+        last = (g.pp.size - 1) * g.tp.size  # the last stage's first TP rank
         if not self.model.last_stage:
             send_to(out, g.rank + g.tp.size)
-        elif g.rank != 0:
+        elif g.rank == last:
             send_to(out, 0)
         if g.rank == 0:  # the last stage's logits
             shape = (len(step.logits_index), self.model.cfg.vocab_size)
-            out = receive_from(shape, g.world_size - 1, self.device)
+            out = receive_from(shape, last, self.device)
         return out
 
     def _take_moves(self) -> bytes:
@@ -328,12 +330,14 @@ class PagedExecutor:
             if ops:
                 kv = m.pool
                 shared = kv.cache.spec.same_on_tp_ranks and g.tp.size > 1
-                follow_moves(ops, kv.cache, kv.cpu, g.rank, shared, kv.ssd, kv.agreed)
+                follow_moves(ops, kv.cache, kv.cpu, g.rank, g.tp.rank, shared, kv.ssd, kv.agreed)
 
     def _on_ssd_load(self, message: bytes) -> int:
         g, kv = self.groups, self.kv.managers[ssd_load_group(message)].pool
         shared = kv.cache.spec.same_on_tp_ranks and g.tp.size > 1
-        return agree_ssd_loads(message, kv.cache, kv.cpu, kv.ssd, kv.agreed, g.rank, shared)
+        return agree_ssd_loads(
+            message, kv.cache, kv.cpu, kv.ssd, kv.agreed, g.rank, g.tp.rank, shared
+        )
 
     def _agree_ssd_loads(self, group: int, hashes: list[bytes], loaded: int) -> int:
         """Rank 0, at admission to KV group `group`: how many of the SSD pages it read every
@@ -345,6 +349,14 @@ class PagedExecutor:
         return self._on_ssd_load(message)
 
     @torch.inference_mode()
+    def join_expert_exchange(self) -> None:
+        """DP attention + EP, no tokens in this replica this step: every rank of it joins the
+        MoE layers' exchanges (rank 0 tells the others first)."""
+        if self.groups.world_size > 1:
+            broadcast_step(Control(JOIN_EXPERTS), self.device)
+        self.model.join_expert_exchange()
+
+    @torch.inference_mode()
     def follow(self) -> None:
         """Ranks > 0: run the steps rank 0 broadcasts until it says stop (after the last
         page moves: its spill to the SSD tier), then finish the SSD tier's writes."""
@@ -354,6 +366,8 @@ class PagedExecutor:
                 self.run(step)
             elif step.kind == SSD_LOAD:
                 self._on_ssd_load(step.data)
+            elif step.kind == JOIN_EXPERTS:
+                self.model.join_expert_exchange()
             else:
                 break
         if step.data:

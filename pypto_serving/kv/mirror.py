@@ -33,8 +33,8 @@ import json
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from pypto_serving.distributed import engine_min, tp_broadcast
 from pypto_serving.kv.disk_tier import DiskTier
 from pypto_serving.kv.host_tier import HostTier
 from pypto_serving.kv.paged_cache import PagedCache
@@ -197,13 +197,15 @@ def follow_moves(
     cache: PagedCache,
     cpu: HostTier | None,
     rank: int,
+    tp_rank: int,
     share_written: bool,
     ssd: DiskTier | None = None,
     agreed: dict[bytes, PageKV] | None = None,
 ) -> None:
     """Before a step's forward, on every rank: ranks > 0 replay rank 0's moves on their CPU
     and SSD tiers (if they keep them); with `share_written` (a KV the same on every TP rank,
-    MLA's: one copy, rank 0's) the device pages the moves wrote go from rank 0 to every rank."""
+    MLA's: one copy, kept by each stage's first TP rank) the device pages the moves wrote go
+    from that rank to the other TP ranks of its stage."""
     if rank > 0 and (cpu is not None or ssd is not None):
         replay(ops, cache, cpu, ssd, agreed)
     written = sorted({op[1] for op in ops if op[0] == "write"})
@@ -211,12 +213,12 @@ def follow_moves(
         return
     shape = (len(written), cache.spec.num_tensors, *cache.spec.page_shape)
     pages = torch.empty(shape, dtype=cache.spec.dtype, device=cache.device)
-    if rank == 0:
+    if tp_rank == 0:
         for i, page_id in enumerate(written):
             for j, t in enumerate(cache.read_page(page_id)):
                 pages[i, j].copy_(t)
-    dist.broadcast(pages, 0)
-    if rank > 0:
+    tp_broadcast(pages)
+    if tp_rank > 0:
         for i, page_id in enumerate(written):
             cache.write_page(page_id, tuple(pages[i]))
 
@@ -247,6 +249,7 @@ def agree_ssd_loads(
     ssd: DiskTier | None,
     agreed: dict[bytes, PageKV],
     rank: int,
+    tp_rank: int,
     share_written: bool,
 ) -> int:
     """On every rank, at rank 0's `SSD_LOAD`: mirror the moves so far, load this rank's share
@@ -255,7 +258,7 @@ def agree_ssd_loads(
     > 0 keep those in `agreed` until the journal writes them into device pages."""
     msg = json.loads(message)
     if msg["moves"]:
-        follow_moves(msg["moves"], cache, cpu, rank, share_written, ssd, agreed)
+        follow_moves(msg["moves"], cache, cpu, rank, tp_rank, share_written, ssd, agreed)
     hashes = [bytes.fromhex(h) for h in msg["load"]]
     count, mine = len(hashes), list[tuple[bytes, PageKV]]()
     if rank > 0 and ssd is not None:
@@ -268,7 +271,7 @@ def agree_ssd_loads(
         for h in msg["drop"]:
             ssd.discard(bytes.fromhex(h))
     agreed_count = torch.tensor([count], dtype=torch.int64, device=cache.device)
-    dist.all_reduce(agreed_count, op=dist.ReduceOp.MIN)
+    engine_min(agreed_count)
     n = int(agreed_count.item())
     agreed.update(mine[:n])
     return n

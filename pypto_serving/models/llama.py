@@ -24,6 +24,7 @@ from pypto_serving.ops.activation import silu_and_mul
 from pypto_serving.ops.attention import KVAttention
 from pypto_serving.ops.linear import Linear, RowParallelLinear, VocabParallelEmbedding
 from pypto_serving.ops.moe import (
+    column_owners,
     expert_owners,
     expert_placement,
     join_exchange,
@@ -102,6 +103,11 @@ class RoutedExperts(nn.Module):
         self.experts_down = nn.Parameter(torch.empty(n, hidden, size))
         self.exchange = groups.expert_exchange
         self.owners = expert_owners(cfg.num_experts, ep.size, groups.expert_placement)
+        self.reduce_tp = self.exchange not in ("none", "all_reduce") and groups.tp.size > 1
+        """DP attention + EP with TP ranks: this rank reaches its column's experts, and the
+        columns' sums meet in an all-reduce over the replica's TP ranks."""
+        if self.reduce_tp:
+            self.owners = column_owners(self.owners, groups.tp.rank, groups.tp.size)
         self.swiglu_limit = 0.0
         """Clamp the experts' gate and up projections (DeepSeek-V4's, gpt-oss's; 0: none)."""
         self.swiglu_alpha = 0.0
@@ -132,6 +138,7 @@ class RoutedExperts(nn.Module):
             self.swiglu_alpha,
             self.experts_gate_up_bias,
             self.experts_down_bias,
+            self.reduce_tp,
         )
 
     def join_idle(self) -> None:

@@ -26,7 +26,7 @@ from pypto_serving.distributed import (
     all_ranks_max,
     all_to_all_back,
     all_to_all_rows,
-    ranks_in_world,
+    exchange_ranks,
     reduce_scatter_rows,
     tp_all_reduce,
 )
@@ -49,6 +49,14 @@ def expert_owners(num_experts: int, size: int, strategy: str) -> list[int]:
         for expert in expert_placement(num_experts, rank, size, strategy):
             owners[expert] = rank
     return owners
+
+
+def column_owners(owners: list[int], tp_rank: int, tp_size: int) -> list[int]:
+    """Under DP attention + EP with TP ranks in each replica: the exchange of the rank with
+    TP index `tp_rank` reaches the experts held in its column (the ranks of that index in
+    every replica), each expert's owner then its replica's index; -1 for an expert of another
+    column, which the replica's other TP ranks reach (their sums meet in the all-reduce)."""
+    return [e // tp_size if e % tp_size == tp_rank else -1 for e in owners]
 
 
 @torch.library.custom_op("pypto::moe_experts", mutates_args=())
@@ -130,11 +138,14 @@ def routed_experts(
     swiglu_alpha: float = 0.0,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
+    reduce_tp: bool = False,
 ) -> torch.Tensor:
     """Every token's weighted expert outputs [T, H] float32, plus `partial` (DeepSeek's
     shared experts: under TP this rank's columns' partial sum, joining the same all-reduce).
-    exchange: the groups' `expert_exchange`; owners: each expert's rank in the EP group;
-    swiglu_limit, swiglu_alpha and the biases: as `moe_experts`'."""
+    exchange: the groups' `expert_exchange`; owners: each expert's rank in the EP group
+    (under DP attention + EP its replica in this rank's column, -1 for another column's:
+    `column_owners`); reduce_tp: DP attention + EP with TP ranks, whose column sums are
+    all-reduced; swiglu_limit, swiglu_alpha and the biases: as `moe_experts`'."""
     experts = (gate_up, down, expert_ids)
     tail = (swiglu_limit, swiglu_alpha, gate_up_bias, down_bias)
     if exchange in ("none", "all_reduce"):
@@ -142,7 +153,8 @@ def routed_experts(
         out = out if partial is None else out + partial
         return tp_all_reduce(out) if exchange == "all_reduce" else out
     out = moe_dispatch(x, topk_ids, topk_weights, *experts, owners, exchange, *tail)
-    return out if partial is None else out + partial
+    out = out if partial is None else out + partial
+    return tp_all_reduce(out) if reduce_tp else out
 
 
 def join_exchange(
@@ -193,18 +205,20 @@ def moe_dispatch(
     if backend == "allgather_reducescatter":
         return _gather_scatter(x, topk_ids, topk_weights, gate_up, down, expert_ids, tail)
     num, k = topk_ids.shape
-    world = ranks_in_world()
+    world = exchange_ranks()
     owner = torch.tensor(owners or [0], dtype=torch.int64, device=x.device)[topk_ids.flatten()]
-    order = torch.argsort(owner, stable=True)  # (token, slot) pairs grouped by owner
+    reached = torch.nonzero(owner >= 0).flatten()  # not another column's (`column_owners`)
+    order = reached[torch.argsort(owner[reached], stable=True)]  # pairs grouped by owner
     token = order // k
-    counts = torch.bincount(owner, minlength=world).tolist()
+    counts = torch.bincount(owner[reached], minlength=world).tolist()
     rows, recv_counts = all_to_all_rows(x[token], counts)
     chosen = [topk_ids.flatten()[order].float(), topk_weights.flatten()[order].float()]
     choice, _ = all_to_all_rows(torch.stack(chosen, 1), counts, recv_counts)  # id, weight
     ids, weights = choice[:, :1].long(), choice[:, 1:].to(topk_weights.dtype)
     y = moe_experts(rows, ids, weights, gate_up, down, expert_ids, *tail)
     back = all_to_all_back(y, recv_counts, counts)
-    pairs = torch.empty_like(back).index_copy_(0, order, back).view(num, k, x.shape[-1])
+    pairs = back.new_zeros(num * k, x.shape[-1]).index_copy_(0, order, back)
+    pairs = pairs.view(num, k, x.shape[-1])
     slots = torch.argsort(topk_ids, dim=1)  # each token's experts in id order
     out = torch.zeros(num, x.shape[-1], dtype=torch.float32, device=x.device)
     for s in range(k):
