@@ -328,17 +328,7 @@ WIDE: dict[str, tuple[str, dict[str, Any]]] = {
 SPLIT8: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3moe-e8-kv4": (  # heads, KV heads and MLP split 4 ways, 8 experts: DP 2 x TP 4 x EP
         "qwen3_moe",
-        dict(
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            head_dim=16,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            norm_topk_prob=True,
-            mlp_only_layers=[1],
-            tie_word_embeddings=False,
-        ),
+        {**TINY["qwen3moe-e4-top2"][1], "num_key_value_heads": 4, "num_experts": 8},
     ),
 }
 

@@ -105,12 +105,11 @@ def start_workers(
     check_no_group()  # before any process starts: rank 0 could not join a second group
     ranks = plan_ranks(config)
     backend = backend_for(config, ranks[0].device)
-    if p.expert_parallel_over_dp:
-        pass  # the replicas' rendezvous is in the environment already (engine/replica.py)
-    elif p.nnodes == 1:
-        local_rendezvous()
-    else:
-        network_rendezvous(p.master_addr, p.master_port or 0, len(ranks))
+    if not p.expert_parallel_over_dp:  # else the replicas' meeting place is set already
+        if p.nnodes == 1:
+            local_rendezvous()
+        else:
+            network_rendezvous(p.master_addr, p.master_port or 0, len(ranks))
     level = logging.getLogger().getEffectiveLevel()
     first = p.node_rank * len(ranks)
     workers: list[ChildProcess] = []
