@@ -146,8 +146,8 @@ def kv_bytes() -> None:
             (d / "config.json").write_text(json.dumps(raw | {"architectures": [arch]}))
         v4, v3 = load_model_config(v4_dir), load_model_config(v3_dir)
     page, dtype = 128, torch.bfloat16
-    entries = compressed.kv_spec(v4, layers, page, dtype)
-    rows, keep = compressed.row_spec(v4, layers, page, dtype)
+    entries = compressed.kv_spec(v4, range(layers), page, dtype)
+    rows, keep = compressed.row_spec(v4, range(layers), page, dtype)
     latent = mla.kv_spec(v3, layers, page, dtype)
     per_token_v4 = entries.page_bytes / page
     window_rows = (-(-keep // page) + 1) * rows.page_bytes  # the window and the page written

@@ -452,6 +452,16 @@ def engine_min(t: torch.Tensor) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_engine.group)
 
 
+def engine_gather(values: list[int]) -> list[list[int]]:
+    """Every rank of this engine's `values`, in engine rank order (a collective of the
+    engine's ranks: each calls it once, at start-up)."""
+    if _engine.size == 1:
+        return [values]
+    out: list[list[int]] = [[] for _ in range(_engine.size)]
+    dist.all_gather_object(out, values, group=_engine.group)
+    return out
+
+
 def all_ranks_max(values: list[int]) -> list[int]:
     """Each value's maximum over the experts' exchange group (DP attention + EP, called by
     each replica's rank 0: whether any replica has work, or is stopping)."""

@@ -330,6 +330,15 @@ SPLIT8: dict[str, tuple[str, dict[str, Any]]] = {
         "qwen3_moe",
         {**TINY["qwen3moe-e4-top2"][1], "num_key_value_heads": 4, "num_experts": 8},
     ),
+    "deepseekv4-split8": (  # heads and output groups split 4 ways, 8 experts: DP 2 x TP 4 x EP
+        "deepseek_v4",
+        {
+            **TINY_DEEPSEEK_V4["deepseekv4-swa-csa-hca-hash"][1],
+            "num_attention_heads": 8,
+            "o_groups": 4,
+            "n_routed_experts": 8,
+        },
+    ),
 }
 
 BASE = dict(

@@ -103,6 +103,44 @@ def test_paged_greedy_matches_hf_generate(tiny_model, expected, name):
         assert len(run_layer.graphs) == 3 and not run_layer._through_dynamo
 
 
+PARALLEL = {
+    "tp2": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    "pp2": {"pipeline_parallel_size": 2},
+    "tp2pp2": {
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 2,
+        "enable_expert_parallel": True,
+    },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", list(PARALLEL))
+def test_tp_and_pp_greedy_match_hf_generate(tiny_model, expected, parallel):
+    """TP: each rank its heads, sinks and output groups (one all-reduce after `wo_b`), the
+    KV head, compressors and indexers whole on each, the experts over EP; PP: the residual
+    streams [T, hc_mult, hidden] go from stage to stage, the last collapses them. The
+    four-layer checkpoint splits 2 + 2 (a CSA and a window-only layer on the first stage).
+    TP=2 runs compiled (0 recompilations), the others eagerly."""
+    name = "deepseekv4-csa2-window5-2hash" if "pp" in parallel else COMPILED
+    knobs = {"page_size": 6, "max_num_batched_tokens": 12, "long_prefill_token_threshold": 12}
+    eager = parallel != "tp2"
+    with tiny_llm(tiny_model(name), enforce_eager=eager, **knobs, **PARALLEL[parallel]) as llm:
+        assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
+        assert llm.engine.executor.num_recompilations == 0
+
+
+def test_a_tp_share_splits_heads_and_output_groups_and_keeps_the_kv_head(tiny_model):
+    """TP=2 of 4 heads and 2 output groups: 2 heads and 1 group a rank, the one KV head
+    whole; TP=4 cannot split 2 output groups, and says so before any process starts."""
+    cfg = load_model_config(tiny_model(COMPILED))
+    share = cfg.parallel_shard(2, 1, True)
+    assert share.compressed is not None
+    assert (share.num_heads, share.num_kv_heads, share.compressed.o_groups) == (2, 1, 1)
+    with pytest.raises(ModelLoadError, match=r"does not divide the model's output projection's"):
+        cfg.parallel_shard(4, 1, True)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_pypto_generate_matches_hf(tiny_model, tmp_path, name):
     from transformers import AutoTokenizer
@@ -141,8 +179,6 @@ def test_config_reads_compressed_attention(tiny_model):
     assert (v4.sliding_window, v4.index_topk, v4.hc_mult, v4.scoring_func) == (6, 3, 3, "sigmoid")
     assert v4.hash_layers == () and cfg.num_kv_heads == 1 and cfg.qk_rope_head_dim == 8
     assert v4.compress_inv_freq != v4.main_inv_freq  # YaRN's frequencies on the compressed
-    with pytest.raises(ModelLoadError, match="tensor and pipeline parallelism"):
-        cfg.parallel_shard(2, ep=True)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

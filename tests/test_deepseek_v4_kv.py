@@ -133,6 +133,60 @@ def test_preemption_by_swap_or_recompute_gives_identical_outputs(model, cpu_byte
         assert stats.num_preemptions > 0 and (stats.num_swapped > 0) == bool(cpu_bytes)
 
 
+PARALLEL = {
+    "tp2": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    "pp2": {"pipeline_parallel_size": 2},
+    "tp2pp2": {
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 2,
+        "enable_expert_parallel": True,
+    },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", list(PARALLEL))
+def test_under_tp_and_pp_swaps_and_cpu_reloads_give_the_reference_tokens(model, expected, parallel):
+    """Every rank stores the same compressed KV (its KV head, compressors and indexers are
+    whole on each), so rank 0's CPU tier keeps one copy, as MLA's latent: preemption by swap,
+    then a prompt's pages pushed to the CPU tier and loaded back, give the reference tokens
+    (each stage keeping its layers' rows and entries under PP)."""
+    short = [p[:30] for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    knobs = {"page_size": 8, "num_kv_pages": 8, "kv_cpu_bytes": 1 << 20, "max_num_seqs": 3}
+    with tiny_llm(model, **knobs, **PARALLEL[parallel]) as llm:
+        store = store_of(llm)
+        outs = llm.generate(short, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference(model, short, params)
+        stats = llm.engine.stats()
+        assert stats.num_preemptions > 0 and stats.num_swapped > 0
+        outs = one_by_one(llm, [*PROMPTS, PROMPTS[0]])
+        assert [o.outputs[0].token_ids for o in outs] == [*expected, expected[0]]
+        assert outs[-1].num_cached_tokens == 32 and outs[-1].cached_tokens_by_tier.get("cpu")
+        assert all(m.pool.num_swap_ins > 0 for m in store.managers)
+
+
+@pytest.mark.slow
+def test_under_tp2_prefix_hits_and_ssd_pages_after_a_restart_give_the_reference_tokens(
+    model, expected, tmp_path
+):
+    """TP=2: a prefix hit at a page boundary that is a multiple of neither ratio; each
+    group's SSD pages kept once (rank 0's folder: rank 1 keeps none), found after a
+    restart."""
+    knobs = {"page_size": 6, "kv_cpu_bytes": 0, "kv_ssd_dir": str(tmp_path)}
+    knobs |= PARALLEL["tp2"]
+    with tiny_llm(model, **knobs) as first:
+        outs = one_by_one(first, FORKS)
+        assert [o.outputs[0].token_ids for o in outs] == reference(model, FORKS)
+        assert [o.num_cached_tokens for o in outs] == [0, 30, 30]
+        one_by_one(first, PROMPTS[:2])
+    assert list(tmp_path.glob("*/rank0/*")) and not list(tmp_path.glob("*/rank1/*"))
+    with tiny_llm(model, **knobs) as second:
+        outs = one_by_one(second, PROMPTS[:2])
+        assert [o.outputs[0].token_ids for o in outs] == expected[:2]
+        assert [o.cached_tokens_by_tier for o in outs] == [{"ssd": 36}] * 2
+
+
 @pytest.mark.slow
 def test_the_window_gives_pages_back_so_a_long_generation_fits(model):
     """700 tokens on a pool whose bytes hold about 340 tokens of the raw KV a full cache

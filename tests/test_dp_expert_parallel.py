@@ -34,6 +34,7 @@ from pypto_serving.ops.moe import column_owners, expert_owners, expert_placement
 from pypto_serving.sampling import SamplingParams
 
 QWEN_MOE, DEEPSEEK = "qwen3moe-e4-top2", "deepseekv3-qlora-yarn"
+V4, QWEN_E8 = "deepseekv4-swa-csa-hca-hash", "qwen3moe-e8-kv4"
 PROMPTS = [[(11 * i + 5 * j) % 300 + 3 for j in range(4 + 13 * i)] for i in range(6)]
 LENGTHS = [12, 3, 9, 5, 12, 2]
 """Each prompt's max_tokens: the replicas' requests end at different steps."""
@@ -77,7 +78,7 @@ def check_replicas(engine: DPEngine, num_experts: int, strategy: str) -> None:
         assert info is not None
         assert info.groups.dp == info.groups.ep == Group(i, 2)
         assert info.groups.tp == info.groups.pp == Group()
-        assert info.experts == expert_placement(num_experts, i, 2, strategy)
+        assert info.experts == [expert_placement(num_experts, i, 2, strategy)]
 
 
 def check_alone(llm, prompt: list[int], expected: list[int]) -> None:
@@ -134,31 +135,41 @@ def test_dp2_ep_deepseek_v3_gives_the_hf_tokens(tiny_model, hf_tokens):
 def test_dp2_ep_deepseek_v4_gives_the_hf_tokens(tiny_model, hf_tokens):
     """DeepSeek-V4: each replica its own compressed KV (window rows and entry pages), hash
     and scored routing, clamped experts, the shared expert beside them."""
-    name = "deepseekv4-swa-csa-hca-hash"
-    expected = hf_tokens(name)
-    with dp_ep(tiny_model(name), page_size=8) as llm:
+    expected = hf_tokens(V4)
+    with dp_ep(tiny_model(V4), page_size=8) as llm:
         check_replicas(llm.engine, 4, "linear")
         assert tokens(llm) == expected
         check_alone(llm, PROMPTS[5], expected[5])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["pypto_default", "allgather_reducescatter"])
-def test_dp2_tp2_ep_gives_the_hf_tokens(tiny_model, hf_tokens, backend):
-    """Two replicas of two TP ranks each, the 4 experts over the 4 ranks (replica-major):
-    each TP rank exchanges tokens with the other replica's rank of its TP index for the
-    experts held there, and each replica all-reduces its ranks' sums; a replica with no
-    request joins the exchange with all its ranks."""
-    path = tiny_model(QWEN_MOE)
-    expected = hf_tokens(QWEN_MOE)
-    with dp_ep(path, tensor_parallel_size=2, all2all_backend=backend) as llm:
+@pytest.mark.parametrize(
+    ("name", "backend", "strategy"),
+    [
+        (QWEN_MOE, "pypto_default", "linear"),
+        (QWEN_E8, "allgather_reducescatter", "round_robin"),
+        (V4, "pypto_default", "linear"),
+    ],
+)
+def test_dp2_tp2_ep_gives_the_hf_tokens(tiny_model, hf_tokens, name, backend, strategy):
+    """Two replicas of two TP ranks each, the experts over the 4 ranks (replica-major), each
+    rank holding those its placement gives it: each TP rank exchanges tokens with the other
+    replica's rank of its TP index for the experts held there, and each replica all-reduces
+    its ranks' sums; a replica with no request joins the exchange with all its ranks.
+    DeepSeek-V4: its heads and output groups split over each replica's TP ranks, its
+    compressed KV whole on each."""
+    path = tiny_model(name)
+    expected = hf_tokens(name)
+    knobs = {"all2all_backend": backend, "expert_placement_strategy": strategy}
+    with dp_ep(path, tensor_parallel_size=2, **knobs) as llm:
         engine = llm.engine
         for i, replica in enumerate(engine.replicas):
             info = replica.info
             assert info is not None
             assert (info.groups.dp, info.groups.tp) == (Group(i, 2), Group(0, 2))
             assert info.groups.ep == Group(2 * i, 4)  # its rank 0's place
-            assert info.experts == expert_placement(4, 2 * i, 4, "linear") == [2 * i]
+            n = 8 if name == QWEN_E8 else 4
+            assert info.experts == [expert_placement(n, 2 * i + t, 4, strategy) for t in (0, 1)]
         assert tokens(llm) == expected
         check_alone(llm, PROMPTS[3], expected[3])
 
@@ -196,15 +207,17 @@ NOTE = {  # the founding parallel-strategy note's example, verbatim
 
 
 @pytest.mark.slow
-def test_the_parallel_strategy_notes_example_serves_deepseek_v3(tiny_model, hf_tokens):
-    """2 replicas x 4 TP ranks, the 8 routed experts over the 8 ranks: MLA's heads split 4
-    ways in each replica, the shared experts by columns, greedy tokens equal to HF's."""
-    expected = hf_tokens(DEEPSEEK)
-    with tiny_llm(tiny_model(DEEPSEEK), **NOTE["parallel"]) as llm:
+@pytest.mark.parametrize("name", [DEEPSEEK, "deepseekv4-split8"])
+def test_the_parallel_strategy_notes_example_serves_deepseek(tiny_model, hf_tokens, name):
+    """2 replicas x 4 TP ranks, the 8 routed experts over the 8 ranks: MLA's heads (V4's
+    heads and output groups) split 4 ways in each replica, the shared experts by columns,
+    greedy tokens equal to HF's."""
+    expected = hf_tokens(name)
+    with tiny_llm(tiny_model(name), **NOTE["parallel"]) as llm:
         for i, replica in enumerate(llm.engine.replicas):
             info = replica.info
             assert info is not None and info.groups.ep == Group(4 * i, 8)
-            assert info.experts == [4 * i]
+            assert info.experts == [[4 * i + t] for t in range(4)]  # each TP rank's, linear
         assert tokens(llm) == expected
         check_alone(llm, PROMPTS[4], expected[4])
 
@@ -216,7 +229,7 @@ def test_pypto_serve_dp2_ep_answers_the_single_engine_text(tiny_model, tmp_path,
     --config` with the parallel-strategy note's JSON verbatim (2 replicas x 4 TP ranks, 8
     experts over the 8 ranks): concurrent requests of different lengths, then one alone, each
     the text of the single engine."""
-    path = tiny_model(QWEN_MOE if how == "flags" else "qwen3moe-e8-kv4")
+    path = tiny_model(QWEN_MOE if how == "flags" else QWEN_E8)
     with tiny_llm(path) as one:
         out = one.generate(PROMPTS, [params(n) for n in LENGTHS], use_tqdm=False)
         expected = [r.outputs[0].text for r in out]

@@ -101,18 +101,18 @@ def test_each_rank_keeps_its_share_and_mla_is_kept_once() -> None:
         groups = ParallelGroups(tp=Group(tp_rank, 2))
         spec = gqa.kv_spec(llama, 4, 16, torch.float32)
         model = SimpleNamespace(cfg=llama, groups=groups)
-        pages, journal = parallel_cpu_tier(model, spec, 4, budget)  # type: ignore[arg-type]
+        pages, journal = parallel_cpu_tier(model, spec, budget)  # type: ignore[arg-type]
         assert pages == budget // (2 * spec.page_bytes) and (journal is None) == (tp_rank > 0)
         spec = mla.kv_spec(deepseek, 4, 16, torch.float32)
         model = SimpleNamespace(cfg=deepseek, groups=groups)
-        pages, _ = parallel_cpu_tier(model, spec, 4, budget)  # type: ignore[arg-type]
+        pages, _ = parallel_cpu_tier(model, spec, budget)  # type: ignore[arg-type]
         assert spec.page_bytes == 4 * 16 * (32 + 16) * 4
         assert pages == (budget // spec.page_bytes if tp_rank == 0 else 0)
     stages = ParallelGroups(pp=Group(1, 2))  # a stage holds half the layers: pages of half
-    spec = gqa.kv_spec(llama, 2, 16, torch.float32)
+    stage, whole = (gqa.kv_spec(llama, n, 16, torch.float32) for n in (2, 4))
     model = SimpleNamespace(cfg=llama, groups=stages)
-    pages, _ = parallel_cpu_tier(model, spec, 4, budget)  # type: ignore[arg-type]
-    assert pages == budget // (2 * spec.page_bytes)
+    pages, _ = parallel_cpu_tier(model, whole, budget)  # type: ignore[arg-type]
+    assert pages == budget // (2 * stage.page_bytes)
 
 
 @pytest.mark.parametrize("kind", ["gqa", "window"])

@@ -13,6 +13,7 @@ from pypto_serving.config import EngineConfig
 from pypto_serving.distributed import (
     COLLECTIVE_TIMEOUT_S,
     Group,
+    engine_gather,
     set_collective_timeout,
     shutdown_distributed,
 )
@@ -205,9 +206,13 @@ class EngineCore:
             )
         self.model_config = cfg = self.model.cfg
         limits = [cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings]
+        self.experts_by_rank = [self.model.held_experts]
+        """Each rank's routed experts, in engine rank order ([[]] for a dense model)."""
         if isinstance(self.executor, PagedExecutor):
             if self.workers:  # warm-up steps are collective: wait until every rank follows
                 wait_ranks(self.workers, 1, Loaded, self._deadline)
+            if p.ranks_per_engine > 1:
+                self.experts_by_rank = engine_gather(self.model.held_experts)
             # warm-up steps under DP attention + EP are collective: in the foreground
             self.executor.warmup(config.background_compile and not self.lockstep)
         if p.ranks_per_engine > 1 or self.lockstep:  # started: collectives get the serving limit

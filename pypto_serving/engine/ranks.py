@@ -29,6 +29,7 @@ from pypto_serving.distributed import (
     WAIT_FOREVER_S,
     Group,
     check_no_group,
+    engine_gather,
     local_rendezvous,
     network_rendezvous,
     set_collective_timeout,
@@ -224,8 +225,9 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         shutdown_distributed()
         sys.exit(1)
     conn.send(Loaded(os.getpid()))
-    set_collective_timeout(WAIT_FOREVER_S)  # an idle engine sends no step for as long as it is
     try:
+        engine_gather(executor.model.held_experts)  # rank 0 reports every rank's experts
+        set_collective_timeout(WAIT_FOREVER_S)  # an idle engine sends no step for so long
         executor.follow()
     except RuntimeError as e:  # rank 0 went away mid-collective: nothing left to serve
         log.info("rank %d stops: %s", spec.rank, str(e).splitlines()[0][:200])

@@ -115,8 +115,8 @@ class Ready:
     stats: EngineStats
     groups: ParallelGroups
     """Its place in each parallel group (dp: its index and the replica count)."""
-    experts: list[int]
-    """The routed experts it holds ([] for a dense model)."""
+    experts: list[list[int]]
+    """The routed experts each of its ranks holds, in rank order ([[]] for a dense model)."""
     pool_pages: int = 0
     """Pages it lends to a KV pool shared by the replicas (kv_remote; 0: none)."""
 
@@ -191,7 +191,7 @@ def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
                 torch.get_num_threads(),
                 engine.stats(),
                 engine.model.groups,
-                engine.model.held_experts,
+                engine.experts_by_rank,
                 sum(t.capacity for t in tiers if t.shared),
             )
         )

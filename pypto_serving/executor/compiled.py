@@ -109,8 +109,9 @@ def forward_logits(
     run_layer: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Logits [N, vocab] of the tokens at logits_index after a forward over [T] tokens; on a
-    pipeline stage before the last, its hidden states [T, hidden] (`hidden`: the previous
-    stage's). run_layer: how each decoder layer runs (None: eagerly)."""
+    pipeline stage before the last, what it sends on (`stage_output_shape`: its hidden states,
+    or DeepSeek-V4's residual streams; `hidden`: the previous stage's). run_layer: how each
+    decoder layer runs (None: eagerly)."""
     hidden = model(input_ids, positions, kv, hidden, run_layer)
     if not model.last_stage:
         return hidden

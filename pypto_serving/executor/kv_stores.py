@@ -105,7 +105,7 @@ def build_kv_store(
         ssd - sum(b[1] for b in budgets.values()),
     )
     several = len(groups) > 1  # each group's SSD pages in a folder of its name
-    whole_layers = {g.name: g.spec.num_layers for g in whole}
+    whole_specs = {g.name: g.spec for g in whole}
     managers = [
         KVManager(
             g.name,
@@ -117,7 +117,7 @@ def build_kv_store(
                 digest,
                 pages[g.name],
                 budgets[g.name],
-                whole_layers[g.name],
+                whole_specs[g.name],
                 g.name if several else None,
             ),
             g.keep,
@@ -138,12 +138,12 @@ def build_pool(
     digest: str,
     num_pages: int,
     budgets: tuple[int, int],
-    whole_layers: int,
+    whole: KVSpec,
     ssd_folder: str | None,
 ) -> KVPool:
     """The pool of a group's pages: `num_pages` on the device, its tiers sized from
-    `budgets` (CPU, SSD bytes; under TP/PP over a page of all `whole_layers` of the group and
-    every rank's heads), its SSD pages in `ssd_folder` under kv_ssd_dir if given."""
+    `budgets` (CPU, SSD bytes; under TP/PP over a page of the `whole` group, every layer's,
+    and every rank's heads), its SSD pages in `ssd_folder` under kv_ssd_dir if given."""
     spec = group.spec
     cpu_bytes, ssd_bytes = budgets
     page_bytes, g, journal = spec.page_bytes, model.groups, None
@@ -153,9 +153,9 @@ def build_pool(
         ssd_dir = ssd_dir / ssd_folder
     ssd_pages = ssd_bytes // (page_bytes + HEADER_BYTES)
     if g.world_size > 1:
-        cpu_pages, journal = parallel_cpu_tier(model, spec, whole_layers, cpu_bytes)
+        cpu_pages, journal = parallel_cpu_tier(model, whole, cpu_bytes)
         if ssd_dir is not None:  # each rank its share, in its own folder (MLA: rank 0's)
-            ssd_pages, keeps = parallel_ssd_pages(model, spec, whole_layers, ssd_bytes)
+            ssd_pages, keeps = parallel_ssd_pages(model, whole, ssd_bytes)
             ssd_dir = ssd_dir / f"rank{g.rank}" if keeps else None
             journal = Journal() if g.rank == 0 else None
     remote = None
@@ -183,27 +183,32 @@ def build_pool(
         raise PyptoError(f"cannot use kv_ssd_dir {ssd_dir}: {e}") from None
 
 
-def parallel_cpu_tier(
-    model: CausalLM, spec: KVSpec, layers: int, budget: int
-) -> tuple[int, Journal | None]:
-    """Under TP/PP: this rank's CPU-tier pages of a group (of `layers` in the whole model),
-    the same count on every rank (the byte budget over one page of the whole engine, every
-    rank's share together; a KV the same on every TP rank, MLA's latent, is counted and kept
-    once, by rank 0), and rank 0's journal of the page moves the other ranks mirror."""
-    g, same = model.groups, spec.same_on_tp_ranks
-    heads = spec.num_heads * (1 if same else g.tp.size)
-    whole = replace(spec, num_layers=layers, num_heads=heads)
-    pages = budget // whole.page_bytes if not (same and g.tp.rank > 0) else 0
+def every_rank(model: CausalLM, whole: KVSpec) -> KVSpec:
+    """A group's spec over the whole model's layers (`whole`, this rank's heads) widened to
+    every TP rank's heads, but for a KV the same on every TP rank (counted once)."""
+    if whole.same_on_tp_ranks:
+        return whole
+    return replace(whole, num_heads=whole.num_heads * model.groups.tp.size)
+
+
+def parallel_cpu_tier(model: CausalLM, whole: KVSpec, budget: int) -> tuple[int, Journal | None]:
+    """Under TP/PP: this rank's CPU-tier pages of a group (`whole`: its spec over the whole
+    model's layers), the same count on every rank (the byte budget over one page of the whole
+    engine, every rank's share together; a KV the same on every TP rank, MLA's latent, is
+    counted and kept once, by rank 0), and rank 0's journal of the page moves the other ranks
+    mirror."""
+    g, same = model.groups, whole.same_on_tp_ranks
+    page_bytes = every_rank(model, whole).page_bytes
+    pages = budget // page_bytes if not (same and g.tp.rank > 0) else 0
     return pages, Journal() if g.rank == 0 and pages > 0 else None
 
 
-def parallel_ssd_pages(model: CausalLM, spec: KVSpec, layers: int, budget: int) -> tuple[int, bool]:
-    """Under TP/PP: this rank's SSD-tier pages of a group (of `layers` in the whole model),
-    the same count on every rank keeping one (the byte budget over one page of the whole
-    engine and every rank's file header; MLA's latent is kept once per stage, by its TP rank
-    0), and whether this rank keeps one."""
-    g, same = model.groups, spec.same_on_tp_ranks
-    heads = spec.num_heads * (1 if same else g.tp.size)
-    whole = replace(spec, num_layers=layers, num_heads=heads)
+def parallel_ssd_pages(model: CausalLM, whole: KVSpec, budget: int) -> tuple[int, bool]:
+    """Under TP/PP: this rank's SSD-tier pages of a group (`whole`: its spec over the whole
+    model's layers), the same count on every rank keeping one (the byte budget over one page
+    of the whole engine and every rank's file header; MLA's latent is kept once per stage, by
+    its TP rank 0), and whether this rank keeps one."""
+    g, same = model.groups, whole.same_on_tp_ranks
     files = g.world_size // (g.tp.size if same else 1)
-    return budget // (whole.page_bytes + files * HEADER_BYTES), not (same and g.tp.rank > 0)
+    page_bytes = every_rank(model, whole).page_bytes
+    return budget // (page_bytes + files * HEADER_BYTES), not (same and g.tp.rank > 0)

@@ -291,8 +291,8 @@ class PagedExecutor:
             return logits if len(step.logits_index) == len(logits) else logits[step.logits_index]
         hidden = None
         if g.pp.rank > 0:
-            size = self.model.cfg.hidden_size
-            hidden = receive_from((len(step.input_ids), size), g.rank - g.tp.size, self.device)
+            shape = self.model.stage_output_shape(len(step.input_ids))
+            hidden = receive_from(shape, g.rank - g.tp.size, self.device)
         started = time.perf_counter()
         with active_step(attention):
             out = forward_logits(

@@ -200,11 +200,6 @@ class ModelConfig:
                 "a mixture-of-experts model under tensor parallelism needs "
                 "enable_expert_parallel (splitting each expert by columns is not supported)"
             )
-        if self.compressed is not None and (tp > 1 or pp > 1):
-            raise ModelLoadError(
-                f"{self.architecture} runs on one rank per replica for now: tensor and "
-                "pipeline parallelism are not supported for it"
-            )
         if pp > self.num_layers:
             raise ModelLoadError(
                 f"pipeline_parallel_size {pp} exceeds the model's {self.num_layers} layers"
@@ -212,16 +207,30 @@ class ModelConfig:
         size = tp
         if size == 1:
             return self
-        for what, n in (
-            ("KV heads", self.num_kv_heads),
+        v4 = self.compressed
+        split = [
             ("attention heads", self.num_heads),
-            ("MLP intermediate size", self.intermediate_size),
             ("shared experts' intermediate size", self.shared_intermediate_size),
-        ):
+        ]
+        if v4 is None:
+            split += [
+                ("KV heads", self.num_kv_heads),
+                ("MLP intermediate size", self.intermediate_size),
+            ]
+        else:  # one KV head, kept whole on every rank; every layer's MLP is its experts
+            split.append(("output projection's groups (o_groups)", v4.o_groups))
+        for what, n in split:
             if n % size:
                 raise ModelLoadError(
                     f"tensor_parallel_size {size} does not divide the model's {what} ({n})"
                 )
+        if v4 is not None:
+            return replace(
+                self,
+                num_heads=self.num_heads // size,
+                shared_intermediate_size=self.shared_intermediate_size // size,
+                compressed=replace(v4, o_groups=v4.o_groups // size),
+            )
         return replace(
             self,
             num_heads=self.num_heads // size,

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pypto_serving.distributed import ParallelGroups
+from pypto_serving.distributed import Group, ParallelGroups
 from pypto_serving.kv.kinds import AttentionKind, compressed
 from pypto_serving.models.config import CompressedAttentionConfig, ModelConfig
 from pypto_serving.models.llama import CausalLM, Decoder, DecoderLayer, RoutedExperts
@@ -37,7 +37,7 @@ from pypto_serving.ops.hyper_connection import (
     hyper_weights,
     unweighted_rms_norm,
 )
-from pypto_serving.ops.linear import Linear
+from pypto_serving.ops.linear import Linear, RowParallelLinear
 from pypto_serving.ops.moe import clamp_swiglu, route_scored
 from pypto_serving.ops.norm import RMSNorm
 from pypto_serving.ops.rope import apply_rope_interleaved, rope_angles
@@ -98,9 +98,14 @@ class Indexer(nn.Module):
 
 
 class CompressedAttention(nn.Module):
-    """One V4 attention layer: the sliding window, and its compressor (and indexer) if any."""
+    """One V4 attention layer: the sliding window, and its compressor (and indexer) if any.
 
-    def __init__(self, cfg: ModelConfig, layer: int, index: int) -> None:
+    Under tensor parallelism (`cfg` this rank's share) a rank holds its heads' query rows
+    (`wq_b`), sinks and output groups (`wo_a`, and `wo_b`'s columns: row-parallel, one
+    all-reduce); the low-rank query, the one KV head, the compressor and the indexer are whole
+    on every rank, so every rank stores the same KV (`same_on_tp_ranks`)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, index: int, tp: Group) -> None:
         super().__init__()
         v4 = cfg.compressed
         assert v4 is not None
@@ -117,7 +122,7 @@ class CompressedAttention(nn.Module):
         self.norm = RMSNorm(dim, eps)
         self.groups = v4.o_groups
         self.wo_a = GroupedLinear(heads * dim // v4.o_groups, v4.o_lora_rank, v4.o_groups)
-        self.wo_b = Linear(v4.o_groups * v4.o_lora_rank, cfg.hidden_size, bias=False)
+        self.wo_b = RowParallelLinear(v4.o_groups * v4.o_lora_rank, cfg.hidden_size, False, tp)
         self.attn_sink = nn.Parameter(torch.empty(heads))
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
@@ -164,7 +169,9 @@ class GroupedLinear(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """The shared expert: a clamped SwiGLU MLP (w1 gate, w3 up, w2 down)."""
+    """The shared expert: a clamped SwiGLU MLP (w1 gate, w3 up, w2 down). Under tensor
+    parallelism a rank holds its columns: its output is a partial sum, which joins the routed
+    experts' all-reduce (`RoutedExperts.experts`' `partial`)."""
 
     def __init__(self, cfg: ModelConfig, limit: float) -> None:
         super().__init__()
@@ -234,7 +241,7 @@ class V4DecoderLayer(DecoderLayer):
         self.v4, self.eps = v4, cfg.rms_norm_eps
         n, hidden = v4.hc_mult, cfg.hidden_size
         self.attn_norm = RMSNorm(hidden, cfg.rms_norm_eps)
-        self.attn = CompressedAttention(cfg, layer, index)
+        self.attn = CompressedAttention(cfg, layer, index, groups.tp)
         self.ffn_norm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.ffn = V4MoE(cfg, groups, index)
         for block in ("attn", "ffn"):
@@ -280,9 +287,10 @@ class HyperHead(nn.Module):
 
 
 class DeepseekV4ForCausalLM(CausalLM):
-    """DeepseekV4ForCausalLM: one rank (tensor and pipeline parallelism are refused by the
-    config); the forward runs its layers over the residual streams, compiled (through
-    `run_layer`, with the token ids and positions the layers take) unless --enforce-eager."""
+    """DeepseekV4ForCausalLM: the forward runs its layers over the residual streams, compiled
+    (through `run_layer`, with the token ids and positions the layers take) unless
+    --enforce-eager. Under pipeline parallelism a stage passes the streams [T, hc_mult,
+    hidden] on (`stage_output_shape`), and the last collapses them (`hc_head`)."""
 
     layer_type = V4DecoderLayer
     attention_kind: ClassVar[AttentionKind] = compressed
@@ -294,7 +302,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         v4 = cfg.compressed
         assert v4 is not None
         self.v4 = v4
-        self.model.hc_head = HyperHead(cfg, v4.hc_mult)
+        if self.last_stage:
+            self.model.hc_head = HyperHead(cfg, v4.hc_mult)
         self.register_buffer("main_inv_freq", torch.tensor(v4.main_inv_freq), persistent=False)
         compress_inv = torch.tensor(v4.compress_inv_freq)
         self.register_buffer("compress_inv_freq", compress_inv, persistent=False)
@@ -317,13 +326,17 @@ class DeepseekV4ForCausalLM(CausalLM):
         hidden: torch.Tensor | None = None,
         run_layer: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] (a flat batch) -> normed hidden states [T, hidden];
-        run_layer: as `CausalLM.forward`'s, given the token ids and positions too."""
+        """input_ids, positions: [T] (a flat batch) -> normed hidden states [T, hidden] (on the
+        last stage; an earlier one returns its streams, and a later one takes them as
+        `hidden`); run_layer: as `CausalLM.forward`'s, given the token ids and positions too."""
         v4, decoder = self.v4, self.model
-        assert decoder.embed_tokens is not None and decoder.norm is not None
         rope = self.layer_rope(positions, torch.float32)
-        embedded = decoder.embed_tokens(input_ids).float()
-        streams = embedded[:, None, :].expand(-1, v4.hc_mult, -1).contiguous()
+        if decoder.embed_tokens is not None:
+            embedded = decoder.embed_tokens(input_ids).float()
+            streams = embedded[:, None, :].expand(-1, v4.hc_mult, -1).contiguous()
+        else:
+            assert hidden is not None, "a later pipeline stage takes the streams"
+            streams = hidden
         for i in decoder.local:
             layer = decoder.layers[i]
             cos, sin = rope(i)
@@ -332,11 +345,17 @@ class DeepseekV4ForCausalLM(CausalLM):
                 if run_layer is None
                 else run_layer(layer, streams, cos, sin, kv, input_ids, positions)
             )
+        if decoder.norm is None:
+            return streams
         head = cast(HyperHead, decoder.hc_head)
         collapsed = hyper_head(
             streams, head.hc_fn, head.hc_base, head.hc_scale, v4.hc_eps, self.cfg.rms_norm_eps
         )
         return decoder.norm(collapsed)
+
+    def stage_output_shape(self, tokens: int) -> tuple[int, ...]:
+        """What an earlier pipeline stage sends on: the residual streams."""
+        return (tokens, self.v4.hc_mult, self.cfg.hidden_size)
 
     def layer_rope(
         self, positions: torch.Tensor, dtype: torch.dtype

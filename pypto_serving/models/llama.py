@@ -298,6 +298,11 @@ class CausalLM(nn.Module):
             )
         return hidden if self.model.norm is None else self.model.norm(hidden)
 
+    def stage_output_shape(self, tokens: int) -> tuple[int, ...]:
+        """What a pipeline stage that is not the last sends on for `tokens` tokens (float32):
+        its hidden states."""
+        return (tokens, self.cfg.hidden_size)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The first stage's embeddings of the tokens (a model may scale them)."""
         assert self.model.embed_tokens is not None

@@ -177,6 +177,19 @@ ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
 """Split by input columns."""
 VOCAB_PARALLEL = ("embed_tokens.weight", "lm_head.weight")
 """Split by vocabulary rows, the last shard padded with zero rows."""
+V4_SPLIT = {
+    ".attn.wq_b.weight": 0,
+    ".attn.attn_sink": 0,
+    ".attn.wo_a.weight": 0,
+    ".attn.wo_b.weight": 1,
+    ".ffn.shared_experts.w1.weight": 0,
+    ".ffn.shared_experts.w3.weight": 0,
+    ".ffn.shared_experts.w2.weight": 1,
+}
+"""DeepSeek-V4's tensors split under tensor parallelism, by the dimension they split on: its
+heads' query rows and sinks, its output groups (`wo_a`'s rows, `wo_b`'s columns), the shared
+expert's columns. The low-rank query, the KV head, the compressors and the indexers stay
+whole (their names end alike only under `.attn.compressor.` or `.attn.indexer.`)."""
 
 
 def tensor_parallel_slice(hf_name: str, tensor: torch.Tensor, tp: Group) -> torch.Tensor:
@@ -184,6 +197,9 @@ def tensor_parallel_slice(hf_name: str, tensor: torch.Tensor, tp: Group) -> torc
     the replicated ones: norms, and the o_proj bias, added once after the reduction)."""
     if tp.size == 1 or ".mlp.experts." in hf_name or hf_name.endswith(".mlp.gate.weight"):
         return tensor  # experts stay whole: expert parallelism places them instead
+    for suffix, dim in V4_SPLIT.items():
+        if hf_name.endswith(suffix):
+            return tensor.chunk(tp.size, dim=dim)[tp.rank]
     if hf_name.endswith(".self_attn.sinks"):  # gpt-oss's: one per head
         return tensor.chunk(tp.size, dim=0)[tp.rank]
     if hf_name.endswith(VOCAB_PARALLEL):
@@ -208,13 +224,10 @@ def copy_checked(hf_name: str, tensor: torch.Tensor, target: torch.Tensor) -> No
 
 def pipeline_targets(model: CausalLM, hf_name: str) -> list[str]:
     """The parameters (HF names) this pipeline stage fills from a checkpoint tensor: its own
-    layers, the embedding on the first stage, the norm and LM head on the last (a tied LM
-    head on a last stage that is not the first gets its own copy of the embedding)."""
+    layers, the embedding on the first stage, the norm, LM head (and DeepSeek-V4's `hc_head`)
+    on the last (a tied LM head on a last stage that is not the first gets its own copy of the
+    embedding)."""
     cfg, first, last = model.cfg, model.first_stage, model.last_stage
-    if cfg.compressed is not None:
-        if hf_name.startswith(V4_SKIPPED):
-            return []
-        hf_name = V4_RENAMED.get(hf_name, hf_name)
     layer = re.match(r"model\.layers\.(\d+)\.", hf_name)
     if layer is not None:
         i = int(layer[1])
@@ -226,7 +239,7 @@ def pipeline_targets(model: CausalLM, hf_name: str) -> list[str]:
         return [hf_name] * first + ["lm_head.weight"] * tied_here
     if hf_name == "lm_head.weight":
         return [hf_name] if last and not cfg.tie_word_embeddings else []
-    if hf_name == "model.norm.weight":
+    if hf_name == "model.norm.weight" or hf_name.startswith("model.hc_head."):
         return [hf_name] if last else []
     return [hf_name]
 
@@ -281,6 +294,10 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -
     for hf_name, tensor in weights:
         if hf_name.endswith(IGNORED_SUFFIXES):
             continue
+        if cfg.compressed is not None:
+            if hf_name.startswith(V4_SKIPPED):
+                continue
+            hf_name = V4_RENAMED.get(hf_name, hf_name)
         tensor = tensor_parallel_slice(hf_name, tensor, model.tp)
         for target_name in pipeline_targets(model, hf_name):
             stacked = oss_expert_parts(model, params, target_name, tensor)

@@ -166,14 +166,15 @@ def entry_slots(
 
 
 @functools.cache
-def layout(cfg: Any, num_layers: int, page_size: int) -> Layout:
-    """The layout of this model's layers (`cfg.compressed`), worked out once (every step's
-    operator asks for it)."""
+def layout(cfg: Any, layers: range, page_size: int) -> Layout:
+    """The layout of the model's `layers` (checkpoint indices: a pipeline stage's, in its
+    order; `cfg.compressed`), worked out once (every step's operator asks for it)."""
     v4, dim = cfg.compressed, cfg.head_dim
     rows, entries, index_keys = [], [], []
     row = flat = 0
     keep = v4.sliding_window - 1
-    for ratio, indexed in zip(v4.compress_ratios, v4.indexed, strict=True):
+    for i in layers:
+        ratio, indexed = v4.compress_ratios[i], v4.indexed[i]
         rows.append(row)
         row += dim
         entries.append(flat)
@@ -192,24 +193,28 @@ def layout(cfg: Any, num_layers: int, page_size: int) -> Layout:
 
 
 def kv_spec(
-    cfg: Any, num_layers: int, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    cfg: Any, layers: range, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> KVSpec:
     """The pages kept whole: the compressed entries (and the indexer's keys) of page_size
-    tokens, every layer's, one flat block a page (`Layout`)."""
+    tokens, every one of `layers`' entries, one flat block a page (`Layout`). Every TP rank
+    stores the same: the KV head, compressors and indexers are whole on each."""
     if kv_cache_dtype == "int8":
         raise PyptoError("kv_cache_dtype int8 is for grouped-query attention", "kv_cache_dtype")
-    width = layout(cfg, num_layers, page_size).page_width
-    return KVSpec(ENTRIES, 1, 1, width, width, page_size, dtype, num_tensors=1)
+    width = layout(cfg, layers, page_size).page_width
+    return KVSpec(
+        ENTRIES, 1, 1, width, width, page_size, dtype, num_tensors=1, same_on_tp_ranks=True
+    )
 
 
 def row_spec(
-    cfg: Any, num_layers: int, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    cfg: Any, layers: range, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> tuple[KVSpec, int]:
-    """The per-token rows kept for the sliding window, in the model's dtype (the projections
-    come out of its matmuls in it: kept exactly), and how many tokens of them a sequence
-    keeps (`Layout.keep`)."""
-    lay = layout(cfg, num_layers, page_size)
-    spec = KVSpec(ROWS, 1, 1, lay.row_width, lay.row_width, page_size, dtype, num_tensors=1)
+    """The per-token rows of `layers` kept for the sliding window, in the model's dtype (the
+    projections come out of its matmuls in it: kept exactly), and how many tokens of them a
+    sequence keeps (`Layout.keep`)."""
+    lay = layout(cfg, layers, page_size)
+    width = lay.row_width
+    spec = KVSpec(ROWS, 1, 1, width, width, page_size, dtype, num_tensors=1, same_on_tp_ranks=True)
     return spec, lay.keep
 
 
@@ -219,8 +224,8 @@ def kv_groups(
     """Two groups: the entries, kept whole (a prefix hit needs every one: they come first),
     and the rows, of which a sequence keeps its last `Layout.keep` tokens' (a hit needs only
     those: the window's, and the compressors' unpooled inputs)."""
-    rows, keep = row_spec(cfg, len(layers), page_size, dtype, kv_cache_dtype)
-    entries = kv_spec(cfg, len(layers), page_size, dtype, kv_cache_dtype)
+    rows, keep = row_spec(cfg, layers, page_size, dtype, kv_cache_dtype)
+    entries = kv_spec(cfg, layers, page_size, dtype, kv_cache_dtype)
     return [KVGroup(ENTRIES, entries), KVGroup(ROWS, rows, keep=keep)]
 
 
@@ -581,7 +586,10 @@ def step(kv: KVGroups, cfg: Any, batch: StepBatch) -> CompressedStep:
     """The step's operator over the two groups' pages (PyTorch's: the kind has no native
     kernels; every sequence attends alike, so a batch-invariant step changes nothing)."""
     assert batch.kernel is None, "the compressed kind has no native kernels"
-    lay = layout(cfg, len(cfg.compressed.compress_ratios), kv.page_size)
+    layers = batch.layers
+    if layers is None:  # the whole model
+        layers = range(len(cfg.compressed.compress_ratios))
+    lay = layout(cfg, layers, kv.page_size)
     return CompressedStep(
         kv,
         lay,
