@@ -140,7 +140,7 @@ def test_dp_attention_and_ep_span_two_nodes_and_node_zero_stops_both(tiny_model,
     with node_one(model, port, "--enable-expert-parallel") as node1:
         with node_zero(model, port, enable_expert_parallel=True) as llm:
             infos = [r.info for r in llm.engine.replicas]
-            assert [i.experts for i in infos if i] == [[0, 1], [2, 3]]
+            assert [i.experts for i in infos if i] == [[[0, 1]], [[2, 3]]]  # one rank each
             assert tokens(llm) == expected
             held = llm.engine.router._held  # V4's whole pages, told by each node's replica
             assert held[0] and held[1]

@@ -308,7 +308,9 @@ class DPEngine:
         one); returns the requests that got a token, finished or failed."""
         self._lose_exited()
         for conn in wait(list(self._by_conn), timeout=STEP_WAIT_S):
-            replica = self._by_conn[conn]  # type: ignore[index]
+            replica = self._by_conn.get(conn)  # type: ignore[call-overload]
+            if replica is None:  # lost while this loop ran (with its expert group)
+                continue
             try:
                 message = replica.conn.recv()
             except (EOFError, OSError):
@@ -333,6 +335,8 @@ class DPEngine:
         limit += heartbeat_interval(limit)  # progress made now is heard up to this late
         for replica in list(self._by_conn.values()):
             i = replica.index
+            if replica.conn not in self._by_conn:  # lost with another (its expert group)
+                continue
             if self.router.num_routed[i] and now - self._heard[i] > limit:
                 why = f"no step result or progress for {now - self._heard[i]:.0f} s (hung)"
                 self._lose(replica, why)
