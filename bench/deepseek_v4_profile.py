@@ -3,7 +3,7 @@ kind (sliding window only, CSA, HCA), and KV bytes per token of V4 against a V3-
 model of the same width (issue 25, item 5).
 
     python bench/deepseek_v4_profile.py [--prompt-len 2048] [--decode 64] [--chunk 512]
-                                        [--modes eager,compiled]
+                                        [--modes eager,compiled,compiled-pytorch]
 
 The profile runs a small random V4 (built here with transformers: 6 layers of width 512, two
 of each kind, window 128, CSA 4:1 with top-64 of 8 indexer heads, HCA 32:1, 8 experts) and
@@ -78,9 +78,20 @@ def kind_of(compression: compressed.Compression | None) -> str:
     return "CSA (window + indexed 4:1)" if compression.indexer else "HCA (window + 32:1)"
 
 
-def profile(model: Path, prompt_len: int, decode: int, dtype: str, chunk: int, eager: bool) -> None:
-    """Time each step of one request (a prefill of `prompt_len` in chunks of `chunk`, then
-    `decode` decodes), and within it each layer's attention by its kind."""
+def profile(
+    model: Path,
+    prompt_len: int,
+    decode: int,
+    dtype: str,
+    chunk: int,
+    eager: bool,
+    native: bool,
+    requests: int = 1,
+) -> None:
+    """Time each step of `requests` requests (each a prefill of `prompt_len` in chunks of
+    `chunk`, then `decode` decodes, the decodes of all in one step), and within it each
+    layer's attention by its kind; `native`: the decodes attend on the kind's native kernel
+    (the default), else on PyTorch's path."""
     kinds: dict[str, float] = defaultdict(float)
     attend = compressed.CompressedStep.attend_layer
 
@@ -93,7 +104,8 @@ def profile(model: Path, prompt_len: int, decode: int, dtype: str, chunk: int, e
     compressed.CompressedStep.attend_layer = timed  # type: ignore[method-assign]
     knobs = {"page_size": 32, "max_num_batched_tokens": prompt_len}
     knobs |= {"long_prefill_token_threshold": chunk}
-    llm = LLM(str(model), dtype=dtype, enable_prefix_caching=False, enforce_eager=eager, **knobs)
+    knobs |= {"enable_prefix_caching": False, "enforce_eager": eager, "native_attention": native}
+    llm = LLM(str(model), dtype=dtype, **knobs)
     llm.generate([[5] * 64], SamplingParams(max_tokens=4), use_tqdm=False)  # warm
     executor = llm.engine.executor
     execute = executor.execute
@@ -108,12 +120,12 @@ def profile(model: Path, prompt_len: int, decode: int, dtype: str, chunk: int, e
         return result
 
     executor.execute = step  # type: ignore[method-assign]
-    prompt = [[(7 * i) % 4000 + 2 for i in range(prompt_len)]]
+    prompt = [[(7 * i + r) % 4000 + 2 for i in range(prompt_len)] for r in range(requests)]
     params = SamplingParams(max_tokens=decode + 1, ignore_eos=True, temperature=0)
     llm.generate(prompt, params, use_tqdm=False)
     for phase, steps in phases.items():
         total = sum(t for t, _ in steps)
-        mode = "eager" if eager else "compiled"
+        mode = ("eager" if eager else "compiled") + ("" if native else ", PyTorch attention")
         print(
             f"\n{phase} at {prompt_len} tokens ({dtype}, {mode}, {len(steps)} steps): "
             f"{total * 1e3 / len(steps):.1f} ms a step"
@@ -145,40 +157,74 @@ def kv_bytes() -> None:
             raw = json.loads((d / "config.json").read_text())
             (d / "config.json").write_text(json.dumps(raw | {"architectures": [arch]}))
         v4, v3 = load_model_config(v4_dir), load_model_config(v3_dir)
-    page, dtype = 128, torch.bfloat16
-    entries = compressed.kv_spec(v4, range(layers), page, dtype)
-    rows, keep = compressed.row_spec(v4, range(layers), page, dtype)
-    latent = mla.kv_spec(v3, layers, page, dtype)
-    per_token_v4 = entries.page_bytes / page
-    window_rows = (-(-keep // page) + 1) * rows.page_bytes  # the window and the page written
-    per_token_v3 = latent.page_bytes / page
-    print(f"\nKV bytes, bf16, {layers} layers of width {flash.hidden_size} (pages of {page}):")
-    print(f"  V4 entries (CSA 4:1 + indexer keys, HCA 128:1): {per_token_v4:,.0f} B a token")
-    print(f"  V4 window rows (kept {keep} tokens): {window_rows:,} B a sequence")
+    dtype, latent = torch.bfloat16, mla.kv_spec(v3, layers, 128, torch.bfloat16)
+    per_token_v3 = latent.page_bytes / 128
+    print(f"\nKV bytes, bf16, {layers} layers of width {flash.hidden_size}:")
     print(f"  V3-style MLA (512 + 64 latent): {per_token_v3:,.0f} B a token")
-    for n in (4096, 65536, 1 << 20):
-        ratio = (per_token_v4 * n + window_rows) / (per_token_v3 * n)
-        print(f"  at {n:>9,} tokens V4 keeps {ratio:.3f}x the MLA model's bytes")
+    for page in (128, 16):
+        entries = compressed.kv_spec(v4, range(layers), page, dtype)
+        rows, keep = compressed.row_spec(v4, range(layers), page, dtype)
+        found = compressed.input_spec(v4, range(layers), page, dtype)
+        assert found is not None, "V4-Flash has CSA layers"
+        inputs, input_keep = found
+
+        def held(keep: int, page_bytes: int, page: int = page) -> int:
+            return (-(-keep // page) + 1) * page_bytes  # the window and the page written
+
+        per_token_v4 = entries.page_bytes / page
+        rows_now = held(keep, rows.page_bytes) + held(input_keep, inputs.page_bytes)
+        # before: CSA's inputs were kept in the rows, as long as the longest span
+        rows_before = held(max(keep, input_keep), rows.page_bytes + inputs.page_bytes)
+        print(f"  pages of {page}:")
+        print(f"    V4 entries (CSA 4:1 + indexer keys, HCA 128:1): {per_token_v4:,.0f} B a token")
+        print(
+            f"    V4 rows a sequence: raw rows and HCA inputs (kept {keep} tokens) "
+            f"{held(keep, rows.page_bytes):,} B + CSA inputs (kept {input_keep}) "
+            f"{held(input_keep, inputs.page_bytes):,} B = {rows_now:,} B (all kept "
+            f"{max(keep, input_keep)} tokens: {rows_before:,} B)"
+        )
+        for n in (4096, 65536, 1 << 20):
+            now = (per_token_v4 * n + rows_now) / (per_token_v3 * n)
+            before = (per_token_v4 * n + rows_before) / (per_token_v3 * n)
+            print(
+                f"    at {n:>9,} tokens V4 keeps {now:.3f}x the MLA model's bytes "
+                f"({before:.3f}x with CSA's inputs kept as long as the rows)"
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=1, help="requests decoding together")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--chunk", type=int, default=512, help="prefill tokens a step")
-    parser.add_argument("--modes", default="eager,compiled", help="eager, compiled, or both")
+    parser.add_argument(
+        "--modes",
+        default="eager,compiled",
+        help="eager, compiled, compiled-pytorch (compiled, the decodes' attention on PyTorch's "
+        "path instead of the native kernel: --no-native-attention), in the order given",
+    )
     args = parser.parse_args()
     modes = args.modes.split(",")
-    if not modes or set(modes) - {"eager", "compiled"}:
-        parser.error(f"--modes takes eager and/or compiled, got {args.modes!r}")
+    if not modes or set(modes) - {"eager", "compiled", "compiled-pytorch"}:
+        parser.error(f"--modes takes eager, compiled, compiled-pytorch, got {args.modes!r}")
     torch.set_num_threads(torch.get_num_threads())
     kv_bytes()
     with tempfile.TemporaryDirectory() as tmp:
         model = build_v4(Path(tmp))
         for mode in modes:
-            eager = mode == "eager"
-            profile(model, args.prompt_len, args.decode, args.dtype, args.chunk, eager)
+            eager, native = mode == "eager", mode != "compiled-pytorch"
+            profile(
+                model,
+                args.prompt_len,
+                args.decode,
+                args.dtype,
+                args.chunk,
+                eager,
+                native,
+                args.requests,
+            )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from live_server import assert_served_as_offline, tiny_llm
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.cli import main
 from pypto_serving.errors import ModelLoadError
-from pypto_serving.kv.kinds.compressed import pool_windows
+from pypto_serving.kv.kinds.compressed import pool_each_window, pool_windows
 from pypto_serving.models.config import load_model_config
 from pypto_serving.models.deepseek_v4 import Compressor, DeepseekV4ForCausalLM
 from pypto_serving.models.loader import load_model
@@ -184,7 +184,8 @@ def test_config_reads_compressed_attention(tiny_model):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_pooling_a_window_at_a_time_equals_pooling_all(overlap):
     """What a paged cache does (pool the windows as they complete, the previous window's rows
-    leading with overlap) gives the entries of pooling the whole sequence at once."""
+    leading with overlap; the native decodes' batch of one window each, window 0's "window
+    before" ignored) gives the entries of pooling the whole sequence at once."""
     torch.manual_seed(0)
     comp = Compressor(hidden=16, dim=8, ratio=4, overlap=overlap, eps=1e-6)
     with torch.no_grad():
@@ -199,3 +200,17 @@ def test_pooling_a_window_at_a_time_equals_pooling_all(overlap):
             rows = slice(4 * w - lead, 4 * (w + 1))
             one = pool_windows(comp.pooling, kv[rows], gate[rows], w)
             assert torch.allclose(one, whole[w : w + 1], atol=1e-6), w
+        span = 8 if overlap else 4  # each decode's rows: its window (and the one before)
+        windows = torch.tensor([0, 3, 1, 5])
+        starts = [max(4 * (w + 1) - span, 0) for w in windows.tolist()]
+        noise = torch.randn(span, kv.shape[1]) * 100  # window 0's "window before": ignored
+        each = [
+            torch.cat([noise[: span - 4], kv[:4]]) if w == 0 else kv[s : s + span]
+            for w, s in zip(windows.tolist(), starts, strict=True)
+        ]
+        gates = [
+            torch.cat([noise[: span - 4], gate[:4]]) if w == 0 else gate[s : s + span]
+            for w, s in zip(windows.tolist(), starts, strict=True)
+        ]
+        batch = pool_each_window(comp.pooling, torch.stack(each), torch.stack(gates), windows)
+        assert torch.allclose(batch, whole[windows], atol=1e-6)

@@ -16,17 +16,20 @@ from __future__ import annotations
 
 import contextlib
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from live_server import free_port, tiny_llm
 from mooncake_master import POOL_SECRET, mooncake_master
 
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.kv.groups import KVGroups
-from pypto_serving.kv.kinds.compressed import ENTRIES, ROWS
+from pypto_serving.kv.kinds.compressed import ENTRIES, INPUTS, ROWS, kv_groups
 from pypto_serving.kv.mooncake_pool import SECRET_ENV
+from pypto_serving.models.config import load_model_config
 
 NAME = "deepseekv4-swa-csa-hca-hash"  # window 8, CSA 4:1 (top 2), HCA 8:1
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -57,7 +60,8 @@ def one_by_one(llm: LLM, prompts: list[list[int]]) -> list[Any]:
 
 def store_of(llm: LLM) -> KVGroups:
     store = llm.engine.executor.kv
-    assert isinstance(store, KVGroups) and [m.name for m in store.managers] == [ENTRIES, ROWS]
+    assert isinstance(store, KVGroups)
+    assert [m.name for m in store.managers] == [ENTRIES, ROWS, INPUTS]
     return store
 
 
@@ -131,6 +135,26 @@ def test_preemption_by_swap_or_recompute_gives_identical_outputs(model, cpu_byte
         assert [o.outputs[0].token_ids for o in outs] == reference(model, short, params)
         stats = llm.engine.stats()
         assert stats.num_preemptions > 0 and (stats.num_swapped > 0) == bool(cpu_bytes)
+
+
+def test_csa_inputs_are_kept_for_their_own_span_on_every_stage(tiny_model):
+    """Layers CSA 2:1, window only, HCA 8:1, CSA 2:1 with a window of 5: the rows keep 7
+    tokens (HCA's window not pooled yet), CSA's inputs 3 (its window and the one before), on
+    every pipeline stage whichever layers it holds; a model without CSA has no inputs."""
+    cfg = load_model_config(tiny_model("deepseekv4-csa2-window5-2hash"))
+    v4 = cfg.compressed
+    assert v4 is not None
+    dim, index_dim = cfg.head_dim, v4.index_head_dim
+    for layers in (range(4), range(2), range(2, 4)):
+        groups = kv_groups(cfg, layers, 6, torch.float32)
+        assert [(g.name, g.keep) for g in groups] == [(ENTRIES, None), (ROWS, 7), (INPUTS, 3)]
+        hca = 2 in layers  # its compressor's inputs beside the raw rows
+        assert groups[1].spec.row == len(layers) * dim + (2 * dim if hca else 0)
+        csa = sum(v4.indexed[i] for i in layers)
+        assert groups[2].spec.row == csa * (4 * dim + 4 * index_dim)
+    no_csa = replace(cfg, compressed=replace(v4, indexed=(False,) * 4))
+    groups = kv_groups(no_csa, range(4), 6, torch.float32)
+    assert [(g.name, g.keep) for g in groups] == [(ENTRIES, None), (ROWS, 7)]
 
 
 PARALLEL = {
@@ -218,4 +242,6 @@ def test_the_window_gives_pages_back_so_a_long_generation_fits(model):
         # the prompt's 3 pages at first, then the window's page and the one being written
         assert len(held) >= 700 and max(held) <= 3 and max(held[10:]) == 2
         assert rows.pool.num_free == rows.pool.num_pages  # all given back
+        inputs = store.manager(INPUTS).pool
+        assert inputs.num_free == inputs.num_pages  # CSA's inputs too
     assert out.outputs[0].token_ids == reference(model, [prompt], params)[0]

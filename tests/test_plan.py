@@ -67,7 +67,8 @@ def test_the_plan_takes_the_switches_where_the_machine_allows(monkeypatch):
 
 def test_the_attention_plan_is_decided_once_from_the_plan_and_the_model(tiny_model, caplog):
     """The kernels where the plan runs them, the kind has them and they take its shape (GQA's,
-    MLA's latent as one KV head); compiled unless --enforce-eager or the model's layers do not
+    MLA's latent as one KV head), or the kind's own (DeepSeek-V4's decode kernel); compiled
+    unless --enforce-eager or the model's layers do not
     compile (DeepSeek-V4's); the native decode step where GQA's model allows it."""
 
     def attention(name: str, **knobs: object) -> AttentionPlan:
@@ -92,8 +93,10 @@ def test_the_attention_plan_is_decided_once_from_the_plan_and_the_model(tiny_mod
     wide = replace(load_model_config(tiny_model("deepseekv3-qlora-yarn")), kv_lora_rank=56)
     mla = plan_attention(plan_run(config), config, wide, ParallelGroups())
     assert mla.kernels == (wide.num_heads, 64)  # every head over one KV head of 56 + 8
-    v4 = attention("deepseekv4-swa-csa-hca-hash", dtype="float32")
-    assert v4 == AttentionPlan("compressed", None, compiled=True, native_decode=False)
+    v4 = attention("deepseekv4-swa-csa-hca-hash", dtype="float32")  # its own decode kernel
+    assert v4 == AttentionPlan("compressed", None, True, False, own_kernels=True)
+    off = attention("deepseekv4-swa-csa-hca-hash", dtype="float32", native_attention=False)
+    assert off.own_kernels is False
     with pytest.raises(PyptoError, match="kv_cache_dtype int8 needs the native CPU attention"):
         attention("qwen3-hd32-gqa4", kv_cache_dtype="int8", native_attention=False)
 

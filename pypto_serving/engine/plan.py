@@ -71,9 +71,10 @@ def plan_attention(
 ) -> AttentionPlan:
     """How this rank's share (`groups`) of the model `cfg` describes attends, under `plan`:
     the native kernels where the plan runs them, the kind has them and they take its shape
-    (else PyTorch's, said in the log); compiled unless --enforce-eager or the model's layers do
-    not compile; the native decode step where the plan runs it and the model allows it
-    (`native_decode.applies`). An int8 KV cache needs the kernels."""
+    (else PyTorch's, said in the log), or the kind's own where it has some; compiled unless
+    --enforce-eager or the model's layers do not compile; the native decode step where the
+    plan runs it and the model allows it (`native_decode.applies`). An int8 KV cache needs
+    the kernels."""
     model, cache, paged = model_class(cfg), config.cache, config.executor == "paged"
     kind = model.attention_kind
     kernels = None
@@ -103,6 +104,7 @@ def plan_attention(
     return AttentionPlan(
         kind=kind.NAME,
         kernels=kernels,
+        own_kernels=paged and plan.native_attention and kind.OWN_KERNELS,
         compiled=paged and model.compiles and not config.enforce_eager,
         native_decode=paged
         and kernels is not None

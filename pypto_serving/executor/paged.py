@@ -82,6 +82,8 @@ class AttentionPlan:
     """Its decoder layers run compiled (warm-up compiles them); else eagerly."""
     native_decode: bool
     """Its steps of a few decodes run as one call of the native decode step."""
+    own_kernels: bool = False
+    """Its kind's operator runs its own native kernels (`AttentionKind.OWN_KERNELS`)."""
 
 
 def build_paged_executor(
@@ -145,6 +147,7 @@ class PagedExecutor:
         self.batch_invariant = batch_invariant
         self.attention_kernel = None if attention.kernels is None else library(*attention.kernels)
         """The native paged attention library, or None for PyTorch's attention."""
+        self.own_kernels = attention.own_kernels
         if cache.kv_cache_dtype == "int8" and self.attention_kernel is None:
             raise PyptoError(
                 "kv_cache_dtype int8 needs the native CPU attention kernels, which did not "
@@ -274,6 +277,7 @@ class PagedExecutor:
             self.progress,
             self.batch_invariant,
             self.model.local_layers,
+            self.own_kernels,
         )  # the kind's operator maps its slots from the page lists
         attention = self.model.attention_kind.step(self.kv, self.model.cfg, batch)
         if g.world_size > 1 and g.rank == 0:

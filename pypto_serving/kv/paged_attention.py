@@ -114,6 +114,8 @@ class StepBatch:
     layers: range | None = None
     """The checkpoint indices of the rank's layers (its pipeline stage's); None: the whole
     model's."""
+    own_kernels: bool = False
+    """The kind's operator runs its own native kernels (the run plan's `own_kernels`)."""
 
 
 class _Group:

@@ -11,6 +11,9 @@
   records: AVX512-VNNI dot products, AVX2's vpmaddubsw/vpmaddwd or AVX-VNNI, plain loops
   elsewhere; bf16 weights: AVX512-BF16 dot products, or widened to float32 and FMAs on AVX2);
   called by `executor/native_decode.py`.
+- `compressed.cpp`: DeepSeek-V4's compressed attention for decodes (the window's rows, the
+  entries, the indexer's top k, the sinks) over the kind's pages in place; its own library
+  (`compressed_library`), called by `kv/kinds/compressed.py`.
 - `shm.cpp`: the collectives between the ranks of one machine over a shared-memory segment
   (all-reduce, all-gather, broadcast: spin, then yield, then nap); its own library
   (`shm_library`), called by `shm_collectives.py`.
@@ -62,6 +65,8 @@ GEMM_SOURCES = (Path(__file__).with_name("gemm.cpp"),)
 for every model."""
 SHM_SOURCES = (Path(__file__).with_name("shm.cpp"),)
 """The shared-memory collectives: one library for every model."""
+COMPRESSED_SOURCES = (Path(__file__).with_name("compressed.cpp"),)
+"""DeepSeek-V4's compressed attention for decodes: one library for every model."""
 HEADERS = (Path(__file__).with_name("records.h"),)
 """Included by the sources (the product over records: decode.cpp and gemm.cpp): part of every
 library's key."""
@@ -99,6 +104,13 @@ def build_gemm(
 def build_shm(out_dir: Path, cxx: str | None = None) -> Path | None:
     """The shared-memory collectives' library (shm.cpp) in `out_dir`, as `build`."""
     return _build(SHM_SOURCES, (), "shm", out_dir, cxx, ())
+
+
+def build_compressed(
+    out_dir: Path, cxx: str | None = None, extra_flags: tuple[str, ...] = ()
+) -> Path | None:
+    """The compressed attention's library (compressed.cpp) in `out_dir`, as `build`."""
+    return _build(COMPRESSED_SOURCES, (), "compressed", out_dir, cxx, extra_flags)
 
 
 def _key(sources: tuple[Path, ...], flags: tuple[str, ...], found: str, version: str) -> str:
@@ -262,6 +274,36 @@ def load_shm(path: Path) -> ctypes.CDLL | None:
     return lib
 
 
+def load_compressed(path: Path) -> ctypes.CDLL | None:
+    """The compressed attention's library at `path` with its signature, or None (logged)."""
+    lib = _open(path)
+    if lib is None:
+        return None
+    c_int, c_int64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    fn = lib.pypto_compressed_decode
+    fn.restype = c_int
+    fn.argtypes = [
+        *[c_int] * 4,  # dtype, batch, heads, dim
+        *[ptr] * 3,  # q, sinks, ctx_lens
+        c_int,  # window
+        ptr,  # rows
+        *[c_int64] * 2,  # row_width, row_offset
+        ptr,  # block_table
+        c_int64,  # table_width
+        *[c_int] * 2,  # page, ratio
+        ptr,  # entries
+        *[c_int64] * 2,  # page_width, entry_offset
+        ptr,  # entry_table
+        c_int64,  # entry_table_width
+        *[c_int] * 2,  # index_heads, index_dim
+        *[ptr] * 2,  # index_q, index_weights
+        c_int64,  # index_offset
+        c_int,  # topk
+        ptr,  # out
+    ]
+    return lib
+
+
 class Matrix(ctypes.Structure):
     """records.h's Matrix: a weight as its products read it (records, or bf16 rows)."""
 
@@ -313,6 +355,19 @@ def shm_library() -> ctypes.CDLL | None:
 def _shm_library() -> ctypes.CDLL | None:
     path = build_shm(_out_dir())
     return None if path is None else load_shm(path)
+
+
+def compressed_library() -> ctypes.CDLL | None:
+    """The loaded compressed attention (built on first need), or None (no compiler, or it
+    failed)."""
+    with _library_lock:
+        return _compressed_library()
+
+
+@cache
+def _compressed_library() -> ctypes.CDLL | None:
+    path = build_compressed(_out_dir())
+    return None if path is None else load_compressed(path)
 
 
 @cache

@@ -2,7 +2,8 @@
 is lives in its file.
 
 A kind's module declares what it can run on (`KERNELS`: its paged operator attends on the
-native attention kernels; `NATIVE_DECODE`: the native decode step runs its decodes), which
+native attention kernels; `NATIVE_DECODE`: the native decode step runs its decodes;
+`OWN_KERNELS`: its operator has native kernels of its own, which it loads itself), which
 the run plan (engine/plan.py) reads once; its KV groups (`kv_groups`, from the model config:
 each group's page layout, what a token costs, and the rule its manager keeps pages and claims
 prefix hits by: every token, or a window of the last `keep`); builds a step's attention
@@ -40,6 +41,9 @@ class AttentionKind(Protocol):
     they take, `native_attention.takes`)."""
     NATIVE_DECODE: bool
     """Whether the native decode step (executor/native_decode.py) can run its decodes."""
+    OWN_KERNELS: bool
+    """Whether its paged operator has native kernels of its own (a library of its own, which
+    it loads where the run plan says so: `StepBatch.own_kernels`)."""
 
     def kv_groups(
         self,

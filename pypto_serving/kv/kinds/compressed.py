@@ -25,6 +25,7 @@ length restores it by keeping those rows (docs/attention_kinds.md).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -33,8 +34,9 @@ import torch
 
 from pypto_serving.errors import PyptoError
 from pypto_serving.kv.paged_attention import StepAttention, StepBatch, StepProgress, current_step
-from pypto_serving.kv.paged_cache import block_table
+from pypto_serving.kv.paged_cache import block_table, slot_mapping
 from pypto_serving.kv.spec import KVGroup, KVSpec
+from pypto_serving.native import compressed_library
 from pypto_serving.ops.attention import DenseKV, KVAttention
 from pypto_serving.ops.norm import rms_norm
 from pypto_serving.ops.rope import apply_rope_interleaved, rope_angles
@@ -45,8 +47,13 @@ if TYPE_CHECKING:
 NAME = "compressed"
 KERNELS = False
 NATIVE_DECODE = False
-ROWS, ENTRIES = "compressed-rows", "compressed-entries"
-"""The names of the kind's two KV groups (they key the SSD tier's folders apart)."""
+OWN_KERNELS = True
+"""Its decodes attend in one call of its own native kernel (native/compressed.cpp, a library
+of no shape), where the run plan runs native attention (`StepBatch.own_kernels`)."""
+ROWS, ENTRIES, INPUTS = "compressed-rows", "compressed-entries", "compressed-inputs"
+"""The names of the kind's KV groups (they key the SSD tier's folders apart)."""
+NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+"""The cache dtypes the native kernel reads (its code for each)."""
 QUERY_BLOCK = 256
 """A prefill chunk's queries attend in blocks of this many, each over its band of the window's
 rows (block + window keys, not chunk + window)."""
@@ -88,9 +95,34 @@ def pool_windows(
         pooled_kv[1 - lead :, :r] = kv[earlier, :, :d]
         pooled_gate[1 - lead :, :r] = gate[earlier, :, :d]
         kv, gate = pooled_kv, pooled_gate
+    windows = torch.arange(kv.shape[0], device=kv.device) + first
+    return _pooled(pooling, kv, gate, windows)
+
+
+def pool_each_window(
+    pooling: Pooling, kv: torch.Tensor, gate: torch.Tensor, windows: torch.Tensor
+) -> torch.Tensor:
+    """Entries [n, D] float32 of n windows of different sequences, window `windows[i]` from
+    its rows kv[i], gate[i] ([ratio, width]; with overlap [2 * ratio, width]: the window
+    before it first, whose first series joins the entry, ignored for window 0): what
+    `pool_windows` gives each, in one batch (the decodes that complete a window)."""
+    r, d = pooling.ratio, pooling.norm_weight.shape[0]
+    gate = gate + pooling.ape.float().repeat(gate.shape[1] // r, 1)
+    if pooling.overlap:
+        kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
+        gate = torch.cat([gate[:, :r, :d], gate[:, r:, d:]], dim=1)
+        gate[windows == 0, :r] = float("-inf")  # no window before the first
+    return _pooled(pooling, kv, gate, windows)
+
+
+def _pooled(
+    pooling: Pooling, kv: torch.Tensor, gate: torch.Tensor, windows: torch.Tensor
+) -> torch.Tensor:
+    """Each window's rows [n, rows, D] pooled by the softmax of their gates, normed and roped
+    at the window's first position (`windows` [n] the windows' indices)."""
     pooled = (kv * gate.softmax(dim=1)).sum(dim=1)
     entries = rms_norm(pooled, pooling.norm_weight, pooling.eps).float()
-    positions = (torch.arange(len(entries), device=kv.device) + first) * r
+    positions = windows * pooling.ratio
     return apply_rope_interleaved(entries, *rope_angles(positions, pooling.inv_freq))
 
 
@@ -126,11 +158,15 @@ class Compression:
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """Where each layer keeps what in the kind's two caches (`layout`):
+    """Where each layer keeps what in the kind's caches (`layout`):
 
     rows     [slots, row_width] in the model's dtype, a token's row: per layer, from
-             `rows[layer]`, its raw row [head_dim], then its compressor's kv and gate
-             [c * head_dim each], then its indexer's kv and gate [2 * index_head_dim each]
+             `rows[layer]`, its raw row [head_dim]; an HCA layer's compressor kv and gate
+             [head_dim each] from `inputs[layer]`
+    inputs   [slots, input_width] in the model's dtype (CSA layers only, kept for a shorter
+             span than the window): per CSA layer, from `inputs[layer]`, its compressor's kv
+             and gate [2 * head_dim each], then its indexer's kv and gate [2 * index_head_dim
+             each]
     entries  [slots, page_width] in the model's dtype, a page's page_size rows read as one
              flat block: per compressed layer, from `entries[layer]`, room for the entries
              of the windows that end in the page (`per_page`: ceil(page_size / ratio)) [head_dim
@@ -141,13 +177,26 @@ class Layout:
 
     page_size: int
     keep: int
-    """Tokens before the next one whose rows a sequence still reads: the window's, and the
-    rows of the windows its compressors have not pooled yet (CSA: and the one before)."""
+    """Tokens before the next one whose rows a sequence still reads: the window's raw rows,
+    and HCA's inputs of the window it has not pooled yet (the whole model's layers: every
+    pipeline stage keeps as many)."""
+    input_keep: int
+    """Tokens before the next one whose CSA inputs a sequence still reads: its window not
+    pooled yet and the one before (2 * ratio - 1); 0: the model has no CSA layer."""
     row_width: int
+    input_width: int
     page_width: int
     rows: tuple[int, ...]
+    inputs: tuple[int, ...]
+    """A compressed layer's first column of its compressor inputs (in the rows for HCA, in
+    the inputs for CSA); -1 for a window-only layer."""
     entries: tuple[int, ...]
     index_keys: tuple[int, ...]
+
+
+Inputs = tuple[torch.Tensor, torch.Tensor]
+"""A compressed layer's compressor inputs in a step: its columns of their store [slots, the
+layer's inputs] and that store's block table."""
 
 
 def per_page(page_size: int, ratio: int) -> int:
@@ -169,26 +218,39 @@ def entry_slots(
 def layout(cfg: Any, layers: range, page_size: int) -> Layout:
     """The layout of the model's `layers` (checkpoint indices: a pipeline stage's, in its
     order; `cfg.compressed`), worked out once (every step's operator asks for it)."""
-    v4, dim = cfg.compressed, cfg.head_dim
-    rows, entries, index_keys = [], [], []
-    row = flat = 0
-    keep = v4.sliding_window - 1
+    v4, dim, index_dim = cfg.compressed, cfg.head_dim, cfg.compressed.index_head_dim
+    keep, input_keep = v4.sliding_window - 1, 0
+    for ratio, indexed in zip(v4.compress_ratios, v4.indexed, strict=True):
+        if ratio and indexed:
+            input_keep = max(input_keep, 2 * ratio - 1)
+        elif ratio:
+            keep = max(keep, ratio - 1)
+    rows, inputs, entries, index_keys = [], [], [], []
+    row = column = flat = 0
     for i in layers:
         ratio, indexed = v4.compress_ratios[i], v4.indexed[i]
         rows.append(row)
         row += dim
         entries.append(flat)
         index_keys.append(flat + (per_page(page_size, ratio) * dim if ratio else 0))
+        if not ratio:
+            inputs.append(-1)
+        elif indexed:
+            inputs.append(column)
+            column += 4 * dim + 4 * index_dim
+        else:
+            inputs.append(row)
+            row += 2 * dim
         if ratio:
-            row += 2 * (2 if indexed else 1) * dim + (4 * v4.index_head_dim if indexed else 0)
-            flat += per_page(page_size, ratio) * (dim + (v4.index_head_dim if indexed else 0))
-            keep = max(keep, (2 * ratio if indexed else ratio) - 1)
+            flat += per_page(page_size, ratio) * (dim + (index_dim if indexed else 0))
     return Layout(
         page_size,
         keep,
+        input_keep,
         row,
+        column,
         max(-(-flat // page_size), 1),
-        *map(tuple, (rows, entries, index_keys)),
+        *map(tuple, (rows, inputs, entries, index_keys)),
     )
 
 
@@ -209,24 +271,45 @@ def kv_spec(
 def row_spec(
     cfg: Any, layers: range, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> tuple[KVSpec, int]:
-    """The per-token rows of `layers` kept for the sliding window, in the model's dtype (the
-    projections come out of its matmuls in it: kept exactly), and how many tokens of them a
-    sequence keeps (`Layout.keep`)."""
+    """The per-token rows of `layers` kept for the sliding window (and HCA's inputs), in the
+    model's dtype (the projections come out of its matmuls in it: kept exactly), and how
+    many tokens of them a sequence keeps (`Layout.keep`)."""
     lay = layout(cfg, layers, page_size)
     width = lay.row_width
     spec = KVSpec(ROWS, 1, 1, width, width, page_size, dtype, num_tensors=1, same_on_tp_ranks=True)
     return spec, lay.keep
 
 
+def input_spec(
+    cfg: Any, layers: range, page_size: int, dtype: torch.dtype
+) -> tuple[KVSpec, int] | None:
+    """The per-token CSA inputs of `layers` (its compressors' and indexers' projections) and
+    how many tokens of them a sequence keeps (`Layout.input_keep`); None for a model without
+    CSA layers. A pipeline stage without CSA layers declares it too, holding none."""
+    lay = layout(cfg, layers, page_size)
+    if not lay.input_keep:
+        return None
+    width = lay.input_width
+    spec = KVSpec(
+        INPUTS, 1, 1, width, width, page_size, dtype, num_tensors=1, same_on_tp_ranks=True
+    )
+    return spec, lay.input_keep
+
+
 def kv_groups(
     cfg: Any, layers: range, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> list[KVGroup]:
-    """Two groups: the entries, kept whole (a prefix hit needs every one: they come first),
-    and the rows, of which a sequence keeps its last `Layout.keep` tokens' (a hit needs only
-    those: the window's, and the compressors' unpooled inputs)."""
+    """The entries, kept whole (a prefix hit needs every one: they come first); the rows, of
+    which a sequence keeps its last `Layout.keep` tokens' (the window's, and HCA's unpooled
+    inputs); CSA's inputs, of which it keeps the last `Layout.input_keep` (a hit needs only
+    those of each)."""
     rows, keep = row_spec(cfg, layers, page_size, dtype, kv_cache_dtype)
     entries = kv_spec(cfg, layers, page_size, dtype, kv_cache_dtype)
-    return [KVGroup(ENTRIES, entries), KVGroup(ROWS, rows, keep=keep)]
+    groups = [KVGroup(ENTRIES, entries), KVGroup(ROWS, rows, keep=keep)]
+    inputs = input_spec(cfg, layers, page_size, dtype)
+    if inputs is not None:
+        groups.append(KVGroup(INPUTS, inputs[0], keep=inputs[1]))
+    return groups
 
 
 def attend(
@@ -434,13 +517,17 @@ class CompressedStep(StepAttention):
         layout: Layout,
         row_pages: list[list[int]],
         entry_pages: list[list[int]],
+        input_pages: list[list[int]] | None,
         positions: torch.Tensor,
         q_lens: torch.Tensor,
         ctx_lens: torch.Tensor,
         num_decodes: int,
         max_q: int,
         progress: StepProgress | None = None,
+        library: ctypes.CDLL | None = None,
     ) -> None:
+        """library: the kind's native kernels (`native.compressed_library`), which attend the
+        decodes; None: every sequence on the PyTorch path."""
         cache = kv.manager(ROWS).pool.cache
         super().__init__(
             cache, row_pages, positions, q_lens, ctx_lens, num_decodes, max_q, None, progress
@@ -450,9 +537,18 @@ class CompressedStep(StepAttention):
         entries = kv.manager(ENTRIES).pool.cache.k_cache[0, 0]
         self.entries = entries.view(-1, layout.page_size * entries.shape[-1])  # a page a row
         self.entry_table = block_table(entry_pages, cache.device)
+        self.inputs: torch.Tensor | None = None
+        self.input_table: torch.Tensor | None = None
+        self.input_slots: torch.Tensor | None = None
+        if input_pages is not None:  # CSA's inputs: pages of their own
+            self.inputs = kv.manager(INPUTS).pool.cache.k_cache[0, 0]
+            self.input_table = block_table(input_pages, cache.device)
+            page = layout.page_size
+            self.input_slots = slot_mapping(self.input_table, q_lens, positions, page)
         firsts = (torch.cumsum(q_lens, 0) - q_lens).tolist()
         self.spans = list(zip(firsts, q_lens.tolist(), ctx_lens.tolist(), strict=True))
         """Per sequence: its first token in the step, its new tokens, its context after."""
+        self.library = library
 
     def attend_layer(
         self,
@@ -464,44 +560,177 @@ class CompressedStep(StepAttention):
         compression: Compression | None,
     ) -> torch.Tensor:
         """Layer `layer`'s paged attention for the step's tokens (as `attend` promises)."""
-        new = [raw.float()]
-        if compression is not None:
-            new += [compression.kv, compression.gate]
-            if compression.indexer is not None:
-                new += [compression.indexer.kv, compression.indexer.gate]
-        fresh = torch.cat(new, dim=1)
         offset = self.layout.rows[layer]
-        rows = self.rows[:, offset : offset + fresh.shape[1]]
-        rows.index_copy_(0, self.slot_mapping, fresh.to(rows.dtype))
+        raw_rows = self.rows[:, offset : offset + raw.shape[1]]
+        raw_rows.index_copy_(0, self.slot_mapping, raw.to(raw_rows.dtype))
+        inputs = None if compression is None else self._store_inputs(layer, compression)
         outs = []
-        for b, (first, count, ctx) in enumerate(self.spans):
-            start = ctx - count
-            entries: tuple[torch.Tensor, torch.Tensor | None] | None = None
-            if compression is not None:  # pool what completes now; every entry so far
-                lead = 2 if compression.indexer is not None else 1
-                lo = max(start // compression.ratio - lead + 1, 0) * compression.ratio
-                seq_rows = rows[self._slots(b, lo, ctx)].float()
-                entries = self._entries(b, layer, compression, seq_rows, lo, start)
-            for q_start in range(start, ctx, QUERY_BLOCK):  # the window: a band of keys
-                q_end = min(q_start + QUERY_BLOCK, ctx)
-                tokens = slice(first + q_start - start, first + q_end - start)
-                outs.append(
-                    self._attend_block(
-                        b, tokens, q, rows, raw.shape[1], sinks, window, compression, entries
-                    )
-                )
+        native = self.num_decodes if self.library is not None else 0
+        if native:
+            outs.append(self._attend_decodes(native, layer, q, sinks, window, compression, inputs))
+        for b in range(native, len(self.spans)):
+            outs += self._attend_sequence(b, layer, q, raw_rows, sinks, window, compression, inputs)
         self.layers += 1
         if self.progress is not None:
             self.progress.layers += 1
         return torch.cat(outs)
+
+    def _store_inputs(self, layer: int, compression: Compression) -> Inputs:
+        """Write the new tokens' compressor (and indexer) inputs of a compressed layer: HCA's
+        beside the raw rows, CSA's in the inputs' pages (kept for a shorter span); return
+        the layer's columns of that store and its block table."""
+        new = [compression.kv, compression.gate]
+        if compression.indexer is not None:
+            new += [compression.indexer.kv, compression.indexer.gate]
+        fresh = torch.cat(new, dim=1)
+        store, table, slots = self.rows, self.block_table, self.slot_mapping
+        if compression.indexer is not None:
+            assert self.inputs is not None and self.input_table is not None
+            assert self.input_slots is not None
+            store, table, slots = self.inputs, self.input_table, self.input_slots
+        offset = self.layout.inputs[layer]
+        columns = store[:, offset : offset + fresh.shape[1]]
+        columns.index_copy_(0, slots, fresh.to(columns.dtype))
+        return columns, table
+
+    def _attend_sequence(
+        self,
+        b: int,
+        layer: int,
+        q: torch.Tensor,
+        raw_rows: torch.Tensor,
+        sinks: torch.Tensor,
+        window: int,
+        compression: Compression | None,
+        inputs: Inputs | None,
+    ) -> list[torch.Tensor]:
+        """Sequence b's new tokens on PyTorch's path: pool the windows they complete, then
+        attend in blocks of queries, each over its band of the window's rows and the entries
+        so far."""
+        first, count, ctx = self.spans[b]
+        start = ctx - count
+        entries: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        if compression is not None and inputs is not None:  # pool what completes now
+            lead = 2 if compression.indexer is not None else 1
+            lo = max(start // compression.ratio - lead + 1, 0) * compression.ratio
+            columns, table = inputs
+            seq_inputs = columns[self._slots(b, lo, ctx, table)].float()
+            entries = self._entries(b, layer, compression, seq_inputs, lo, start)
+        outs = []
+        for q_start in range(start, ctx, QUERY_BLOCK):  # the window: a band of keys
+            q_end = min(q_start + QUERY_BLOCK, ctx)
+            tokens = slice(first + q_start - start, first + q_end - start)
+            outs.append(
+                self._attend_block(b, tokens, q, raw_rows, sinks, window, compression, entries)
+            )
+        return outs
+
+    def _attend_decodes(
+        self,
+        nd: int,
+        layer: int,
+        q: torch.Tensor,
+        sinks: torch.Tensor,
+        window: int,
+        compression: Compression | None,
+        inputs: Inputs | None,
+    ) -> torch.Tensor:
+        """The first `nd` sequences' (the decodes') attention in one call of the native
+        kernel, which reads the pages in place, after pooling the windows their new tokens
+        complete (one in `ratio` of them)."""
+        lay, lib = self.layout, self.library
+        assert lib is not None
+        ratio = 0 if compression is None else compression.ratio
+        if compression is not None and inputs is not None:
+            self._pool_decodes(nd, layer, compression, inputs)
+        queries = q[:nd].float().contiguous()
+        out = torch.empty_like(queries)
+        indexer = None if compression is None else compression.indexer
+        index_q = index_weights = None
+        if indexer is not None:
+            index_q = indexer.q[:nd].float().contiguous()
+            index_weights = indexer.weights[:nd].float().contiguous()
+        sink = sinks.float().contiguous()
+        ctx_lens = self.ctx_lens[:nd].contiguous()
+        failed = lib.pypto_compressed_decode(
+            NATIVE_DTYPES[self.rows.dtype],
+            nd,
+            queries.shape[1],
+            queries.shape[2],
+            queries.data_ptr(),
+            sink.data_ptr(),
+            ctx_lens.data_ptr(),
+            window,
+            self.rows.data_ptr(),
+            self.rows.shape[1],
+            lay.rows[layer],
+            self.block_table.data_ptr(),
+            self.block_table.shape[1],
+            lay.page_size,
+            ratio,
+            self.entries.data_ptr(),
+            lay.page_width,
+            lay.entries[layer],
+            self.entry_table.data_ptr(),
+            self.entry_table.shape[1],
+            0 if index_q is None else index_q.shape[1],
+            0 if index_q is None else index_q.shape[2],
+            None if index_q is None else index_q.data_ptr(),
+            None if index_weights is None else index_weights.data_ptr(),
+            lay.index_keys[layer],
+            0 if indexer is None else indexer.topk,
+            out.data_ptr(),
+        )
+        assert failed == 0, f"pypto_compressed_decode failed ({failed})"
+        return out.to(q.dtype)
+
+    def _pool_decodes(self, nd: int, layer: int, compression: Compression, inputs: Inputs) -> None:
+        """Pool the windows the first `nd` sequences' (the decodes') tokens complete, all in
+        one batch (`pool_each_window`), into their entry pages."""
+        ratio, lay = compression.ratio, self.layout
+        ctx = self.ctx_lens[:nd]
+        done = (ctx % ratio == 0).nonzero().flatten()
+        if len(done) == 0:
+            return
+        windows = ctx[done] // ratio - 1
+        indexer = compression.indexer
+        span = (2 if indexer is not None else 1) * ratio  # CSA's: the window before it too
+        pos = (windows[:, None] + 1) * ratio - span + torch.arange(span, device=ctx.device)
+        pos = pos.clamp(min=0)  # window 0's "window before" (ignored)
+        page = lay.page_size
+        columns, table = inputs
+        seq_inputs = columns[table[done[:, None], pos // page] * page + pos % page].float()
+        last = (windows + 1) * ratio - 1  # each window's last token: its entry's page
+        pages = self.entry_table[done, last // page]
+        within = windows - (last // page) * page // ratio
+        room = per_page(page, ratio)
+        for column, width, offset, pooling in self._pooled_parts(layer, compression):
+            kv = seq_inputs[:, :, column : column + width]
+            gate = seq_inputs[:, :, column + width : column + 2 * width]
+            entries = pool_each_window(pooling, kv, gate, windows)
+            flat = self.entries[:, offset : offset + room * entries.shape[1]]
+            flat.unflatten(1, (room, entries.shape[1]))[pages, within] = entries.to(flat.dtype)
+
+    def _pooled_parts(
+        self, layer: int, compression: Compression
+    ) -> list[tuple[int, int, int, Pooling]]:
+        """Per cache a compressed layer pools (its entries; CSA's indexer keys too): the first
+        column of its kv inputs in the layer's inputs (the gates follow them), their width,
+        its entries' offset in the entry pages, and its pooling."""
+        width = compression.kv.shape[1]  # the compressor's inputs: c * head_dim
+        parts = [(0, width, self.layout.entries[layer], compression.pooling)]
+        indexer = compression.indexer
+        if indexer is not None:
+            index = (2 * width, indexer.kv.shape[1], self.layout.index_keys[layer])
+            parts.append((*index, indexer.pooling))
+        return parts
 
     def _attend_block(
         self,
         b: int,
         tokens: slice,
         q: torch.Tensor,
-        rows: torch.Tensor,
-        dim: int,
+        raw_rows: torch.Tensor,
         sinks: torch.Tensor,
         window: int,
         compression: Compression | None,
@@ -513,7 +742,7 @@ class CompressedStep(StepAttention):
         positions = self.positions[tokens]
         first, last = int(positions[0]), int(positions[-1])
         lo = max(first - window + 1, 0)
-        keys = rows[self._slots(b, lo, last + 1), :dim].float()
+        keys = raw_rows[self._slots(b, lo, last + 1)].float()
         j = torch.arange(lo, last + 1, device=q.device)[None, :]
         bias = masked_bias((j <= positions[:, None]) & (j > positions[:, None] - window))
         if compression is not None and entries is not None:
@@ -527,55 +756,42 @@ class CompressedStep(StepAttention):
             bias = torch.cat([bias, masked_bias(seen)], dim=1)
         return sink_attention(q[tokens], keys, bias, sinks)
 
-    def _slots(self, b: int, lo: int, hi: int) -> torch.Tensor:
-        """The rows' slots of sequence b's positions lo .. hi - 1."""
+    def _slots(self, b: int, lo: int, hi: int, table: torch.Tensor | None = None) -> torch.Tensor:
+        """The slots of sequence b's positions lo .. hi - 1 in the pages of `table` (None:
+        the rows')."""
         page = self.layout.page_size
-        pos = torch.arange(lo, hi, device=self.block_table.device)
-        return self.block_table[b, pos // page] * page + pos % page
+        table = self.block_table if table is None else table
+        pos = torch.arange(lo, hi, device=table.device)
+        return table[b, pos // page] * page + pos % page
 
     def _entries(
         self,
         b: int,
         layer: int,
         compression: Compression,
-        seq_rows: torch.Tensor,
+        seq_inputs: torch.Tensor,
         lo: int,
         start: int,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Pool the windows sequence b completes in this step (from `seq_rows`, its rows of
-        positions lo ..) into its entries' pages; return its entries so far, and the
-        indexer's keys (None without an indexer)."""
+        """Pool the windows sequence b completes in this step (from `seq_inputs`, the layer's
+        compressor inputs at positions lo ..) into its entries' pages; return its entries so
+        far, and the indexer's keys (None without an indexer)."""
         ratio, lay = compression.ratio, self.layout
-        ctx = lo + len(seq_rows)
+        ctx = lo + len(seq_inputs)
         done, total = start // ratio, ctx // ratio
         indexer = compression.indexer
-        width = compression.kv.shape[1]  # the compressor's rows: c * head_dim
-        dim = width // (2 if indexer is not None else 1)  # head_dim, the raw row's width
-        # per cache: (first column of its kv rows, their width, its entries' offset, their
-        # width, its pool); the gate rows follow the kv rows
-        parts = [(dim, width, lay.entries[layer], dim, compression.pooling)]
-        if indexer is not None:
-            index_width = indexer.kv.shape[1]
-            parts.append(
-                (
-                    dim + 2 * width,
-                    index_width,
-                    lay.index_keys[layer],
-                    index_width // 2,
-                    indexer.pooling,
-                )
-            )
         pages, slots = entry_slots(self.entry_table[b], 0, total, ratio, lay.page_size)
         room = per_page(lay.page_size, ratio)
         lead = 1 if indexer is not None and done > 0 else 0
         span = slice((done - lead) * ratio - lo, total * ratio - lo)
         out = []
-        for column, rows_width, offset, entry_width, pooling in parts:
+        for column, width, offset, pooling in self._pooled_parts(layer, compression):
+            entry_width = width // (2 if pooling.overlap else 1)
             flat = self.entries[:, offset : offset + room * entry_width]
             block = flat.unflatten(1, (room, entry_width))
             if total > done:  # windows done .. total - 1 complete now
-                kv = seq_rows[span, column : column + rows_width]
-                gate = seq_rows[span, column + rows_width : column + 2 * rows_width]
+                kv = seq_inputs[span, column : column + width]
+                gate = seq_inputs[span, column + width : column + 2 * width]
                 pooled = pool_windows(pooling, kv, gate, done).to(block.dtype)
                 block[pages[done:], slots[done:]] = pooled
             out.append(block[pages, slots])
@@ -583,22 +799,32 @@ class CompressedStep(StepAttention):
 
 
 def step(kv: KVGroups, cfg: Any, batch: StepBatch) -> CompressedStep:
-    """The step's operator over the two groups' pages (PyTorch's: the kind has no native
-    kernels; every sequence attends alike, so a batch-invariant step changes nothing)."""
-    assert batch.kernel is None, "the compressed kind has no native kernels"
+    """The step's operator over the two groups' pages: its decodes on the kind's own native
+    kernel where the run plan says so (`StepBatch.own_kernels`: on the CPU, for float32 and
+    bfloat16 caches), every other sequence on PyTorch's path. A batch-invariant step
+    (`decodes_as_prefill`) keeps the decodes on PyTorch's path too, so that a token attends
+    with the same arithmetic whether it is decoded or recomputed in a prefill."""
+    assert batch.kernel is None, "the compressed kind attends on kernels of its own"
     layers = batch.layers
     if layers is None:  # the whole model
         layers = range(len(cfg.compressed.compress_ratios))
     lay = layout(cfg, layers, kv.page_size)
+    cache = kv.manager(ROWS).pool.cache.k_cache
+    library = None
+    native = cache.device.type == "cpu" and cache.dtype in NATIVE_DTYPES
+    if batch.own_kernels and native and not batch.decodes_as_prefill and batch.num_decodes:
+        library = compressed_library()
     return CompressedStep(
         kv,
         lay,
         batch.pages[ROWS],
         batch.pages[ENTRIES],
+        batch.pages.get(INPUTS),
         batch.positions,
         batch.q_lens,
         batch.ctx_lens,
         batch.num_decodes,
         batch.max_q,
         batch.progress,
+        library,
     )

@@ -21,6 +21,7 @@ from pypto_serving.ops.attention import DenseKV, KVAttention, causal_attention
 NAME = "gqa"
 KERNELS = True
 NATIVE_DECODE = True
+OWN_KERNELS = False
 
 step = paged_step
 """Its step: `StepAttention` over its one group of full attention."""

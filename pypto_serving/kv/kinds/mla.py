@@ -25,6 +25,7 @@ from pypto_serving.ops.attention import DenseKV, KVAttention, causal_attention
 NAME = "mla"
 KERNELS = True
 NATIVE_DECODE = False
+OWN_KERNELS = False
 
 step = paged_step
 """Its step: `StepAttention` over its one group of full attention."""

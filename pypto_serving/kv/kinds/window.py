@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 NAME = "window"
 KERNELS = False
 NATIVE_DECODE = False
+OWN_KERNELS = False
 FULL, SLIDING = "full", "sliding"
 """The names of the kind's groups (they key the SSD tier's folders apart)."""
 

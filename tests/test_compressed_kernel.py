@@ -1,0 +1,110 @@
+"""DeepSeek-V4's native decode attention (native/compressed.cpp): every decode's output equals
+the kind's PyTorch path on the same pages (the window's raw rows, the entries, the indexer's
+top k, the sinks), in float32 and bfloat16, on every tiny V4 (window-only, CSA and HCA layers,
+top k below and above the entries there are), for the native build and the AVX2 build; and
+the greedy tokens of engines with and without it are HF's (tests/test_deepseek_v4.py runs
+every path with it on, the run plan's default)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from checkpoints import TINY_DEEPSEEK_V4
+from cpu_builds import AVX2_IS_THIS_BUILD
+from live_server import tiny_llm
+
+from pypto_serving import SamplingParams
+from pypto_serving.kv.kinds.compressed import CompressedStep, Compression, Inputs
+from pypto_serving.native import build_compressed, load_compressed
+
+PROMPTS = [[(13 * i + 7 * j) % 300 + 3 for j in range(9 + 17 * i)] for i in range(3)]
+"""Three lengths: the decodes complete their windows at different steps."""
+PARAMS = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+
+
+def checked_decodes(monkeypatch: pytest.MonkeyPatch, library: Any, seen: dict[str, Any]) -> None:
+    """Wrap the native decodes: each call's output against the PyTorch path's, per sequence,
+    on the pages as the call left them; `library` (if given) replaces the engine's build."""
+    native = CompressedStep._attend_decodes
+
+    def both(
+        self: CompressedStep,
+        nd: int,
+        layer: int,
+        q: torch.Tensor,
+        sinks: torch.Tensor,
+        window: int,
+        compression: Compression | None,
+        inputs: Inputs | None,
+    ) -> torch.Tensor:
+        if library is not None:
+            self.library = library
+        out = native(self, nd, layer, q, sinks, window, compression, inputs)
+        offset = self.layout.rows[layer]
+        raw_rows = self.rows[:, offset : offset + q.shape[-1]]
+        for b in range(nd):
+            (want,) = self._attend_sequence(
+                b, layer, q, raw_rows, sinks, window, compression, inputs
+            )
+            diff = (out[b : b + 1].float() - want.float()).abs().max().item()
+            seen["diff"] = max(seen["diff"], diff)
+            seen["calls"] += 1
+            if compression is not None and compression.indexer is not None:  # more to choose
+                entries = int(self.ctx_lens[b]) // compression.ratio
+                seen["chosen"] += entries > compression.indexer.topk
+        return out
+
+    monkeypatch.setattr(CompressedStep, "_attend_decodes", both)
+
+
+@pytest.fixture(scope="module")
+def avx2_library(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path = build_compressed(tmp_path_factory.mktemp("avx2"), extra_flags=("-march=x86-64-v3",))
+    assert path is not None, "the AVX2 build of native/compressed.cpp failed"
+    return load_compressed(path)
+
+
+@pytest.mark.parametrize("name", sorted(TINY_DEEPSEEK_V4))
+@pytest.mark.parametrize(
+    ("dtype", "build"),
+    [
+        ("float32", "native"),
+        ("bfloat16", "native"),
+        pytest.param(
+            "float32",
+            "avx2",
+            marks=pytest.mark.skipif(AVX2_IS_THIS_BUILD, reason="this CPU's build is AVX2's"),
+        ),
+    ],
+)
+def test_native_decodes_equal_the_pytorch_path(
+    tiny_model, monkeypatch, avx2_library, name: str, dtype: str, build: str
+) -> None:
+    seen = {"diff": 0.0, "calls": 0, "chosen": 0}
+    checked_decodes(monkeypatch, avx2_library if build == "avx2" else None, seen)
+    with tiny_llm(tiny_model(name), dtype=dtype, page_size=6, max_num_seqs=3) as llm:
+        assert llm.engine.attention.own_kernels
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert seen["calls"] > 0 and seen["chosen"] > 0  # the indexer chose among more entries
+    assert seen["diff"] < (1e-5 if dtype == "float32" else 1e-2), seen
+
+
+def test_without_native_attention_every_decode_stays_on_pytorch(tiny_model, monkeypatch):
+    calls: list[int] = []
+    native = CompressedStep._attend_decodes
+    monkeypatch.setattr(
+        CompressedStep,
+        "_attend_decodes",
+        lambda self, nd, *a: calls.append(nd) or native(self, nd, *a),
+    )
+    path: Path = tiny_model("deepseekv4-swa-csa-hca-hash")
+    with tiny_llm(path, native_attention=False) as off:
+        assert not off.engine.attention.own_kernels
+        quiet = [o.outputs[0].token_ids for o in off.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    assert calls == []
+    with tiny_llm(path) as on:
+        loud = [o.outputs[0].token_ids for o in on.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    assert calls and loud == quiet
