@@ -1,9 +1,10 @@
-"""DeepSeek-V4's native decode attention (native/compressed.cpp): every decode's output equals
-the kind's PyTorch path on the same pages (the window's raw rows, the entries, the indexer's
-top k, the sinks), in float32 and bfloat16, on every tiny V4 (window-only, CSA and HCA layers,
-top k below and above the entries there are), for the native build and the AVX2 build; and
-the greedy tokens of engines with and without it are HF's (tests/test_deepseek_v4.py runs
-every path with it on, the run plan's default)."""
+"""DeepSeek-V4's native attention (native/compressed.cpp): every query's output (decodes and
+prefill chunks, several sequences a step) equals the kind's PyTorch path on the same pages
+(the window's raw rows, the entries, the indexer's top k, the sinks), in float32 and
+bfloat16, on every tiny V4 (window-only, CSA and HCA layers, top k below and above the
+entries there are), for the native build and the AVX2 build; and the greedy tokens of
+engines with and without it are the same (tests/test_deepseek_v4.py compares every path
+with HF's with it on, the run plan's default)."""
 
 from __future__ import annotations
 
@@ -25,14 +26,14 @@ PROMPTS = [[(13 * i + 7 * j) % 300 + 3 for j in range(9 + 17 * i)] for i in rang
 PARAMS = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
 
 
-def checked_decodes(monkeypatch: pytest.MonkeyPatch, library: Any, seen: dict[str, Any]) -> None:
-    """Wrap the native decodes: each call's output against the PyTorch path's, per sequence,
-    on the pages as the call left them; `library` (if given) replaces the engine's build."""
-    native = CompressedStep._attend_decodes
+def checked_native(monkeypatch: pytest.MonkeyPatch, library: Any, seen: dict[str, Any]) -> None:
+    """Wrap the native path: each call's output against the PyTorch path's, sequence by
+    sequence, on the pages as the call left them; `library` (if given) replaces the
+    engine's build."""
+    native = CompressedStep._attend_native
 
     def both(
         self: CompressedStep,
-        nd: int,
         layer: int,
         q: torch.Tensor,
         sinks: torch.Tensor,
@@ -42,22 +43,21 @@ def checked_decodes(monkeypatch: pytest.MonkeyPatch, library: Any, seen: dict[st
     ) -> torch.Tensor:
         if library is not None:
             self.library = library
-        out = native(self, nd, layer, q, sinks, window, compression, inputs)
+        out = native(self, layer, q, sinks, window, compression, inputs)
         offset = self.layout.rows[layer]
         raw_rows = self.rows[:, offset : offset + q.shape[-1]]
-        for b in range(nd):
-            (want,) = self._attend_sequence(
-                b, layer, q, raw_rows, sinks, window, compression, inputs
+        for b, (first, count, ctx) in enumerate(self.spans):
+            want = torch.cat(
+                self._attend_sequence(b, layer, q, raw_rows, sinks, window, compression, inputs)
             )
-            diff = (out[b : b + 1].float() - want.float()).abs().max().item()
-            seen["diff"] = max(seen["diff"], diff)
-            seen["calls"] += 1
+            got = out[first : first + count].float()
+            seen["diff"] = max(seen["diff"], (got - want.float()).abs().max().item())
+            seen["decodes" if count == 1 else "prefills"] += 1
             if compression is not None and compression.indexer is not None:  # more to choose
-                entries = int(self.ctx_lens[b]) // compression.ratio
-                seen["chosen"] += entries > compression.indexer.topk
+                seen["chosen"] += ctx // compression.ratio > compression.indexer.topk
         return out
 
-    monkeypatch.setattr(CompressedStep, "_attend_decodes", both)
+    monkeypatch.setattr(CompressedStep, "_attend_native", both)
 
 
 @pytest.fixture(scope="module")
@@ -80,25 +80,27 @@ def avx2_library(tmp_path_factory: pytest.TempPathFactory) -> Any:
         ),
     ],
 )
-def test_native_decodes_equal_the_pytorch_path(
+def test_the_native_kernel_equals_the_pytorch_path(
     tiny_model, monkeypatch, avx2_library, name: str, dtype: str, build: str
 ) -> None:
-    seen = {"diff": 0.0, "calls": 0, "chosen": 0}
-    checked_decodes(monkeypatch, avx2_library if build == "avx2" else None, seen)
-    with tiny_llm(tiny_model(name), dtype=dtype, page_size=6, max_num_seqs=3) as llm:
+    seen = {"diff": 0.0, "decodes": 0, "prefills": 0, "chosen": 0}
+    checked_native(monkeypatch, avx2_library if build == "avx2" else None, seen)
+    knobs = {"page_size": 6, "max_num_seqs": 3, "max_num_batched_tokens": 12}
+    knobs |= {"long_prefill_token_threshold": 12}  # chunks beside decodes in a step
+    with tiny_llm(tiny_model(name), dtype=dtype, **knobs) as llm:
         assert llm.engine.attention.own_kernels
         llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    assert seen["calls"] > 0 and seen["chosen"] > 0  # the indexer chose among more entries
+    assert seen["decodes"] and seen["prefills"] and seen["chosen"]  # the indexer chose too
     assert seen["diff"] < (1e-5 if dtype == "float32" else 1e-2), seen
 
 
-def test_without_native_attention_every_decode_stays_on_pytorch(tiny_model, monkeypatch):
+def test_without_native_attention_every_query_stays_on_pytorch(tiny_model, monkeypatch):
     calls: list[int] = []
-    native = CompressedStep._attend_decodes
+    native = CompressedStep._attend_native
     monkeypatch.setattr(
         CompressedStep,
-        "_attend_decodes",
-        lambda self, nd, *a: calls.append(nd) or native(self, nd, *a),
+        "_attend_native",
+        lambda self, layer, *a: calls.append(layer) or native(self, layer, *a),
     )
     path: Path = tiny_model("deepseekv4-swa-csa-hca-hash")
     with tiny_llm(path, native_attention=False) as off:

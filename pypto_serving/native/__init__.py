@@ -11,8 +11,8 @@
   records: AVX512-VNNI dot products, AVX2's vpmaddubsw/vpmaddwd or AVX-VNNI, plain loops
   elsewhere; bf16 weights: AVX512-BF16 dot products, or widened to float32 and FMAs on AVX2);
   called by `executor/native_decode.py`.
-- `compressed.cpp`: DeepSeek-V4's compressed attention for decodes (the window's rows, the
-  entries, the indexer's top k, the sinks) over the kind's pages in place; its own library
+- `compressed.cpp`: DeepSeek-V4's compressed attention (the window's rows, the entries, the
+  indexer's top k, the sinks), query by query over the kind's pages in place; its own library
   (`compressed_library`), called by `kv/kinds/compressed.py`.
 - `shm.cpp`: the collectives between the ranks of one machine over a shared-memory segment
   (all-reduce, all-gather, broadcast: spin, then yield, then nap); its own library
@@ -66,7 +66,7 @@ for every model."""
 SHM_SOURCES = (Path(__file__).with_name("shm.cpp"),)
 """The shared-memory collectives: one library for every model."""
 COMPRESSED_SOURCES = (Path(__file__).with_name("compressed.cpp"),)
-"""DeepSeek-V4's compressed attention for decodes: one library for every model."""
+"""DeepSeek-V4's compressed attention: one library for every model."""
 HEADERS = (Path(__file__).with_name("records.h"),)
 """Included by the sources (the product over records: decode.cpp and gemm.cpp): part of every
 library's key."""
@@ -280,11 +280,11 @@ def load_compressed(path: Path) -> ctypes.CDLL | None:
     if lib is None:
         return None
     c_int, c_int64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    fn = lib.pypto_compressed_decode
+    fn = lib.pypto_compressed_attention
     fn.restype = c_int
     fn.argtypes = [
-        *[c_int] * 4,  # dtype, batch, heads, dim
-        *[ptr] * 3,  # q, sinks, ctx_lens
+        *[c_int] * 4,  # dtype, queries, heads, dim
+        *[ptr] * 4,  # q, sinks, seqs, positions
         c_int,  # window
         ptr,  # rows
         *[c_int64] * 2,  # row_width, row_offset

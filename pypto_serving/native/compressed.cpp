@@ -1,8 +1,8 @@
-// DeepSeek-V4's compressed attention for decodes (kv/kinds/compressed.py), reading the kind's
-// pages in place: each sequence's one query attends over the raw rows of its window and,
-// in a compressed layer, the entries of the windows complete by its position (all of them:
-// HCA; CSA: the top k the lightning indexer scores highest), with a per-head sink logit in
-// the softmax's denominator. The same arithmetic as the kind's PyTorch path (float32 inside,
+// DeepSeek-V4's compressed attention (kv/kinds/compressed.py), reading the kind's pages in
+// place: each query (of a decode or of a prefill chunk: its sequence and its position given)
+// attends over the raw rows of its window and, in a compressed layer, the entries of the
+// windows complete by its position (all of them: HCA; CSA: the top k the lightning indexer
+// scores highest), with a per-head sink logit in the softmax's denominator. The same arithmetic as the kind's PyTorch path (float32 inside,
 // scale head_dim^-0.5); no shape constant: one library for every model.
 //
 // Layouts (the kind's `Layout`):
@@ -13,7 +13,8 @@
 //             sequence's entry_table[b][p]), at w - p * page / ratio; the entries of a layer
 //             from column `entry_offset` (head_dim wide each), the indexer's keys from
 //             `index_offset` (index_dim wide each)
-// A sequence's work runs on one thread of torch's OpenMP team; sequences spread over it.
+// A query's work runs on one thread of torch's OpenMP team; queries spread over it. The
+// windows a step completes are pooled into the entry pages before the call (on PyTorch).
 #include <omp.h>
 
 #include <algorithm>
@@ -56,7 +57,7 @@ struct Entries {
     int64_t table_width;
 
     // Element index of window w's slot (its entry at `offset` + slot * width) for sequence b.
-    int64_t at(int b, int64_t w, int64_t offset, int width) const {
+    int64_t at(int64_t b, int64_t w, int64_t offset, int width) const {
         const int64_t p = ((w + 1) * ratio - 1) / page;
         const int64_t slot = w - p * page / ratio;
         return table[b * table_width + p] * page_elems + offset + slot * width;
@@ -65,12 +66,13 @@ struct Entries {
 
 }  // namespace
 
-extern "C" int pypto_compressed_decode(
+extern "C" int pypto_compressed_attention(
     int dtype,                  // the caches': 0 float32, 1 bfloat16
-    int batch, int heads, int dim,
-    const float* q,             // [batch, heads, dim]
+    int queries, int heads, int dim,
+    const float* q,             // [queries, heads, dim]
     const float* sinks,         // [heads]
-    const int64_t* ctx_lens,    // [batch]: the query is at ctx - 1
+    const int64_t* seqs,        // [queries]: each query's sequence (its row of the tables)
+    const int64_t* positions,   // [queries]: each query's position in its sequence
     int window,
     const void* rows, int64_t row_width, int64_t row_offset,
     const int64_t* block_table, int64_t table_width, int page,
@@ -78,25 +80,25 @@ extern "C" int pypto_compressed_decode(
     const void* entries, int64_t page_width, int64_t entry_offset,
     const int64_t* entry_table, int64_t entry_table_width,
     int index_heads,            // 0: no indexer (HCA: every entry)
-    int index_dim, const float* index_q,  // [batch, index_heads, index_dim]
-    const float* index_weights,           // [batch, index_heads]
+    int index_dim, const float* index_q,  // [queries, index_heads, index_dim]
+    const float* index_weights,           // [queries, index_heads]
     int64_t index_offset, int topk,
-    float* out)                 // [batch, heads, dim]
+    float* out)                 // [queries, heads, dim]
 {
-    if (batch <= 0 || heads <= 0 || dim <= 0 || page <= 0 || window <= 0) return 1;
+    if (queries <= 0 || heads <= 0 || dim <= 0 || page <= 0 || window <= 0) return 1;
     if (ratio < 0 || (index_heads > 0 && (ratio == 0 || index_dim <= 0 || topk <= 0))) return 2;
     const Entries ent{ratio, page, entries, page_width * page, entry_table, entry_table_width};
     const float scale = 1.0f / std::sqrt(float(dim));
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int b = 0; b < batch; ++b) {
-        const int64_t pos = ctx_lens[b] - 1;
+    for (int i = 0; i < queries; ++i) {
+        const int64_t b = seqs[i], pos = positions[i];
         const int64_t lo = std::max<int64_t>(pos - window + 1, 0);
         const int64_t n_entries = ratio > 0 ? (pos + 1) / ratio : 0;
         std::vector<int64_t> chosen;  // the windows whose entries it reads
         if (index_heads > 0 && n_entries > topk) {
             std::vector<float> score(n_entries), key(index_dim);
-            const float* iq = index_q + int64_t(b) * index_heads * index_dim;
-            const float* iw = index_weights + int64_t(b) * index_heads;
+            const float* iq = index_q + int64_t(i) * index_heads * index_dim;
+            const float* iw = index_weights + int64_t(i) * index_heads;
             for (int64_t w = 0; w < n_entries; ++w) {
                 read_row(entries, dtype, ent.at(b, w, index_offset, index_dim), index_dim,
                          key.data());
@@ -128,7 +130,7 @@ extern "C" int pypto_compressed_decode(
             read_row(entries, dtype, ent.at(b, chosen[i], entry_offset, dim),
                      dim, &keys[(n_rows + int64_t(i)) * dim]);
         for (int h = 0; h < heads; ++h) {
-            const float* qh = q + (int64_t(b) * heads + h) * dim;
+            const float* qh = q + (int64_t(i) * heads + h) * dim;
             float top = sinks[h];
             for (int64_t s = 0; s < n_keys; ++s) {
                 scores[s] = dot(qh, &keys[s * dim], dim) * scale;
@@ -139,7 +141,7 @@ extern "C" int pypto_compressed_decode(
                 scores[s] = std::exp(scores[s] - top);
                 denom += scores[s];
             }
-            float* oh = out + (int64_t(b) * heads + h) * dim;
+            float* oh = out + (int64_t(i) * heads + h) * dim;
             std::fill(oh, oh + dim, 0.0f);
             for (int64_t s = 0; s < n_keys; ++s) {
                 const float p = scores[s] / denom;

@@ -526,8 +526,8 @@ class CompressedStep(StepAttention):
         progress: StepProgress | None = None,
         library: ctypes.CDLL | None = None,
     ) -> None:
-        """library: the kind's native kernels (`native.compressed_library`), which attend the
-        decodes; None: every sequence on the PyTorch path."""
+        """library: the kind's native kernel (`native.compressed_library`), which attends
+        every query; None: every sequence on the PyTorch path."""
         cache = kv.manager(ROWS).pool.cache
         super().__init__(
             cache, row_pages, positions, q_lens, ctx_lens, num_decodes, max_q, None, progress
@@ -564,16 +564,19 @@ class CompressedStep(StepAttention):
         raw_rows = self.rows[:, offset : offset + raw.shape[1]]
         raw_rows.index_copy_(0, self.slot_mapping, raw.to(raw_rows.dtype))
         inputs = None if compression is None else self._store_inputs(layer, compression)
-        outs = []
-        native = self.num_decodes if self.library is not None else 0
-        if native:
-            outs.append(self._attend_decodes(native, layer, q, sinks, window, compression, inputs))
-        for b in range(native, len(self.spans)):
-            outs += self._attend_sequence(b, layer, q, raw_rows, sinks, window, compression, inputs)
+        if self.library is not None:
+            out = self._attend_native(layer, q, sinks, window, compression, inputs)
+        else:
+            outs = []
+            for b in range(len(self.spans)):
+                outs += self._attend_sequence(
+                    b, layer, q, raw_rows, sinks, window, compression, inputs
+                )
+            out = torch.cat(outs)
         self.layers += 1
         if self.progress is not None:
             self.progress.layers += 1
-        return torch.cat(outs)
+        return out
 
     def _store_inputs(self, layer: int, compression: Compression) -> Inputs:
         """Write the new tokens' compressor (and indexer) inputs of a compressed layer: HCA's
@@ -610,12 +613,9 @@ class CompressedStep(StepAttention):
         first, count, ctx = self.spans[b]
         start = ctx - count
         entries: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        if compression is not None and inputs is not None:  # pool what completes now
-            lead = 2 if compression.indexer is not None else 1
-            lo = max(start // compression.ratio - lead + 1, 0) * compression.ratio
-            columns, table = inputs
-            seq_inputs = columns[self._slots(b, lo, ctx, table)].float()
-            entries = self._entries(b, layer, compression, seq_inputs, lo, start)
+        if compression is not None and inputs is not None:
+            self._pool_sequence(b, layer, compression, inputs)
+            entries = self._entries(b, layer, compression, ctx // compression.ratio)
         outs = []
         for q_start in range(start, ctx, QUERY_BLOCK):  # the window: a band of keys
             q_end = min(q_start + QUERY_BLOCK, ctx)
@@ -625,9 +625,8 @@ class CompressedStep(StepAttention):
             )
         return outs
 
-    def _attend_decodes(
+    def _attend_native(
         self,
-        nd: int,
         layer: int,
         q: torch.Tensor,
         sinks: torch.Tensor,
@@ -635,31 +634,36 @@ class CompressedStep(StepAttention):
         compression: Compression | None,
         inputs: Inputs | None,
     ) -> torch.Tensor:
-        """The first `nd` sequences' (the decodes') attention in one call of the native
-        kernel, which reads the pages in place, after pooling the windows their new tokens
-        complete (one in `ratio` of them)."""
-        lay, lib = self.layout, self.library
+        """Every query of the step in one call of the native kernel, which reads the pages
+        in place, after pooling the windows the step completes (the decodes' in one
+        batch)."""
+        lay, lib, nd = self.layout, self.library, self.num_decodes
         assert lib is not None
         ratio = 0 if compression is None else compression.ratio
         if compression is not None and inputs is not None:
-            self._pool_decodes(nd, layer, compression, inputs)
-        queries = q[:nd].float().contiguous()
+            if nd:
+                self._pool_decodes(nd, layer, compression, inputs)
+            for b in range(nd, len(self.spans)):
+                self._pool_sequence(b, layer, compression, inputs)
+        queries = q.float().contiguous()
         out = torch.empty_like(queries)
         indexer = None if compression is None else compression.indexer
         index_q = index_weights = None
         if indexer is not None:
-            index_q = indexer.q[:nd].float().contiguous()
-            index_weights = indexer.weights[:nd].float().contiguous()
+            index_q = indexer.q.float().contiguous()
+            index_weights = indexer.weights.float().contiguous()
         sink = sinks.float().contiguous()
-        ctx_lens = self.ctx_lens[:nd].contiguous()
-        failed = lib.pypto_compressed_decode(
+        seqs = torch.repeat_interleave(self.q_lens, output_size=len(q))
+        positions = self.positions.contiguous()
+        failed = lib.pypto_compressed_attention(
             NATIVE_DTYPES[self.rows.dtype],
-            nd,
+            len(q),
             queries.shape[1],
             queries.shape[2],
             queries.data_ptr(),
             sink.data_ptr(),
-            ctx_lens.data_ptr(),
+            seqs.data_ptr(),
+            positions.data_ptr(),
             window,
             self.rows.data_ptr(),
             self.rows.shape[1],
@@ -681,7 +685,7 @@ class CompressedStep(StepAttention):
             0 if indexer is None else indexer.topk,
             out.data_ptr(),
         )
-        assert failed == 0, f"pypto_compressed_decode failed ({failed})"
+        assert failed == 0, f"pypto_compressed_attention failed ({failed})"
         return out.to(q.dtype)
 
     def _pool_decodes(self, nd: int, layer: int, compression: Compression, inputs: Inputs) -> None:
@@ -764,46 +768,49 @@ class CompressedStep(StepAttention):
         pos = torch.arange(lo, hi, device=table.device)
         return table[b, pos // page] * page + pos % page
 
-    def _entries(
-        self,
-        b: int,
-        layer: int,
-        compression: Compression,
-        seq_inputs: torch.Tensor,
-        lo: int,
-        start: int,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Pool the windows sequence b completes in this step (from `seq_inputs`, the layer's
-        compressor inputs at positions lo ..) into its entries' pages; return its entries so
-        far, and the indexer's keys (None without an indexer)."""
-        ratio, lay = compression.ratio, self.layout
-        ctx = lo + len(seq_inputs)
+    def _pool_sequence(self, b: int, layer: int, compression: Compression, inputs: Inputs) -> None:
+        """Pool the windows sequence b's new tokens complete into its entry pages, from the
+        layer's compressor inputs of those windows (CSA: and of the window before)."""
+        ratio = compression.ratio
+        _, count, ctx = self.spans[b]
+        start = ctx - count
         done, total = start // ratio, ctx // ratio
-        indexer = compression.indexer
-        pages, slots = entry_slots(self.entry_table[b], 0, total, ratio, lay.page_size)
-        room = per_page(lay.page_size, ratio)
-        lead = 1 if indexer is not None and done > 0 else 0
-        span = slice((done - lead) * ratio - lo, total * ratio - lo)
-        out = []
+        if total == done:
+            return
+        lead = 1 if compression.indexer is not None and done > 0 else 0
+        columns, table = inputs
+        seq_inputs = columns[self._slots(b, (done - lead) * ratio, total * ratio, table)].float()
+        page = self.layout.page_size
+        pages, slots = entry_slots(self.entry_table[b], done, total, ratio, page)
+        room = per_page(page, ratio)
         for column, width, offset, pooling in self._pooled_parts(layer, compression):
+            kv = seq_inputs[:, column : column + width]
+            gate = seq_inputs[:, column + width : column + 2 * width]
+            pooled = pool_windows(pooling, kv, gate, done)
+            flat = self.entries[:, offset : offset + room * pooled.shape[1]]
+            flat.unflatten(1, (room, pooled.shape[1]))[pages, slots] = pooled.to(flat.dtype)
+
+    def _entries(
+        self, b: int, layer: int, compression: Compression, total: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sequence b's first `total` entries, and the indexer's keys (None without an
+        indexer), from its entry pages."""
+        page = self.layout.page_size
+        pages, slots = entry_slots(self.entry_table[b], 0, total, compression.ratio, page)
+        room = per_page(page, compression.ratio)
+        out = []
+        for _, width, offset, pooling in self._pooled_parts(layer, compression):
             entry_width = width // (2 if pooling.overlap else 1)
             flat = self.entries[:, offset : offset + room * entry_width]
-            block = flat.unflatten(1, (room, entry_width))
-            if total > done:  # windows done .. total - 1 complete now
-                kv = seq_inputs[span, column : column + width]
-                gate = seq_inputs[span, column + width : column + 2 * width]
-                pooled = pool_windows(pooling, kv, gate, done).to(block.dtype)
-                block[pages[done:], slots[done:]] = pooled
-            out.append(block[pages, slots])
-        return out[0], out[1] if indexer is not None else None
+            out.append(flat.unflatten(1, (room, entry_width))[pages, slots])
+        return out[0], out[1] if compression.indexer is not None else None
 
 
 def step(kv: KVGroups, cfg: Any, batch: StepBatch) -> CompressedStep:
-    """The step's operator over the two groups' pages: its decodes on the kind's own native
+    """The step's operator over the groups' pages: every query on the kind's own native
     kernel where the run plan says so (`StepBatch.own_kernels`: on the CPU, for float32 and
-    bfloat16 caches), every other sequence on PyTorch's path. A batch-invariant step
-    (`decodes_as_prefill`) keeps the decodes on PyTorch's path too, so that a token attends
-    with the same arithmetic whether it is decoded or recomputed in a prefill."""
+    bfloat16 caches), else on PyTorch's path. A batch-invariant step (`decodes_as_prefill`)
+    stays on PyTorch's path, whose arithmetic its guarantee was established on."""
     assert batch.kernel is None, "the compressed kind attends on kernels of its own"
     layers = batch.layers
     if layers is None:  # the whole model
@@ -812,7 +819,7 @@ def step(kv: KVGroups, cfg: Any, batch: StepBatch) -> CompressedStep:
     cache = kv.manager(ROWS).pool.cache.k_cache
     library = None
     native = cache.device.type == "cpu" and cache.dtype in NATIVE_DTYPES
-    if batch.own_kernels and native and not batch.decodes_as_prefill and batch.num_decodes:
+    if batch.own_kernels and native and not batch.decodes_as_prefill:
         library = compressed_library()
     return CompressedStep(
         kv,
