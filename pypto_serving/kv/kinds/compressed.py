@@ -20,7 +20,9 @@ the indexer scores highest (CSA); a learned per-head sink joins the softmax's de
 The compressor inputs are the compressor's whole state: an entry is a function of the rows of
 its window (and, CSA, of the window before), so the state after any prefix - a partial window,
 the previous window's first series - is the rows of its last tokens, and a prefix hit of any
-length restores it by keeping those rows (docs/attention_kinds.md).
+length restores it by keeping those rows (docs/attention_kinds.md). The kind keeps them in
+three KV groups by how long they live: the entries (the whole sequence), the raw rows with
+HCA's inputs (the window), CSA's inputs (its window and the one before).
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ NAME = "compressed"
 KERNELS = False
 NATIVE_DECODE = False
 OWN_KERNELS = True
-"""Its decodes attend in one call of its own native kernel (native/compressed.cpp, a library
-of no shape), where the run plan runs native attention (`StepBatch.own_kernels`)."""
+"""A step's decodes attend in one call of its own native kernel (native/compressed.cpp, a
+library of no shape), where the run plan runs native attention (`StepBatch.own_kernels`)."""
 ROWS, ENTRIES, INPUTS = "compressed-rows", "compressed-entries", "compressed-inputs"
 """The names of the kind's KV groups (they key the SSD tier's folders apart)."""
 NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -526,8 +528,8 @@ class CompressedStep(StepAttention):
         progress: StepProgress | None = None,
         library: ctypes.CDLL | None = None,
     ) -> None:
-        """library: the kind's native kernel (`native.compressed_library`), which attends
-        every query; None: every sequence on the PyTorch path."""
+        """library: the kind's native kernel (`native.compressed_library`), which attends the
+        decodes; None: every sequence on the PyTorch path."""
         cache = kv.manager(ROWS).pool.cache
         super().__init__(
             cache, row_pages, positions, q_lens, ctx_lens, num_decodes, max_q, None, progress
@@ -564,19 +566,16 @@ class CompressedStep(StepAttention):
         raw_rows = self.rows[:, offset : offset + raw.shape[1]]
         raw_rows.index_copy_(0, self.slot_mapping, raw.to(raw_rows.dtype))
         inputs = None if compression is None else self._store_inputs(layer, compression)
-        if self.library is not None:
-            out = self._attend_native(layer, q, sinks, window, compression, inputs)
-        else:
-            outs = []
-            for b in range(len(self.spans)):
-                outs += self._attend_sequence(
-                    b, layer, q, raw_rows, sinks, window, compression, inputs
-                )
-            out = torch.cat(outs)
+        outs = []
+        native = self.num_decodes if self.library is not None else 0
+        if native:
+            outs.append(self._attend_native(native, layer, q, sinks, window, compression, inputs))
+        for b in range(native, len(self.spans)):
+            outs += self._attend_sequence(b, layer, q, raw_rows, sinks, window, compression, inputs)
         self.layers += 1
         if self.progress is not None:
             self.progress.layers += 1
-        return out
+        return torch.cat(outs)
 
     def _store_inputs(self, layer: int, compression: Compression) -> Inputs:
         """Write the new tokens' compressor (and indexer) inputs of a compressed layer: HCA's
@@ -627,6 +626,7 @@ class CompressedStep(StepAttention):
 
     def _attend_native(
         self,
+        nd: int,
         layer: int,
         q: torch.Tensor,
         sinks: torch.Tensor,
@@ -634,30 +634,28 @@ class CompressedStep(StepAttention):
         compression: Compression | None,
         inputs: Inputs | None,
     ) -> torch.Tensor:
-        """Every query of the step in one call of the native kernel, which reads the pages
-        in place, after pooling the windows the step completes (the decodes' in one
-        batch)."""
-        lay, lib, nd = self.layout, self.library, self.num_decodes
+        """The first `nd` sequences' (the decodes') queries in one call of the native kernel,
+        which reads the pages in place, after pooling the windows they complete (one batch).
+        Prefill chunks stay on PyTorch's path, whose blocked matmuls beat the kernel's query
+        by query loops there (docs/performance.md)."""
+        lay, lib = self.layout, self.library
         assert lib is not None
         ratio = 0 if compression is None else compression.ratio
         if compression is not None and inputs is not None:
-            if nd:
-                self._pool_decodes(nd, layer, compression, inputs)
-            for b in range(nd, len(self.spans)):
-                self._pool_sequence(b, layer, compression, inputs)
-        queries = q.float().contiguous()
+            self._pool_decodes(nd, layer, compression, inputs)
+        queries = q[:nd].float().contiguous()
         out = torch.empty_like(queries)
         indexer = None if compression is None else compression.indexer
         index_q = index_weights = None
         if indexer is not None:
-            index_q = indexer.q.float().contiguous()
-            index_weights = indexer.weights.float().contiguous()
+            index_q = indexer.q[:nd].float().contiguous()
+            index_weights = indexer.weights[:nd].float().contiguous()
         sink = sinks.float().contiguous()
-        seqs = torch.repeat_interleave(self.q_lens, output_size=len(q))
-        positions = self.positions.contiguous()
+        seqs = torch.arange(nd, dtype=torch.int64, device=q.device)
+        positions = self.positions[:nd].contiguous()
         failed = lib.pypto_compressed_attention(
             NATIVE_DTYPES[self.rows.dtype],
-            len(q),
+            nd,
             queries.shape[1],
             queries.shape[2],
             queries.data_ptr(),
@@ -807,10 +805,11 @@ class CompressedStep(StepAttention):
 
 
 def step(kv: KVGroups, cfg: Any, batch: StepBatch) -> CompressedStep:
-    """The step's operator over the groups' pages: every query on the kind's own native
+    """The step's operator over the groups' pages: its decodes on the kind's own native
     kernel where the run plan says so (`StepBatch.own_kernels`: on the CPU, for float32 and
-    bfloat16 caches), else on PyTorch's path. A batch-invariant step (`decodes_as_prefill`)
-    stays on PyTorch's path, whose arithmetic its guarantee was established on."""
+    bfloat16 caches), every other sequence on PyTorch's path. A batch-invariant step
+    (`decodes_as_prefill`) keeps the decodes on PyTorch's path too, so that a token attends
+    with the same arithmetic whether it is decoded or recomputed in a prefill."""
     assert batch.kernel is None, "the compressed kind attends on kernels of its own"
     layers = batch.layers
     if layers is None:  # the whole model
@@ -819,7 +818,7 @@ def step(kv: KVGroups, cfg: Any, batch: StepBatch) -> CompressedStep:
     cache = kv.manager(ROWS).pool.cache.k_cache
     library = None
     native = cache.device.type == "cpu" and cache.dtype in NATIVE_DTYPES
-    if batch.own_kernels and native and not batch.decodes_as_prefill:
+    if batch.own_kernels and native and not batch.decodes_as_prefill and batch.num_decodes:
         library = compressed_library()
     return CompressedStep(
         kv,
