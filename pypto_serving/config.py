@@ -443,7 +443,9 @@ class EngineConfig:
     offline (a run then starts at full speed); on for `pypto serve`. Not under tensor or
     pipeline parallelism."""
     max_model_len: int | None = None
-    """Longest sequence (prompt + output); None uses the model's own limit."""
+    """Longest sequence (prompt + output); None uses the model's own limit. Longer than the
+    model's context length (max_position_embeddings) is refused, as vLLM refuses it; the
+    KV pages' capacity may lower it (said in the start-up log)."""
     num_threads: int | None = None
     """CPU threads for PyTorch; None uses every core this process may run on."""
     native_attention: bool = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import sys
 import pytest
 from patience import patience
 
+from pypto_serving import LLM
 from pypto_serving.cli import build_parser, main
 
 
@@ -162,6 +164,21 @@ def test_prompt_too_long_for_context(tiny_model, capsys):
         capsys,
     )
     assert code == 1 and "context is 16" in err
+
+
+def test_a_max_model_len_beyond_the_models_context_is_refused(tiny_model, capsys, caplog):
+    """As vLLM refuses it (the tiny models' context is 512 positions); one the KV pages
+    cannot hold is lowered, and the log says so."""
+    path = tiny_model("llama-gqa4-tied")
+    code, out, err = run(
+        ["generate", "--model", str(path), "--prompt", "hi", "--max-model-len", "513"], capsys
+    )
+    assert code == 1 and out == "" and "Traceback" not in err
+    assert "max_model_len 513 is longer than the model's context length, 512" in err
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(str(path), dtype="float32", max_model_len=512, num_kv_pages=4, page_size=16)
+    assert llm.engine.max_model_len == 64
+    assert "max_model_len 512 lowered to 64: the KV pages hold no longer" in caplog.text
 
 
 def test_serve_rejects_bad_options_clearly(tmp_path, capsys):

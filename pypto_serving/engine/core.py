@@ -220,6 +220,13 @@ class EngineCore:
         if isinstance(self.executor, PagedExecutor):  # a request must fit the whole pool
             limits.append(self.executor.kv.capacity_tokens)
         self.max_model_len = min(limits)
+        if config.max_model_len and self.max_model_len < config.max_model_len:
+            log.warning(
+                "max_model_len %d lowered to %d: the KV pages hold no longer a sequence "
+                "(raise --kv-device-bytes or --num-kv-pages for more)",
+                config.max_model_len,
+                self.max_model_len,
+            )
         self.scheduler = Scheduler(config.scheduler, self.executor.kv)
         self.grammars = self.executor.grammars = Grammars(self.model_dir, cfg.vocab_size)
         self.page_events: list[KVEvent] = []

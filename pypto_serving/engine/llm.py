@@ -115,7 +115,8 @@ class LLM:
     def __init__(self, model: str = "default", **knobs: Any) -> None:
         config = engine_config(model=model, **knobs)
         self.model_dir = resolve_model_path(config.model)
-        load_model_config(self.model_dir)  # config errors first, before the tokenizer's
+        # config errors first, before the tokenizer's or any process
+        load_model_config(self.model_dir).check_max_model_len(config.max_model_len)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.engine: EngineCore | DPEngine
         if config.parallel.data_parallel_size > 1:

@@ -185,6 +185,17 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def check_max_model_len(self, max_model_len: int | None) -> None:
+        """Refuse a max_model_len beyond the model's own context length, as vLLM does (its
+        positions were never trained there); None takes the model's."""
+        if max_model_len is not None and max_model_len > self.max_position_embeddings:
+            raise ModelLoadError(
+                f"max_model_len {max_model_len} is longer than the model's context length, "
+                f"{self.max_position_embeddings} (max_position_embeddings in config.json): "
+                "lower --max-model-len or leave it unset",
+                "max_model_len",
+            )
+
     def parallel_shard(self, tp: int, pp: int = 1, ep: bool = False) -> ModelConfig:
         """One rank's share under tensor parallelism of `tp`: its attention heads, KV heads
         and MLP columns (vocabulary sharding is the embedding's business); checks that `pp`
