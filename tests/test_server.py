@@ -320,7 +320,9 @@ def test_openai_client_raises_on_errors(client):
 
 def test_info_routes(live):
     models = httpx.get(live.url + "/v1/models").json()
-    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] > 0
+    card = models["data"][0]
+    assert card["id"] == "tiny" and card["max_model_len"] > 0
+    assert card["root"] == str(live.llm.model_dir) and card["parent"] is None  # vLLM's fields
     assert httpx.get(live.url + "/health").status_code == 200
     assert httpx.get(live.url + "/version").json()["version"]
     tok = httpx.post(live.url + "/tokenize", json={"prompt": "hello world"}).json()

@@ -210,11 +210,15 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
         return await responses.create(body, raw)
 
     def card() -> dict[str, Any]:
+        """vLLM's model card: `root` is the model as it was given (--model), `parent` the
+        base model of an adapter (none here)."""
         return {
             "id": model_name,
             "object": "model",
             "created": created,
             "owned_by": "pypto-serving",
+            "root": engine.engine.config.model,
+            "parent": None,
             "max_model_len": engine.engine.max_model_len,
         }
 
