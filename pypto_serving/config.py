@@ -569,6 +569,18 @@ class ServerConfig:
     """Log one line per HTTP request (method, path, status), as uvicorn writes them."""
     web_ui: bool = True
     """Serve the chat and dashboard page at / (--no-web-ui: no page; / is a 404)."""
+    uvicorn_log_level: str = "warning"
+    """uvicorn's own log level (vLLM's flag): critical, error, warning, info, debug or trace
+    (the access log, --access-log, stays at info)."""
+    disable_log_requests: bool = False
+    """vLLM's flag, accepted: this server never logs a request's prompt or parameters, so
+    there is nothing more to turn off (the access log is --access-log's, off by default)."""
+    trust_remote_code: bool = False
+    """vLLM's flag, accepted: no code from a model's directory ever runs here (transformers
+    is always called without it); a warning says so."""
+    enable_lora: bool = False
+    """vLLM's flag: LoRA adapters are not supported, so it is refused (serve a checkpoint
+    with the adapter merged into its weights)."""
 
     def validate(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -591,11 +603,26 @@ class ServerConfig:
                 raise PyptoError(f"{name} must be an integer >= 1, got {value!r}")
         if self.api_key is not None and not self.api_key:
             raise PyptoError("api_key must not be empty")
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise PyptoError(
+                f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, got "
+                f"{self.uvicorn_log_level!r}",
+                "uvicorn_log_level",
+            )
+        if self.enable_lora:
+            raise PyptoError(
+                "enable_lora: LoRA adapters are not supported; merge the adapter into the "
+                "model's weights (peft's merge_and_unload) and serve that checkpoint",
+                "enable_lora",
+            )
         for name in ("max_queued_requests", "max_queued_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise PyptoError(f"{name} must be an integer >= 0, got {value!r}")
 
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+"""uvicorn's log levels (`ServerConfig.uvicorn_log_level`)."""
 
 SERVE_ENGINE_DEFAULTS: dict[str, Any] = {"max_num_batched_tokens": 1024, "background_compile": True}
 """Engine defaults of `pypto serve` that differ from the offline ones: a smaller step budget

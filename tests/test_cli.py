@@ -186,6 +186,8 @@ def test_serve_rejects_bad_options_clearly(tmp_path, capsys):
         (["serve", "--config", str(tmp_path / "missing.json")], "config file not found"),
         (["serve", "--port", "70000"], "port must be in [0, 65535]"),
         (["serve", "--max-request-bytes", "10"], "max_request_bytes must be >= 1024"),
+        (["serve", "--enable-lora"], "LoRA adapters are not supported; merge the adapter"),
+        (["serve", "--uvicorn-log-level", "loud"], "uvicorn_log_level must be one of critical"),
     ]
     bad_json = tmp_path / "bad.json"
     bad_json.write_text("{not json")
@@ -229,6 +231,20 @@ def test_serve_config_file_and_flags(tmp_path, monkeypatch):
         "background_compile": True,
     }
     assert (seen["s"].port, seen["s"].api_key, seen["s"].host) == (9002, "k", "127.0.0.1")
+
+
+@pytest.mark.slow
+def test_a_server_started_with_vllms_flags_answers(tiny_model):
+    """vLLM's serve flags that mean something here, or nothing to turn off: accepted."""
+    import httpx
+    from test_faults import pypto_serve
+
+    flags = ["--disable-log-requests", "--uvicorn-log-level", "warning", "--trust-remote-code"]
+    with pypto_serve(tiny_model("llama-gqa4-tied"), *flags) as (process, url):
+        assert process.poll() is None, process.stderr.read()[-2000:]
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    assert "--trust-remote-code is accepted for vLLM's command lines" in process.stderr.read()
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,7 @@ def uvicorn_config(app: Any, config: ServerConfig) -> uvicorn.Config:
         app,
         host=config.host,
         port=config.port,
-        log_level="warning",
+        log_level=config.uvicorn_log_level,
         access_log=config.access_log,
         timeout_graceful_shutdown=CLOSE_GRACE_S,
         http=guarded_protocol(
@@ -101,6 +101,11 @@ class DrainingServer(uvicorn.Server):
 def run_server(knobs: dict[str, Any], config: ServerConfig) -> int:
     """Serve until SIGTERM (drained) or SIGINT; returns the exit code."""
     engine_config(**knobs)  # bad options are reported before the address is taken
+    if config.trust_remote_code:
+        log.warning(
+            "--trust-remote-code is accepted for vLLM's command lines: no code from the "
+            "model's directory runs here (only its weights, config and tokenizer are read)"
+        )
     sock = bind(config.host, config.port)
     with contextlib.closing(sock):
         limits = QueueLimits(config.max_queued_requests, config.max_queued_tokens)
