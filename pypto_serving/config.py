@@ -524,8 +524,10 @@ class ServerConfig:
     host: str = "127.0.0.1"
     """Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface)."""
     port: int = 8000
-    served_model_name: str | None = None
-    """The model name clients use; None uses the model directory's (or GGUF file's) name."""
+    served_model_name: list[str] | None = None
+    """The model names clients may use, one or several (vLLM's `--served-model-name a b`; the
+    first is the one metrics carry and a request without `model` is answered as); a string
+    in a config file is one name. None uses the model directory's (or GGUF file's) name."""
     api_key: str | None = None
     """Require `Authorization: Bearer KEY` on every route but /health."""
     max_request_bytes: int = 4 << 20
@@ -603,6 +605,16 @@ class ServerConfig:
                 raise PyptoError(f"{name} must be an integer >= 1, got {value!r}")
         if self.api_key is not None and not self.api_key:
             raise PyptoError("api_key must not be empty")
+        names = self.served_model_name
+        if names is not None and (
+            not names
+            or not all(isinstance(n, str) and n for n in names)
+            or len(set(names)) < len(names)
+        ):
+            raise PyptoError(
+                f"served_model_name must be one or more different non-empty names, got {names!r}",
+                "served_model_name",
+            )
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise PyptoError(
                 f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, got "
@@ -663,7 +675,10 @@ def split_knobs(knobs: dict[str, Any]) -> tuple[dict[str, Any], ServerConfig]:
         raise PyptoError(
             f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
         )
-    server = ServerConfig(**{k: v for k, v in knobs.items() if k in server_names})
+    given = {k: v for k, v in knobs.items() if k in server_names}
+    if isinstance(given.get("served_model_name"), str):  # a config file's one name
+        given["served_model_name"] = [given["served_model_name"]]
+    server = ServerConfig(**given)
     server.validate()
     return {k: v for k, v in knobs.items() if k not in server_names}, server
 

@@ -105,6 +105,9 @@ def add_config_flags(
                 group.add_argument(
                     *flags, action=argparse.BooleanOptionalAction, default=None, help=help_text
                 )
+            elif typing.get_origin(kind) is list:  # one or more values after the flag
+                (item,) = typing.get_args(kind)
+                group.add_argument(*flags, type=item, nargs="+", default=None, help=help_text)
             else:
                 group.add_argument(*flags, type=kind, default=None, help=help_text)
 

@@ -206,7 +206,7 @@ def test_serve_rejects_bad_options_clearly(tmp_path, capsys):
         assert code == 1 and message in err and out == "", (argv, err)
 
 
-def test_serve_config_file_and_flags(tmp_path, monkeypatch):
+def test_serve_config_file_and_flags(tmp_path, monkeypatch, capsys):
     """The config file gives engine and server options; command-line flags win."""
     from pypto_serving.server import launch
 
@@ -231,6 +231,16 @@ def test_serve_config_file_and_flags(tmp_path, monkeypatch):
         "background_compile": True,
     }
     assert (seen["s"].port, seen["s"].api_key, seen["s"].host) == (9002, "k", "127.0.0.1")
+    assert seen["s"].served_model_name is None
+    config.write_text(json.dumps({"server": {"served_model_name": "smol"}}))  # one name
+    assert main(["serve", "--config", str(config)]) is None
+    assert seen["s"].served_model_name == ["smol"]
+    assert main(["serve", "--served-model-name", "a", "b"]) is None  # vLLM's several names
+    assert seen["s"].served_model_name == ["a", "b"]
+    for bad in (["a", "a"], [""], []):
+        config.write_text(json.dumps({"server": {"served_model_name": bad}}))
+        assert main(["serve", "--config", str(config)]) == 1
+        assert "served_model_name must be one or more different" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -227,7 +227,9 @@ def test_a_second_sigterm_ends_open_streams_at_once_with_an_error(
     llm = tiny_llm(tiny_model(MODEL), step_timeout_s=600)
     engine = AsyncLLM(llm, "tiny")
     config = ServerConfig()
-    server = DrainingServer(uvicorn_config(build_app(engine, config, "tiny"), config), engine, 600)
+    server = DrainingServer(
+        uvicorn_config(build_app(engine, config, ["tiny"]), config), engine, 600
+    )
     sock = bind("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -318,6 +318,23 @@ def test_openai_client_raises_on_errors(client):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
 
 
+def test_several_served_names_answer_as_vllm_does(tiny_model):
+    """`--served-model-name a b`: a card for each name; a request answers as the name it
+    asked for (the first when it names none); another name is a 404 naming them."""
+    with serving(tiny_llm(tiny_model("llama-gqa4-tied")), name=["a", "b"]) as live:
+        cards = httpx.get(live.url + "/v1/models").json()["data"]
+        assert [c["id"] for c in cards] == ["a", "b"]
+        assert httpx.get(live.url + "/v1/models/b").json()["id"] == "b"
+        for model, answered in (("b", "b"), ("a", "a"), (None, "a")):
+            body = {"prompt": "hi", "max_tokens": 2} | ({"model": model} if model else {})
+            r = httpx.post(live.url + "/v1/completions", json=body)
+            assert r.status_code == 200 and r.json()["model"] == answered, r.text
+        chat = {"model": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert httpx.post(live.url + "/v1/chat/completions", json=chat).json()["model"] == "b"
+        r = httpx.post(live.url + "/v1/completions", json={"model": "c", "prompt": "hi"})
+        assert r.status_code == 404 and "serves 'a' or 'b'" in r.json()["error"]["message"]
+
+
 def test_info_routes(live):
     models = httpx.get(live.url + "/v1/models").json()
     card = models["data"][0]

@@ -178,7 +178,7 @@ def metrics_json(registry: CollectorRegistry, model_name: str) -> dict[str, Any]
     return out
 
 
-def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
+def build_app(engine: AsyncLLM, config: ServerConfig, model_names: list[str]) -> FastAPI:
     """The server app; its lifespan starts and stops the engine loop."""
 
     @asynccontextmanager
@@ -193,7 +193,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     app = FastAPIOffline(title="PyPTO Serving", version=__version__, lifespan=lifespan)
     app.router.route_class = FastJSONRoute  # the routes below parse JSON bodies fast
     install_error_handlers(app)
-    serving = OpenAIServing(engine, model_name, config.max_response_logprobs)
+    serving = OpenAIServing(engine, model_names, config.max_response_logprobs)
+    model_name = model_names[0]
     responses = ResponsesServing(serving)
     created = int(time.time())
 
@@ -209,11 +210,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
     async def create_response(body: ResponsesRequest, raw: Request) -> Any:
         return await responses.create(body, raw)
 
-    def card() -> dict[str, Any]:
-        """vLLM's model card: `root` is the model as it was given (--model), `parent` the
-        base model of an adapter (none here)."""
+    def card(name: str) -> dict[str, Any]:
+        """vLLM's model card of one served name: `root` is the model as it was given
+        (--model), `parent` the base model of an adapter (none here)."""
         return {
-            "id": model_name,
+            "id": name,
             "object": "model",
             "created": created,
             "owned_by": "pypto-serving",
@@ -224,12 +225,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> FastAP
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card()]}
+        return {"object": "list", "data": [card(name) for name in model_names]}
 
     @app.get("/v1/models/{model_id:path}")  # the SDK's models.retrieve; ids may hold slashes
     async def model(model_id: str) -> dict[str, Any]:
-        serving.check_model(model_id)
-        return card()
+        return card(serving.check_model(model_id))
 
     @app.post("/tokenize", response_model=dict[str, Any])
     async def tokenize(body: TokenizeRequest) -> Response:

@@ -109,12 +109,14 @@ def run_server(knobs: dict[str, Any], config: ServerConfig) -> int:
     sock = bind(config.host, config.port)
     with contextlib.closing(sock):
         limits = QueueLimits(config.max_queued_requests, config.max_queued_tokens)
-        engine = AsyncLLM.build(knobs, config.served_model_name, config.log_interval_s, limits)
-        name = engine.metrics.model_name
-        app = build_app(engine, config, name)
+        names = config.served_model_name
+        first = names[0] if names else None
+        engine = AsyncLLM.build(knobs, first, config.log_interval_s, limits)
+        names = names or [engine.metrics.model_name]
+        app = build_app(engine, config, names)
         log.info(
-            "serving %r on http://%s:%d (max_model_len %d)%s",
-            name,
+            "serving %s on http://%s:%d (max_model_len %d)%s",
+            " and ".join(map(repr, names)),
             config.host,
             sock.getsockname()[1],
             engine.engine.max_model_len,

@@ -232,8 +232,10 @@ refused before it is tokenized: it cannot fit, unless a normalizer shrinks text 
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_name: str, max_response_logprobs: int) -> None:
-        self.engine, self.model_name = engine, model_name
+    def __init__(
+        self, engine: AsyncLLM, model_names: list[str], max_response_logprobs: int
+    ) -> None:
+        self.engine, self.model_names, self.model_name = engine, model_names, model_names[0]
         self.max_response_logprobs = max_response_logprobs
         self.tokenizer = engine.llm.tokenizer
         self.token_bytes = TokenBytes(self.tokenizer)
@@ -245,14 +247,20 @@ class OpenAIServing:
 
     # --- shared -------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None) -> str:
+        """The served name a request answers as (its `model`, else the first name); 404 for
+        a name this server does not serve."""
+        if model is None:
+            return self.model_name
+        if model not in self.model_names:
+            served = " or ".join(map(repr, self.model_names))
             raise APIError(
                 404,
-                f"the model {quoted(model)} does not exist; this server serves {self.model_name!r}",
+                f"the model {quoted(model)} does not exist; this server serves {served}",
                 param="model",
                 code="model_not_found",
             )
+        return model
 
     def _check_count(self, num_prompts: int, params: SamplingParams, count: str = "n") -> None:
         """Raise unless the engine runs and one request may hold this many sequences (checked
@@ -345,7 +353,7 @@ class OpenAIServing:
     # --- /v1/completions -----------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Any:
-        self.check_model(body.model)
+        name = self.check_model(body.model)
         params = body.sampling_params(body.max_tokens, body.logprobs)
         texts = body.prompts()
         self._check_count(len(texts), params, body.sequences_param())
@@ -388,7 +396,7 @@ class OpenAIServing:
                 "id": rid,
                 "object": "text_completion",
                 "created": created,
-                "model": self.model_name,
+                "model": name,
                 "choices": choices,
                 "usage": usage,
             }
@@ -486,6 +494,7 @@ class OpenAIServing:
         prepared = await self.prepare_chat(body)
         prompt, params, fmt = prepared.prompt, prepared.params, prepared.fmt
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        name = self.check_model(body.model)  # checked by prepare_chat: the name it answers as
         updates = self.start_chat(prepared, rid, body.cache_salt)
         usage = _Usage(prompt_tokens=len(prompt))
         parsers = [ToolCallParser(fmt) if fmt is not None else None for _ in range(params.n)]
@@ -501,7 +510,7 @@ class OpenAIServing:
                 "id": rid,
                 "object": obj,
                 "created": created,
-                "model": self.model_name,
+                "model": name,
                 "choices": choices,
                 **extra,
             }

@@ -393,7 +393,7 @@ class _Run:
             "id": self.id,
             "object": "response",
             "created_at": self.created,
-            "model": self.serving.model_name,
+            "model": self.serving.check_model(self.body.model),
             "status": status,
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"}
