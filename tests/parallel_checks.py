@@ -1,4 +1,5 @@
-"""Checks shared by the parallelism tests: processes gone, no children left, config errors."""
+"""Checks shared by the parallelism tests: processes gone, no children left, config errors;
+the parallel layouts a MoE model is run under."""
 
 from __future__ import annotations
 
@@ -9,6 +10,17 @@ from typing import Any
 import pytest
 
 from pypto_serving.errors import PyptoError
+
+MOE_PARALLEL: dict[str, dict[str, Any]] = {
+    "tp2": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    "pp2": {"pipeline_parallel_size": 2},
+    "tp2pp2": {
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 2,
+        "enable_expert_parallel": True,
+    },
+}
+"""TP, PP and TP x PP knobs for a mixture-of-experts model (its experts over the TP ranks)."""
 
 
 def gone(pid: int) -> bool:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from checkpoints import TINY_DEEPSEEK_V4, hf_expected, hf_greedy, hf_model, token_ids
 from live_server import assert_served_as_offline, tiny_llm
+from parallel_checks import MOE_PARALLEL
 
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.cli import main
@@ -103,19 +104,8 @@ def test_paged_greedy_matches_hf_generate(tiny_model, expected, name):
         assert len(run_layer.graphs) == 3 and not run_layer._through_dynamo
 
 
-PARALLEL = {
-    "tp2": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
-    "pp2": {"pipeline_parallel_size": 2},
-    "tp2pp2": {
-        "tensor_parallel_size": 2,
-        "pipeline_parallel_size": 2,
-        "enable_expert_parallel": True,
-    },
-}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", list(PARALLEL))
+@pytest.mark.parametrize("parallel", list(MOE_PARALLEL))
 def test_tp_and_pp_greedy_match_hf_generate(tiny_model, expected, parallel):
     """TP: each rank its heads, sinks and output groups (one all-reduce after `wo_b`), the
     KV head, compressors and indexers whole on each, the experts over EP; PP: the residual
@@ -125,7 +115,7 @@ def test_tp_and_pp_greedy_match_hf_generate(tiny_model, expected, parallel):
     name = "deepseekv4-csa2-window5-2hash" if "pp" in parallel else COMPILED
     knobs = {"page_size": 6, "max_num_batched_tokens": 12, "long_prefill_token_threshold": 12}
     eager = parallel != "tp2"
-    with tiny_llm(tiny_model(name), enforce_eager=eager, **knobs, **PARALLEL[parallel]) as llm:
+    with tiny_llm(tiny_model(name), enforce_eager=eager, **knobs, **MOE_PARALLEL[parallel]) as llm:
         assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(name)
         assert llm.engine.executor.num_recompilations == 0
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 from live_server import free_port, tiny_llm
 from mooncake_master import POOL_SECRET, mooncake_master
+from parallel_checks import MOE_PARALLEL
 
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.kv.groups import KVGroups
@@ -157,19 +158,8 @@ def test_csa_inputs_are_kept_for_their_own_span_on_every_stage(tiny_model):
     assert [(g.name, g.keep) for g in groups] == [(ENTRIES, None), (ROWS, 7)]
 
 
-PARALLEL = {
-    "tp2": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
-    "pp2": {"pipeline_parallel_size": 2},
-    "tp2pp2": {
-        "tensor_parallel_size": 2,
-        "pipeline_parallel_size": 2,
-        "enable_expert_parallel": True,
-    },
-}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", list(PARALLEL))
+@pytest.mark.parametrize("parallel", list(MOE_PARALLEL))
 def test_under_tp_and_pp_swaps_and_cpu_reloads_give_the_reference_tokens(model, expected, parallel):
     """Every rank stores the same compressed KV (its KV head, compressors and indexers are
     whole on each), so rank 0's CPU tier keeps one copy, as MLA's latent: preemption by swap,
@@ -178,7 +168,7 @@ def test_under_tp_and_pp_swaps_and_cpu_reloads_give_the_reference_tokens(model, 
     short = [p[:30] for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     knobs = {"page_size": 8, "num_kv_pages": 8, "kv_cpu_bytes": 1 << 20, "max_num_seqs": 3}
-    with tiny_llm(model, **knobs, **PARALLEL[parallel]) as llm:
+    with tiny_llm(model, **knobs, **MOE_PARALLEL[parallel]) as llm:
         store = store_of(llm)
         outs = llm.generate(short, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == reference(model, short, params)
@@ -198,7 +188,7 @@ def test_under_tp2_prefix_hits_and_ssd_pages_after_a_restart_give_the_reference_
     group's SSD pages kept once (rank 0's folder: rank 1 keeps none), found after a
     restart."""
     knobs = {"page_size": 6, "kv_cpu_bytes": 0, "kv_ssd_dir": str(tmp_path)}
-    knobs |= PARALLEL["tp2"]
+    knobs |= MOE_PARALLEL["tp2"]
     with tiny_llm(model, **knobs) as first:
         outs = one_by_one(first, FORKS)
         assert [o.outputs[0].token_ids for o in outs] == reference(model, FORKS)

@@ -235,19 +235,17 @@ class ModelConfig:
                 raise ModelLoadError(
                     f"tensor_parallel_size {size} does not divide the model's {what} ({n})"
                 )
-        if v4 is not None:
-            return replace(
-                self,
-                num_heads=self.num_heads // size,
-                shared_intermediate_size=self.shared_intermediate_size // size,
-                compressed=replace(v4, o_groups=v4.o_groups // size),
-            )
-        return replace(
+        share = replace(
             self,
             num_heads=self.num_heads // size,
+            shared_intermediate_size=self.shared_intermediate_size // size,
+        )
+        if v4 is not None:
+            return replace(share, compressed=replace(v4, o_groups=v4.o_groups // size))
+        return replace(
+            share,
             num_kv_heads=self.num_kv_heads // size,
             intermediate_size=self.intermediate_size // size,
-            shared_intermediate_size=self.shared_intermediate_size // size,
         )
 
 

@@ -211,9 +211,15 @@ def entry_slots(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(page ids, slots within the page) of windows first .. end - 1's entries, for one
     sequence's entry pages `table` [pages]."""
-    w = torch.arange(first, end, device=table.device)
-    page = ((w + 1) * ratio - 1) // page_size
-    return table[page], w - page * page_size // ratio
+    page, slot = entry_place(torch.arange(first, end, device=table.device), ratio, page_size)
+    return table[page], slot
+
+
+def entry_place(windows: torch.Tensor, ratio: int, page_size: int) -> tuple[torch.Tensor, ...]:
+    """(index in its sequence's entry pages, slot within the page) of each window's entry:
+    the page of the window's last token."""
+    page = ((windows + 1) * ratio - 1) // page_size
+    return page, windows - page * page_size // ratio
 
 
 @functools.cache
@@ -551,6 +557,10 @@ class CompressedStep(StepAttention):
         self.spans = list(zip(firsts, q_lens.tolist(), ctx_lens.tolist(), strict=True))
         """Per sequence: its first token in the step, its new tokens, its context after."""
         self.library = library
+        nd = num_decodes
+        self.decode_queries = (torch.arange(nd, device=positions.device), positions[:nd].clone())
+        """The decodes' sequence and position per query, as the native kernel takes them (the
+        same for every layer of the step)."""
 
     def attend_layer(
         self,
@@ -651,8 +661,7 @@ class CompressedStep(StepAttention):
             index_q = indexer.q[:nd].float().contiguous()
             index_weights = indexer.weights[:nd].float().contiguous()
         sink = sinks.float().contiguous()
-        seqs = torch.arange(nd, dtype=torch.int64, device=q.device)
-        positions = self.positions[:nd].contiguous()
+        seqs, positions = self.decode_queries
         failed = lib.pypto_compressed_attention(
             NATIVE_DTYPES[self.rows.dtype],
             nd,
@@ -702,16 +711,14 @@ class CompressedStep(StepAttention):
         page = lay.page_size
         columns, table = inputs
         seq_inputs = columns[table[done[:, None], pos // page] * page + pos % page].float()
-        last = (windows + 1) * ratio - 1  # each window's last token: its entry's page
-        pages = self.entry_table[done, last // page]
-        within = windows - (last // page) * page // ratio
-        room = per_page(page, ratio)
+        index, within = entry_place(windows, ratio, page)
+        pages = self.entry_table[done, index]
         for column, width, offset, pooling in self._pooled_parts(layer, compression):
             kv = seq_inputs[:, :, column : column + width]
             gate = seq_inputs[:, :, column + width : column + 2 * width]
             entries = pool_each_window(pooling, kv, gate, windows)
-            flat = self.entries[:, offset : offset + room * entries.shape[1]]
-            flat.unflatten(1, (room, entries.shape[1]))[pages, within] = entries.to(flat.dtype)
+            block = self._entry_block(offset, ratio, entries.shape[1])
+            block[pages, within] = entries.to(block.dtype)
 
     def _pooled_parts(
         self, layer: int, compression: Compression
@@ -780,13 +787,12 @@ class CompressedStep(StepAttention):
         seq_inputs = columns[self._slots(b, (done - lead) * ratio, total * ratio, table)].float()
         page = self.layout.page_size
         pages, slots = entry_slots(self.entry_table[b], done, total, ratio, page)
-        room = per_page(page, ratio)
         for column, width, offset, pooling in self._pooled_parts(layer, compression):
             kv = seq_inputs[:, column : column + width]
             gate = seq_inputs[:, column + width : column + 2 * width]
             pooled = pool_windows(pooling, kv, gate, done)
-            flat = self.entries[:, offset : offset + room * pooled.shape[1]]
-            flat.unflatten(1, (room, pooled.shape[1]))[pages, slots] = pooled.to(flat.dtype)
+            block = self._entry_block(offset, ratio, pooled.shape[1])
+            block[pages, slots] = pooled.to(block.dtype)
 
     def _entries(
         self, b: int, layer: int, compression: Compression, total: int
@@ -795,13 +801,18 @@ class CompressedStep(StepAttention):
         indexer), from its entry pages."""
         page = self.layout.page_size
         pages, slots = entry_slots(self.entry_table[b], 0, total, compression.ratio, page)
-        room = per_page(page, compression.ratio)
         out = []
         for _, width, offset, pooling in self._pooled_parts(layer, compression):
             entry_width = width // (2 if pooling.overlap else 1)
-            flat = self.entries[:, offset : offset + room * entry_width]
-            out.append(flat.unflatten(1, (room, entry_width))[pages, slots])
+            out.append(self._entry_block(offset, compression.ratio, entry_width)[pages, slots])
         return out[0], out[1] if compression.indexer is not None else None
+
+    def _entry_block(self, offset: int, ratio: int, width: int) -> torch.Tensor:
+        """One cache of a layer in the entry pages, as [pages, room, width] (a view): room
+        for the entries of the windows that end in a page, `width` values each, from column
+        `offset` of the page's flat block."""
+        room = per_page(self.layout.page_size, ratio)
+        return self.entries[:, offset : offset + room * width].unflatten(1, (room, width))
 
 
 def step(kv: KVGroups, cfg: Any, batch: StepBatch) -> CompressedStep:
