@@ -583,6 +583,15 @@ class ServerConfig:
     enable_lora: bool = False
     """vLLM's flag: LoRA adapters are not supported, so it is refused (serve a checkpoint
     with the adapter merged into its weights)."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM's flag: logprobs name every token `token_id:<id>` unless a request says
+    otherwise (its `return_tokens_as_token_ids`)."""
+    enable_tokenizer_info_endpoint: bool = False
+    """vLLM's flag: serve GET /tokenizer_info (the tokenizer's configuration, its chat
+    template included); off, the route is a 404."""
+    enable_server_load_tracking: bool = False
+    """vLLM's flag: serve GET /load, `{"server_load": N}`, N the generation requests being
+    answered now (a load balancer's signal); off, the route is a 404."""
 
     def validate(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:

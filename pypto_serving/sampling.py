@@ -121,6 +121,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Added to these tokens' logits before sampling (OpenAI's: -100 bans a token, 100 all
     but forces it); logprobs stay the model's own."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be sampled (vLLM's): every other token's logit is -inf; logprobs
+    stay the model's own."""
     structured_outputs: StructuredOutputsParams | None = None
     """What the output must match (grammar.py): each step samples only tokens that keep it
     matching, and the request stops where the grammar ends. logprobs stay the model's own."""
@@ -206,6 +209,13 @@ class SamplingParams:
                 raise bad("logit_bias", "token ids must be non-negative 64-bit integers")
             if not isinstance(b, int | float) or not math.isfinite(b) or not -100 <= b <= 100:
                 raise bad("logit_bias", "biases must be numbers in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise bad("allowed_token_ids", "must name at least one token (or be left out)")
+            if any(
+                not isinstance(t, int) or not 0 <= t < INT64.stop for t in self.allowed_token_ids
+            ):
+                raise bad("allowed_token_ids", "token ids must be non-negative 64-bit integers")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:

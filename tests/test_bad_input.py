@@ -259,10 +259,10 @@ CASES = [
         by_endpoint("invalid_value", "missing_required_parameter"),
     ),
     Bad(
-        "unknown_role",
+        "empty_role",
         patch(
-            completions={"prompt": [{"role": "wizard", "content": "x"}]},
-            chat={"messages": [{"role": "wizard", "content": "x"}]},
+            completions={"prompt": [{"role": "", "content": "x"}]},
+            chat={"messages": [{"role": "", "content": "x"}]},
         ),
         by_endpoint("prompt", "messages.0.role"),
     ),
@@ -270,9 +270,9 @@ CASES = [
         "unknown_nested_field",
         patch(
             completions={"stream_options": {"include_usage": True, "colour": "red"}},
-            chat={"messages": [{"role": "user", "content": "x", "colour": "red"}]},
+            chat={"response_format": {"type": "text", "colour": "red"}},
         ),
-        by_endpoint("stream_options.colour", "messages.0.colour"),
+        by_endpoint("stream_options.colour", "response_format.colour"),
         "unsupported_parameter",
     ),
     Bad(
@@ -319,9 +319,8 @@ CASES = [
     Bad("stop_token_ids_outside_vocab", patch({"stop_token_ids": [2, 10**6]}), "stop_token_ids"),
     Bad(
         "echo_with_token_id_over_int64",
-        patch({"echo": True}, completions={"prompt": [1, 2**70]}),
+        patch(completions={"prompt": [1, 2**70], "echo": True}, chat={"echo": [1]}),
         by_endpoint("prompt", "echo"),
-        by_endpoint("invalid_value", "unsupported_parameter"),
     ),
     Bad(
         "stop_token_ids_outside_vocab_min_tokens",

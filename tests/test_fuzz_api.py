@@ -35,6 +35,7 @@ OPERATIONS = {
     "POST /v1/responses",
     "GET /v1/models",
     "GET /v1/models/{model_id}",
+    "POST /invocations",
     "POST /tokenize",
     "POST /detokenize",
     "GET /health",

@@ -94,13 +94,14 @@ def test_sentencepiece_byte_fallback_tokens_are_their_byte():
     assert names(3 + 0xE2) == b"\xe2" and names.name(3 + 0xE2) == "bytes:\\xe2"
     assert names(261) == b" a" and names.name(261) == " a"
     assert names(262) == "é".encode() and names(3 + ord("a")) == b"a"
-    # "<0x61>" and "a" are the same bytes: in one top_logprobs dict they stay apart
+    # "<0x61>" and "a" are the same bytes: in one top_logprobs dict they stay apart; the
+    # sampled token comes first (vLLM's order) and keeps its name
     top = {260: -0.5, 3 + ord("a"): -1.0, 3 + 0xE2: -2.0, 3 + 0xE3: -3.0}
     out = completion_logprobs(names, [Sampled(3 + ord("a"), -1.0, top)], TextOffsets())
     assert out["top_logprobs"] == [
-        {"a": -0.5, f"token_id:{3 + ord('a')}": -1.0, "bytes:\\xe2": -2.0, "bytes:\\xe3": -3.0}
+        {"a": -1.0, "token_id:260": -0.5, "bytes:\\xe2": -2.0, "bytes:\\xe3": -3.0}
     ]
-    assert out["tokens"] == [f"token_id:{3 + ord('a')}"]  # the key it has in top_logprobs
+    assert out["tokens"] == ["a"]  # the key it has in top_logprobs
 
 
 def test_text_offsets_count_characters_of_the_text():

@@ -96,7 +96,11 @@ def test_prompt_logprobs_are_computed_and_formatted_once_for_all_n(
     assert first[0] is None and all(len(e) <= 2 for e in first[1:])  # the token + 1 top
     echoed = [{k: v[: len(prompt)] for k, v in c["logprobs"].items()} for c in choices]
     assert all(e == echoed[0] for e in echoed)
-    assert all(len(t) == 3 for t in echoed[0]["top_logprobs"][1:])
+    tokens = echoed[0]["tokens"][1:]  # each position: the prompt's token first, then the top 3
+    tops = echoed[0]["top_logprobs"][1:]
+    assert all(
+        next(iter(t)) == token and len(t) in (3, 4) for t, token in zip(tops, tokens, strict=True)
+    )
     end = len(live.llm.tokenizer.decode(prompt))
     assert all(c["logprobs"]["text_offset"][len(prompt)] == end for c in choices)
 

@@ -267,10 +267,10 @@ def test_completion_errors(live, body, status, param, code, stream):
 
 CHAT_BAD = [
     ({"messages": []}, "messages", "invalid_value"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "invalid_value"),
+    ({"messages": [{"role": "", "content": "x"}]}, "messages.0.role", "invalid_value"),
     ({"messages": [{"role": "user"}]}, "messages.0.content", "missing_required_parameter"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}]}, "tools", None),
-    ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo", None),
+    ({"messages": [{"role": "user", "content": "x"}], "echo": 3}, "echo", None),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", None),
     (
         {

@@ -111,6 +111,8 @@ def check_request(
         raise PyptoError(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
     if any(t >= vocab_size for t in params.logit_bias):
         raise PyptoError(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
+    if any(t >= vocab_size for t in params.allowed_token_ids or ()):
+        raise PyptoError(f"allowed_token_ids must be in [0, {vocab_size})", "allowed_token_ids")
     if params.structured_outputs is not None:
         grammar.check(params.structured_outputs)
     max_tokens = params.max_tokens

@@ -1,9 +1,10 @@
 """The sampler: logits of a batch of rows -> one token per row (plus optional logprobs).
 
-Processing order follows vLLM: penalties, logit_bias, min_tokens (EOS suppressed), a
-structured output's mask of allowed tokens, then greedy argmax or temperature -> top-k ->
-top-p -> min-p -> a draw. Seeded rows draw from their
-own generator, so a seeded request samples the same tokens whatever else is in the batch.
+Processing order follows vLLM: penalties, logit_bias, min_tokens (EOS suppressed),
+allowed_token_ids (every other token masked), a structured output's mask of allowed tokens,
+then greedy argmax or temperature -> top-k -> top-p -> min-p -> a draw. Seeded rows draw from
+their own generator, so a seeded request samples the same tokens whatever else is in the
+batch.
 
 A row whose logits hold a NaN or +inf (a numeric fault of the model), or mask every token,
 has no token to sample: its Sampled carries an `error` instead, which fails that request
@@ -52,9 +53,10 @@ class Sampled:
 
 
 def edit_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Penalties (repetition, presence, frequency), logit_bias, then min_tokens' suppression
-    of stop tokens: a copy of logits with those rows edited, or logits itself when no row
-    needs an edit (greedy batches then read the raw logits, with no [batch, vocab] copy)."""
+    """Penalties (repetition, presence, frequency), logit_bias, min_tokens' suppression of
+    stop tokens, then allowed_token_ids' mask of every other token: a copy of logits with
+    those rows edited, or logits itself when no row needs an edit (greedy batches then read
+    the raw logits, with no [batch, vocab] copy)."""
     edited = logits
     for i, row in enumerate(rows):
         p = row.params
@@ -64,7 +66,8 @@ def edit_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tens
             if len(row.output_ids) < p.min_tokens
             else []
         )
-        if p.repetition_penalty == 1.0 and not occurrence and not stops and not p.logit_bias:
+        edits = occurrence or stops or p.logit_bias or p.allowed_token_ids
+        if p.repetition_penalty == 1.0 and not edits:
             continue
         if edited is logits:
             edited = logits.clone()
@@ -87,6 +90,11 @@ def edit_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tens
             x[ids] += torch.tensor(list(p.logit_bias.values()), dtype=x.dtype, device=x.device)
         if stops:
             x[stops] = -float("inf")
+        if p.allowed_token_ids:
+            allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=x.device)
+            kept = x[allowed]
+            x.fill_(-float("inf"))
+            x[allowed] = kept
     return edited
 
 

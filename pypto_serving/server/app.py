@@ -2,8 +2,9 @@
 
 Routes: the web page at / (chat and dashboard, `server/web/`; --no-web-ui leaves it out),
 /v1/completions, /v1/chat/completions, /v1/responses, /v1/models and /v1/models/{id} (OpenAI),
-/stats (the dashboard's numbers: /metrics as JSON),
-/tokenize, /detokenize, /health, /metrics (Prometheus), /version, and FastAPI's
+/invocations (SageMaker's, as vLLM's), /stats (the dashboard's numbers: /metrics as JSON),
+/tokenize, /detokenize, /health, /metrics (Prometheus), /version, /tokenizer_info and /load
+(vLLM's, each behind its flag), and FastAPI's
 /openapi.json, /docs and /redoc (their assets served from the fastapi-offline package). With an
 API key set, every route but /health and the page's own files (which hold no data) needs
 `Authorization: Bearer KEY` (the scheme in any case; the key compared in constant time, before
@@ -22,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pypto_serving.config import ServerConfig
@@ -44,6 +47,12 @@ from pypto_serving.server.protocol import (
     conversation,
 )
 from pypto_serving.server.responses import ResponsesRequest, ResponsesServing
+
+INVOCATIONS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+    "messages": ChatCompletionRequest,
+    "prompt": CompletionRequest,
+}
+"""/invocations' bodies, told apart by the field each must have."""
 
 OPEN_PATHS = frozenset({"/health"})
 """Routes answered without the API key (a load balancer's probe)."""
@@ -159,6 +168,79 @@ class RequestGuard:
         await JSONResponse(body, status_code=status, headers=headers)(scope, receive, send)
 
 
+GENERATION_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations", "/v1/invocations"}
+)
+"""The routes whose requests /load counts."""
+
+
+class LoadTracker:
+    """The generation requests being answered now (vLLM's server load): counted from when
+    their route is entered until their response (a whole stream) is sent or abandoned."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+
+    class Middleware:
+        def __init__(self, app: ASGIApp, tracker: LoadTracker) -> None:
+            self.app, self.tracker = app, tracker
+
+        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+                await self.app(scope, receive, send)
+                return
+            self.tracker.in_flight += 1
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                self.tracker.in_flight -= 1
+
+
+TOKENIZER_FILES = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")
+"""Tokenizer settings /tokenizer_info leaves out: paths on this machine."""
+
+
+def tokenizer_config(tokenizer: Any) -> dict[str, Any]:
+    """vLLM's /tokenizer_info: the tokenizer's class and its configuration (what its
+    tokenizer_config.json holds: special tokens, added tokens, the chat template), paths on
+    this machine left out, every value as JSON."""
+    out: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__}
+    for key, value in tokenizer.init_kwargs.items():
+        if key in TOKENIZER_FILES or key.endswith("_file") or key == "added_tokens_decoder":
+            continue
+        out[key] = as_json(value)
+    out["added_tokens_decoder"] = {
+        str(i): {
+            "content": t.content,
+            "special": bool(t.special),
+            "lstrip": bool(t.lstrip),
+            "rstrip": bool(t.rstrip),
+            "normalized": bool(t.normalized),
+            "single_word": bool(t.single_word),
+        }
+        for i, t in tokenizer.added_tokens_decoder.items()
+    }
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = getattr(tokenizer, name, None)
+        out[name] = value if isinstance(value, str) else None
+    out["model_max_length"] = int(min(tokenizer.model_max_length, 2**63 - 1))
+    if getattr(tokenizer, "chat_template", None):
+        out["chat_template"] = tokenizer.chat_template
+    return out
+
+
+def as_json(value: Any) -> Any:
+    """A tokenizer setting as JSON: special tokens by their text, others as they are where
+    JSON holds them, else their text."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple):
+        return [as_json(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): as_json(v) for k, v in value.items()}
+    return str(getattr(value, "content", value))
+
+
 def metrics_json(registry: CollectorRegistry, model_name: str) -> dict[str, Any]:
     """The registry's samples (histogram buckets left out), named without the `pypto_` prefix:
     {"time", "model", "metrics": {name: value}, "tiers": {tier: {name: value}}}; a sample
@@ -193,7 +275,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: list[str]) ->
     app = FastAPIOffline(title="PyPTO Serving", version=__version__, lifespan=lifespan)
     app.router.route_class = FastJSONRoute  # the routes below parse JSON bodies fast
     install_error_handlers(app)
-    serving = OpenAIServing(engine, model_names, config.max_response_logprobs)
+    serving = OpenAIServing(
+        engine, model_names, config.max_response_logprobs, config.return_tokens_as_token_ids
+    )
     model_name = model_names[0]
     responses = ResponsesServing(serving)
     created = int(time.time())
@@ -231,29 +315,75 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: list[str]) ->
     async def model(model_id: str) -> dict[str, Any]:
         return card(serving.check_model(model_id))
 
+    @app.post("/v1/invocations", include_in_schema=False)
+    @app.post("/invocations")
+    async def invocations(raw: Request) -> Any:
+        """SageMaker's route (vLLM's): a chat body (with `messages`) is answered as
+        /v1/chat/completions answers it, a completion body (with `prompt`) as
+        /v1/completions."""
+        try:
+            data = await raw.json()
+        except ValueError:
+            raise PyptoError("the request body is not valid JSON", None) from None
+        kind = next((k for k in INVOCATIONS if isinstance(data, dict) and k in data), None)
+        if kind is None:
+            raise PyptoError(
+                "an invocation is a chat completion (a body with messages) or a completion "
+                "(a body with prompt)",
+                "messages",
+            )
+        try:
+            body = INVOCATIONS[kind].model_validate(data)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        if isinstance(body, ChatCompletionRequest):
+            return await serving.chat(body, raw)
+        return await serving.completions(body, raw)
+
     @app.post("/tokenize", response_model=dict[str, Any])
     async def tokenize(body: TokenizeRequest) -> Response:
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise PyptoError("give exactly one of prompt or messages", "prompt")
+        if body.tools and body.messages is None:
+            raise PyptoError("tools go with messages: a prompt is not rendered", "tools")
+        options = body.template() if body.messages is not None else None
 
         def count() -> Response:  # on a worker thread: a long text takes seconds
-            if body.messages is not None:
-                messages = conversation(body.messages)
+            if body.messages is not None and options is not None:
+                shown = [t.function.for_template() for t in body.tools or []] or None
                 special = body.parse_special_tokens_in_content
-                tokens = serving.render_chat(
-                    messages, body.add_generation_prompt, parse_special=special
-                )
+                messages = conversation(body.messages)
+                tokens = serving.render_chat(messages, options, shown, special)
             else:
-                tokens = serving.tokenizer.encode(
-                    body.prompt, add_special_tokens=body.add_special_tokens
-                )
+                add = body.add_special_tokens is not False
+                tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=add)
+            strs = (
+                serving.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+            )
             max_model_len = engine.engine.max_model_len
             return JSONResponse(
-                {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
+                {
+                    "tokens": tokens,
+                    "count": len(tokens),
+                    "max_model_len": max_model_len,
+                    "token_strs": strs,
+                }
             )
 
         return await asyncio.to_thread(count)
+
+    if config.enable_tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> dict[str, Any]:
+            return tokenizer_config(serving.tokenizer)
+
+    if config.enable_server_load_tracking:
+
+        @app.get("/load")
+        async def load() -> dict[str, int]:
+            return {"server_load": tracker.in_flight}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
@@ -300,6 +430,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: list[str]) ->
 
         app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
 
+    tracker = LoadTracker()
+    app.add_middleware(LoadTracker.Middleware, tracker=tracker)
     app.add_middleware(
         RequestGuard,
         api_key=config.api_key,

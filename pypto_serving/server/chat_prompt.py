@@ -12,9 +12,24 @@ rendered text as usual: a conversation holding no such string gets exactly the i
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from pypto_serving.errors import PyptoError
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTemplateOptions:
+    """How a conversation is rendered (vLLM's request fields of the same names)."""
+
+    add_generation_prompt: bool = True
+    """End with the template's opening of an assistant reply."""
+    continue_final_message: bool = False
+    """Leave the last message open, for the reply to continue it."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """More variables for the template (chat_template_kwargs)."""
+    add_special_tokens: bool = False
+    """The tokenizer's special tokens (a BOS) added around what the template wrote."""
 
 
 def conversation_chars(messages: list[dict[str, Any]]) -> int:
@@ -31,25 +46,42 @@ def conversation_chars(messages: list[dict[str, Any]]) -> int:
 def chat_token_ids(
     tokenizer: Any,
     messages: list[dict[str, Any]],
-    add_generation_prompt: bool,
+    options: ChatTemplateOptions,
     tools: list[dict[str, Any]] | None = None,
     template: str | None = None,
     parse_special: bool = False,
 ) -> list[int]:
-    """Token ids of `messages` (and `tools`) in `template` (None: the tokenizer's own). Only
-    the template's control tokens are control tokens, unless `parse_special`: then those
-    written in the messages and tools are too. A conversation the template rejects is a 400
-    naming messages."""
+    """Token ids of `messages` (and `tools`) in `template` (None: the tokenizer's own), as
+    `options` say. Only the template's control tokens are control tokens, unless
+    `parse_special`: then those written in the messages and tools are too. A conversation the
+    template rejects is a 400 naming messages."""
     try:
         out = tokenizer.apply_chat_template(
             messages,
             tools=tools,
             chat_template=template,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
             tokenize=True,
             return_dict=False,
             sanitize_control_tokens=not parse_special,
+            **options.kwargs,
         )
     except Exception as e:  # the template itself may reject a conversation
         raise PyptoError(f"the chat template rejected the messages: {e}", "messages") from None
-    return list(out["input_ids"] if isinstance(out, dict) else out)
+    ids = list(out["input_ids"] if isinstance(out, dict) else out)
+    if options.add_special_tokens:
+        before, after = special_tokens_around(tokenizer)
+        ids = before + ids + after
+    return ids
+
+
+def special_tokens_around(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer adds before and after a text (a BOS, an EOS): read
+    from how it encodes one letter with and without them."""
+    bare = tokenizer.encode("a", add_special_tokens=False)
+    dressed = tokenizer.encode("a", add_special_tokens=True)
+    for at in range(len(dressed) - len(bare) + 1):
+        if dressed[at : at + len(bare)] == bare:
+            return dressed[:at], dressed[at + len(bare) :]
+    return [], []

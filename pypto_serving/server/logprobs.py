@@ -7,10 +7,11 @@ U+FFFD, the same for all of them. So tokens are never named by their decoded tex
 - its name (`token`, completions' `tokens` and the keys of its `top_logprobs`) is its text
   when its bytes are valid UTF-8, else `bytes:` and the bytes as `\\xNN` escapes (OpenAI's
   form: `bytes:\\xe2\\x80`);
-- in one position's `top_logprobs` dict a less likely token whose name is taken already (two
+- in one position's `top_logprobs` dict a token whose name an earlier entry took already (two
   vocabulary entries with the same bytes) is keyed `token_id:<id>` (vLLM's form of
   --return-tokens-as-token-ids), so distinct tokens are never merged and the dict holds as
-  many entries as were asked for.
+  many entries as were asked for. Completions' dicts hold the sampled token first (so it
+  keeps its name), then the k most likely.
 """
 
 from __future__ import annotations
@@ -103,6 +104,17 @@ class TokenBytes:
         return names
 
 
+class TokenIdNames(TokenBytes):
+    """TokenBytes that name every token `token_id:<id>` (vLLM's return_tokens_as_token_ids:
+    a client reads the ids back exactly, whatever the token's bytes)."""
+
+    def __init__(self, named: TokenBytes) -> None:
+        self.tokenizer, self.kind, self._cache = named.tokenizer, named.kind, named._cache
+
+    def name(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
 class TextOffsets:
     """Completions' `text_offset`: where each token's text starts in the generated text, in
     characters. A token holding part of a character starts where that character will."""
@@ -132,9 +144,12 @@ def completion_logprobs(
         return None
     tokens, tops, at = [], [], []
     for s in logprobs:
-        top = names.top_names(s.top_logprobs or {})
-        tokens.append(top.get(s.token_id) or names.name(s.token_id))
-        tops.append({top[t]: lp for t, lp in (s.top_logprobs or {}).items()})
+        # the sampled token first, then the top ones (vLLM's and OpenAI's: logprobs=k gives
+        # up to k+1 entries, the sampled token's always among them)
+        shown = {s.token_id: s.logprob, **(s.top_logprobs or {})}
+        top = names.top_names(shown)
+        tokens.append(top[s.token_id])
+        tops.append({top[t]: lp for t, lp in shown.items()})
         at.append(offsets.next(names(s.token_id)))
     return {
         "tokens": tokens,

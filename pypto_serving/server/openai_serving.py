@@ -34,11 +34,16 @@ from pypto_serving.grammar import Grammars
 from pypto_serving.kv.tier import TIER_NAMES
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.sampling import MAX_SPEC_CHARS, SamplingParams, StructuredOutputsParams
-from pypto_serving.server.chat_prompt import chat_token_ids, conversation_chars
+from pypto_serving.server.chat_prompt import (
+    ChatTemplateOptions,
+    chat_token_ids,
+    conversation_chars,
+)
 from pypto_serving.server.errors import UNAVAILABLE, APIError, error_body, quoted
 from pypto_serving.server.logprobs import (
     TextOffsets,
     TokenBytes,
+    TokenIdNames,
     chat_logprobs,
     completion_logprobs,
     echo_logprobs,
@@ -220,6 +225,14 @@ async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Re
     return task.result()
 
 
+def stream_usage(body: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+    """Whether a stream ends with a usage chunk, and whether every chunk carries the usage so
+    far too (continuous_usage_stats, which vLLM honours with include_usage only)."""
+    options = body.stream_options
+    include = bool(options and options.include_usage)
+    return include, include and bool(options and options.continuous_usage_stats)
+
+
 def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -233,12 +246,19 @@ refused before it is tokenized: it cannot fit, unless a normalizer shrinks text 
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncLLM, model_names: list[str], max_response_logprobs: int
+        self,
+        engine: AsyncLLM,
+        model_names: list[str],
+        max_response_logprobs: int,
+        tokens_as_ids: bool = False,
     ) -> None:
         self.engine, self.model_names, self.model_name = engine, model_names, model_names[0]
         self.max_response_logprobs = max_response_logprobs
+        self.tokens_as_ids = tokens_as_ids
+        """--return-tokens-as-token-ids: the default of requests that do not say."""
         self.tokenizer = engine.llm.tokenizer
         self.token_bytes = TokenBytes(self.tokenizer)
+        self.token_id_names = TokenIdNames(self.token_bytes)
         self.tool_format = tool_format(getattr(self.tokenizer, "chat_template", None))
         self.tool_tags = tag_tokens(self.tokenizer.get_added_vocab())
         longest = max(map(len, self.tokenizer.get_vocab()), default=1)
@@ -247,10 +267,17 @@ class OpenAIServing:
 
     # --- shared -------------------------------------------------------------------------
 
+    def names(self, body: CompletionRequest | ChatCompletionRequest) -> TokenBytes:
+        """How the body's logprobs name tokens: by their text, or `token_id:<id>`."""
+        as_ids = body.return_tokens_as_token_ids
+        if as_ids is None:
+            as_ids = self.tokens_as_ids
+        return self.token_id_names if as_ids else self.token_bytes
+
     def check_model(self, model: str | None) -> str:
         """The served name a request answers as (its `model`, else the first name); 404 for
         a name this server does not serve."""
-        if model is None:
+        if not model:  # left out, null or "" (vLLM's rule): the first name
             return self.model_name
         if model not in self.model_names:
             served = " or ".join(map(repr, self.model_names))
@@ -325,7 +352,7 @@ class OpenAIServing:
         offsets = TextOffsets()
         echoed = None
         if scored is not None and body.echo and body.logprobs is not None:
-            echoed = echo_logprobs(self.token_bytes, ids, scored, body.logprobs, offsets)
+            echoed = echo_logprobs(self.names(body), ids, scored, body.logprobs, offsets)
         vllm = None
         if body.prompt_logprobs is not None:
             vllm = vllm_prompt_logprobs(self.token_bytes, scored, body.prompt_logprobs)
@@ -369,6 +396,7 @@ class OpenAIServing:
         updates = merge(self._start(prompts, params, rid, body.cache_salt, body.sequences_param()))
         usage = _Usage(prompt_tokens=sum(map(len, prompts)))
         n = params.n
+        names = self.names(body)
 
         def choice(
             index: int,
@@ -383,11 +411,11 @@ class OpenAIServing:
             echoed = scores.echoed if scores is not None else None
             if echoed is not None:
                 logprobs = logprobs or []
-            lp = completion_logprobs(self.token_bytes, logprobs, offsets)
+            lp = completion_logprobs(names, logprobs, offsets)
             if echoed is not None and lp is not None:
                 lp = {key: echoed[key] + lp[key] for key in echoed}
             out = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
-            if body.prompt_logprobs is not None:
+            if body.prompt_logprobs is not None or not body.stream:  # null when not asked for
                 out["prompt_logprobs"] = scores.vllm if scores is not None else None
             return out
 
@@ -402,7 +430,7 @@ class OpenAIServing:
             }
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            include_usage, continuous = stream_usage(body)
 
             def echo_events(
                 p: int, scored: list[Sampled | None], offsets: list[TextOffsets]
@@ -413,7 +441,7 @@ class OpenAIServing:
                 for i in range(p * n, (p + 1) * n):
                     offsets[i] = scores.offsets.copy()
                     c = choice(i, echoes[p], None, None, offsets[i], scores)
-                    events.append(render_sse(chunk([c], None)))
+                    events.append(render_sse(chunk([c], usage.as_dict() if continuous else None)))
                 return "".join(events)
 
             async def stream() -> AsyncIterator[str]:
@@ -421,16 +449,17 @@ class OpenAIServing:
                 scoring = params.prompt_logprobs is not None
                 if body.echo and not scoring:
                     for i in range(len(offsets)):
-                        yield sse(chunk([choice(i, echoes[i // n], None, None, offsets[i])], None))
+                        c = choice(i, echoes[i // n], None, None, offsets[i])
+                        yield sse(chunk([c], usage.as_dict() if continuous else None))
                 async for p, update in updates:
                     if update.prompt_logprobs is not None:  # the echo, once the prompt is scored
                         scored = update.prompt_logprobs
                         yield await asyncio.to_thread(echo_events, p, scored, offsets)
                     for d in update.deltas:
                         i = p * n + d.index
-                        c = choice(i, d.text, d.logprobs, d.finish_reason, offsets[i])
-                        yield sse(chunk([c], None))
                         usage.completion_tokens += len(d.token_ids)
+                        c = choice(i, d.text, d.logprobs, d.finish_reason, offsets[i])
+                        yield sse(chunk([c], usage.as_dict() if continuous else None))
                     if update.finished:
                         usage.add_cached(update)
                 if include_usage:
@@ -478,7 +507,7 @@ class OpenAIServing:
         shown = [t.for_template() for t in plan.tools] if plan is not None else None
         special = body.parse_special_tokens_in_content
         prompt = await asyncio.to_thread(
-            self.render_chat, body.conversation(), True, shown, special
+            self.render_chat, body.conversation(), body.template(), shown, special
         )
         self._check([prompt], params, "messages")
         self._check_size(ResponseShape.of_chat(body, params), [prompt], params)
@@ -515,15 +544,22 @@ class OpenAIServing:
                 **extra,
             }
 
+        names = self.names(body)
+        role, echoed = body.reply_role(), body.echoed()
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            tail = {"usage": None} if include_usage else {}
+            include_usage, continuous = stream_usage(body)
+
+            def tail() -> dict[str, Any]:
+                """A chunk's usage: the usage so far (continuous_usage_stats), or null."""
+                if not include_usage:
+                    return {}
+                return {"usage": usage.as_dict() if continuous else None}
 
             def first_event(
                 first: list[dict[str, Any]], prompt_logprobs: list[Sampled | None] | None
             ) -> str:
                 scored = self._prompt_logprobs(body, prompt_logprobs)
-                return render_sse(chunk(first, "chat.completion.chunk", **tail, **scored))
+                return render_sse(chunk(first, "chat.completion.chunk", **tail(), **scored))
 
             async def stream() -> AsyncIterator[str]:
                 # the role comes with the first tokens, not before the prompt is processed:
@@ -531,7 +567,7 @@ class OpenAIServing:
                 first = [
                     {
                         "index": i,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": {"role": role, "content": echoed},
                         "logprobs": None,
                         "finish_reason": None,
                     }
@@ -547,10 +583,10 @@ class OpenAIServing:
                         one = {
                             "index": d.index,
                             "delta": delta if delta or d.finish_reason is None else {},
-                            "logprobs": chat_logprobs(self.token_bytes, d.logprobs),
+                            "logprobs": chat_logprobs(names, d.logprobs),
                             "finish_reason": reason(d.index, d.finish_reason),
                         }
-                        yield sse(chunk([one], "chat.completion.chunk", **tail))
+                        yield sse(chunk([one], "chat.completion.chunk", **tail()))
                     if update.finished:
                         usage.add_cached(update)
                 if include_usage:
@@ -563,10 +599,8 @@ class OpenAIServing:
             out = [
                 {
                     "index": i,
-                    "message": self._message(parsers[i], c.text),
-                    "logprobs": chat_logprobs(
-                        self.token_bytes, c.logprobs if body.logprobs else None
-                    ),
+                    "message": self._message(parsers[i], echoed + c.text, role),
+                    "logprobs": chat_logprobs(names, c.logprobs if body.logprobs else None),
                     "finish_reason": reason(i, c.finish_reason),
                 }
                 for i, c in enumerate(choices)
@@ -585,9 +619,10 @@ class OpenAIServing:
     def _prompt_logprobs(
         self, body: ChatCompletionRequest, scored: list[Sampled | None] | None
     ) -> dict[str, Any]:
-        """vLLM's chat `prompt_logprobs` (a field of the response), where asked for."""
+        """vLLM's chat `prompt_logprobs` (a field of the response; of a stream's first chunk
+        only where asked for), null where not asked for."""
         if body.prompt_logprobs is None:
-            return {}
+            return {} if body.stream else {"prompt_logprobs": None}
         k = body.prompt_logprobs
         return {"prompt_logprobs": vllm_prompt_logprobs(self.token_bytes, scored, k)}
 
@@ -637,13 +672,13 @@ class OpenAIServing:
         return out
 
     @staticmethod
-    def _message(parser: ToolCallParser | None, text: str) -> dict[str, Any]:
+    def _message(parser: ToolCallParser | None, text: str, role: str) -> dict[str, Any]:
         """A whole reply: its content, and its tool calls where it made any."""
         if parser is None:
-            return {"role": "assistant", "content": text}
+            return {"role": role, "content": text}
         parser.feed(text)
         parser.flush()
-        out: dict[str, Any] = {"role": "assistant", "content": parser.message_content()}
+        out: dict[str, Any] = {"role": role, "content": parser.message_content()}
         if parser.calls:
             out["tool_calls"] = [c.as_dict() for c in parser.calls]
         return out
@@ -663,7 +698,7 @@ class OpenAIServing:
     def render_chat(
         self,
         messages: list[dict[str, Any]],
-        add_generation_prompt: bool,
+        options: ChatTemplateOptions,
         tools: list[dict[str, Any]] | None = None,
         parse_special: bool = False,
     ) -> list[int]:
@@ -678,9 +713,7 @@ class OpenAIServing:
         if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
             messages = [template_message(m) for m in messages]
             template = self.tool_format.template() if self.tool_format is not None else None
-        return chat_token_ids(
-            self.tokenizer, messages, add_generation_prompt, tools, template, parse_special
-        )
+        return chat_token_ids(self.tokenizer, messages, options, tools, template, parse_special)
 
     def _check_chars(self, chars: int, what: str, param: str) -> None:
         """Raise unless a text of `chars` characters may fit the context (checked before it

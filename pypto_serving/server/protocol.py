@@ -12,7 +12,7 @@ seconds for a large body), and the number of prompts and of chat items is checke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -27,6 +27,7 @@ from pydantic import (
 
 from pypto_serving.errors import PyptoError
 from pypto_serving.sampling import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
+from pypto_serving.server.chat_prompt import ChatTemplateOptions
 from pypto_serving.server.errors import APIError, quoted
 
 MAX_TOP_LOGPROBS = 20
@@ -38,6 +39,8 @@ MAX_TOOLS = 128
 """Most tools one request may offer (OpenAI's limit)."""
 MAX_CHAT_ITEMS = 10_000
 """Most messages plus content parts in one conversation."""
+MAX_ROLE_CHARS = 64
+"""Longest role name of a message."""
 MAX_TOKEN_ID_DIGITS = 19
 """Digits of the largest token id a logit_bias key may name (a 64-bit integer's)."""
 
@@ -117,6 +120,8 @@ def _few_chat_items(messages: Any) -> Any:
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """With include_usage: every chunk carries the usage so far (vLLM's)."""
 
 
 class JsonSchemaFormat(_Body):
@@ -233,6 +238,16 @@ class _Sampling(_Request):
     guided_choice: Annotated[list[StrictStr], Field(fail_fast=True)] | None = None
     guided_grammar: str | None = None
     """vLLM's older names (before structured_outputs)."""
+    guided_decoding_backend: str | None = None
+    """vLLM's choice of grammar library (`xgrammar`, `guidance`, `outlines`, ..., with
+    `:option,...`): every name means this server's one engine, llguidance (grammar.py);
+    the options `disable-any-whitespace` and `disable-additional-properties` keep their
+    meaning, `no-fallback` has nothing to turn off."""
+    allowed_token_ids: Annotated[list[StrictInt], Field(fail_fast=True)] | None = None
+    """vLLM's: only these tokens may be sampled."""
+    return_tokens_as_token_ids: bool | None = None
+    """vLLM's: logprobs name every token `token_id:<id>` (default: the server's
+    --return-tokens-as-token-ids)."""
     store: bool | None = None
     """OpenAI's stored completions: nothing is stored here, so true is refused."""
     metadata: dict[str, str] | None = None
@@ -277,6 +292,7 @@ class _Sampling(_Request):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=self.scored_prompt(),
+            allowed_token_ids=self.allowed_token_ids,
             structured_outputs=self.structured(),
             **{k: v for k, v in given.items() if v is not None},
         )
@@ -321,7 +337,45 @@ class _Sampling(_Request):
             raise PyptoError(
                 f"give one of {', '.join(given)}: each constrains the output", next(iter(given))
             )
-        return given
+        options = backend_options(self.guided_decoding_backend)
+        return {k: with_backend_options(v, options) for k, v in given.items()}
+
+
+GRAMMAR_BACKENDS = frozenset(
+    {"auto", "xgrammar", "guidance", "llguidance", "outlines", "lm-format-enforcer"}
+)
+"""vLLM's guided_decoding_backend names: each means this server's llguidance."""
+BACKEND_OPTIONS = frozenset(
+    {"disable-any-whitespace", "disable-additional-properties", "no-fallback"}
+)
+
+
+def backend_options(backend: str | None) -> set[str]:
+    """The options of a guided_decoding_backend (`xgrammar:disable-any-whitespace`); 400 for
+    a name or an option vLLM does not have."""
+    if backend is None:
+        return set()
+    name, _, rest = backend.partition(":")
+    options = {o.strip() for o in rest.split(",") if o.strip()}
+    if name not in GRAMMAR_BACKENDS or not options <= BACKEND_OPTIONS:
+        raise PyptoError(
+            f"guided_decoding_backend {quoted(backend)} is not one of "
+            f"{', '.join(sorted(GRAMMAR_BACKENDS))} (each means this server's grammar engine, "
+            f"llguidance), with options among {', '.join(sorted(BACKEND_OPTIONS))}",
+            "guided_decoding_backend",
+        )
+    return options
+
+
+def with_backend_options(
+    spec: StructuredOutputsParams, options: set[str]
+) -> StructuredOutputsParams:
+    """`spec` as guided_decoding_backend's options change it."""
+    if "disable-any-whitespace" in options:
+        spec = replace(spec, whitespace=False)
+    if "disable-additional-properties" in options and isinstance(spec.json, dict):
+        spec = replace(spec, json=closed_objects(spec.json))
+    return spec
 
 
 def token_id(key: str) -> int:
@@ -393,7 +447,12 @@ class ToolCallItem(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    model_config = ConfigDict(extra="ignore")
+    """Fields of a message beyond these are ignored (vLLM's rule: clients add their own)."""
+
+    role: Annotated[StrictStr, Field(min_length=1, max_length=MAX_ROLE_CHARS)]
+    """system, user, assistant, developer, tool, or a role of the client's own (the chat
+    template decides what it shows)."""
     content: str | Annotated[list[TextPart], Field(fail_fast=True)] | None
     """None (or left out) only for an assistant message that called tools."""
     name: str | None = None
@@ -515,6 +574,18 @@ class ChatCompletionRequest(_Sampling):
     parse_special_tokens_in_content: bool = False
     """True (a trusted client's choice): control tokens written in the messages and tools
     (`<|im_end|>`) are control tokens; by default they are text (server/chat_prompt.py)."""
+    add_generation_prompt: bool = True
+    """vLLM's: end the prompt with the template's opening of an assistant reply."""
+    continue_final_message: bool = False
+    """vLLM's: leave the last message open, for the reply to continue it (a prefill of the
+    reply); not with add_generation_prompt."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: more variables for the chat template (`{"enable_thinking": false}`)."""
+    add_special_tokens: bool = False
+    """vLLM's: the tokenizer's special tokens (a BOS) added around what the template wrote."""
+    echo: bool = False
+    """vLLM's: the reply starts with the last message's content where that message has the
+    reply's role (with continue_final_message: the whole continued message)."""
 
     def tool_plan(self) -> ToolPlan | None:
         """What the reply may call, or None where it calls nothing (no tools, or none)."""
@@ -567,6 +638,67 @@ class ChatCompletionRequest(_Sampling):
     def conversation(self) -> list[dict[str, Any]]:
         return conversation(self.messages)
 
+    def template(self) -> ChatTemplateOptions:
+        return template_options(self, self.add_special_tokens)
+
+    def reply_role(self) -> str:
+        """The role the reply is given: assistant, or the last message's own where the
+        prompt opens no new message (vLLM's rule)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echoed(self) -> str:
+        """What the reply starts with under `echo`: the last message's text where it has the
+        reply's role."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == self.reply_role() else ""
+
+
+TEMPLATE_PARAMETERS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+"""Names chat_template_kwargs may not give: the renderer's own arguments, set by the request's
+own fields."""
+
+
+def template_options(
+    body: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool
+) -> ChatTemplateOptions:
+    """A request's chat-template options, checked (vLLM's rules)."""
+    if body.add_generation_prompt and body.continue_final_message:
+        raise PyptoError(
+            "give add_generation_prompt or continue_final_message, not both: a prompt either "
+            "opens a new reply or continues its last message",
+            "continue_final_message",
+        )
+    kwargs = dict(body.chat_template_kwargs or {})
+    taken = sorted(TEMPLATE_PARAMETERS & kwargs.keys())
+    if taken:
+        raise PyptoError(
+            f"chat_template_kwargs may not set {quoted_names(taken)}: give the request's "
+            "own fields instead",
+            "chat_template_kwargs",
+        )
+    return ChatTemplateOptions(
+        body.add_generation_prompt, body.continue_final_message, kwargs, add_special_tokens
+    )
+
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template takes them."""
@@ -602,10 +734,21 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: StrictStr | None = None
     messages: Conversation | None = None
-    add_special_tokens: bool = True
+    tools: Annotated[list[Tool], Field(fail_fast=True, max_length=MAX_TOOLS)] | None = None
+    """With messages: the tools the template shows."""
+    add_special_tokens: bool | None = None
+    """The tokenizer's special tokens (a BOS) added: by default for a prompt, not around a
+    conversation's template (vLLM's defaults)."""
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     parse_special_tokens_in_content: bool = False
     """As chat's: control tokens written in the messages are text unless this is true."""
+    return_token_strs: bool = False
+    """vLLM's: each token's vocabulary string too (`token_strs`)."""
+
+    def template(self) -> ChatTemplateOptions:
+        return template_options(self, bool(self.add_special_tokens))
 
 
 class DetokenizeRequest(_Request):

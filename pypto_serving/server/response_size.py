@@ -11,7 +11,8 @@ logprob or one of its top alternatives:
                + sampled  x new tokens    x (1 + logprobs)             the generated tokens
 
 `copies` is `returned` on completions (each choice holds them) and 1 on chat (the response
-does); `sampled` is best_of; new tokens are `max_tokens`, or what the context leaves.
+does); completions' top logprobs count one more (each holds the token's own entry too);
+`sampled` is best_of; new tokens are `max_tokens`, or what the context leaves.
 
 A response within the limit can still be tens of MB: it is built and encoded on a worker
 thread by the pure-Python encoder (`render_json`), which gives the GIL back every few
@@ -56,8 +57,10 @@ class ResponseShape:
 
     @staticmethod
     def of_completion(body: CompletionRequest, params: SamplingParams) -> ResponseShape:
-        echo_top = body.logprobs if body.echo else None
-        return ResponseShape(body.n, params.n, params.logprobs, echo_top, body.prompt_logprobs)
+        """Completions' top logprobs repeat each token's own entry: one more per token."""
+        echo_top = body.logprobs + 1 if body.echo and body.logprobs is not None else None
+        top = params.logprobs + 1 if params.logprobs is not None else None
+        return ResponseShape(body.n, params.n, top, echo_top, body.prompt_logprobs)
 
     @staticmethod
     def of_chat(body: ChatCompletionRequest, params: SamplingParams) -> ResponseShape:

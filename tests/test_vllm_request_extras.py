@@ -1,0 +1,412 @@
+"""vLLM's request extras, with vLLM's meanings (issue 45, item 2).
+
+Chat: `chat_template_kwargs` reach the template, `continue_final_message` leaves the last
+message open, `add_special_tokens` adds the tokenizer's BOS, `echo` starts the reply with the
+message it continues, custom roles and unknown message fields are accepted, `model: ""` is the
+served model. Both endpoints: `allowed_token_ids`, `guided_decoding_backend`,
+`return_tokens_as_token_ids` (and the server flag), `stream_options.continuous_usage_stats`,
+`prompt_logprobs: null` where not asked for, completions' `logprobs: 0` holding the sampled
+token. Routes: /tokenize's `return_token_strs`, `tools` and template options,
+/tokenizer_info, /invocations and /load behind their flags.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from live_server import Live, serving, tiny_llm
+
+from pypto_serving.sampling import SamplingParams
+from pypto_serving.server.chat_prompt import special_tokens_around
+from pypto_serving.server.tools import tool_format
+
+MODEL = "llama-gqa4-tied"
+TEMPLATE = (
+    "{% if greeting is defined %}{{ greeting }}\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% if not (loop.last and continue_final_message is defined) %}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML that shows a `greeting` variable where one is given (chat_template_kwargs)."""
+CONVERSATION = [
+    {"role": "user", "content": "tell me a saying"},
+    {"role": "assistant", "content": "the quick brown fox"},
+]
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+
+
+def with_bos_and_template(src: Path, out: Path) -> Path:
+    """A copy of a tiny model whose tokenizer adds `<s>` before a text and whose chat
+    template shows a `greeting` variable."""
+    shutil.copytree(src, out)
+    tok = json.loads((out / "tokenizer.json").read_text())
+    bos = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<s>")
+    tok["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [
+            {"SpecialToken": {"id": "<s>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [bos], "tokens": ["<s>"]}},
+    }
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TEMPLATE}))
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model, tmp_path_factory) -> Path:
+    return with_bos_and_template(tiny_model(MODEL), tmp_path_factory.mktemp("extras") / "m")
+
+
+@pytest.fixture(scope="module")
+def live(model_dir):
+    with serving(tiny_llm(model_dir)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def flagged(model_dir):
+    """A server started with vLLM's --return-tokens-as-token-ids,
+    --enable-tokenizer-info-endpoint and --enable-server-load-tracking."""
+    with serving(
+        tiny_llm(model_dir),
+        return_tokens_as_token_ids=True,
+        enable_tokenizer_info_endpoint=True,
+        enable_server_load_tracking=True,
+    ) as server:
+        yield server
+
+
+def post(live: Live, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(live.url + path, json=body, timeout=120)
+
+
+def ok(live: Live, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = post(live, path, body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def refused(live: Live, path: str, body: dict[str, Any], param: str, said: str) -> None:
+    r = post(live, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and said in error["message"], error
+
+
+def rendered(live: Live, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+    """What the model's tokenizer renders: the ground truth for /tokenize and the prompts."""
+    tokenizer = live.llm.tokenizer
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_template_options_render_as_transformers_does(live):
+    tokenizer = live.llm.tokenizer
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    assert special_tokens_around(tokenizer) == ([bos], [])
+    body: dict[str, Any] = {"messages": CONVERSATION}
+    assert ok(live, "/tokenize", body)["tokens"] == rendered(
+        live, CONVERSATION, add_generation_prompt=True
+    )
+    cont = ok(live, "/tokenize", body | CONTINUE)["tokens"]
+    assert cont == rendered(live, CONVERSATION, continue_final_message=True)
+    assert tokenizer.decode(cont).endswith("the quick brown fox")  # left open
+    greeted = ok(live, "/tokenize", body | {"chat_template_kwargs": {"greeting": "hello"}})
+    assert greeted["tokens"] == rendered(
+        live, CONVERSATION, add_generation_prompt=True, greeting="hello"
+    )
+    assert tokenizer.decode(greeted["tokens"]).startswith("hello\n")
+    special = ok(live, "/tokenize", body | {"add_special_tokens": True})["tokens"]
+    assert special == [bos, *rendered(live, CONVERSATION, add_generation_prompt=True)]
+    # a prompt takes the BOS by default, a conversation not (vLLM's defaults)
+    assert ok(live, "/tokenize", {"prompt": "the fox"})["tokens"][0] == bos
+    assert (
+        ok(live, "/tokenize", {"prompt": "the fox", "add_special_tokens": False})["tokens"][0]
+        != bos
+    )
+
+
+def test_chat_renders_with_the_options_it_is_given(live):
+    """The chat endpoint's prompt is the one /tokenize shows for the same options."""
+    for options in (
+        {},
+        CONTINUE,
+        {"chat_template_kwargs": {"greeting": "hi"}},
+        {"add_special_tokens": True},
+    ):
+        body = {"messages": CONVERSATION, **options}
+        usage = ok(live, "/v1/chat/completions", body | {"max_tokens": 1})["usage"]
+        assert usage["prompt_tokens"] == ok(live, "/tokenize", body)["count"], options
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "said"),
+    [
+        (
+            {"add_generation_prompt": True, "continue_final_message": True},
+            "continue_final_message",
+            "not both",
+        ),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "'tools'"),
+        ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs", "'tokenize'"),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_template_options_that_contradict_are_refused(live, extra, param, said, path):
+    refused(live, path, {"messages": CONVERSATION} | extra, param, said)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_starts_the_reply_with_the_message_it_continues(live, stream):
+    body = {"messages": CONVERSATION, "max_tokens": 4, "temperature": 0, **CONTINUE}
+    plain = ok(live, "/v1/chat/completions", body)["choices"][0]["message"]
+    echoed = chat_text(live, body | {"echo": True, "stream": stream})
+    assert plain["role"] == "assistant"
+    assert echoed == "the quick brown fox" + plain["content"]
+    # a new reply (add_generation_prompt) has a role the last message has not: nothing echoed
+    body = {"messages": CONVERSATION[:1], "max_tokens": 4, "temperature": 0}
+    assert chat_text(live, body | {"echo": True, "stream": stream}) == chat_text(live, body)
+
+
+def chat_text(live: Live, body: dict[str, Any]) -> str:
+    if not body.get("stream"):
+        return ok(live, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    text = ""
+    for chunk in sse_chunks(live, "/v1/chat/completions", body):
+        for c in chunk["choices"]:
+            text += c["delta"].get("content") or ""
+    return text
+
+
+def sse_chunks(live: Live, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    with httpx.stream("POST", live.url + path, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line.removeprefix("data: ")))
+    return out
+
+
+def test_custom_roles_unknown_message_fields_and_an_empty_model_name(live):
+    base = {"max_tokens": 4, "temperature": 0}
+    custom = ok(
+        live, "/v1/chat/completions", base | {"messages": [{"role": "narrator", "content": "once"}]}
+    )
+    parts = [{"type": "text", "text": "on"}, {"type": "text", "text": "ce"}]
+    as_parts = ok(
+        live, "/v1/chat/completions", base | {"messages": [{"role": "narrator", "content": parts}]}
+    )
+    assert custom["choices"][0]["message"] == as_parts["choices"][0]["message"]
+    prompt = ok(live, "/tokenize", {"messages": [{"role": "narrator", "content": "once"}]})[
+        "tokens"
+    ]
+    assert "<|im_start|>narrator\nonce" in live.llm.tokenizer.decode(prompt)
+    extra = [{"role": "narrator", "content": "once", "mood": "calm", "id": 7}]
+    assert (
+        ok(live, "/v1/chat/completions", base | {"messages": extra})["choices"] == custom["choices"]
+    )
+    named = ok(live, "/v1/chat/completions", base | {"messages": extra, "model": ""})
+    assert named["model"] == "tiny" and named["choices"] == custom["choices"]
+    r = post(live, "/v1/chat/completions", base | {"messages": [{"role": "", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.role"
+
+
+def test_allowed_token_ids_limit_what_is_sampled(live):
+    allowed = [40, 41, 42, 43]
+    params = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed
+    )
+    out = live.llm.generate([[5, 6, 7]], params)[0].outputs[0]
+    assert len(out.token_ids) == 12 and set(out.token_ids) <= set(allowed)
+    assert len(set(out.token_ids)) > 1  # sampled among them, not one forced token
+    body = {
+        "prompt": [5, 6, 7],
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 3,
+        "ignore_eos": True,
+    }
+    served = ok(live, "/v1/completions", body | {"allowed_token_ids": allowed, "logprobs": 0})
+    ids = live.llm.tokenizer.convert_tokens_to_ids(served["choices"][0]["logprobs"]["tokens"])
+    assert ids == out.token_ids
+    refused(
+        live,
+        "/v1/completions",
+        body | {"allowed_token_ids": []},
+        "allowed_token_ids",
+        "at least one",
+    )
+    refused(
+        live,
+        "/v1/completions",
+        body | {"allowed_token_ids": [10**6]},
+        "allowed_token_ids",
+        "in [0,",
+    )
+
+
+def test_guided_decoding_backend_names_our_grammar_engine(live):
+    body = {"prompt": "pick", "max_tokens": 10, "temperature": 1.0, "seed": 1}
+    for backend in ("xgrammar", "guidance", "outlines", "auto", "lm-format-enforcer"):
+        text = ok(
+            live,
+            "/v1/completions",
+            body | {"guided_choice": ["red", "blue"], "guided_decoding_backend": backend},
+        )
+        assert text["choices"][0]["text"] in ("red", "blue")
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    # compact JSON with no properties but the schema's: it ends where the object does
+    options = "xgrammar:disable-any-whitespace,disable-additional-properties"
+    compact = body | {"max_tokens": 60, "guided_json": schema, "guided_decoding_backend": options}
+    choice = ok(live, "/v1/completions", compact)["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"] in ('{"a":true}', '{"a":false}')
+    for wrong in ("fast-json", "xgrammar:sideways"):
+        refused(
+            live,
+            "/v1/completions",
+            body | {"guided_decoding_backend": wrong},
+            "guided_decoding_backend",
+            "llguidance",
+        )
+
+
+def test_completion_logprobs_hold_the_sampled_token_first(live):
+    body = {"prompt": "the quick", "max_tokens": 6, "temperature": 1.0, "seed": 5}
+    for k in (0, 1, 3):
+        lp = ok(live, "/v1/completions", body | {"logprobs": k})["choices"][0]["logprobs"]
+        for token, logprob, top in zip(
+            lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True
+        ):
+            assert next(iter(top.items())) == (token, logprob)
+            assert len(top) in (max(k, 1), k + 1)
+    chat = {"messages": CONVERSATION[:1], "max_tokens": 3, "logprobs": True, "top_logprobs": 0}
+    content = ok(live, "/v1/chat/completions", chat)["choices"][0]["logprobs"]["content"]
+    assert all(c["top_logprobs"] == [] for c in content)  # chat's top 0: none, as OpenAI's
+
+
+def test_return_tokens_as_token_ids(live, flagged):
+    body = {
+        "prompt": "the quick brown",
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": 1,
+        "echo": True,
+    }
+    asked = ok(live, "/v1/completions", body | {"return_tokens_as_token_ids": True})["choices"][0]
+    by_flag = ok(flagged, "/v1/completions", body)["choices"][0]
+    assert asked["logprobs"] == by_flag["logprobs"]
+    tokens = asked["logprobs"]["tokens"]
+    assert all(t.startswith("token_id:") for t in tokens)
+    ids = [int(t.removeprefix("token_id:")) for t in tokens]
+    assert live.llm.tokenizer.decode(ids, skip_special_tokens=True) == asked["text"]
+    assert [next(iter(t)) for t in asked["logprobs"]["top_logprobs"][1:]] == tokens[1:]
+    plain = ok(flagged, "/v1/completions", body | {"return_tokens_as_token_ids": False})
+    assert not any(t.startswith("token_id:") for t in plain["choices"][0]["logprobs"]["tokens"])
+    chat = {"messages": CONVERSATION[:1], "max_tokens": 5, "temperature": 0, "logprobs": True}
+    reply = ok(flagged, "/v1/chat/completions", chat)["choices"][0]
+    ids = [int(c["token"].removeprefix("token_id:")) for c in reply["logprobs"]["content"]]
+    assert live.llm.tokenizer.decode(ids) == reply["message"]["content"]
+
+
+def test_prompt_logprobs_are_null_where_not_asked_for(live):
+    completion = ok(live, "/v1/completions", {"prompt": "the", "max_tokens": 2})
+    assert completion["choices"][0]["prompt_logprobs"] is None
+    chat = ok(live, "/v1/chat/completions", {"messages": CONVERSATION[:1], "max_tokens": 2})
+    assert "prompt_logprobs" in chat and chat["prompt_logprobs"] is None
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_give_every_chunk_the_usage_so_far(live, path):
+    body: dict[str, Any] = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True}
+    body |= {"prompt": "the quick"} if path == "/v1/completions" else {"messages": CONVERSATION[:1]}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = sse_chunks(live, path, body | {"stream_options": options})
+    *running, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+    counts = [c["usage"]["completion_tokens"] for c in running]
+    assert counts == sorted(counts) and counts[-1] == 6
+    prompt = last["usage"]["prompt_tokens"]
+    assert all(c["usage"]["prompt_tokens"] == prompt for c in running)
+    assert all(
+        c["usage"]["total_tokens"] == prompt + n for c, n in zip(running, counts, strict=True)
+    )
+    # without include_usage there is no usage to give (vLLM's rule)
+    plain = sse_chunks(live, path, body | {"stream_options": {"continuous_usage_stats": True}})
+    assert all(c.get("usage") is None for c in plain)
+
+
+def test_tokenize_returns_token_strings_and_renders_tools(live):
+    tokenizer = live.llm.tokenizer
+    r = ok(live, "/tokenize", {"prompt": "the quick fox", "return_token_strs": True})
+    assert r["token_strs"] == tokenizer.convert_ids_to_tokens(r["tokens"])
+    assert ok(live, "/tokenize", {"prompt": "the quick fox"})["token_strs"] is None
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {}}},
+    }
+    # the tools are shown in the template of the model's tool format, as chat shows them
+    shown = ok(live, "/tokenize", {"messages": CONVERSATION[:1], "tools": [tool]})["tokens"]
+    template = tool_format(tokenizer.chat_template).template()
+    truth = tokenizer.apply_chat_template(
+        CONVERSATION[:1],
+        tools=[tool],
+        chat_template=template,
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert shown == tokenizer.encode(truth, add_special_tokens=False)
+    assert '"name": "f"' in truth
+    refused(live, "/tokenize", {"prompt": "x", "tools": [tool]}, "tools", "messages")
+
+
+def test_tokenizer_info_and_load_are_served_only_when_asked(live, flagged, model_dir):
+    assert httpx.get(live.url + "/tokenizer_info").status_code == 404
+    assert httpx.get(live.url + "/load").status_code == 404
+    info = httpx.get(flagged.url + "/tokenizer_info").json()
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    assert info["tokenizer_class"] and info["chat_template"] == TEMPLATE
+    assert (info["bos_token"], info["eos_token"]) == (config["bos_token"], config["eos_token"])
+    for token_id, token in info["added_tokens_decoder"].items():
+        assert live.llm.tokenizer.convert_ids_to_tokens(int(token_id)) == token["content"]
+        assert isinstance(token["special"], bool)
+    assert str(model_dir) not in json.dumps(info)  # no path of this machine
+    assert httpx.get(flagged.url + "/load").json() == {"server_load": 0}
+    seen: list[int] = []
+    body = {"prompt": "the", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", flagged.url + "/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        next(lines)  # the stream runs
+        seen.append(httpx.get(flagged.url + "/load").json()["server_load"])
+        for _ in lines:
+            pass
+    assert seen == [1]
+    assert httpx.get(flagged.url + "/load").json() == {"server_load": 0}
+
+
+def test_invocations_answer_as_the_route_of_their_body(live):
+    chat = {"messages": CONVERSATION[:1], "max_tokens": 5, "temperature": 0}
+    completion = {"prompt": "the quick", "max_tokens": 5, "temperature": 0}
+    for body, path in ((chat, "/v1/chat/completions"), (completion, "/v1/completions")):
+        via = ok(live, "/invocations", body)
+        direct = ok(live, path, body)
+        assert via["object"] == direct["object"] and via["choices"] == direct["choices"]
+    streamed = sse_chunks(live, "/invocations", completion | {"stream": True})
+    assert "".join(c["choices"][0]["text"] for c in streamed) == direct["choices"][0]["text"]
+    refused(live, "/invocations", {"input": "hello"}, "messages", "prompt")
+    r = post(live, "/invocations", {"messages": [{"role": "user"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
+    r = httpx.post(
+        live.url + "/invocations", content=b"{", headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 400
