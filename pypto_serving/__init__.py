@@ -16,9 +16,10 @@ if "torch" not in sys.modules and os.environ.get("PYPTO_CPU_ISA", "").lower() in
     os.environ.setdefault("ATEN_CPU_CAPABILITY", aten)
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", onednn)
 
+from pypto_serving.beam_search import BeamSearchParams  # noqa: E402
 from pypto_serving.engine.llm import LLM  # noqa: E402
 from pypto_serving.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from pypto_serving.sampling import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -410,3 +410,25 @@ def test_invocations_answer_as_the_route_of_their_body(live):
         live.url + "/invocations", content=b"{", headers={"Content-Type": "application/json"}
     )
     assert r.status_code == 400
+
+
+def test_llm_chat_renders_as_the_server_does(live):
+    """vLLM's LLM.chat: one conversation or several, with the chat-template options."""
+    llm = live.llm
+    params = SamplingParams(temperature=0, max_tokens=4)
+    for options, body in (
+        ({}, {}),
+        ({"add_generation_prompt": False, "continue_final_message": True}, CONTINUE),
+        (
+            {"chat_template_kwargs": {"greeting": "hello"}},
+            {"chat_template_kwargs": {"greeting": "hello"}},
+        ),
+    ):
+        prompt = ok(live, "/tokenize", {"messages": CONVERSATION} | body)["tokens"]
+        expected = llm.generate([prompt], params)[0].outputs[0].token_ids
+        assert llm.chat(CONVERSATION, params, **options)[0].outputs[0].token_ids == expected
+    both = llm.chat([CONVERSATION, CONVERSATION[:1]], params)
+    assert [o.prompt_token_ids for o in both] == [
+        rendered(live, CONVERSATION, add_generation_prompt=True),
+        rendered(live, CONVERSATION[:1], add_generation_prompt=True),
+    ]

@@ -11,11 +11,12 @@ from typing import Any, Self, cast
 
 from tqdm import tqdm
 
+from pypto_serving.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pypto_serving.config import engine_config
 from pypto_serving.engine.core import EngineCore
 from pypto_serving.engine.dp import DPEngine
 from pypto_serving.engine.text import TextAssembler
-from pypto_serving.errors import RequestFailedError
+from pypto_serving.errors import PyptoError, RequestFailedError
 from pypto_serving.models.config import load_model_config
 from pypto_serving.models.default_model import resolve_model_path
 from pypto_serving.models.loader import load_tokenizer
@@ -109,6 +110,13 @@ class _Family:
         )
 
 
+def next_token_scores(out: RequestOutput) -> Sampled:
+    """The scores of the one token a beam-search query generated."""
+    logprobs = out.outputs[0].logprobs
+    assert logprobs, "a beam-search query asks for logprobs"
+    return logprobs[0]
+
+
 class LLM:
     """Load a model once; generate for many prompts with continuous batching."""
 
@@ -145,12 +153,61 @@ class LLM:
     def encode(self, prompt: Prompt) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation rendered with the tokenizer's own chat template."""
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation rendered with the tokenizer's own chat template (or
+        `chat_template`), vLLM's options as transformers takes them."""
+        if add_generation_prompt and continue_final_message:
+            raise PyptoError(
+                "give add_generation_prompt or continue_final_message, not both",
+                "continue_final_message",
+            )
         out = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            messages,
+            tools=tools,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=True,
+            return_dict=False,
+            **(chat_template_kwargs or {}),
         )
         return list(out["input_ids"] if isinstance(out, dict) else out)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of messages) or several, each rendered
+        with the chat template (`chat_prompt`) and generated for; outputs in order."""
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else messages
+        prompts = [
+            self.chat_prompt(
+                cast(list[dict[str, Any]], c),
+                add_generation_prompt,
+                continue_final_message,
+                tools,
+                chat_template,
+                chat_template_kwargs,
+            )
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def add(
         self,
@@ -248,6 +305,30 @@ class LLM:
             bar.update(sum(f.finished for f in changed))
         bar.close()
         return [f.output() for f in families]
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (beam_search.py, HF's algorithm): each prompt's best
+        `beam_width` beams, best first. Every step scores all the prompts' running beams in
+        one batch."""
+        one = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
+        batch = [cast(Prompt, prompts)] if one else cast(Sequence[Prompt], prompts)
+        eos = frozenset(self.engine.model_config.eos_token_ids)
+        searches = [BeamSearch(self.encode(p), params, eos) for p in batch]
+        for search in searches:  # fits the context to the last step, before any runs
+            self.engine.check(search.prompt, SamplingParams(max_tokens=params.max_tokens))
+        while live := [s for s in searches if not s.done]:
+            queries = [q for s in live for q in s.queries()]
+            outs = self.generate(queries, live[0].step_params(), use_tqdm=False)
+            scored = iter([next_token_scores(o) for o in outs])
+            for search in live:
+                search.advance([next(scored) for _ in search.running])
+        decode = self.tokenizer.decode
+        for search in searches:
+            for beam in search.finished:
+                beam.text = decode(beam.output_token_ids, skip_special_tokens=True)
+        return [BeamSearchOutput(s.best()) for s in searches]
 
     def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[str]:
         """Text of a single sequence (n=1), piece by piece as tokens are produced."""

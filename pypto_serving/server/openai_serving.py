@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pypto_serving import grammar
+from pypto_serving.beam_search import BeamSearch, BeamSearchParams, BeamSearchSequence
 from pypto_serving.engine.async_llm import (
     AsyncLLM,
     DrainingError,
@@ -132,6 +133,8 @@ class PreparedChat:
     fmt: ToolFormat | None
     count: str = "n"
     """The field that set params.n (n, or best_of above it): errors about it name it."""
+    beams: BeamSearchParams | None = None
+    """use_beam_search's search (None: sampled as params say)."""
 
 
 async def merge(gens: list[RequestUpdates]) -> AsyncIterator[Update]:
@@ -393,6 +396,11 @@ class OpenAIServing:
             for p, ids in zip(texts, prompts, strict=True)
         ]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        room = self.engine.engine.max_model_len - max(map(len, prompts))
+        beams = body.beam_params(body.max_tokens if body.max_tokens is not None else room)
+        if beams is not None:
+            work = self._beam_completions(body, prompts, echoes, beams, rid, created, name)
+            return await unless_disconnected(raw, work)
         updates = merge(self._start(prompts, params, rid, body.cache_salt, body.sequences_param()))
         usage = _Usage(prompt_tokens=sum(map(len, prompts)))
         n = params.n
@@ -497,6 +505,8 @@ class OpenAIServing:
         endpoints share this)."""
         self.check_model(body.model)
         plan = body.tool_plan()
+        if body.use_beam_search and plan is not None:
+            raise PyptoError("beam search takes no tools", "tools")
         params = body.sampling_params(body.max_new_tokens(), body.num_logprobs())
         fmt = None
         if plan is not None:
@@ -511,7 +521,11 @@ class OpenAIServing:
         )
         self._check([prompt], params, "messages")
         self._check_size(ResponseShape.of_chat(body, params), [prompt], params)
-        return PreparedChat(prompt, params, fmt, body.sequences_param())
+        max_tokens = body.max_new_tokens()
+        beams = body.beam_params(
+            max_tokens if max_tokens is not None else self.engine.engine.max_model_len - len(prompt)
+        )
+        return PreparedChat(prompt, params, fmt, body.sequences_param(), beams)
 
     def start_chat(
         self, chat: PreparedChat, request_id: str, cache_salt: str | None
@@ -524,6 +538,9 @@ class OpenAIServing:
         prompt, params, fmt = prepared.prompt, prepared.params, prepared.fmt
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         name = self.check_model(body.model)  # checked by prepare_chat: the name it answers as
+        if prepared.beams is not None:
+            work = self._beam_chat(body, prompt, prepared.beams, rid, created, name)
+            return await unless_disconnected(raw, work)
         updates = self.start_chat(prepared, rid, body.cache_salt)
         usage = _Usage(prompt_tokens=len(prompt))
         parsers = [ToolCallParser(fmt) if fmt is not None else None for _ in range(params.n)]
@@ -625,6 +642,102 @@ class OpenAIServing:
             return {} if body.stream else {"prompt_logprobs": None}
         k = body.prompt_logprobs
         return {"prompt_logprobs": vllm_prompt_logprobs(self.token_bytes, scored, k)}
+
+    # --- beam search --------------------------------------------------------------------
+
+    async def beam_search(
+        self, prompt: list[int], params: BeamSearchParams, request_id: str, cache_salt: str | None
+    ) -> list[BeamSearchSequence]:
+        """A prompt's best beams, best first (beam_search.py); each step's beams are queued
+        as requests of their own, sharing the prompt's cached pages."""
+        eos = frozenset(self.engine.engine.model_config.eos_token_ids)
+        search = BeamSearch(prompt, params, eos)
+        step = 0
+        while not search.done:
+            queries = search.queries()
+            scored: list[Sampled | None] = [None] * len(queries)
+            gens = self._start(queries, search.step_params(), f"{request_id}-{step}", cache_salt)
+            async for i, update in merge(gens):
+                for d in update.deltas:
+                    if d.logprobs:
+                        scored[i] = d.logprobs[0]
+            search.advance([s for s in scored if s is not None])
+            step += 1
+        decode = self.tokenizer.decode
+        for beam in search.finished:
+            beam.text = decode(beam.output_token_ids, skip_special_tokens=True)
+        return search.best()
+
+    async def _beam_completions(
+        self,
+        body: CompletionRequest,
+        prompts: list[list[int]],
+        echoes: list[str],
+        params: BeamSearchParams,
+        rid: str,
+        created: int,
+        name: str,
+    ) -> Response:
+        searches = [
+            self.beam_search(p, params, f"{rid}-{i}", body.cache_salt)
+            for i, p in enumerate(prompts)
+        ]
+        found = await asyncio.gather(*searches)
+        choices = [
+            {
+                "index": len(found[0]) * p + i,
+                "text": echoes[p] + beam.text,
+                "logprobs": None,
+                "finish_reason": beam.finish_reason,
+                "prompt_logprobs": None,
+            }
+            for p, beams in enumerate(found)
+            for i, beam in enumerate(beams)
+        ]
+        usage = _Usage(
+            sum(map(len, prompts)), sum(len(b.output_token_ids) for bs in found for b in bs)
+        )
+        whole = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": name,
+            "choices": choices,
+            "usage": usage.as_dict(),
+        }
+        return Response(render_json(whole), media_type="application/json")
+
+    async def _beam_chat(
+        self,
+        body: ChatCompletionRequest,
+        prompt: list[int],
+        params: BeamSearchParams,
+        rid: str,
+        created: int,
+        name: str,
+    ) -> Response:
+        beams = await self.beam_search(prompt, params, rid, body.cache_salt)
+        role, echoed = body.reply_role(), body.echoed()
+        choices = [
+            {
+                "index": i,
+                "message": {"role": role, "content": echoed + beam.text},
+                "logprobs": None,
+                "finish_reason": beam.finish_reason,
+            }
+            for i, beam in enumerate(beams)
+        ]
+        usage = _Usage(len(prompt), sum(len(b.output_token_ids) for b in beams))
+        whole = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": name,
+            "choices": choices,
+            "usage": usage.as_dict(),
+            "prompt_logprobs": None,
+        }
+        return Response(render_json(whole), media_type="application/json")
 
     # --- tools --------------------------------------------------------------------------
 

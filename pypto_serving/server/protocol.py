@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from pypto_serving.beam_search import BeamSearchParams
 from pypto_serving.errors import PyptoError
 from pypto_serving.sampling import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
 from pypto_serving.server.chat_prompt import ChatTemplateOptions
@@ -254,6 +255,42 @@ class _Sampling(_Request):
     """Tags for stored completions (OpenAI): accepted, with nothing stored."""
     prompt_logprobs: int | None = None
     """vLLM's: each prompt token's logprob and this many top logprobs at each position."""
+    use_beam_search: bool = False
+    """vLLM's: the n best beams of a beam search of width n (beam_search.py), not samples."""
+    length_penalty: float = 1.0
+    """vLLM's, with use_beam_search: a finished beam scores its cumulative logprob over its
+    length to this power."""
+
+    def beam_params(self, max_tokens: int | None) -> BeamSearchParams | None:
+        """The beam search asked for (None: sampling), `max_tokens` the request's own or
+        what the context leaves. A field beam search cannot honour is a 400 naming it."""
+        if not self.use_beam_search:
+            return None
+        if self.stream:
+            raise PyptoError(
+                "beam search cannot be streamed: the best beams are known only at the end",
+                "stream",
+            )
+        for name in BEAM_FREE:
+            value = getattr(self, name)
+            if name == "best_of":
+                given = value is not None and value != self.n
+            elif name == "logprobs":  # 0 asks for logprobs too
+                given = value is not None and value is not False
+            else:  # a penalty's, a list's or a count's nothing
+                given = value not in (None, False, 0, 1.0, [], {})
+            if given:
+                raise PyptoError(
+                    f"{name} does not apply to beam search (it ranks beams by the model's own "
+                    "logprobs, none sampled); leave it out or drop use_beam_search",
+                    name,
+                )
+        if self.structured() is not None:
+            raise PyptoError("beam search takes no structured output", self.structured_param())
+        assert max_tokens is not None
+        return BeamSearchParams(
+            self.n, max_tokens, ignore_eos=self.ignore_eos, length_penalty=self.length_penalty
+        )
 
     def scored_prompt(self) -> int | None:
         """Top logprobs to score each prompt position with (None: the prompt is not scored)."""
@@ -339,6 +376,22 @@ class _Sampling(_Request):
             )
         options = backend_options(self.guided_decoding_backend)
         return {k: with_backend_options(v, options) for k, v in given.items()}
+
+
+BEAM_FREE = (
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "logit_bias",
+    "allowed_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "prompt_logprobs",
+    "logprobs",
+    "best_of",
+)
+"""Fields beam search cannot honour: a value other than the neutral one is a 400."""
 
 
 GRAMMAR_BACKENDS = frozenset(
