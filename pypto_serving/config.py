@@ -61,6 +61,11 @@ class CacheConfig:
     """Device KV pages to allocate; None sizes the pool from kv_device_bytes."""
     kv_device_bytes: int = 2 << 30
     """Byte budget of the device KV pool when num_kv_pages is not given (e.g. 2GiB)."""
+    gpu_memory_utilization: float | None = None
+    """vLLM's flag: the fraction of the device's memory available at start (the CPU's
+    MemAvailable, or the GPU's free memory) that the weights and the KV pool may take
+    together; the pool gets that less the weights, shared by the ranks on this machine. It
+    replaces kv_device_bytes; num_kv_pages, if given, still wins."""
     enable_prefix_caching: bool = True
     """Reuse the KV of full pages whose token prefix was seen before."""
     kv_cpu_bytes: int = 4 << 30
@@ -114,6 +119,12 @@ class CacheConfig:
             not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 1
         ):
             raise PyptoError(f"num_kv_pages must be an integer >= 1, got {self.num_kv_pages!r}")
+        f = self.gpu_memory_utilization
+        if f is not None and (not isinstance(f, int | float) or not 0 < f <= 1):
+            raise PyptoError(
+                f"gpu_memory_utilization must be a fraction in (0, 1], got {f!r}",
+                "gpu_memory_utilization",
+            )
         for name in ("kv_device_bytes", "kv_cpu_bytes", "kv_ssd_bytes", "kv_remote_bytes"):
             value = parse_bytes(getattr(self, name), name)
             minimum = 1 if name == "kv_device_bytes" else 0
@@ -478,6 +489,14 @@ class EngineConfig:
     """A step (or a data-parallel replica's step) making no progress (no layer done) for
     longer is taken for a hang: the watchdog fails the requests it held and reports the
     engine (or replica) dead. A prompt one layer of which would take longer is refused."""
+    chat_template: str | None = None
+    """vLLM's --chat-template: a file holding a Jinja chat template, or the template itself;
+    it replaces the tokenizer's own for chat, /tokenize, LLM.chat and `pypto chat`."""
+    generation_config: str = "auto"
+    """vLLM's --generation-config: auto (the model's generation_config.json), vllm (none) or
+    a directory holding a generation_config.json. Its temperature, top_p, top_k, min_p,
+    repetition_penalty and max_new_tokens are the defaults of requests that leave them out
+    (max_new_tokens: of max_tokens), as vLLM applies them."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -583,6 +602,12 @@ class ServerConfig:
     enable_lora: bool = False
     """vLLM's flag: LoRA adapters are not supported, so it is refused (serve a checkpoint
     with the adapter merged into its weights)."""
+    enable_auto_tool_choice: bool = False
+    """vLLM's flag, accepted: tool_choice auto is always served here (vLLM needs the flag)."""
+    tool_call_parser: str | None = None
+    """vLLM's flag: how calls are read from the model's output. hermes (calls in
+    `<tool_call>` blocks, what this server reads: Qwen's and Hermes' format, and SmolLM2's
+    list of calls) is accepted; another of vLLM's names is refused naming it."""
     return_tokens_as_token_ids: bool = False
     """vLLM's flag: logprobs name every token `token_id:<id>` unless a request says
     otherwise (its `return_tokens_as_token_ids`)."""
@@ -624,6 +649,14 @@ class ServerConfig:
                 f"served_model_name must be one or more different non-empty names, got {names!r}",
                 "served_model_name",
             )
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise PyptoError(
+                f"tool_call_parser {self.tool_call_parser!r} is not served here: this server "
+                f"reads calls in <tool_call> blocks (Qwen's, Hermes' and SmolLM2's formats); "
+                f"give one of {', '.join(TOOL_CALL_PARSERS)} or leave it out (the format is "
+                "read from the model's chat template)",
+                "tool_call_parser",
+            )
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise PyptoError(
                 f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, got "
@@ -644,6 +677,8 @@ class ServerConfig:
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 """uvicorn's log levels (`ServerConfig.uvicorn_log_level`)."""
+TOOL_CALL_PARSERS = ("hermes",)
+"""vLLM's --tool-call-parser names this server reads (`ServerConfig.tool_call_parser`)."""
 
 SERVE_ENGINE_DEFAULTS: dict[str, Any] = {"max_num_batched_tokens": 1024, "background_compile": True}
 """Engine defaults of `pypto serve` that differ from the offline ones: a smaller step budget

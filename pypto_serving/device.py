@@ -28,6 +28,21 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
+def available_memory(device: torch.device) -> int:
+    """Bytes of memory free for this process to take now: a GPU's free memory, or the CPU's
+    MemAvailable (what Linux can give without swapping)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 # The CPU's instruction sets, decided here for the whole package: dtype "auto", oneDNN's bf16
 # packing (linear_packing), the native kernels' -march (native/__init__.py) and Inductor's
 # vector width (executor/compiled.py) all ask `cpu_flags()` / `cpu_isa()`.

@@ -13,6 +13,7 @@ from patience import patience
 
 from pypto_serving import LLM
 from pypto_serving.cli import build_parser, main
+from pypto_serving.errors import PyptoError
 
 
 def run(argv, capsys):
@@ -188,6 +189,7 @@ def test_serve_rejects_bad_options_clearly(tmp_path, capsys):
         (["serve", "--max-request-bytes", "10"], "max_request_bytes must be >= 1024"),
         (["serve", "--enable-lora"], "LoRA adapters are not supported; merge the adapter"),
         (["serve", "--uvicorn-log-level", "loud"], "uvicorn_log_level must be one of critical"),
+        (["serve", "--tool-call-parser", "mistral"], "give one of hermes or leave it out"),
     ]
     bad_json = tmp_path / "bad.json"
     bad_json.write_text("{not json")
@@ -245,16 +247,47 @@ def test_serve_config_file_and_flags(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_a_server_started_with_vllms_flags_answers(tiny_model):
-    """vLLM's serve flags that mean something here, or nothing to turn off: accepted."""
+    """vLLM's serve flags that mean something here, or nothing to turn off: accepted (issue
+    45's command line, with --trust-remote-code)."""
     import httpx
     from test_faults import pypto_serve
 
-    flags = ["--disable-log-requests", "--uvicorn-log-level", "warning", "--trust-remote-code"]
+    flags = ["--gpu-memory-utilization", "0.5", "--disable-log-requests"]
+    flags += ["--uvicorn-log-level", "warning", "--enable-auto-tool-choice"]
+    flags += ["--tool-call-parser", "hermes", "--served-model-name", "a", "b"]
+    flags += ["--trust-remote-code"]
     with pypto_serve(tiny_model("llama-gqa4-tied"), *flags) as (process, url):
         assert process.poll() is None, process.stderr.read()[-2000:]
-        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-        assert r.status_code == 200, r.text
+        for name in ("a", "b"):
+            body = {"model": name, "prompt": "hi", "max_tokens": 2}
+            r = httpx.post(url + "/v1/completions", json=body)
+            assert r.status_code == 200 and r.json()["model"] == name, r.text
     assert "--trust-remote-code is accepted for vLLM's command lines" in process.stderr.read()
+
+
+def test_gpu_memory_utilization_sizes_the_kv_pool_from_the_memory_available(
+    tiny_model, monkeypatch
+):
+    """The KV pool gets the fraction of the memory available, less the weights (float32
+    here), shared by the ranks; too little is an error naming the flag."""
+    from pypto_serving.engine import memory_budget
+    from pypto_serving.models.loader import checkpoint_numel
+
+    path = tiny_model("llama-gqa4-tied")
+    monkeypatch.setattr(memory_budget, "available_memory", lambda device: 1 << 30)
+    weights = checkpoint_numel(path) * 4
+    knobs = {"dtype": "float32", "enforce_eager": True, "page_size": 16}
+    llm = LLM(str(path), gpu_memory_utilization=0.25, **knobs)
+    assert llm.engine.config.cache.kv_device_bytes == int(0.25 * (1 << 30) - weights)
+    llm.close()
+    pinned = LLM(str(path), gpu_memory_utilization=0.25, num_kv_pages=8, **knobs)
+    assert pinned.engine.config.cache.kv_device_bytes == 2 << 30  # num_kv_pages wins
+    pinned.close()
+    monkeypatch.setattr(memory_budget, "available_memory", lambda device: weights)
+    with pytest.raises(PyptoError, match=r"gpu_memory_utilization 0\.9 leaves the KV cache"):
+        LLM(str(path), gpu_memory_utilization=0.9, **knobs)
+    with pytest.raises(PyptoError, match=r"a fraction in \(0, 1\]"):
+        LLM(str(path), gpu_memory_utilization=1.5, **knobs)
 
 
 @pytest.mark.parametrize(

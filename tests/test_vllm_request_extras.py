@@ -21,6 +21,7 @@ import httpx
 import pytest
 from live_server import Live, serving, tiny_llm
 
+from pypto_serving.errors import PyptoError
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.server.chat_prompt import special_tokens_around
 from pypto_serving.server.tools import tool_format
@@ -432,3 +433,49 @@ def test_llm_chat_renders_as_the_server_does(live):
         rendered(live, CONVERSATION, add_generation_prompt=True),
         rendered(live, CONVERSATION[:1], add_generation_prompt=True),
     ]
+
+
+def test_chat_template_flag_takes_a_file_or_the_template(model_dir, tmp_path):
+    """vLLM's --chat-template: the template replaces the tokenizer's for every renderer."""
+    shouted = "{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}"
+    file = tmp_path / "shout.jinja"
+    file.write_text(shouted)
+    for value in (str(file), shouted):
+        llm = tiny_llm(model_dir, chat_template=value)
+        ids = llm.chat_prompt(CONVERSATION[:1])
+        assert llm.tokenizer.decode(ids) == "[USER] tell me a saying\n"
+        with serving(llm) as server:
+            assert ok(server, "/tokenize", {"messages": CONVERSATION[:1]})["tokens"] == ids
+    with pytest.raises(PyptoError, match="neither a file nor a Jinja template"):
+        tiny_llm(model_dir, chat_template=str(tmp_path / "missing.jinja"))
+
+
+def test_generation_config_gives_the_defaults_requests_leave_out(model_dir, tmp_path):
+    """vLLM's --generation-config: auto reads the model's generation_config.json, a directory
+    names another, vllm applies none; a request's own values win."""
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "max_new_tokens": 3, "top_k": 5, "do_sample": True})
+    )
+    llm = tiny_llm(model_dir, generation_config=str(folder))
+    assert llm.generation_defaults == {"temperature": 0.0, "top_k": 5, "max_tokens": 3}
+    assert llm.get_default_sampling_params().max_tokens == 3
+    assert tiny_llm(model_dir).generation_defaults == {}  # auto: the tiny model sets none
+    assert tiny_llm(model_dir, generation_config="vllm").generation_defaults == {}
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    with serving(llm) as server:
+        body = {"prompt": [5, 6, 7], "ignore_eos": True, "seed": 1}
+        left_out = ok(server, "/v1/completions", body)["choices"][0]
+        assert left_out["text"] == greedy[0].outputs[0].text  # greedy, 3 tokens
+        own = ok(server, "/v1/completions", body | {"max_tokens": 5, "temperature": 1.0})
+        assert own["usage"]["completion_tokens"] == 5
+        chat = ok(
+            server, "/v1/chat/completions", {"messages": CONVERSATION[:1], "ignore_eos": True}
+        )
+        assert chat["usage"]["completion_tokens"] == 3
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(PyptoError, match=r"generation_config\.json: invalid temperature"):
+        tiny_llm(model_dir, generation_config=str(folder))
+    with pytest.raises(PyptoError, match=r"holds no generation_config\.json"):
+        tiny_llm(model_dir, generation_config=str(tmp_path))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -15,8 +16,10 @@ from pypto_serving.beam_search import BeamSearch, BeamSearchOutput, BeamSearchPa
 from pypto_serving.config import engine_config
 from pypto_serving.engine.core import EngineCore
 from pypto_serving.engine.dp import DPEngine
+from pypto_serving.engine.memory_budget import with_kv_budget
 from pypto_serving.engine.text import TextAssembler
 from pypto_serving.errors import PyptoError, RequestFailedError
+from pypto_serving.models.chat_defaults import chat_template_text, generation_defaults
 from pypto_serving.models.config import load_model_config
 from pypto_serving.models.default_model import resolve_model_path
 from pypto_serving.models.loader import load_tokenizer
@@ -26,6 +29,9 @@ from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 
 Prompt = str | list[int]
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -125,7 +131,18 @@ class LLM:
         self.model_dir = resolve_model_path(config.model)
         # config errors first, before the tokenizer's or any process
         load_model_config(self.model_dir).check_max_model_len(config.max_model_len)
+        config = with_kv_budget(config, self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = chat_template_text(config.chat_template)
+        self.generation_defaults = generation_defaults(config.generation_config, self.model_dir)
+        """Sampling defaults of requests that leave them out (--generation-config)."""
+        if self.generation_defaults:
+            log.info(
+                "the model's generation config sets %s for requests that leave them out "
+                "(--generation-config vllm: none)",
+                ", ".join(f"{k}={v}" for k, v in self.generation_defaults.items()),
+            )
         self.engine: EngineCore | DPEngine
         if config.parallel.data_parallel_size > 1:
             self.engine = DPEngine(config, self.model_dir)
@@ -149,6 +166,11 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the generation config's defaults (--generation-config),
+        what generate() uses when given none."""
+        return SamplingParams(**self.generation_defaults)
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -291,7 +313,7 @@ class LLM:
         `priority`: one per prompt, lower runs first (default: first come, first served)."""
         one = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
         batch = [cast(Prompt, prompts)] if one else cast(Sequence[Prompt], prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         plist = list(params) if isinstance(params, Sequence) else [params] * len(batch)
         prios = list(priority) if priority is not None else [0] * len(batch)
         families = [self.add(p, sp, pr) for p, sp, pr in zip(batch, plist, prios, strict=True)]

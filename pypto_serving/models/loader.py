@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -159,6 +160,19 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if not files:
         raise ModelLoadError(f"no *.safetensors weight files in model directory {model_dir}")
     return files
+
+
+def checkpoint_numel(model_dir: Path) -> int:
+    """The checkpoint's weights, counted from its files' headers (no tensor read)."""
+    total = 0
+    for path in safetensors_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    total += math.prod(f.get_slice(name).get_shape())
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ModelLoadError(f"corrupt safetensors file {path.name}: {e}") from None
+    return total
 
 
 def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

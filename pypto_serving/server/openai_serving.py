@@ -260,6 +260,8 @@ class OpenAIServing:
         self.tokens_as_ids = tokens_as_ids
         """--return-tokens-as-token-ids: the default of requests that do not say."""
         self.tokenizer = engine.llm.tokenizer
+        self.defaults = engine.llm.generation_defaults
+        """The model's generation config: defaults of the sampling fields a request leaves out."""
         self.token_bytes = TokenBytes(self.tokenizer)
         self.token_id_names = TokenIdNames(self.token_bytes)
         self.tool_format = tool_format(getattr(self.tokenizer, "chat_template", None))
@@ -384,7 +386,7 @@ class OpenAIServing:
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Any:
         name = self.check_model(body.model)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        params = body.sampling_params(body.max_tokens, body.logprobs, self.defaults)
         texts = body.prompts()
         self._check_count(len(texts), params, body.sequences_param())
         await self.admit_grammar(params, body)
@@ -507,7 +509,7 @@ class OpenAIServing:
         plan = body.tool_plan()
         if body.use_beam_search and plan is not None:
             raise PyptoError("beam search takes no tools", "tools")
-        params = body.sampling_params(body.max_new_tokens(), body.num_logprobs())
+        params = body.sampling_params(body.max_new_tokens(), body.num_logprobs(), self.defaults)
         fmt = None
         if plan is not None:
             fmt = self._tool_format()

@@ -12,7 +12,9 @@ seconds for a large body), and the number of prompts and of chat items is checke
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -31,6 +33,8 @@ from pypto_serving.sampling import MAX_LOGIT_BIAS, SamplingParams, StructuredOut
 from pypto_serving.server.chat_prompt import ChatTemplateOptions
 from pypto_serving.server.errors import APIError, quoted
 
+NONE: Mapping[str, Any] = MappingProxyType({})
+"""No defaults."""
 MAX_TOP_LOGPROBS = 20
 GUIDED = ("json", "regex", "choice", "grammar")
 """vLLM's older guided_* fields, in StructuredOutputsParams' order."""
@@ -296,7 +300,15 @@ class _Sampling(_Request):
         """Top logprobs to score each prompt position with (None: the prompt is not scored)."""
         return self.prompt_logprobs
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any] = NONE
+    ) -> SamplingParams:
+        """The request's SamplingParams; `defaults` (the model's generation config) give the
+        sampling fields it leaves out, and its max_tokens where it gives none."""
+        if "max_tokens" in defaults and not {"max_tokens", "max_completion_tokens"} & (
+            self.model_fields_set
+        ):
+            max_tokens = defaults["max_tokens"]
         if self.stream_options is not None and not self.stream:
             raise PyptoError("stream_options is only allowed with stream: true", "stream_options")
         _neutral(self.store, "store", "nothing is stored")
@@ -317,6 +329,9 @@ class _Sampling(_Request):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
+        given = {k: v for k, v in defaults.items() if k != "max_tokens"} | {
+            k: v for k, v in given.items() if v is not None
+        }
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=best_of,
@@ -331,7 +346,7 @@ class _Sampling(_Request):
             prompt_logprobs=self.scored_prompt(),
             allowed_token_ids=self.allowed_token_ids,
             structured_outputs=self.structured(),
-            **{k: v for k, v in given.items() if v is not None},
+            **given,
         )
 
     def sequences_param(self) -> str:
