@@ -30,7 +30,7 @@ from typing import Any
 
 from pypto_serving.engine.core import check_step_time
 from pypto_serving.engine.llm import LLM, _Family
-from pypto_serving.engine.metrics import EngineMetrics
+from pypto_serving.engine.metrics import EngineMetrics, FinishedRequest, cache_info
 from pypto_serving.engine.process import describe
 from pypto_serving.errors import EngineDeadError, PyptoError, RequestFailedError
 from pypto_serving.ops.sampler import Sampled
@@ -183,7 +183,16 @@ class AsyncLLM:
             parallel.data_parallel_size
         )
         self.engine = llm.engine
-        self.metrics = EngineMetrics(self.engine.stats, model_name)
+        config = llm.engine.config
+        self.metrics = EngineMetrics(
+            self.engine.stats,
+            model_name,
+            llm.engine.max_model_len,
+            config.scheduler.max_num_batched_tokens,
+            cache_info(config, self.engine.stats()),
+        )
+        self._tokens_computed = self.engine.tokens_computed()
+        """Tokens computed by the end of the last step (iteration_tokens: each step's)."""
         self.log_interval_s = log_interval_s
         self.error: EngineDeadError | None = None
         self.step_timeout_s = llm.engine.config.step_timeout_s
@@ -402,7 +411,12 @@ class AsyncLLM:
         """On the engine thread: one step, then each changed request's deltas (or the error
         that ended a request lost to a fault)."""
         updates: list[tuple[str, GenerationUpdate | RequestFailedError]] = []
-        for f in self.llm.step():
+        changed = self.llm.step()
+        computed = self.engine.tokens_computed()
+        if computed > self._tokens_computed:  # the step's tokens (under DP: the replicas')
+            self.metrics.iteration_tokens.observe(computed - self._tokens_computed)
+        self._tokens_computed = computed
+        for f in changed:
             if f.error is not None:
                 updates.append((f.request_id, RequestFailedError(f.error)))
                 continue
@@ -443,11 +457,23 @@ class AsyncLLM:
     def _observe_finished(self, stream: _Stream, now: float) -> None:
         assert stream.family is not None
         self.metrics.e2e.observe(now - stream.arrival)
-        scheduled = stream.family.children[0].scheduled_time
+        children = stream.family.children
+        scheduled = children[0].scheduled_time
         if scheduled is not None:
             self.metrics.queue.observe(max(scheduled - stream.arrival, 0.0))
-        for child in stream.family.children:
+        for child in children:
             self.metrics.finished(child.finish_reason or "abort", 1)
+        prompt = len(children[0].prompt_token_ids)
+        max_tokens = children[0].params.max_tokens
+        done = FinishedRequest(
+            prompt,
+            [len(c.output_token_ids) for c in children],
+            max_tokens if max_tokens is not None else self.engine.max_model_len - prompt,
+            scheduled,
+            stream.first_token,
+            stream.last_token,
+        )
+        self.metrics.request_done(done)
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}

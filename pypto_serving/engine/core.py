@@ -315,6 +315,10 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def tokens_computed(self) -> int:
+        """Prompt and generated tokens computed so far (cheap: for per-step counts)."""
+        return self.prompt_tokens + self.generation_tokens
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(

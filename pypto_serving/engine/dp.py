@@ -300,6 +300,10 @@ class DPEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests or self._changed)
 
+    def tokens_computed(self) -> int:
+        """Prompt and generated tokens the replicas computed, as they last reported."""
+        return sum(s.prompt_tokens + s.generation_tokens for s in self._stats)
+
     def stats(self) -> EngineStats:
         return combine_stats([s for i, s in enumerate(self._stats) if i not in self.lost])
 

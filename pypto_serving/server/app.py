@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pypto_serving.config import ServerConfig
 from pypto_serving.engine.async_llm import AsyncLLM
-from pypto_serving.engine.metrics import PREFIX
+from pypto_serving.engine.metrics import PREFIX, VLLM
 from pypto_serving.errors import PyptoError
 from pypto_serving.server.errors import UNAVAILABLE, error_body, install_error_handlers
 from pypto_serving.server.json_body import FastJSONRoute
@@ -242,11 +242,14 @@ def as_json(value: Any) -> Any:
 
 
 def metrics_json(registry: CollectorRegistry, model_name: str) -> dict[str, Any]:
-    """The registry's samples (histogram buckets left out), named without the `pypto_` prefix:
+    """The registry's samples (histogram buckets and vLLM's duplicate names left out), named
+    without the `pypto_` prefix:
     {"time", "model", "metrics": {name: value}, "tiers": {tier: {name: value}}}; a sample
     with another label (a finish reason) is named `name:label`."""
     out: dict[str, Any] = {"time": time.time(), "model": model_name, "metrics": {}, "tiers": {}}
     for family in registry.collect():
+        if family.name.startswith(VLLM):
+            continue  # vLLM's names of the same measurements
         for sample in family.samples:
             name = sample.name.removeprefix(PREFIX)
             if name.endswith(("_bucket", "_created")):
