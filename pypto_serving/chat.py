@@ -1,8 +1,10 @@
 """`pypto chat`: an interactive multi-turn chat in the terminal.
 
 The model runs in this process (`--model`, engine flags as for `pypto generate`), or a running
-OpenAI-compatible server answers (`--url`). Answers stream as they are produced. `/reset`
-starts a new conversation, `/exit` (or Ctrl-D) quits. A failed answer (a server error, a
+OpenAI-compatible server answers (`--url`). Answers stream as they are produced. Ctrl-C
+stops an answer and returns to the prompt (the answer so far stays in the conversation, as
+llama-cli keeps it); at the prompt it clears the line. `/reset` starts a new conversation,
+`/help` lists the commands, `/exit` (or Ctrl-D) quits. A failed answer (a server error, a
 conversation grown past the context) is reported and leaves the conversation as it was.
 """
 
@@ -11,7 +13,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -29,7 +33,15 @@ from pypto_serving.http_client import (
 )
 
 PROMPT = ">>> "
-HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits"
+HELP = "/reset starts a new conversation, /help shows this, /exit (or Ctrl-D) quits"
+HELP_LONG = (
+    "commands:\n"
+    "  /reset  start a new conversation (the system prompt stays)\n"
+    "  /help   this list\n"
+    "  /exit   quit (also /quit, or Ctrl-D)\n"
+    "Ctrl-C stops an answer and returns to the prompt; the answer so far stays in the "
+    "conversation"
+)
 Messages = list[dict[str, str]]
 
 
@@ -155,19 +167,50 @@ class ServerChat:
         self.client.close()
 
 
+class CtrlC:
+    """Ctrl-C while a reply streams: noted, for the reply to stop between two pieces (the
+    engine is never interrupted inside a step). Outside the main thread (no signals there)
+    it notes nothing."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._previous: Any = None
+
+    def __enter__(self) -> CtrlC:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._press)
+        return self
+
+    def _press(self, *_: object) -> None:
+        self.pressed = True
+
+    def __exit__(self, *_: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
 def answer(backend: ChatBackend, messages: Messages) -> str | None:
-    """Stream the reply to stdout; the whole reply, or None (and a message) if it failed."""
+    """Stream the reply to stdout; the whole reply (or what came before Ctrl-C stopped it),
+    or None (and a message) if it failed."""
     pieces: list[str] = []
-    try:
-        for piece in backend.reply(messages):
-            pieces.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-    except ChatError as e:
-        sys.stdout.write(("\n" if pieces else "") + f"[error: {e}]\n")
-        return None
-    sys.stdout.write("\n")
-    return "".join(pieces)
+    with CtrlC() as ctrl_c:
+        replies = backend.reply(messages)
+        try:
+            for piece in replies:
+                pieces.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+                if ctrl_c.pressed:
+                    break
+        except ChatError as e:
+            sys.stdout.write(("\n" if pieces else "") + f"[error: {e}]\n")
+            return None
+        finally:
+            close = getattr(replies, "close", None)
+            if close is not None:
+                close()  # a stopped reply: the request is aborted
+    sys.stdout.write("\n[stopped]\n" if ctrl_c.pressed else "\n")
+    return "".join(pieces) if pieces or not ctrl_c.pressed else None
 
 
 def chat_loop(backend: ChatBackend, system: str | None) -> int:
@@ -181,9 +224,15 @@ def chat_loop(backend: ChatBackend, system: str | None) -> int:
         except EOFError:
             sys.stdout.write("\n")
             return 0
+        except KeyboardInterrupt:  # clears the line, as a shell's prompt does
+            sys.stdout.write("\n")
+            continue
         text = line.strip()
         if text in ("/exit", "/quit"):
             return 0
+        if text == "/help":
+            sys.stdout.write(HELP_LONG + "\n")
+            continue
         if text == "/reset":
             messages = list(opening)
             sys.stdout.write("[new conversation]\n")

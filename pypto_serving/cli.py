@@ -11,8 +11,10 @@ import atexit
 import json
 import logging
 import sys
+import time
 from importlib.metadata import version as package_version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pypto_serving.bench import add_bench_parser, run_bench
 from pypto_serving.chat import add_chat_parser, run_chat
@@ -31,6 +33,9 @@ from pypto_serving.flags import (
     positive_int,
     read_prompts,
 )
+
+if TYPE_CHECKING:
+    from pypto_serving.outputs import RequestOutput
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def timing_line(outputs: list[RequestOutput], seconds: float, ttft: float | None) -> str:
+    """`pypto generate`'s last line, on stderr (llama.cpp prints one too): tokens in and
+    out, the time to the first piece and the output rate."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    first = f", first text after {ttft * 1000:.0f} ms" if ttft is not None else ""
+    rate = generated / seconds if seconds > 0 else 0.0
+    prompts = f"{len(outputs)} prompts, " if len(outputs) > 1 else ""
+    return (
+        f"[{prompts}{prompt} prompt tokens, {generated} generated in {seconds:.2f} s"
+        f"{first}: {rate:.1f} tokens/s]\n"
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from pypto_serving.engine.llm import LLM
     from pypto_serving.sampling import SamplingParams
@@ -99,14 +118,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     def prepare(text: str) -> str | list[int]:
         return llm.chat_prompt([{"role": "user", "content": text}]) if args.chat else text
 
+    start = time.perf_counter()
     if args.prompts_file is None:
-        for piece in llm.stream(prepare(args.prompt), params):
+        pieces = llm.stream(prepare(args.prompt), params)
+        first: float | None = None
+        while True:
+            try:
+                piece = next(pieces)
+            except StopIteration as done:
+                out: RequestOutput = done.value
+                break
+            first = first if first is not None else time.perf_counter()
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        sys.stderr.write(timing_line([out], time.perf_counter() - start, first and first - start))
         return 0
     prompts = read_prompts(args.prompts_file)
     outputs = llm.generate([prepare(p) for p in prompts], params)
+    sys.stderr.write(timing_line(outputs, time.perf_counter() - start, None))
     sink = args.output.open("w") if args.output else sys.stdout
     for prompt, out in zip(prompts, outputs, strict=True):
         o = out.outputs[0]

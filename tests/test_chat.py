@@ -145,6 +145,69 @@ def test_unreachable_server_is_a_clear_error(monkeypatch):
 
 def test_unknown_command_is_not_sent(monkeypatch, capsys):
     server = FakeChatServer()
-    feed(monkeypatch, "/help", "/exit")
+    feed(monkeypatch, "/hepl", "/exit")
     assert run_chat(chat_args("--url", "http://fake"), httpx.MockTransport(server.handle)) == 0
-    assert not server.bodies and "unknown command /help" in capsys.readouterr().out
+    assert not server.bodies and "unknown command /hepl" in capsys.readouterr().out
+
+
+def test_ctrl_c_stops_a_reply_and_returns_to_the_prompt(tiny_model, monkeypatch, capsys):
+    """A real SIGINT while an in-process answer streams: the answer stops after the piece it
+    was pressed during, its request is aborted (the engine holds nothing), the answer so far
+    stays in the conversation, and the next question is answered."""
+    import os
+    import signal
+
+    from pypto_serving import chat
+
+    seen: list[list[dict[str, str]]] = []
+    llms: list[LLM] = []
+    stream = LLM.stream
+
+    def pressed_after_first_piece(self: LLM, prompt: Any, params: Any) -> Any:
+        llms.append(self)
+        pieces = stream(self, prompt, params)
+        yield next(pieces)
+        if len(llms) == 1:  # the first answer only
+            os.kill(os.getpid(), signal.SIGINT)
+        yield from pieces
+
+    chat_prompt = LLM.chat_prompt
+
+    def spy(self: LLM, messages: list[dict[str, str]]) -> list[int]:
+        seen.append([dict(m) for m in messages])
+        return chat_prompt(self, messages)
+
+    monkeypatch.setattr(LLM, "stream", pressed_after_first_piece)
+    monkeypatch.setattr(LLM, "chat_prompt", spy)
+    feed(monkeypatch, "tell me a long story", "and then?", "/exit")
+    args = chat_args(
+        *("--model", str(tiny_model("llama-gqa4-tied")), *FAST),
+        *("--temperature", "0", "--max-tokens", "40"),
+    )
+    assert run_chat(args) == 0
+    out = capsys.readouterr().out
+    assert "[stopped]" in out and out.count(PROMPT) == 3
+    assert not llms[0].engine.has_unfinished()  # the stopped request was aborted
+    stopped = seen[1][1]
+    assert stopped["role"] == "assistant" and stopped["content"]  # the answer so far is kept
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert chat.HELP in out
+
+
+def test_ctrl_c_at_the_prompt_clears_the_line_and_help_lists_the_commands(monkeypatch, capsys):
+    from pypto_serving import chat
+
+    answers = iter(["/help", KeyboardInterrupt(), "/exit"])
+
+    def typed(prompt: str) -> str:
+        item = next(answers)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    monkeypatch.setattr("builtins.input", typed)
+    server = FakeChatServer()
+    args = chat_args("--url", "http://fake")
+    assert run_chat(args, httpx.MockTransport(server.handle)) == 0
+    out = capsys.readouterr().out
+    assert chat.HELP_LONG in out and server.bodies == []

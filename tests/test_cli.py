@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,12 @@ def run(argv, capsys):
     code = main(argv)
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def tokenizer_of(path):
+    from pypto_serving.models.loader import load_tokenizer
+
+    return load_tokenizer(path)
 
 
 def test_generate_streams_text_only_to_stdout(tiny_model):
@@ -50,13 +57,23 @@ def test_generate_streams_text_only_to_stdout(tiny_model):
     assert proc.returncode == 0, proc.stderr
     assert "engine ready" in proc.stderr and "engine ready" not in proc.stdout
     assert proc.stdout.endswith("\n") and "Traceback" not in proc.stderr
+    # the timing line, on stderr only (as llama.cpp prints one): the prompt's tokens, the
+    # tokens generated (12, or fewer if EOS came), the first text's time and the rate
+    timing = re.search(
+        r"\[(\d+) prompt tokens, (\d+) generated in [\d.]+ s, first text after \d+ ms: "
+        r"[\d.]+ tokens/s\]",
+        proc.stderr,
+    )
+    assert timing is not None and "generated in" not in proc.stdout, proc.stderr[-500:]
+    prompt = tokenizer_of(path).encode("hello world")
+    assert int(timing[1]) == len(prompt) and 1 <= int(timing[2]) <= 12
 
 
 def test_prompts_file_writes_jsonl(tiny_model, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hello"}\n{"prompt": "the quick fox"}\n')
     out = tmp_path / "out.jsonl"
-    code, _, _ = run(
+    code, _, err = run(
         [
             "generate",
             "--model",
@@ -76,6 +93,8 @@ def test_prompts_file_writes_jsonl(tiny_model, tmp_path, capsys):
     assert code == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["hello", "the quick fox"]
+    generated = sum(len(r["token_ids"]) for r in rows)
+    assert "[2 prompts, " in err and f"{generated} generated in" in err
     assert all(r["finish_reason"] in ("stop", "length") and r["token_ids"] for r in rows)
 
 

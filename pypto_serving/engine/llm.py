@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Self, cast
 
@@ -352,13 +352,20 @@ class LLM:
                 beam.text = decode(beam.output_token_ids, skip_special_tokens=True)
         return [BeamSearchOutput(s.best()) for s in searches]
 
-    def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[str]:
-        """Text of a single sequence (n=1), piece by piece as tokens are produced."""
+    def stream(self, prompt: Prompt, params: SamplingParams) -> Generator[str, None, RequestOutput]:
+        """Text of a single sequence (n=1), piece by piece as tokens are produced; the
+        generator's return value (StopIteration's) is the request's output. Closed early (a
+        reader that stops), it aborts the request: nothing is left running."""
         family = self.add(prompt, replace(params, n=1))
         text, req = family.texts[0], family.children[0]
-        while not req.finished:
-            self.step()
-            if req.error is not None:
-                raise RequestFailedError(req.error)
-            if piece := text.take(final=req.finished):
-                yield piece
+        try:
+            while not req.finished:
+                self.step()
+                if req.error is not None:
+                    raise RequestFailedError(req.error)
+                if piece := text.take(final=req.finished):
+                    yield piece
+        finally:
+            if not req.finished:
+                self.abort(family)
+        return family.output()
