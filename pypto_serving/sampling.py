@@ -109,7 +109,12 @@ class SamplingParams:
     seed: int | None = None
     """Makes this request's samples reproducible whatever else is in the batch."""
     stop: list[str] = field(default_factory=list)
-    """Strings that end generation; they are left out of the returned text."""
+    """Strings that end generation; they are left out of the returned text (unless
+    include_stop_str_in_output)."""
+    include_stop_str_in_output: bool = False
+    """The stop string that ended the text stays at its end (vLLM's)."""
+    skip_special_tokens: bool = True
+    """Special tokens (EOS, control tokens) are left out of the text (vLLM's default)."""
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from live_server import Live, serving, tiny_llm
+from patience import patience
 
 from pypto_serving.errors import PyptoError
 from pypto_serving.sampling import SamplingParams
@@ -479,3 +482,76 @@ def test_generation_config_gives_the_defaults_requests_leave_out(model_dir, tmp_
         tiny_llm(model_dir, generation_config=str(folder))
     with pytest.raises(PyptoError, match=r"holds no generation_config\.json"):
         tiny_llm(model_dir, generation_config=str(tmp_path))
+
+
+def test_stop_strings_kept_special_tokens_shown_and_prompts_truncated(live):
+    base = {"prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 12, "seed": 7, "ignore_eos": True}
+    plain = ok(live, "/v1/completions", base)["choices"][0]["text"]
+    stop = next(  # two characters first seen after the text's start
+        plain[i : i + 2] for i in range(1, len(plain) - 1) if plain.index(plain[i : i + 2]) == i
+    )
+    cut = ok(live, "/v1/completions", base | {"stop": [stop]})["choices"][0]["text"]
+    kept = ok(live, "/v1/completions", base | {"stop": [stop], "include_stop_str_in_output": True})
+    assert cut == plain[: plain.index(stop)]
+    assert kept["choices"][0]["text"] == cut + stop
+    # special tokens: left out by default, kept when asked (the model "writes" EOS here)
+    eos = live.llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    forced = base | {"max_tokens": 2, "allowed_token_ids": [eos]}
+    assert ok(live, "/v1/completions", forced)["choices"][0]["text"] == ""
+    shown = ok(live, "/v1/completions", forced | {"skip_special_tokens": False})
+    assert shown["choices"][0]["text"] == "<|im_end|><|im_end|>"
+    # truncate_prompt_tokens: the prompt's last k tokens, and only they
+    last3 = ok(live, "/v1/completions", base | {"prompt": [8, 9, 10]})
+    truncated = ok(live, "/v1/completions", base | {"truncate_prompt_tokens": 3, "echo": True})
+    assert truncated["usage"]["prompt_tokens"] == 3
+    echo = live.llm.tokenizer.decode([8, 9, 10])
+    assert truncated["choices"][0]["text"] == echo + last3["choices"][0]["text"]
+    chat = {"messages": CONVERSATION, "max_tokens": 2, "truncate_prompt_tokens": 5}
+    assert ok(live, "/v1/chat/completions", chat)["usage"]["prompt_tokens"] == 5
+    refused(
+        live,
+        "/v1/completions",
+        base | {"truncate_prompt_tokens": 0},
+        "truncate_prompt_tokens",
+        "at least 1",
+    )
+
+
+def test_priority_orders_the_waiting_requests(model_dir):
+    """One sequence at a time: behind a long request, a later request of lower priority value
+    runs before an earlier one of higher value."""
+    with serving(tiny_llm(model_dir, max_num_seqs=1)) as server:
+        finished: dict[str, float] = {}
+
+        def run(name: str, priority: int) -> None:
+            body = {"prompt": [5, 6], "max_tokens": 2, "priority": priority}
+            ok(server, "/v1/completions", body)
+            finished[name] = time.monotonic()
+
+        long = {"prompt": [5], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=long, timeout=300) as r:
+            lines = r.iter_lines()
+            next(lines)  # the long request runs
+            late = threading.Thread(target=run, args=("late", 5))
+            late.start()
+            waiting(server, 1)
+            early = threading.Thread(target=run, args=("early", -1))
+            early.start()
+            waiting(server, 2)  # both wait behind the long one
+            for _ in lines:
+                pass
+        late.join()
+        early.join()
+        assert finished["early"] < finished["late"]
+
+
+def waiting(server: Live, n: int) -> None:
+    """Until the server has n requests waiting."""
+    deadline = time.monotonic() + patience(60)
+    while time.monotonic() < deadline:
+        text = httpx.get(server.url + "/metrics").text
+        line = next(x for x in text.splitlines() if x.startswith("pypto_num_requests_waiting{"))
+        if float(line.split()[-1]) >= n:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{n} requests never waited")

@@ -70,6 +70,14 @@ def metric(url: str, name: str) -> float:
     return float(re.search(rf"^pypto_{name}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
 
 
+def finished(url: str) -> float:
+    """Requests finished, whatever their reason."""
+    text = httpx.get(url + "/metrics").text
+    return sum(
+        float(v) for v in re.findall(r"^pypto_request_success_total\{[^}]*\} (\S+)$", text, re.M)
+    )
+
+
 @pytest.mark.slow
 def test_chat_stop_cache_dashboard_and_reload(browser, live):
     page = browser.new_page(viewport={"width": 1280, "height": 800})
@@ -175,3 +183,62 @@ def test_no_web_ui_leaves_the_page_out(tiny_model):
         assert httpx.get(live.url + "/").status_code == 404
         assert httpx.get(live.url + "/web/app.js").status_code == 404
         assert httpx.get(live.url + "/stats").json()["metrics"]["num_requests_running"] == 0
+
+
+def test_conversations_regenerate_copy_numbered_lists_chart_axes_and_favicon(browser, tiny_model):
+    """Issue 45's page items on a tiny model: a list of conversations (switch, reload, delete),
+    Regenerate asks the last question again, Copy puts the reply's text on the clipboard,
+    numbered lists keep their numbers, the chart has labelled axes, /favicon.ico is served."""
+    with tiny_llm(tiny_model("llama-gqa4-tied")) as llm, serving(llm) as live:
+        icon = httpx.get(live.url + "/favicon.ico")
+        assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
+        assert icon.text.startswith("<svg")
+        context = browser.new_context()
+        context.grant_permissions(["clipboard-read", "clipboard-write"], origin=live.url)
+        page = context.new_page()
+        page.goto(live.url + "/")
+        page.wait_for_selector("#model-name:has-text('tiny')")
+        settings(page, max_tokens=6)
+
+        # numbered lists: blank lines between items keep one list; a list keeps its numbers
+        html = page.evaluate("markdown('1. one\\n\\n2. two\\n\\n3. three')")
+        assert html == "<ol><li>one</li><li>two</li><li>three</li></ol>"
+        assert page.evaluate("markdown('3. c\\n4. d')").startswith('<ol start="3"><li>c</li>')
+        assert page.evaluate("markdown('- a\\n\\ntext')") == "<ul><li>a</li></ul><p>text</p>"
+
+        # two conversations, listed by their first question; each keeps its own messages
+        ask(page, "first question")
+        page.click("#new-chat")
+        ask(page, "second question")
+        titles = page.locator("#conversations .open").all_inner_texts()
+        assert titles == ["second question", "first question"]
+        page.click("#conversations li:nth-child(2) .open")
+        assert page.locator("#messages li.user").all_inner_texts() == ["first question"]
+        page.reload()
+        page.wait_for_selector("#model-name:has-text('tiny')")
+        assert page.locator("#conversations .open").all_inner_texts() == titles
+        assert page.locator("#messages li.user").all_inner_texts() == ["first question"]
+
+        # Copy: the reply's own text; Regenerate: the last question asked once more
+        reply = page.evaluate("messages.at(-1).content")
+        page.click("#messages li.assistant [data-action=copy]")
+        page.wait_for_function(
+            "async (want) => (await navigator.clipboard.readText()) === want", arg=reply
+        )
+        before = finished(live.url)
+        page.click("#messages li.assistant [data-action=regenerate]")
+        page.wait_for_selector("#send:not([disabled])")
+        assert page.locator("#messages li.user").all_inner_texts() == ["first question"]
+        assert page.locator("#messages li.assistant").count() == 1
+        assert finished(live.url) == before + 1
+
+        # delete the open conversation: the other one opens
+        page.click("#conversations li[aria-current] [data-action=delete]")
+        assert page.locator("#conversations .open").all_inner_texts() == ["second question"]
+        assert page.locator("#messages li.user").all_inner_texts() == ["second question"]
+
+        # the chart's axes, in the page's words: both scales and the time span
+        page.wait_for_selector("#chart-axes:has-text('tok/s 0–')")
+        axes = page.inner_text("#chart-axes")
+        assert re.fullmatch(r"tok/s 0–\d+ · TTFT 0–\d+ ms · last 120 s", axes), axes
+        context.close()

@@ -156,6 +156,7 @@ class _Add:
     params: SamplingParams
     stream: _Stream
     cache_salt: str | None = None
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -317,8 +318,10 @@ class AsyncLLM:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> RequestUpdates:
-        """Queue a request now and return the iterator of its updates until it finishes.
+        """Queue a request now and return the iterator of its updates until it finishes
+        (`priority`: lower runs first when requests wait).
 
         Raises PyptoError for a request the model cannot take, EngineDeadError when the
         engine is not running, DrainingError while shutting down. The request counts as in
@@ -334,7 +337,7 @@ class AsyncLLM:
         check_step_time(len(prompt_token_ids), self.engine.config, self.engine.layer_costs)
         stream = _Stream(asyncio.Queue(), time.monotonic(), params.n, len(prompt_token_ids))
         self._streams[request_id] = stream
-        self._adds.append(_Add(request_id, prompt_token_ids, params, stream, cache_salt))
+        self._adds.append(_Add(request_id, prompt_token_ids, params, stream, cache_salt, priority))
         self._wake.set()
         return RequestUpdates(self, request_id, stream)
 
@@ -399,6 +402,7 @@ class AsyncLLM:
                 a.stream.family = self.llm.add(
                     a.prompt_token_ids,
                     a.params,
+                    a.priority,
                     request_id=a.request_id,
                     arrival_time=a.stream.arrival,
                     cache_salt=a.cache_salt,

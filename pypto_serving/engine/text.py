@@ -22,6 +22,8 @@ class TextAssembler:
         self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
         self.stop = params.stop
+        self.keep_stop = params.include_stop_str_in_output
+        self.skip_special = params.skip_special_tokens
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         self.emitted = 0
@@ -30,18 +32,21 @@ class TextAssembler:
     def add(self, token_id: int) -> None:
         """Append a token; sets `stopped` (and cuts the text) when a stop string appears."""
         self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        decode, skip = self.tokenizer.decode, self.skip_special
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
+        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return
         delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         start = max(len(self.text) - self.holdback, 0)
         self.text += delta
-        hits = [at for s in self.stop if (at := self.text.find(s, start)) >= 0]
+        hits = [(at, len(s)) for s in self.stop if (at := self.text.find(s, start)) >= 0]
         if hits:
-            self.text, self.stopped = self.text[: min(hits)], True
+            at = min(a for a, _ in hits)  # the earliest stop string ends the text
+            if self.keep_stop:  # and stays, the longest where two start together
+                at += max(n for a, n in hits if a == at)
+            self.text, self.stopped = self.text[:at], True
 
     def take(self, final: bool) -> str:
         """Text not yet handed out; keeps back a possible stop-string prefix unless final."""

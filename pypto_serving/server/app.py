@@ -56,7 +56,7 @@ INVOCATIONS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = 
 
 OPEN_PATHS = frozenset({"/health"})
 """Routes answered without the API key (a load balancer's probe)."""
-PAGE_PATHS = frozenset({"/", "/web/app.js", "/web/style.css"})
+PAGE_PATHS = frozenset({"/", "/web/app.js", "/web/style.css", "/favicon.ico"})
 """The web page's files: they hold no data (every number it shows comes from routes that need
 the key, which the page asks for), so they load without the key."""
 WEB_DIR = Path(__file__).parent / "web"
@@ -430,6 +430,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: list[str]) ->
         @app.get("/", include_in_schema=False)
         async def page() -> FileResponse:
             return FileResponse(WEB_DIR / "index.html")
+
+        @app.get("/favicon.ico", include_in_schema=False)  # where browsers ask for it
+        async def favicon() -> FileResponse:
+            return FileResponse(WEB_DIR / "favicon.svg", media_type="image/svg+xml")
 
         app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
 

@@ -135,6 +135,7 @@ class PreparedChat:
     """The field that set params.n (n, or best_of above it): errors about it name it."""
     beams: BeamSearchParams | None = None
     """use_beam_search's search (None: sampled as params say)."""
+    priority: int = 0
 
 
 async def merge(gens: list[RequestUpdates]) -> AsyncIterator[Update]:
@@ -370,6 +371,7 @@ class OpenAIServing:
         request_id: str,
         cache_salt: str | None,
         count: str = "n",
+        priority: int = 0,
     ) -> list[RequestUpdates]:
         """Queue the prompts, which `_check` has passed (a bad prompt must queue nothing);
         `count`: the field that set params.n."""
@@ -378,7 +380,7 @@ class OpenAIServing:
         except OverloadedError as e:
             raise APIError(503, str(e), UNAVAILABLE, None, "overloaded", RETRY_AFTER) from None
         return [
-            self.engine.generate(f"{request_id}-{i}", ids, params, cache_salt)
+            self.engine.generate(f"{request_id}-{i}", ids, params, cache_salt, priority)
             for i, ids in enumerate(prompts)
         ]
 
@@ -390,11 +392,18 @@ class OpenAIServing:
         texts = body.prompts()
         self._check_count(len(texts), params, body.sequences_param())
         await self.admit_grammar(params, body)
-        prompts = await self.encode(texts)
+        max_model_len = self.engine.engine.max_model_len
+        prompts = [body.truncated(p, max_model_len) for p in await self.encode(texts)]
         self._check(prompts, params)
         self._check_size(ResponseShape.of_completion(body, params), prompts, params)
         echoes = [
-            (p if isinstance(p, str) else self.tokenizer.decode(ids)) if body.echo else ""
+            (
+                p
+                if isinstance(p, str) and body.truncate_prompt_tokens is None
+                else self.tokenizer.decode(ids)
+            )
+            if body.echo
+            else ""
             for p, ids in zip(texts, prompts, strict=True)
         ]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -403,7 +412,11 @@ class OpenAIServing:
         if beams is not None:
             work = self._beam_completions(body, prompts, echoes, beams, rid, created, name)
             return await unless_disconnected(raw, work)
-        updates = merge(self._start(prompts, params, rid, body.cache_salt, body.sequences_param()))
+        updates = merge(
+            self._start(
+                prompts, params, rid, body.cache_salt, body.sequences_param(), body.priority
+            )
+        )
         usage = _Usage(prompt_tokens=sum(map(len, prompts)))
         n = params.n
         names = self.names(body)
@@ -521,19 +534,24 @@ class OpenAIServing:
         prompt = await asyncio.to_thread(
             self.render_chat, body.conversation(), body.template(), shown, special
         )
+        prompt = body.truncated(prompt, self.engine.engine.max_model_len)
         self._check([prompt], params, "messages")
         self._check_size(ResponseShape.of_chat(body, params), [prompt], params)
         max_tokens = body.max_new_tokens()
         beams = body.beam_params(
             max_tokens if max_tokens is not None else self.engine.engine.max_model_len - len(prompt)
         )
-        return PreparedChat(prompt, params, fmt, body.sequences_param(), beams)
+        return PreparedChat(prompt, params, fmt, body.sequences_param(), beams, body.priority)
 
     def start_chat(
         self, chat: PreparedChat, request_id: str, cache_salt: str | None
     ) -> AsyncIterator[Update]:
         """The prepared request queued: its updates (closing them aborts it)."""
-        return merge(self._start([chat.prompt], chat.params, request_id, cache_salt, chat.count))
+        return merge(
+            self._start(
+                [chat.prompt], chat.params, request_id, cache_salt, chat.count, chat.priority
+            )
+        )
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
         prepared = await self.prepare_chat(body)

@@ -259,6 +259,16 @@ class _Sampling(_Request):
     """Tags for stored completions (OpenAI): accepted, with nothing stored."""
     prompt_logprobs: int | None = None
     """vLLM's: each prompt token's logprob and this many top logprobs at each position."""
+    include_stop_str_in_output: bool = False
+    """vLLM's: the stop string that ended a choice stays at the end of its text."""
+    skip_special_tokens: bool = True
+    """vLLM's: special tokens are left out of the text (false: kept, as the model wrote)."""
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    """vLLM's: only the prompt's last k tokens are used (left truncation; -1: the longest
+    the context takes, max_model_len - 1)."""
+    priority: int = 0
+    """vLLM's: the lower runs first when requests wait (ties in arrival order); a request
+    waiting behind lower ones is the first preempted."""
     use_beam_search: bool = False
     """vLLM's: the n best beams of a beam search of width n (beam_search.py), not samples."""
     length_penalty: float = 1.0
@@ -299,6 +309,18 @@ class _Sampling(_Request):
     def scored_prompt(self) -> int | None:
         """Top logprobs to score each prompt position with (None: the prompt is not scored)."""
         return self.prompt_logprobs
+
+    def truncated(self, prompt: list[int], max_model_len: int) -> list[int]:
+        """The prompt as truncate_prompt_tokens leaves it (its last k tokens)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt
+        if k == 0:
+            raise PyptoError(
+                "truncate_prompt_tokens must be -1 (the context's length) or at least 1",
+                "truncate_prompt_tokens",
+            )
+        return prompt[-(max_model_len - 1 if k == -1 else k) :]
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any] = NONE
@@ -345,6 +367,8 @@ class _Sampling(_Request):
             logprobs=logprobs,
             prompt_logprobs=self.scored_prompt(),
             allowed_token_ids=self.allowed_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured(),
             **given,
         )

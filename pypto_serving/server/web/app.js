@@ -1,10 +1,13 @@
 // The page pypto serve answers at /: chat over /v1/chat/completions (streamed), and a
 // dashboard polling /stats (the numbers of /metrics, as JSON). Plain script, no build step,
-// nothing fetched from outside the server. The conversation, the settings and the API key are
-// kept in the browser's localStorage.
+// nothing fetched from outside the server. The conversations, the settings and the API key
+// are kept in the browser's localStorage.
 "use strict";
 
-const STORE = { chat: "pypto.chat", settings: "pypto.settings", key: "pypto.key" };
+const STORE = {
+  chats: "pypto.chats", current: "pypto.current", chat: "pypto.chat",
+  settings: "pypto.settings", key: "pypto.key",
+};
 const DEFAULTS = { system: "", temperature: 0.7, max_tokens: 512 };
 const POLL_MS = 1000;
 const CHART_POINTS = 120;
@@ -16,7 +19,11 @@ const load = (k, fallback) => {
 };
 const save = (k, v) => localStorage.setItem(k, JSON.stringify(v));
 
-let messages = load(STORE.chat, []);   // [{role, content, stats?}]
+// the conversations, newest first: [{id, messages: [{role, content, stats?}]}]; a
+// page from before the list had one conversation, under STORE.chat: it becomes the first
+let chats = load(STORE.chats, null) ?? [{ id: Date.now(), messages: load(STORE.chat, []) }];
+let current = chats.find((c) => c.id === load(STORE.current, null)) ?? chats[0];
+let messages = current.messages;
 let settings = { ...DEFAULTS, ...load(STORE.settings, {}) };
 let apiKey = load(STORE.key, "");
 let model = null;
@@ -76,13 +83,19 @@ function markdown(text) {
     }
     let list = null;
     for (const line of part.split("\n")) {
-      const item = line.match(/^\s*(?:[-*]|\d+\.)\s+(.*)$/);
+      const item = line.match(/^\s*(?:[-*]|(\d+)\.)\s+(.*)$/);
       if (item) {
-        const kind = /^\s*\d/.test(line) ? "ol" : "ul";
-        if (list !== kind) { if (list) out.push(`</${list}>`); out.push(`<${kind}>`); list = kind; }
-        out.push(`<li>${inline(item[1])}</li>`);
+        const kind = item[1] === undefined ? "ul" : "ol";
+        if (list !== kind) {
+          if (list) out.push(`</${list}>`);
+          // a list opens at its first item's number: "3." then "4." is 3, 4, not 1, 2
+          out.push(kind === "ol" && item[1] !== "1" ? `<ol start="${Number(item[1])}">` : `<${kind}>`);
+          list = kind;
+        }
+        out.push(`<li>${inline(item[2])}</li>`);
         continue;
       }
+      if (list && !line.trim()) continue;  // a blank line between items keeps the list open
       if (list) { out.push(`</${list}>`); list = null; }
       const heading = line.match(/^(#{1,4})\s+(.*)$/);
       if (heading) out.push(`<h${heading[1].length + 2}>${inline(heading[2])}</h${heading[1].length + 2}>`);
@@ -106,7 +119,7 @@ function statsText(s) {
   return parts.join(" · ");
 }
 
-function messageItem(m) {
+function messageItem(m, i) {
   const li = document.createElement("li");
   li.className = m.role;
   if (m.role === "user") li.textContent = m.content;
@@ -116,14 +129,89 @@ function messageItem(m) {
     stats.className = "stats";
     stats.textContent = statsText(m.stats);
     li.appendChild(stats);
+    const actions = document.createElement("span");
+    actions.className = "actions";
+    actions.appendChild(action("Copy", "copy", () => copy(m.content)));
+    if (i === messages.length - 1) actions.appendChild(action("Regenerate", "regenerate", regenerate));
+    li.appendChild(actions);
   }
   return li;
+}
+
+function action(label, name, run) {
+  const b = document.createElement("button");
+  b.type = "button";
+  b.textContent = label;
+  b.dataset.action = name;
+  b.addEventListener("click", run);
+  return b;
+}
+
+async function copy(text) {
+  try { await navigator.clipboard.writeText(text); $("chat-error").textContent = ""; }
+  catch { $("chat-error").textContent = "the browser did not allow copying"; }
+}
+
+function regenerate() {
+  // the last reply again: it goes, and its question is asked once more
+  if (controller || messages.length < 2 || messages.at(-1).role !== "assistant") return;
+  messages.pop();
+  const question = messages.pop();
+  send(question.content);
+}
+
+function titleOf(chat) {
+  const first = chat.messages.find((m) => m.role === "user");
+  return first ? first.content.slice(0, 40) : "New chat";
+}
+
+function renderChats() {
+  const list = $("conversations");
+  list.replaceChildren(...chats.map((chat) => {
+    const li = document.createElement("li");
+    if (chat === current) li.setAttribute("aria-current", "true");
+    const open = document.createElement("button");
+    open.type = "button";
+    open.className = "open";
+    open.textContent = titleOf(chat);
+    open.addEventListener("click", () => switchTo(chat));
+    const remove = action("×", "delete", () => removeChat(chat));
+    remove.setAttribute("aria-label", `delete ${titleOf(chat)}`);
+    li.append(open, remove);
+    return li;
+  }));
+}
+
+function saveChats() {
+  save(STORE.chats, chats);
+  save(STORE.current, current.id);
+}
+
+function switchTo(chat) {
+  controller?.abort();
+  current = chat;
+  messages = chat.messages;
+  saveChats();
+  render();
+}
+
+function newChat() {
+  const chat = { id: Date.now(), messages: [] };
+  chats.unshift(chat);
+  switchTo(chat);
+}
+
+function removeChat(chat) {
+  chats = chats.filter((c) => c !== chat);
+  if (!chats.length) { newChat(); return; }
+  switchTo(chat === current ? chats[0] : current);
 }
 
 function render() {
   const list = $("messages");
   list.replaceChildren(...messages.map(messageItem));
   list.scrollTop = list.scrollHeight;
+  renderChats();
 }
 
 function busy(on) {
@@ -136,7 +224,7 @@ async function send(text) {
   messages.push({ role: "user", content: text });
   const reply = { role: "assistant", content: "", stats: null };
   messages.push(reply);
-  save(STORE.chat, messages);
+  saveChats();
   render();
   const item = $("messages").lastElementChild;
   const history = messages.slice(0, -1).map(({ role, content }) => ({ role, content }));
@@ -195,7 +283,7 @@ async function send(text) {
     tps: usage && seconds > 0 ? usage.completion_tokens / seconds : undefined,
     stopped,
   };
-  save(STORE.chat, messages);
+  saveChats();
   render();
 }
 
@@ -212,10 +300,7 @@ $("prompt").addEventListener("keydown", (e) => {
 document.addEventListener("keydown", (e) => { if (e.key === "Escape" && controller) controller.abort(); });
 $("stop").addEventListener("click", () => controller?.abort());
 $("new-chat").addEventListener("click", () => {
-  controller?.abort();
-  messages = [];
-  save(STORE.chat, messages);
-  render();
+  if (messages.length) newChat();
   $("prompt").focus();
 });
 
@@ -249,25 +334,62 @@ $("settings-form").addEventListener("submit", (e) => {
 let previous = null;
 const points = [];   // [{tps, ttft}], the chart's
 
+function niceTop(v) {
+  // the axis' top: 1, 2 or 5 times a power of ten, at least v
+  const p = 10 ** Math.floor(Math.log10(Math.max(v, 1)));
+  return [1, 2, 5, 10].map((m) => m * p).find((t) => t >= v);
+}
+
 function drawChart() {
+  // two y axes (output tok/s on the left, TTFT ms on the right, each from 0 to a round top,
+  // with a gridline at each quarter) over the last CHART_POINTS polls (x: seconds ago)
   const canvas = $("dash-chart");
   const ctx = canvas.getContext("2d");
   const style = getComputedStyle(document.documentElement);
+  const line = style.getPropertyValue("--line").trim();
+  const muted = style.getPropertyValue("--muted").trim();
+  const left = 34, right = 40, top = 8, bottom = 18;
+  const w = canvas.width - left - right, h = canvas.height - top - bottom;
   ctx.clearRect(0, 0, canvas.width, canvas.height);
-  for (const [key, color] of [["tps", "--tps"], ["ttft", "--ttft"]]) {
+  ctx.font = "10px system-ui, sans-serif";
+  ctx.strokeStyle = line;
+  ctx.lineWidth = 1;
+  for (let q = 0; q <= 4; q++) {
+    const y = top + h - (q / 4) * h;
+    ctx.beginPath(); ctx.moveTo(left, y); ctx.lineTo(left + w, y); ctx.stroke();
+  }
+  const axes = {};
+  for (const [key, color, side] of [["tps", "--tps", "left"], ["ttft", "--ttft", "right"]]) {
     const values = points.map((p) => p[key]);
-    const top = Math.max(1, ...values.filter((v) => v !== null));
-    ctx.strokeStyle = style.getPropertyValue(color).trim();
+    const peak = niceTop(Math.max(0, ...values.filter((v) => v !== null)));
+    axes[key] = peak;
+    ctx.fillStyle = style.getPropertyValue(color).trim();
+    ctx.textAlign = side === "left" ? "right" : "left";
+    for (let q = 0; q <= 4; q += 2) {
+      const y = top + h - (q / 4) * h;
+      const label = String(Math.round((peak * q) / 4));
+      ctx.fillText(label, side === "left" ? left - 4 : left + w + 4, y + 3);
+    }
+    ctx.strokeStyle = ctx.fillStyle;
     ctx.lineWidth = 2;
     ctx.beginPath();
     values.forEach((v, i) => {
       if (v === null) return;
-      const x = (i / (CHART_POINTS - 1)) * canvas.width;
-      const y = canvas.height - 6 - (v / top) * (canvas.height - 12);
-      ctx.lineTo(x, y);
+      const x = left + (i / (CHART_POINTS - 1)) * w;
+      ctx.lineTo(x, top + h - (v / peak) * h);
     });
     ctx.stroke();
   }
+  ctx.fillStyle = muted;
+  ctx.textAlign = "left";
+  const span = Math.round((CHART_POINTS * POLL_MS) / 1000);
+  ctx.fillText(`${span} s ago`, left, canvas.height - 4);
+  ctx.textAlign = "right";
+  ctx.fillText("now", left + w, canvas.height - 4);
+  // the same scale in words, for screen readers and tests
+  $("dash-chart").setAttribute("aria-label",
+    `output tokens per second (axis 0 to ${axes.tps}) and time to first token in ms (axis 0 to ${axes.ttft}) over the last ${span} s`);
+  $("chart-axes").textContent = `tok/s 0–${axes.tps} · TTFT 0–${axes.ttft} ms · last ${span} s`;
 }
 
 function showStats(s) {
