@@ -19,7 +19,15 @@ if "torch" not in sys.modules and os.environ.get("PYPTO_CPU_ISA", "").lower() in
 from pypto_serving.beam_search import BeamSearchParams  # noqa: E402
 from pypto_serving.engine.llm import LLM  # noqa: E402
 from pypto_serving.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from pypto_serving.pooling import PoolingParams  # noqa: E402
 from pypto_serving.sampling import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "CompletionOutput",
+    "PoolingParams",
+    "RequestOutput",
+    "SamplingParams",
+]
 __version__ = "0.1.0"

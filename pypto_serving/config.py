@@ -489,6 +489,10 @@ class EngineConfig:
     """A step (or a data-parallel replica's step) making no progress (no layer done) for
     longer is taken for a hang: the watchdog fails the requests it held and reports the
     engine (or replica) dead. A prompt one layer of which would take longer is refused."""
+    runner: str = "auto"
+    """vLLM's --runner: auto (a model whose directory declares a sentence-transformers pooling
+    config embeds, by its rule), generate (no embeddings), or pooling (any model embeds, its
+    last token's hidden state unless its config says otherwise). Generation stays served."""
     chat_template: str | None = None
     """vLLM's --chat-template: a file holding a Jinja chat template, or the template itself;
     it replaces the tokenizer's own for chat, /tokenize, LLM.chat and `pypto chat`."""
@@ -504,6 +508,10 @@ class EngineConfig:
     def validate(self) -> None:
         if self.executor not in EXECUTORS:
             raise PyptoError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if self.runner not in RUNNERS:
+            raise PyptoError(
+                f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}", "runner"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise PyptoError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
@@ -677,6 +685,8 @@ class ServerConfig:
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 """uvicorn's log levels (`ServerConfig.uvicorn_log_level`)."""
+RUNNERS = ("auto", "generate", "pooling")
+"""vLLM's --runner values (`EngineConfig.runner`)."""
 TOOL_CALL_PARSERS = ("hermes",)
 """vLLM's --tool-call-parser names this server reads (`ServerConfig.tool_call_parser`)."""
 

@@ -33,6 +33,20 @@ class RequestOutput:
 
 
 @dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What LLM.embed returns for one prompt (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+
+
+@dataclass(slots=True)
 class CompletionDelta:
     """What one sequence produced since its previous delta (the unit of streaming)."""
 

@@ -577,3 +577,36 @@ def dequantize(records: torch.Tensor, fmt: int, rows: int, cols: int) -> torch.T
     q = q.permute(0, 3, 1, 2, 4).reshape(blocks * 16, groups, 32)
     scale = rec[..., 512:].contiguous().view(torch.float16).permute(0, 2, 1)
     return (q * scale.reshape(-1, groups, 1).double()).reshape(-1, cols)[:rows]
+
+
+def build_embedding_model(out: Path, pooling: str = "lasttoken") -> Path:
+    """A tiny Qwen3-Embedding-style model: the decoder saved alone (`Qwen3Model`: no LM head,
+    names without `model.`, tied embeddings), a tokenizer, and a sentence-transformers pooling
+    config (`pooling`: lasttoken, mean_tokens or cls_token)."""
+    from transformers import AutoModel
+
+    causal = out / "causal"
+    build_checkpoint("qwen3-hd32-gqa4", causal)
+    AutoModel.from_pretrained(causal, dtype=torch.float32).save_pretrained(out)
+    build_tokenizer(out)
+    (out / "modules.json").write_text(
+        json.dumps(
+            [
+                {
+                    "idx": 0,
+                    "name": "0",
+                    "path": "",
+                    "type": "sentence_transformers.models.Transformer",
+                },
+                {
+                    "idx": 1,
+                    "name": "1",
+                    "path": "1_Pooling",
+                    "type": "sentence_transformers.models.Pooling",
+                },
+            ]
+        )
+    )
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({f"pooling_mode_{pooling}": True}))
+    return out

@@ -33,6 +33,7 @@ OPERATIONS = {
     "POST /v1/completions",
     "POST /v1/chat/completions",
     "POST /v1/responses",
+    "POST /v1/embeddings",
     "GET /v1/models",
     "GET /v1/models/{model_id}",
     "POST /invocations",

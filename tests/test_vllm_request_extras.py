@@ -407,7 +407,9 @@ def test_invocations_answer_as_the_route_of_their_body(live):
         assert via["object"] == direct["object"] and via["choices"] == direct["choices"]
     streamed = sse_chunks(live, "/invocations", completion | {"stream": True})
     assert "".join(c["choices"][0]["text"] for c in streamed) == direct["choices"][0]["text"]
-    refused(live, "/invocations", {"input": "hello"}, "messages", "prompt")
+    refused(live, "/invocations", {"text": "hello"}, "messages", "input")
+    r = post(live, "/invocations", {"input": "hello"})  # embeddings: this model does not embed
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_embedding"
     r = post(live, "/invocations", {"messages": [{"role": "user"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
     r = httpx.post(

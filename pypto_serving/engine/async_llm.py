@@ -35,6 +35,7 @@ from pypto_serving.engine.process import describe
 from pypto_serving.errors import EngineDeadError, PyptoError, RequestFailedError
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.outputs import CompletionDelta
+from pypto_serving.pooling import PoolingParams
 from pypto_serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -340,6 +341,15 @@ class AsyncLLM:
         self._adds.append(_Add(request_id, prompt_token_ids, params, stream, cache_salt, priority))
         self._wake.set()
         return RequestUpdates(self, request_id, stream)
+
+    async def embed(self, prompt_token_ids: list[int], params: PoolingParams) -> list[float]:
+        """A prompt's embedding, computed on the engine's thread between two steps."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        if self.draining:
+            raise DrainingError("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, self.engine.embed, prompt_token_ids, params)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (takes effect at the next step boundary)."""

@@ -31,6 +31,8 @@ from pypto_serving.kv.groups import KVGroups
 from pypto_serving.kv.paged_attention import StepProgress
 from pypto_serving.kv.tier import TierStats, merge_tier_stats
 from pypto_serving.models.config import load_model_config
+from pypto_serving.ops.attention import DenseKV
+from pypto_serving.pooling import PoolingParams, pool
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.scheduler import Scheduler
@@ -314,6 +316,33 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @torch.inference_mode()
+    def embed(self, prompt_token_ids: list[int], params: PoolingParams) -> list[float]:
+        """The prompt's embedding: one plain forward over it (a dense KV that is dropped, no
+        page of the pool touched, no prefix cache), its final hidden states pooled. Between
+        steps, on the engine's thread. One rank only."""
+        if self.config.parallel.ranks_per_engine > 1:
+            raise PyptoError(
+                "embeddings run on one rank: start the embedding model without tensor or "
+                "pipeline parallelism",
+                "runner",
+            )
+        n = len(prompt_token_ids)
+        if not 0 < n <= self.max_model_len:
+            raise PyptoError(
+                f"the input has {n} tokens; it must have 1 to {self.max_model_len} (the "
+                "context length)",
+                "input",
+            )
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise PyptoError(f"token ids must be integers in [0, {vocab})", "input")
+        model, device = self.executor.model, self.executor.device
+        tokens = torch.tensor(prompt_token_ids, device=device)
+        positions = torch.arange(n, device=device)
+        hidden = model(tokens, positions, DenseKV(model.cfg.num_layers))
+        return pool(hidden, params)
 
     def tokens_computed(self) -> int:
         """Prompt and generated tokens computed so far (cheap: for per-step counts)."""

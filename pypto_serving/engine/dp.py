@@ -62,6 +62,7 @@ from pypto_serving.engine.replica import (
 from pypto_serving.engine.router import Router
 from pypto_serving.errors import EngineDeadError, PyptoError
 from pypto_serving.models.config import load_model_config, read_model_config
+from pypto_serving.pooling import PoolingParams
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 
@@ -299,6 +300,12 @@ class DPEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests or self._changed)
+
+    def embed(self, prompt_token_ids: list[int], params: PoolingParams) -> list[float]:
+        raise PyptoError(
+            "embeddings run on one engine: start the embedding model without data parallelism",
+            "runner",
+        )
 
     def tokens_computed(self) -> int:
         """Prompt and generated tokens the replicas computed, as they last reported."""

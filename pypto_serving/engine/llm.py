@@ -24,7 +24,14 @@ from pypto_serving.models.config import load_model_config
 from pypto_serving.models.default_model import resolve_model_path
 from pypto_serving.models.loader import load_tokenizer
 from pypto_serving.ops.sampler import Sampled
-from pypto_serving.outputs import CompletionDelta, CompletionOutput, RequestOutput
+from pypto_serving.outputs import (
+    CompletionDelta,
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
+from pypto_serving.pooling import PoolingParams, model_pooling
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 
@@ -136,6 +143,14 @@ class LLM:
         if config.chat_template is not None:
             self.tokenizer.chat_template = chat_template_text(config.chat_template)
         self.generation_defaults = generation_defaults(config.generation_config, self.model_dir)
+        declared = model_pooling(self.model_dir)
+        self.pooling_rule = (
+            None
+            if config.runner == "generate"
+            else declared or ("last" if config.runner == "pooling" else None)
+        )
+        """How embed() pools (the model's declared rule, or last under runner pooling); None:
+        this model does not embed."""
         """Sampling defaults of requests that leave them out (--generation-config)."""
         if self.generation_defaults:
             log.info(
@@ -166,6 +181,32 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed: each prompt's embedding (pooling.py), in order."""
+        one = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
+        batch = [cast(Prompt, prompts)] if one else cast(Sequence[Prompt], prompts)
+        params = self.pooling_params(pooling_params)
+        out = []
+        for i, prompt in enumerate(batch):
+            ids = self.encode(prompt)
+            embedding = self.engine.embed(ids, params)
+            out.append(EmbeddingRequestOutput(str(i), ids, EmbeddingOutput(embedding)))
+        return out
+
+    def pooling_params(self, given: PoolingParams | None) -> PoolingParams:
+        """`given` with the model's pooling rule where it names none; an error where this
+        model does not embed."""
+        if self.pooling_rule is None:
+            raise PyptoError(
+                "this model does not embed: its directory declares no sentence-transformers "
+                "pooling config; load it with runner 'pooling' (vLLM's --runner pooling) to "
+                "embed with its last token's hidden state",
+                "runner",
+            )
+        return (given or PoolingParams()).resolved(self.pooling_rule)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams with the generation config's defaults (--generation-config),

@@ -27,6 +27,14 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "DeepseekV4ForCausalLM",
 )
+DECODER_ALONE = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
+"""A decoder saved without its LM head (embedding models, Qwen3-Embedding's `Qwen3Model`):
+served as its causal LM (the head tied to the embeddings), for its hidden states."""
 DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 DEEPSEEK_V4 = "DeepseekV4ForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
@@ -313,7 +321,7 @@ def _parse_model_config(model_dir: Path, text: str) -> ModelConfig:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"config.json in {model_dir} is not valid JSON: {e}") from None
-    archs = raw.get("architectures") or []
+    archs = [DECODER_ALONE.get(a, a) for a in raw.get("architectures") or []]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise ModelLoadError(

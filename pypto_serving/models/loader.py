@@ -44,6 +44,9 @@ FUSED = {
     "up_proj": ("gate_up_proj", 1),
 }
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+BARE_DECODER = ("embed_tokens.", "layers.", "norm.")
+"""Names of a decoder saved without its LM head's wrapper (Qwen3-Embedding's `Qwen3Model`):
+they load as `model.<name>`."""
 
 
 def checkpoint_digest(model_dir: Path) -> str:
@@ -312,6 +315,8 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -
             if hf_name.startswith(V4_SKIPPED):
                 continue
             hf_name = V4_RENAMED.get(hf_name, hf_name)
+        elif hf_name.startswith(BARE_DECODER):  # a decoder saved alone (an embedding model)
+            hf_name = "model." + hf_name
         tensor = tensor_parallel_slice(hf_name, tensor, model.tp)
         for target_name in pipeline_targets(model, hf_name):
             stacked = oss_expert_parts(model, params, target_name, tensor)
@@ -342,6 +347,12 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -
                 copy_checked(hf_name, part, target)
                 pending[name] -= 1
     missing = sorted(n for n, left in pending.items() if left > 0)
+    if missing == ["lm_head.weight"]:
+        raise ModelLoadError(
+            "checkpoint has no LM head (lm_head.weight) and does not tie it to its embeddings: "
+            "a decoder saved alone, as embedding models are, needs tie_word_embeddings in its "
+            "config.json to load here"
+        )
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors: {shown}")

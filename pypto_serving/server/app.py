@@ -1,7 +1,8 @@
 """The HTTP server: FastAPI routes over one AsyncLLM.
 
 Routes: the web page at / (chat and dashboard, `server/web/`; --no-web-ui leaves it out),
-/v1/completions, /v1/chat/completions, /v1/responses, /v1/models and /v1/models/{id} (OpenAI),
+/v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models and
+/v1/models/{id} (OpenAI),
 /invocations (SageMaker's, as vLLM's), /stats (the dashboard's numbers: /metrics as JSON),
 /tokenize, /detokenize, /health, /metrics (Prometheus), /version, /tokenizer_info and /load
 (vLLM's, each behind its flag), and FastAPI's
@@ -36,6 +37,7 @@ from pypto_serving.config import ServerConfig
 from pypto_serving.engine.async_llm import AsyncLLM
 from pypto_serving.engine.metrics import PREFIX, VLLM
 from pypto_serving.errors import PyptoError
+from pypto_serving.server.embeddings import EmbeddingRequest, EmbeddingsServing
 from pypto_serving.server.errors import UNAVAILABLE, error_body, install_error_handlers
 from pypto_serving.server.json_body import FastJSONRoute
 from pypto_serving.server.openai_serving import OpenAIServing
@@ -48,9 +50,12 @@ from pypto_serving.server.protocol import (
 )
 from pypto_serving.server.responses import ResponsesRequest, ResponsesServing
 
-INVOCATIONS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+INVOCATIONS: dict[
+    str, type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingRequest]
+] = {
     "messages": ChatCompletionRequest,
     "prompt": CompletionRequest,
+    "input": EmbeddingRequest,
 }
 """/invocations' bodies, told apart by the field each must have."""
 
@@ -169,7 +174,14 @@ class RequestGuard:
 
 
 GENERATION_PATHS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations", "/v1/invocations"}
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/embeddings",
+        "/invocations",
+        "/v1/invocations",
+    }
 )
 """The routes whose requests /load counts."""
 
@@ -283,6 +295,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: list[str]) ->
     )
     model_name = model_names[0]
     responses = ResponsesServing(serving)
+    embeddings = EmbeddingsServing(serving)
     created = int(time.time())
 
     @app.post("/v1/completions")
@@ -292,6 +305,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: list[str]) ->
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return await serving.chat(body, raw)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest, raw: Request) -> Any:
+        return await embeddings.create(body, raw)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, raw: Request) -> Any:
@@ -323,7 +340,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: list[str]) ->
     async def invocations(raw: Request) -> Any:
         """SageMaker's route (vLLM's): a chat body (with `messages`) is answered as
         /v1/chat/completions answers it, a completion body (with `prompt`) as
-        /v1/completions."""
+        /v1/completions, an embeddings body (with `input`) as /v1/embeddings."""
         try:
             data = await raw.json()
         except ValueError:
@@ -331,8 +348,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: list[str]) ->
         kind = next((k for k in INVOCATIONS if isinstance(data, dict) and k in data), None)
         if kind is None:
             raise PyptoError(
-                "an invocation is a chat completion (a body with messages) or a completion "
-                "(a body with prompt)",
+                "an invocation is a chat completion (a body with messages), a completion "
+                "(a body with prompt) or embeddings (a body with input)",
                 "messages",
             )
         try:
@@ -341,6 +358,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: list[str]) ->
             raise RequestValidationError(e.errors()) from None
         if isinstance(body, ChatCompletionRequest):
             return await serving.chat(body, raw)
+        if isinstance(body, EmbeddingRequest):
+            return await embeddings.create(body, raw)
         return await serving.completions(body, raw)
 
     @app.post("/tokenize", response_model=dict[str, Any])

@@ -816,16 +816,22 @@ class OpenAIServing:
             out["tool_calls"] = [c.as_dict() for c in parser.calls]
         return out
 
-    async def encode(self, texts: list[str | list[int]]) -> list[list[int]]:
-        """Token ids of the prompts; texts are tokenized on a worker thread, and refused first
-        when longer than `max_prompt_chars`."""
+    async def encode(
+        self, texts: list[str | list[int]], special: bool = True, param: str = "prompt"
+    ) -> list[list[int]]:
+        """Token ids of the prompts (`special`: with the tokenizer's special tokens); texts are
+        tokenized on a worker thread, and refused first when longer than `max_prompt_chars`
+        (an error naming `param`)."""
         for t in texts:
-            self._check_chars(len(t) if isinstance(t, str) else 0, "the prompt", "prompt")
+            self._check_chars(len(t) if isinstance(t, str) else 0, "the prompt", param)
         if not any(isinstance(t, str) for t in texts):
             return [list(t) for t in texts if not isinstance(t, str)]
         encode = self.tokenizer.encode
         return await asyncio.to_thread(
-            lambda: [encode(t) if isinstance(t, str) else list(t) for t in texts]
+            lambda: [
+                encode(t, add_special_tokens=special) if isinstance(t, str) else list(t)
+                for t in texts
+            ]
         )
 
     def render_chat(

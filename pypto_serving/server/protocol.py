@@ -311,16 +311,9 @@ class _Sampling(_Request):
         return self.prompt_logprobs
 
     def truncated(self, prompt: list[int], max_model_len: int) -> list[int]:
-        """The prompt as truncate_prompt_tokens leaves it (its last k tokens)."""
-        k = self.truncate_prompt_tokens
-        if k is None:
-            return prompt
-        if k == 0:
-            raise PyptoError(
-                "truncate_prompt_tokens must be -1 (the context's length) or at least 1",
-                "truncate_prompt_tokens",
-            )
-        return prompt[-(max_model_len - 1 if k == -1 else k) :]
+        """The prompt as truncate_prompt_tokens leaves it (its last k tokens; -1: room for
+        one new token)."""
+        return keep_last(prompt, self.truncate_prompt_tokens, max_model_len - 1)
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any] = NONE
@@ -470,6 +463,19 @@ def with_backend_options(
     return spec
 
 
+def keep_last(prompt: list[int], k: int | None, longest: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the `longest` the
+    context takes; None: all of it)."""
+    if k is None:
+        return prompt
+    if k == 0:
+        raise PyptoError(
+            "truncate_prompt_tokens must be -1 (the context's length) or at least 1",
+            "truncate_prompt_tokens",
+        )
+    return prompt[-(longest if k == -1 else k) :]
+
+
 def token_id(key: str) -> int:
     """A logit_bias key as a token id: ASCII decimal digits (blanks around them allowed), at
     most MAX_TOKEN_ID_DIGITS of them once leading zeros are gone; the vocabulary's bound is
@@ -509,14 +515,19 @@ class CompletionRequest(_Sampling):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: strings or token id lists."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise PyptoError("the prompt is empty", "prompt")
-        if isinstance(p[0], int):  # validated: a list of token ids, or of prompts, not mixed
-            return [p]
-        return [x if isinstance(x, str) else list(x) for x in p]
+        return prompt_list(self.prompt, "prompt")
+
+
+def prompt_list(given: Any, param: str) -> list[str | list[int]]:
+    """A validated PromptInput as a list of strings or token id lists; an empty one is a 400
+    naming `param`."""
+    if isinstance(given, str):
+        return [given]
+    if not given:
+        raise PyptoError(f"the {param} is empty", param)
+    if isinstance(given[0], int):  # validated: a list of token ids, or of prompts, not mixed
+        return [list(given)]
+    return [x if isinstance(x, str) else list(x) for x in given]
 
 
 class TextPart(_Body):
