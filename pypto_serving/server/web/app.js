@@ -348,10 +348,10 @@ function drawChart() {
   const style = getComputedStyle(document.documentElement);
   const line = style.getPropertyValue("--line").trim();
   const muted = style.getPropertyValue("--muted").trim();
-  const left = 34, right = 40, top = 8, bottom = 18;
+  const left = 40, right = 48, top = 10, bottom = 22;
   const w = canvas.width - left - right, h = canvas.height - top - bottom;
   ctx.clearRect(0, 0, canvas.width, canvas.height);
-  ctx.font = "10px system-ui, sans-serif";
+  ctx.font = "14px system-ui, sans-serif";
   ctx.strokeStyle = line;
   ctx.lineWidth = 1;
   for (let q = 0; q <= 4; q++) {
@@ -367,7 +367,7 @@ function drawChart() {
     ctx.textAlign = side === "left" ? "right" : "left";
     for (let q = 0; q <= 4; q += 2) {
       const y = top + h - (q / 4) * h;
-      const label = String(Math.round((peak * q) / 4));
+      const label = String(+((peak * q) / 4).toFixed(1));  // 0, half, top: 0.5 stays 0.5
       ctx.fillText(label, side === "left" ? left - 4 : left + w + 4, y + 3);
     }
     ctx.strokeStyle = ctx.fillStyle;
@@ -383,9 +383,9 @@ function drawChart() {
   ctx.fillStyle = muted;
   ctx.textAlign = "left";
   const span = Math.round((CHART_POINTS * POLL_MS) / 1000);
-  ctx.fillText(`${span} s ago`, left, canvas.height - 4);
+  ctx.fillText(`${span} s ago`, left, canvas.height - 5);
   ctx.textAlign = "right";
-  ctx.fillText("now", left + w, canvas.height - 4);
+  ctx.fillText("now", left + w, canvas.height - 5);
   // the same scale in words, for screen readers and tests
   $("dash-chart").setAttribute("aria-label",
     `output tokens per second (axis 0 to ${axes.tps}) and time to first token in ms (axis 0 to ${axes.ttft}) over the last ${span} s`);
