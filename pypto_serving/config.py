@@ -613,9 +613,11 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     """vLLM's flag, accepted: tool_choice auto is always served here (vLLM needs the flag)."""
     tool_call_parser: str | None = None
-    """vLLM's flag: how calls are read from the model's output. hermes (calls in
-    `<tool_call>` blocks, what this server reads: Qwen's and Hermes' format, and SmolLM2's
-    list of calls) is accepted; another of vLLM's names is refused naming it."""
+    """vLLM's flag: the format the model writes calls in (server/tools.py): hermes (calls in
+    `<tool_call>` blocks: Qwen's and Hermes' format, and SmolLM2's list of calls), mistral
+    (`[TOOL_CALLS]` and a list of calls) or llama3_json (Llama 3's JSON calls, `;` between
+    them). None: the format the model's chat template shows. Another of vLLM's names is
+    refused, naming these."""
     return_tokens_as_token_ids: bool = False
     """vLLM's flag: logprobs name every token `token_id:<id>` unless a request says
     otherwise (its `return_tokens_as_token_ids`)."""
@@ -659,10 +661,9 @@ class ServerConfig:
             )
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise PyptoError(
-                f"tool_call_parser {self.tool_call_parser!r} is not served here: this server "
-                f"reads calls in <tool_call> blocks (Qwen's, Hermes' and SmolLM2's formats); "
-                f"give one of {', '.join(TOOL_CALL_PARSERS)} or leave it out (the format is "
-                "read from the model's chat template)",
+                f"tool_call_parser {self.tool_call_parser!r} is not served here: give one of "
+                f"{', '.join(TOOL_CALL_PARSERS)}, or leave it out (the format is read from the "
+                "model's chat template)",
                 "tool_call_parser",
             )
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
@@ -687,7 +688,7 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 """uvicorn's log levels (`ServerConfig.uvicorn_log_level`)."""
 RUNNERS = ("auto", "generate", "pooling")
 """vLLM's --runner values (`EngineConfig.runner`)."""
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 """vLLM's --tool-call-parser names this server reads (`ServerConfig.tool_call_parser`)."""
 
 SERVE_ENGINE_DEFAULTS: dict[str, Any] = {"max_num_batched_tokens": 1024, "background_compile": True}

@@ -610,3 +610,42 @@ def build_embedding_model(out: Path, pooling: str = "lasttoken") -> Path:
     (out / "1_Pooling").mkdir(exist_ok=True)
     (out / "1_Pooling" / "config.json").write_text(json.dumps({f"pooling_mode_{pooling}": True}))
     return out
+
+
+MISTRAL_TOOLS = (
+    "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'user' %}[INST]{{ m['content'] }}[/INST]"
+    "{%- elif m['role'] == 'assistant' and m.get('tool_calls') %}[TOOL_CALLS]"
+    "{{ m['tool_calls'] | map(attribute='function') | list | tojson }}<|im_end|>"
+    "{%- elif m['role'] == 'assistant' %}{{ m['content'] }}<|im_end|>"
+    "{%- elif m['role'] == 'tool' %}[TOOL_RESULTS]{{ m['content'] }}[/TOOL_RESULTS]"
+    "{%- endif %}{%- endfor %}"
+)
+"""A Mistral-style chat template: tools in [AVAILABLE_TOOLS], calls after [TOOL_CALLS]."""
+LLAMA3_TOOLS = (
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{%- if loop.last and m['role'] == 'user' and tools %}Answer with a JSON function call "
+    '{"name": function name, "parameters": its arguments} of one of these: '
+    "{{ tools | tojson }}\n{% endif %}"
+    "{%- if m.get('tool_calls') %}{% for c in m['tool_calls'] %}"
+    '{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
+    "{% endfor %}{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""A Llama-3-style chat template: calls written as {"name": ..., "parameters": ...}."""
+
+
+def build_tools_model(out: Path, template: str) -> Path:
+    """A tiny Qwen3 whose chat template is `template`, with room for a prompt that lists
+    tools (2,048 positions)."""
+    from transformers import AutoTokenizer
+
+    build_checkpoint("qwen3-hd32-gqa4", out)
+    build_tokenizer(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.chat_template = template
+    tok.save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 2048}))
+    return out

@@ -208,7 +208,7 @@ def test_serve_rejects_bad_options_clearly(tmp_path, capsys):
         (["serve", "--max-request-bytes", "10"], "max_request_bytes must be >= 1024"),
         (["serve", "--enable-lora"], "LoRA adapters are not supported; merge the adapter"),
         (["serve", "--uvicorn-log-level", "loud"], "uvicorn_log_level must be one of critical"),
-        (["serve", "--tool-call-parser", "mistral"], "give one of hermes or leave it out"),
+        (["serve", "--tool-call-parser", "pythonic"], "give one of hermes, llama3_json, mistral"),
     ]
     bad_json = tmp_path / "bad.json"
     bad_json.write_text("{not json")

@@ -17,14 +17,29 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from checkpoints import CHATML, build_hermes_model, build_tokenizer
+from checkpoints import (
+    CHATML,
+    LLAMA3_TOOLS,
+    MISTRAL_TOOLS,
+    build_hermes_model,
+    build_tokenizer,
+    build_tools_model,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from live_server import serving, tiny_llm
 
 from pypto_serving.server.protocol import closed_objects
 from pypto_serving.server.tool_parser import ToolCallParser
-from pypto_serving.server.tools import HERMES, SMOLLM2, call_grammar, call_schema, tool_format
+from pypto_serving.server.tools import (
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    SMOLLM2,
+    call_grammar,
+    call_schema,
+    tool_format,
+)
 
 WEATHER = {
     "type": "object",
@@ -84,6 +99,13 @@ REPLIES = [
     ),
     (HERMES, "no call here <tool_ but <b> text"),
     (HERMES, 'cut <tool_call>\n{"name": "a", "arguments": {"x": 1'),
+    (
+        MISTRAL,
+        '[TOOL_CALLS][{"name": "a", "arguments": {"x": "]"}}, {"name": "b", "arguments": {}}]',
+    ),
+    (MISTRAL, "a [TOOL_ that is not [TOOL_CALLS"),
+    (LLAMA3_JSON, '{"name": "a", "parameters": {"x": "}"}}; {"name": "b", "parameters": 3}'),
+    (LLAMA3_JSON, 'text first {"name": "a", "parameters": {}}'),
 ]
 
 
@@ -99,6 +121,10 @@ def test_a_whole_reply_splits_into_content_and_calls():
         (None, [("a", '{"x": 1}'), ("b", "12")]),
         ("no call here <tool_ but <b> text", []),
         ("cut ", [("a", '{"x": 1')]),  # cut off by max_tokens: as far as it was streamed
+        (None, [("a", '{"x": "]"}'), ("b", "{}")]),
+        ("a [TOOL_ that is not [TOOL_CALLS", []),
+        (None, [("a", '{"x": "}"}'), ("b", "3")]),
+        ('text first {"name": "a", "parameters": {}}', []),  # a call opens the reply or none
     ]
 
 
@@ -161,6 +187,46 @@ def test_the_grammar_admits_only_valid_calls_of_the_allowed_tools(tmp_path, herm
         assert not admits(fmt, False, True, "let me look. " + block(fmt, weather[:-2] + "0}}"))
 
 
+def test_the_tagless_and_mistral_grammars_admit_only_valid_calls(tmp_path):
+    """Mistral's `[TOOL_CALLS]` list (the tag as text here) and Llama 3's JSON calls (a call
+    opens the reply or none does, `;` between calls, their arguments under `parameters`)."""
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    build_tokenizer(tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    vocab = llguidance.hf.from_tokenizer(hf)
+    for fmt, join in ((MISTRAL, "[TOOL_CALLS][{}]".format), (LLAMA3_JSON, "{}".format)):
+        key = fmt.arguments
+        calls = [
+            call_schema(n, s | {"additionalProperties": False}, key) for n, s in SCHEMAS.items()
+        ]
+        weather = f'{{"name": "get_weather", "{key}": {{"city": "oslo", "days": 3}}}}'
+        time = f'{{"name": "get_time", "{key}": {{"zone": "CET"}}}}'
+        between = ", " if fmt is MISTRAL else "; "
+
+        def admits(required, parallel, text, fmt=fmt, calls=calls):
+            grammar = call_grammar(fmt, calls, required, parallel)
+            matcher = llguidance.LLMatcher(vocab, grammar)
+            return all(matcher.consume_token(t) for t in hf.encode(text)) and matcher.is_accepting()
+
+        both = join(between.join([weather, time]))
+        assert admits(True, True, both), fmt.name
+        assert not admits(True, False, both)  # one call at most
+        assert admits(True, False, join(weather))
+        assert not admits(True, True, "sure: " + join(weather))  # calls only
+        assert not admits(True, True, join(weather.replace("oslo", "bergen")))
+        assert not admits(True, True, join(weather.replace(key, "args")))  # the format's key
+        assert admits(False, True, "no call at all")
+        assert admits(False, True, join(weather))
+        # after text: Mistral's tag opens a call, held to the schemas; Llama 3's calls open
+        # the reply or never come, so this is text to it (the parser reads no call: REPLIES)
+        assert admits(False, True, "let me see. " + join(weather))
+        bad = "let me see. " + join(weather.replace("oslo", "bergen"))
+        assert admits(False, True, bad) == (fmt is LLAMA3_JSON)
+
+
 def test_each_tools_references_resolve_to_its_own_definitions(tmp_path):
     """Two tools defining `Loc` differently, one zod-style (`definitions`), one recursive
     (`#`): each call is held to its own tool's definitions, in both formats."""
@@ -214,7 +280,12 @@ def test_each_tools_references_resolve_to_its_own_definitions(tmp_path):
 def test_the_format_follows_the_chat_template():
     assert tool_format(CHATML) is SMOLLM2  # renders no tools: SmolLM2's, in our template
     assert tool_format("{{ tools }} <tool_call>") is HERMES
-    assert tool_format("{% for t in tools %}[TOOL_CALLS]{% endfor %}") is None  # Mistral's
+    assert tool_format("{% for t in tools %}[TOOL_CALLS]{% endfor %}") is MISTRAL
+    assert tool_format('{{ tools }} {"name": x, "parameters": y}') is LLAMA3_JSON
+    assert tool_format("{{ tools }} <|python_tag|>") is LLAMA3_JSON
+    assert tool_format("{% for t in tools %}{{ t }}{% endfor %}") is None  # unknown
+    assert tool_format("{{ tools }}", "mistral") is MISTRAL  # --tool-call-parser decides
+    assert tool_format(CHATML, "hermes") is SMOLLM2  # the same tags, in our template
 
 
 # --- a tiny Qwen3 with a Hermes template ------------------------------------------------------
@@ -497,3 +568,49 @@ def test_the_default_model_calls_tools_through_the_openai_client():
         ]
         follow = api.chat.completions.create(**(kw | {"messages": history})).choices[0]
         assert follow.message.content or follow.message.tool_calls
+
+
+# --- tiny models with Mistral's and Llama 3's formats ------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["mistral", "llama3_json"])
+def other_format(request, tmp_path_factory):
+    template = {"mistral": MISTRAL_TOOLS, "llama3_json": LLAMA3_TOOLS}[request.param]
+    out = build_tools_model(tmp_path_factory.mktemp(request.param), template)
+    with tiny_llm(out, num_kv_pages=512) as llm, serving(llm, "tiny") as live:
+        api = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        yield request.param, live, api
+
+
+def test_mistral_and_llama3_formats_call_valid_tools_streamed_or_not(other_format):
+    name, live, api = other_format
+    # one call each: a random model would go on adding calls to a list until max_tokens
+    kw = dict(model="tiny", tools=TOOLS, max_tokens=300, temperature=0, parallel_tool_calls=False)
+    whole = api.chat.completions.create(**kw, messages=ASK, tool_choice="required").choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None, name
+    assert check_calls(whole.message.tool_calls)
+    calls, reasons, content = reassembled(
+        api.chat.completions.create(**kw, messages=ASK, tool_choice="required", stream=True)
+    )
+    assert reasons == {0: "tool_calls"} and content == ""
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls
+    ]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    one = api.chat.completions.create(**kw, messages=ASK, tool_choice=named)
+    assert check_calls(one.choices[0].message.tool_calls) == ["get_time"]
+    # the call and its result go back through the model's own template
+    call = whole.message.tool_calls[0]
+    history = [
+        *ASK,
+        whole.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'},
+    ]
+    follow = api.chat.completions.create(**(kw | {"max_tokens": 4}), messages=history)
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    shown = httpx.post(
+        live.url + "/tokenize", json={"messages": history, "tools": TOOLS}, timeout=60
+    ).json()["tokens"]
+    text = live.llm.tokenizer.decode(shown)
+    marker = "[TOOL_CALLS]" if name == "mistral" else '"parameters": '
+    assert marker in text and call.function.name in text

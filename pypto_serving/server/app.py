@@ -291,7 +291,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: list[str]) ->
     app.router.route_class = FastJSONRoute  # the routes below parse JSON bodies fast
     install_error_handlers(app)
     serving = OpenAIServing(
-        engine, model_names, config.max_response_logprobs, config.return_tokens_as_token_ids
+        engine,
+        model_names,
+        config.max_response_logprobs,
+        config.return_tokens_as_token_ids,
+        config.tool_call_parser,
     )
     model_name = model_names[0]
     responses = ResponsesServing(serving)

@@ -255,6 +255,7 @@ class OpenAIServing:
         model_names: list[str],
         max_response_logprobs: int,
         tokens_as_ids: bool = False,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.engine, self.model_names, self.model_name = engine, model_names, model_names[0]
         self.max_response_logprobs = max_response_logprobs
@@ -265,8 +266,9 @@ class OpenAIServing:
         """The model's generation config: defaults of the sampling fields a request leaves out."""
         self.token_bytes = TokenBytes(self.tokenizer)
         self.token_id_names = TokenIdNames(self.token_bytes)
-        self.tool_format = tool_format(getattr(self.tokenizer, "chat_template", None))
-        self.tool_tags = tag_tokens(self.tokenizer.get_added_vocab())
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.tool_format = tool_format(template, tool_call_parser)
+        self.tool_tags = tag_tokens(self.tokenizer.get_added_vocab(), self.tool_format)
         longest = max(map(len, self.tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = PROMPT_CHARS_MARGIN * engine.engine.max_model_len * longest
         self.grammars = Grammars(engine.llm.model_dir, engine.engine.model_config.vocab_size)
@@ -766,8 +768,9 @@ class OpenAIServing:
             raise APIError(
                 400,
                 "this model's chat template renders tools in a format this server does not "
-                "read (it reads Hermes-style <tool_call> blocks, and SmolLM2's for templates "
-                "without tools)",
+                "read (it reads Hermes-style <tool_call> blocks, Mistral's [TOOL_CALLS], "
+                "Llama 3's JSON calls, and SmolLM2's for templates without tools; "
+                "--tool-call-parser names one)",
                 param="tools",
                 code="unsupported_parameter",
             )
@@ -776,7 +779,7 @@ class OpenAIServing:
     def tool_grammar(self, fmt: ToolFormat, plan: ToolPlan) -> StructuredOutputsParams:
         """The grammar holding the reply to calls of the allowed tools (see tools.py); a tool
         whose parameters cannot be enforced is a 400 naming tools."""
-        calls = [call_schema(t.name, t.arguments_schema()) for t in plan.allowed]
+        calls = [call_schema(t.name, t.arguments_schema(), fmt.arguments) for t in plan.allowed]
         text = call_grammar(fmt, calls, plan.required, plan.parallel, self.tool_tags)
         if len(text) > MAX_SPEC_CHARS:
             raise PyptoError(

@@ -526,7 +526,7 @@ def prompt_list(given: Any, param: str) -> list[str | list[int]]:
     if not given:
         raise PyptoError(f"the {param} is empty", param)
     if isinstance(given[0], int):  # validated: a list of token ids, or of prompts, not mixed
-        return [list(given)]
+        return [given]  # not read, nor copied: the engine's check reads its length first
     return [x if isinstance(x, str) else list(x) for x in given]
 
 

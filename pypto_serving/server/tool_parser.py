@@ -7,8 +7,10 @@ same pieces fed at once, so a streamed call reassembles to exactly the call a no
 response holds. Arguments are the model's own JSON text for them (held to the tool's schema
 by the grammar, see tools.py).
 
-Text that might be the start of a `<tool_call>` tag is held back until it is clear it is not;
-whitespace between and after calls is not content.
+Text that might be the start of the format's opening tag (`<tool_call>`, `[TOOL_CALLS]`) is
+held back until it is clear it is not; whitespace between and after calls is not content. A
+format without tags (llama3_json) calls where the reply's first character is `{` (and after
+each `;` that follows a call); otherwise the whole reply is content.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from pypto_serving.server.tools import CLOSE, OPEN, ToolFormat
+from pypto_serving.server.tools import ToolFormat
 
 
 @dataclass(slots=True)
@@ -82,8 +84,11 @@ def _held_prefix(text: str, tag: str) -> int:
 
 class ToolCallParser:
     def __init__(self, fmt: ToolFormat) -> None:
+        self.fmt = fmt
         self.call_depth = 2 if fmt.list_body else 1
         """How deep a call object sits in its block: in a list (smollm2), or the block itself."""
+        self._fresh = True
+        """Nothing has been said yet: a format without tags may still open a call."""
         self.mode = "text"  # text | body (a block's JSON) | close (its closing tag)
         self.held = ""
         self.content: list[str] = []
@@ -136,29 +141,39 @@ class ToolCallParser:
     # --- modes (each returns True where it waits for more text) ------------------------------
 
     def _text(self, content: list[str]) -> bool:
-        at = self.held.find(OPEN)
+        tag = self.fmt.open
+        if tag:
+            at, hold = self.held.find(tag), _held_prefix(self.held, tag)
+        else:  # a call opens the reply, at its first character
+            at, hold = (0 if self._fresh and self.held.startswith("{") else -1), 0
         if at < 0:
-            keep = len(self.held) - _held_prefix(self.held, OPEN)
+            keep = len(self.held) - hold
             said = self.held[:keep]
             if said.strip() or not self.calls:  # after a call, whitespace alone waits
                 content.append(said)
                 self.held = self.held[keep:]
+                self._fresh = self._fresh and not said
             return True
         before = self.held[:at]
         if before.strip() or not self.calls:
             content.append(before)
-        self.held = self.held[at + len(OPEN) :]
+        self.held = self.held[at + len(tag) :]
         self.mode, self._depth = "body", 0
         return False
 
     def _close(self) -> bool:
         text = self.held.lstrip()
-        if text.startswith(CLOSE):
-            self.held, self.mode = text[len(CLOSE) :], "text"
+        end, separator = self.fmt.close, self.fmt.separator
+        if end and text.startswith(end):
+            self.held, self.mode = text[len(end) :], "text"
             return False
-        if CLOSE.startswith(text):
+        if separator and text.startswith(separator):  # another call follows
+            self.held, self.mode, self._fresh = text[len(separator) :].lstrip(), "text", True
+            return False
+        expected = end or separator
+        if expected and expected.startswith(text):  # (the start of) what comes next: wait
             return True
-        self.mode = "text"  # no closing tag: what follows is text
+        self.mode, self._fresh = "text", False  # no closing tag: what follows is text
         return False
 
     def _body(self) -> bool:
@@ -231,7 +246,7 @@ class ToolCallParser:
             call.reading_key = ch == '"'
             return
         call.after_colon, call.reading_key = False, False
-        if call.key == "arguments" and call.args_state == "none":
+        if call.key == self.fmt.arguments and call.args_state == "none":
             call.args_state, call.args, call.args_bare = "open", ch, bare
 
     def _string_done(self, call: _Call, text: str) -> None:

@@ -1,24 +1,32 @@
 """Tool calling: how a model family writes its calls, the grammar that holds its output to
 them, and the conversation as its chat template takes it.
 
-Two formats, both calls in `<tool_call>` ... `</tool_call>`:
-- **hermes** (Qwen2/2.5/3, Hermes and most templates that render tools): one JSON object
-  `{"name": ..., "arguments": {...}}` per block, a block per call. The model's own template
-  renders the tools, the calls and the results.
-- **smollm2** (the default model, and any template that renders no tools): one block holding a
-  JSON list of calls. The template in `templates/smollm2_tools.jinja` renders the tools in the
-  system prompt SmolLM2-Instruct was taught them with, and the results as `<tool_response>`.
+Four formats (vLLM's --tool-call-parser names in brackets):
+- **hermes** [hermes] (Qwen2/2.5/3, Hermes and most templates that render tools): one JSON
+  object `{"name": ..., "arguments": {...}}` per `<tool_call>` ... `</tool_call>` block, a
+  block per call. The model's own template renders the tools, the calls and the results.
+- **smollm2** [hermes] (the default model, and any template that renders no tools): one
+  `<tool_call>` block holding a JSON list of calls. The template in
+  `templates/smollm2_tools.jinja` renders the tools in the system prompt SmolLM2-Instruct was
+  taught them with, and the results as `<tool_response>`.
+- **mistral** [mistral] (Mistral's templates, which render `[TOOL_CALLS]`): `[TOOL_CALLS]`,
+  then a JSON list of `{"name": ..., "arguments": {...}}`; nothing closes it.
+- **llama3_json** [llama3_json] (Llama 3.1-3.3's templates, which write calls as
+  `{"name": ..., "parameters": ...}`): the reply is a call's JSON object from its first
+  character, several calls separated by `; `, or it is text.
 
 Every mode that may call a tool runs under a grammar (llguidance, as structured outputs do):
 `required` and a named tool admit only calls, to the tools allowed, with arguments matching
-their schemas; `auto` leaves text free until the model opens a block, then holds the block to
-the same rule (a lazy rule: the trigger is the block's opening tag). So every call parses and
-its arguments validate; `parallel_tool_calls: false` allows one call.
+their schemas; `auto` leaves text free until the model opens a call (a tag's lazy rule, or,
+for llama3_json, a reply whose first character is `{`), then holds the call to the same rule.
+So every call parses and its arguments validate; `parallel_tool_calls: false` allows one
+call.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -35,9 +43,17 @@ must not stall a call in whitespace)."""
 class ToolFormat:
     name: str
     list_body: bool
-    """True: a block holds a JSON list of calls (smollm2); False: one call (hermes)."""
+    """True: a block holds a JSON list of calls (smollm2, mistral); False: one call."""
     own_template: bool
     """True: the calls and tools are rendered by the template packaged here, not the model's."""
+    open: str = OPEN
+    """What opens calls: a tag ("": a call opens the reply, its JSON's first character)."""
+    close: str = CLOSE
+    """What closes a block ("": nothing)."""
+    arguments: str = "arguments"
+    """The call's key for its arguments (llama3_json: parameters)."""
+    separator: str = ""
+    """Between two calls that have no tags around them (llama3_json: ;)."""
 
     def template(self) -> str | None:
         """The chat template to render a conversation with tools in, None for the model's."""
@@ -46,6 +62,19 @@ class ToolFormat:
 
 HERMES = ToolFormat("hermes", list_body=False, own_template=False)
 SMOLLM2 = ToolFormat("smollm2", list_body=True, own_template=True)
+MISTRAL = ToolFormat("mistral", list_body=True, own_template=False, open="[TOOL_CALLS]", close="")
+LLAMA3_JSON = ToolFormat(
+    "llama3_json",
+    list_body=False,
+    own_template=False,
+    open="",
+    close="",
+    arguments="parameters",
+    separator=";",
+)
+PARSERS = {"hermes": HERMES, "mistral": MISTRAL, "llama3_json": LLAMA3_JSON}
+"""vLLM's --tool-call-parser names -> formats (hermes: SmolLM2's where the template renders
+no tools, its calls being in the same tags)."""
 
 
 @cache
@@ -53,15 +82,25 @@ def _smollm2_template() -> str:
     return (resources.files(__package__) / "templates" / "smollm2_tools.jinja").read_text()
 
 
-def tool_format(chat_template: str | None) -> ToolFormat | None:
-    """The format of the model whose chat template this is: hermes where the template renders
-    tools in `<tool_call>` blocks, smollm2 where it renders no tools; None (tool calling
-    refused) where it renders them in another format."""
+def tool_format(chat_template: str | None, parser: str | None = None) -> ToolFormat | None:
+    """The format of the model whose chat template this is (or the one `parser`, vLLM's
+    --tool-call-parser, names): hermes where the template renders tools in `<tool_call>`
+    blocks, smollm2 where it renders no tools, mistral where it writes `[TOOL_CALLS]`,
+    llama3_json where it writes calls' `parameters`; None (tool calling refused) where it
+    renders them in another format."""
     if not chat_template:
         return None
+    if parser is not None and parser != "hermes":
+        return PARSERS[parser]
     if "tools" not in chat_template:
         return SMOLLM2
-    return HERMES if OPEN in chat_template else None
+    if OPEN in chat_template or parser == "hermes":
+        return HERMES
+    if MISTRAL.open in chat_template:
+        return MISTRAL
+    if "<|python_tag|>" in chat_template or '"parameters": ' in chat_template:
+        return LLAMA3_JSON
+    return None
 
 
 DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
@@ -70,8 +109,11 @@ SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definition
 """Keywords whose values map names (any, even a keyword's) to schemas."""
 
 
-def call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
-    """The JSON schema of one call to a tool: its name, then arguments matching its schema.
+def call_schema(
+    name: str, parameters: dict[str, Any], arguments: str = "arguments"
+) -> dict[str, Any]:
+    """The JSON schema of one call to a tool: its name, then its arguments (under the
+    format's key, `arguments`) matching its schema.
 
     Parameters holding local references (pydantic's `#/$defs/Loc`, `#` for recursion) would
     break nested under `arguments`: they are kept whole in the call's `$defs` under the
@@ -82,11 +124,11 @@ def call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
     where = f"#/$defs/{name}"
     rebased = _rebased(parameters, where)
     refers = rebased != parameters  # it holds local references
-    arguments = {"$ref": where} if refers else parameters
+    held = {"$ref": where} if refers else parameters
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": arguments},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": name}, arguments: held},
+        "required": ["name", arguments],
         "additionalProperties": False,
         **({"$defs": {name: rebased}} if refers else {}),
     }
@@ -117,11 +159,16 @@ def _json_rule(schema: dict[str, Any], defs: dict[str, Any]) -> str:
     return "%json " + json.dumps({**schema, **hoisted, "x-guidance": options})
 
 
-def tag_tokens(added_vocab: dict[str, int]) -> tuple[int | None, int | None]:
-    """The token ids of the opening and closing tags where the tokenizer has them as tokens
-    of their own (Qwen's): a grammar names those by id (llguidance keeps added tokens apart
-    from text)."""
-    return added_vocab.get(OPEN), added_vocab.get(CLOSE)
+def tag_tokens(
+    added_vocab: dict[str, int], fmt: ToolFormat | None = None
+) -> tuple[int | None, int | None]:
+    """The token ids of the format's opening and closing tags where the tokenizer has them as
+    tokens of their own (Qwen's `<tool_call>`, Mistral's `[TOOL_CALLS]`): a grammar names
+    those by id (llguidance keeps added tokens apart from text)."""
+    fmt = fmt or HERMES
+    opening = added_vocab.get(fmt.open) if fmt.open else None
+    closing = added_vocab.get(fmt.close) if fmt.close else None
+    return opening, closing
 
 
 def call_grammar(
@@ -133,15 +180,21 @@ def call_grammar(
 ) -> str:
     """A Lark grammar (llguidance's) for a reply that calls the tools of `calls` (their call
     schemas, their `$defs` hoisted to the root): only calls where `required`, else free text
-    with calls where the model opens a block; one call unless `parallel`. `tags`: the tags'
+    with calls where the model opens them; one call unless `parallel`. `tags`: the tags'
     token ids (tag_tokens)."""
-    opening, closing = (
-        json.dumps(tag) if i is None else f"<[{i}]>"
-        for i, tag in zip(tags, (OPEN, CLOSE), strict=True)
-    )
     defs = {k: v for call in calls for k, v in call.get("$defs", {}).items()}
     bare = [{k: v for k, v in call.items() if k != "$defs"} for call in calls]
     one: dict[str, Any] = bare[0] if len(bare) == 1 else {"anyOf": bare}
+    if not fmt.open:  # llama3_json: the reply is calls from its first character, or text
+        more = ' (";" " "? call)*' if parallel else ""
+        lines = ["%llguidance {}", f"calls: call{more}", f"call: {_json_rule(one, defs)}"]
+        if required:
+            return "\n".join([*lines, "start: calls"]) + "\n"
+        return "\n".join([*lines, "start: calls | TEXT", "TEXT: /([^{](.|\\n)*)?/"]) + "\n"
+    opening, closing = (
+        (json.dumps(tag) if tag else "") if i is None else f"<[{i}]>"
+        for i, tag in zip(tags, (fmt.open, fmt.close), strict=True)
+    )
     if fmt.list_body:
         listed = {"type": "array", "items": one, "minItems": 0 if not required else 1}
         body = f"{_json_rule({**listed, **({} if parallel else {'maxItems': 1})}, defs)} {closing}"
@@ -164,7 +217,7 @@ def call_grammar(
             f"call: opening {body}",
             f"opening[lazy]: TEXT {opening}",
             "TEXT: /(.|\\n)*/",
-            f"TEXT_END: /(.|\\n)*/ & ~/(.|\\n)*{OPEN}(.|\\n)*/",
+            f"TEXT_END: /(.|\\n)*/ & ~/(.|\\n)*{re.escape(fmt.open)}(.|\\n)*/",
         ]
     return "\n".join(lines) + "\n"
 
