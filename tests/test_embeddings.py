@@ -97,3 +97,38 @@ def test_the_embeddings_endpoint(embedder, tiny_model):
     with serving(tiny_llm(tiny_model("llama-gqa4-tied"))) as live:
         r = httpx.post(live.url + "/v1/embeddings", json={"input": "hi"}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_embedding"
+
+
+def test_score_and_rerank_are_the_embeddings_cosines(embedder, tiny_model):
+    llm = tiny_llm(embedder)
+    query, docs = "the capital of france", ["paris is", "the quick brown fox", "hello world"]
+    vectors = {
+        t: torch.tensor(o.outputs.embedding)
+        for t, o in zip([query, *docs], llm.embed([query, *docs]), strict=True)
+    }
+    cosine = {d: float(vectors[query] @ vectors[d]) for d in docs}
+    with serving(llm, "embedder") as live:
+        r = httpx.post(live.url + "/score", json={"text_1": query, "text_2": docs}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert [d["score"] for d in r.json()["data"]] == pytest.approx(
+            [cosine[d] for d in docs], abs=1e-5
+        )
+        pairs = {"text_1": [query, docs[1]], "text_2": [docs[0], docs[2]]}
+        r = httpx.post(live.url + "/v1/score", json=pairs, timeout=60).json()
+        expected = [cosine[docs[0]], float(vectors[docs[1]] @ vectors[docs[2]])]
+        assert [d["score"] for d in r["data"]] == pytest.approx(expected, abs=1e-5)
+        ranked = httpx.post(
+            live.url + "/rerank", json={"query": query, "documents": docs, "top_n": 2}, timeout=60
+        ).json()["results"]
+        best = sorted(docs, key=lambda d: -cosine[d])[:2]
+        assert [x["document"]["text"] for x in ranked] == best
+        assert [x["index"] for x in ranked] == [docs.index(d) for d in best]
+        assert [x["relevance_score"] for x in ranked] == pytest.approx(
+            [cosine[d] for d in best], abs=1e-5
+        )
+        bad = {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}
+        r = httpx.post(live.url + "/score", json=bad, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text_2"
+    with serving(tiny_llm(tiny_model("llama-gqa4-tied"))) as live:
+        r = httpx.post(live.url + "/rerank", json={"query": "a", "documents": ["b"]}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_embedding"

@@ -34,6 +34,8 @@ OPERATIONS = {
     "POST /v1/chat/completions",
     "POST /v1/responses",
     "POST /v1/embeddings",
+    "POST /score",
+    "POST /rerank",
     "GET /v1/models",
     "GET /v1/models/{model_id}",
     "POST /invocations",

@@ -2,7 +2,7 @@
 
 Routes: the web page at / (chat and dashboard, `server/web/`; --no-web-ui leaves it out),
 /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models and
-/v1/models/{id} (OpenAI),
+/v1/models/{id} (OpenAI), /score and /rerank (vLLM's, over the embeddings),
 /invocations (SageMaker's, as vLLM's), /stats (the dashboard's numbers: /metrics as JSON),
 /tokenize, /detokenize, /health, /metrics (Prometheus), /version, /tokenizer_info and /load
 (vLLM's, each behind its flag), and FastAPI's
@@ -37,7 +37,12 @@ from pypto_serving.config import ServerConfig
 from pypto_serving.engine.async_llm import AsyncLLM
 from pypto_serving.engine.metrics import PREFIX, VLLM
 from pypto_serving.errors import PyptoError
-from pypto_serving.server.embeddings import EmbeddingRequest, EmbeddingsServing
+from pypto_serving.server.embeddings import (
+    EmbeddingRequest,
+    EmbeddingsServing,
+    RerankRequest,
+    ScoreRequest,
+)
 from pypto_serving.server.errors import UNAVAILABLE, error_body, install_error_handlers
 from pypto_serving.server.json_body import FastJSONRoute
 from pypto_serving.server.openai_serving import OpenAIServing
@@ -179,6 +184,11 @@ GENERATION_PATHS = frozenset(
         "/v1/chat/completions",
         "/v1/responses",
         "/v1/embeddings",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
         "/invocations",
         "/v1/invocations",
     }
@@ -313,6 +323,17 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: list[str]) ->
     @app.post("/v1/embeddings")
     async def create_embeddings(body: EmbeddingRequest, raw: Request) -> Any:
         return await embeddings.create(body, raw)
+
+    @app.post("/v1/score", include_in_schema=False)
+    @app.post("/score")
+    async def score(body: ScoreRequest, raw: Request) -> Any:
+        return await embeddings.score(body, raw)
+
+    @app.post("/v1/rerank", include_in_schema=False)
+    @app.post("/v2/rerank", include_in_schema=False)
+    @app.post("/rerank")
+    async def rerank(body: RerankRequest, raw: Request) -> Any:
+        return await embeddings.rerank(body, raw)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, raw: Request) -> Any:
