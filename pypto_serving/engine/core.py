@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -341,7 +342,15 @@ class EngineCore:
         model, device = self.executor.model, self.executor.device
         tokens = torch.tensor(prompt_token_ids, device=device)
         positions = torch.arange(n, device=device)
-        hidden = model(tokens, positions, DenseKV(model.cfg.num_layers))
+        progress = self.executor.progress if isinstance(self.executor, PagedExecutor) else None
+
+        def layer_done(layer: Any, *args: Any) -> torch.Tensor:
+            out = layer(*args)
+            if progress is not None:  # the step watchdog sees a long embedding move on
+                progress.layers += 1
+            return out
+
+        hidden = model(tokens, positions, DenseKV(model.cfg.num_layers), run_layer=layer_done)
         return pool(hidden, params)
 
     def tokens_computed(self) -> int:
