@@ -700,21 +700,22 @@ class OpenAIServing:
         created: int,
         name: str,
     ) -> Response:
-        searches = [
-            self.beam_search(p, params, f"{rid}-{i}", body.cache_salt)
-            for i, p in enumerate(prompts)
-        ]
-        found = await asyncio.gather(*searches)
+        async with asyncio.TaskGroup() as group:  # one failing stops the others
+            searches = [
+                group.create_task(self.beam_search(p, params, f"{rid}-{i}", body.cache_salt))
+                for i, p in enumerate(prompts)
+            ]
+        found = [s.result() for s in searches]
+        beams = [(p, beam) for p, best in enumerate(found) for beam in best]
         choices = [
             {
-                "index": len(found[0]) * p + i,
+                "index": i,
                 "text": echoes[p] + beam.text,
                 "logprobs": None,
                 "finish_reason": beam.finish_reason,
                 "prompt_logprobs": None,
             }
-            for p, beams in enumerate(found)
-            for i, beam in enumerate(beams)
+            for i, (p, beam) in enumerate(beams)
         ]
         usage = _Usage(
             sum(map(len, prompts)), sum(len(b.output_token_ids) for bs in found for b in bs)
