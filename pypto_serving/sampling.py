@@ -126,6 +126,11 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Added to these tokens' logits before sampling (OpenAI's: -100 bans a token, 100 all
     but forces it); logprobs stay the model's own."""
+    bad_words: list[str] = field(default_factory=list)
+    """Words never generated (vLLM's): the token that would complete one (its token
+    sequence, with or without a leading space) is banned at each step."""
+    bad_words_token_ids: list[list[int]] | None = None
+    """bad_words as token sequences: filled by the LLM with its tokenizer (or given)."""
     allowed_token_ids: list[int] | None = None
     """Only these tokens may be sampled (vLLM's): every other token's logit is -inf; logprobs
     stay the model's own."""
@@ -214,6 +219,12 @@ class SamplingParams:
                 raise bad("logit_bias", "token ids must be non-negative 64-bit integers")
             if not isinstance(b, int | float) or not math.isfinite(b) or not -100 <= b <= 100:
                 raise bad("logit_bias", "biases must be numbers in [-100, 100]")
+        if len(self.bad_words) > MAX_STOP_STRINGS or any(
+            not isinstance(w, str) or not w.strip() for w in self.bad_words
+        ):
+            raise bad("bad_words", f"at most {MAX_STOP_STRINGS} non-empty words")
+        if sum(map(len, self.bad_words)) > MAX_STOP_CHARS:
+            raise bad("bad_words", f"the words may hold at most {MAX_STOP_CHARS} characters")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise bad("allowed_token_ids", "must name at least one token (or be left out)")

@@ -557,3 +557,27 @@ def waiting(server: Live, n: int) -> None:
             return
         time.sleep(0.01)
     raise AssertionError(f"{n} requests never waited")
+
+
+def test_bad_words_are_never_generated(live):
+    """Greedy output, then the same with its words banned: none of them comes back, and the
+    tokens that would complete them are what the sampler refused (offline, the same)."""
+    base = {"prompt": [5, 6, 7], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    plain = ok(live, "/v1/completions", base | {"logprobs": 0})["choices"][0]
+    first = live.llm.tokenizer.decode(
+        live.llm.tokenizer.convert_tokens_to_ids(plain["logprobs"]["tokens"][:1])
+    )
+    banned = ok(live, "/v1/completions", base | {"bad_words": [first]})["choices"][0]["text"]
+    assert not banned.startswith(first)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, bad_words=[first])
+    out = live.llm.generate([[5, 6, 7]], params)[0].outputs[0]
+    assert out.text == banned
+    for word in live.llm.word_tokens([first]):  # no token sequence of the word was written
+        n = len(word)
+        assert all(out.token_ids[i : i + n] != word for i in range(len(out.token_ids)))
+    from pypto_serving.ops.sampler import banned_by_words
+
+    words = [[9], [3, 4, 5]]
+    assert banned_by_words(words, [1, 3, 4]) == [9, 5]  # 3 4 then 5 would complete a word
+    assert banned_by_words(words, [3, 4, 1]) == [9]
+    refused(live, "/v1/completions", base | {"bad_words": [" "]}, "bad_words", "non-empty")

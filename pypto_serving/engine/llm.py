@@ -286,6 +286,8 @@ class LLM:
         seq = next(self._ids)
         rid = request_id if request_id is not None else str(seq)
         ids = self.encode(prompt)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = replace(params, bad_words_token_ids=self.word_tokens(params.bad_words))
         eos = self.engine.model_config.eos_token_ids
         family = _Family(rid, prompt if isinstance(prompt, str) else None, [], [])
         arrived = time.monotonic() if arrival_time is None else arrival_time
@@ -306,6 +308,17 @@ class LLM:
                 self.engine.add_request(req)
             self._families[req.request_id] = (family, i)
         return family
+
+    def word_tokens(self, words: list[str]) -> list[list[int]]:
+        """Each word's token sequences: alone and after a space (at the text's start, or
+        inside it), each once."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def abort(self, family: _Family) -> None:
         """Stop every sample of a request at whatever stage it is; all it held is freed."""

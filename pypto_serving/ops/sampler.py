@@ -1,10 +1,10 @@
 """The sampler: logits of a batch of rows -> one token per row (plus optional logprobs).
 
 Processing order follows vLLM: penalties, logit_bias, min_tokens (EOS suppressed),
-allowed_token_ids (every other token masked), a structured output's mask of allowed tokens,
-then greedy argmax or temperature -> top-k -> top-p -> min-p -> a draw. Seeded rows draw from
-their own generator, so a seeded request samples the same tokens whatever else is in the
-batch.
+bad_words (the tokens completing one), allowed_token_ids (every other token masked), a
+structured output's mask of allowed tokens, then greedy argmax or temperature -> top-k ->
+top-p -> min-p -> a draw. Seeded rows draw from their own generator, so a seeded request
+samples the same tokens whatever else is in the batch.
 
 A row whose logits hold a NaN or +inf (a numeric fault of the model), or mask every token,
 has no token to sample: its Sampled carries an `error` instead, which fails that request
@@ -54,7 +54,8 @@ class Sampled:
 
 def edit_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Penalties (repetition, presence, frequency), logit_bias, min_tokens' suppression of
-    stop tokens, then allowed_token_ids' mask of every other token: a copy of logits with
+    stop tokens, bad_words' completing tokens, then allowed_token_ids' mask of every other
+    token: a copy of logits with
     those rows edited, or logits itself when no row needs an edit (greedy batches then read
     the raw logits, with no [batch, vocab] copy)."""
     edited = logits
@@ -66,7 +67,8 @@ def edit_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tens
             if len(row.output_ids) < p.min_tokens
             else []
         )
-        edits = occurrence or stops or p.logit_bias or p.allowed_token_ids
+        banned = banned_by_words(p.bad_words_token_ids, row.output_ids)
+        edits = occurrence or stops or p.logit_bias or p.allowed_token_ids or banned
         if p.repetition_penalty == 1.0 and not edits:
             continue
         if edited is logits:
@@ -90,12 +92,25 @@ def edit_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tens
             x[ids] += torch.tensor(list(p.logit_bias.values()), dtype=x.dtype, device=x.device)
         if stops:
             x[stops] = -float("inf")
+        if banned:
+            x[banned] = -float("inf")
         if p.allowed_token_ids:
             allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=x.device)
             kept = x[allowed]
             x.fill_(-float("inf"))
             x[allowed] = kept
     return edited
+
+
+def banned_by_words(words: list[list[int]] | None, output_ids: Sequence[int]) -> list[int]:
+    """The tokens that would complete a bad word now: each word's last token, where the
+    output ends with the rest of it."""
+    out: list[int] = []
+    for word in words or ():
+        head = word[:-1]
+        if not head or list(output_ids[len(output_ids) - len(head) :]) == head:
+            out.append(word[-1])
+    return out
 
 
 def mask_disallowed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

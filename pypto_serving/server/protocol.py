@@ -261,6 +261,8 @@ class _Sampling(_Request):
     """vLLM's: each prompt token's logprob and this many top logprobs at each position."""
     include_stop_str_in_output: bool = False
     """vLLM's: the stop string that ended a choice stays at the end of its text."""
+    bad_words: Annotated[list[StrictStr], Field(fail_fast=True)] | None = None
+    """vLLM's: words never generated."""
     skip_special_tokens: bool = True
     """vLLM's: special tokens are left out of the text (false: kept, as the model wrote)."""
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
@@ -361,6 +363,7 @@ class _Sampling(_Request):
             prompt_logprobs=self.scored_prompt(),
             allowed_token_ids=self.allowed_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            bad_words=list(self.bad_words or []),
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured(),
             **given,
@@ -412,6 +415,7 @@ class _Sampling(_Request):
 
 BEAM_FREE = (
     "stop",
+    "bad_words",
     "stop_token_ids",
     "min_tokens",
     "logit_bias",
