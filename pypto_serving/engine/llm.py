@@ -143,6 +143,7 @@ class LLM:
         if config.chat_template is not None:
             self.tokenizer.chat_template = chat_template_text(config.chat_template)
         self.generation_defaults = generation_defaults(config.generation_config, self.model_dir)
+        """Sampling defaults of requests that leave them out (--generation-config)."""
         declared = model_pooling(self.model_dir)
         self.pooling_rule = (
             None
@@ -151,7 +152,6 @@ class LLM:
         )
         """How embed() pools (the model's declared rule, or last under runner pooling); None:
         this model does not embed."""
-        """Sampling defaults of requests that leave them out (--generation-config)."""
         if self.generation_defaults:
             log.info(
                 "the model's generation config sets %s for requests that leave them out "
