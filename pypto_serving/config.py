@@ -624,6 +624,9 @@ class ServerConfig:
     enable_tokenizer_info_endpoint: bool = False
     """vLLM's flag: serve GET /tokenizer_info (the tokenizer's configuration, its chat
     template included); off, the route is a 404."""
+    enable_request_id_headers: bool = False
+    """vLLM's flag: every response carries an X-Request-Id header, the request's own (its
+    X-Request-Id) or a new one."""
     enable_server_load_tracking: bool = False
     """vLLM's flag: serve GET /load, `{"server_load": N}`, N the generation requests being
     answered now (a load balancer's signal); off, the route is a 404."""

@@ -581,3 +581,29 @@ def test_bad_words_are_never_generated(live):
     assert banned_by_words(words, [1, 3, 4]) == [9, 5]  # 3 4 then 5 would complete a word
     assert banned_by_words(words, [3, 4, 1]) == [9]
     refused(live, "/v1/completions", base | {"bad_words": [" "]}, "bad_words", "non-empty")
+
+
+def test_request_ids_name_the_responses(live, model_dir):
+    """vLLM's request_id (or the X-Request-Id header) makes the response's id; two requests
+    of one id both run; --enable-request-id-headers echoes the header (or makes one)."""
+    body = {"prompt": "the", "max_tokens": 2, "request_id": "job-7"}
+    assert ok(live, "/v1/completions", body)["id"] == "cmpl-job-7"
+    chat = {"messages": CONVERSATION[:1], "max_tokens": 2}
+    r = httpx.post(live.url + "/v1/chat/completions", json=chat, headers={"X-Request-Id": "abc"})
+    assert r.json()["id"] == "chatcmpl-abc" and "x-request-id" not in r.headers
+    codes: list[int] = []  # one id, three requests at once: all answered
+
+    def send() -> None:
+        codes.append(post(live, "/v1/completions", body | {"max_tokens": 8}).status_code)
+
+    threads = [threading.Thread(target=send) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert codes == [200, 200, 200]
+    with serving(tiny_llm(model_dir), enable_request_id_headers=True) as server:
+        r = httpx.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": "x1"})
+        assert r.headers["x-request-id"] == "x1"
+        made = httpx.get(server.url + "/health").headers["x-request-id"]
+        assert len(made) == 32 and made != "x1"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import version as package_version
@@ -216,6 +217,29 @@ class LoadTracker:
                 await self.app(scope, receive, send)
             finally:
                 self.tracker.in_flight -= 1
+
+
+class RequestIdHeader:
+    """vLLM's --enable-request-id-headers: X-Request-Id on every response, the request's own
+    or a new one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        value = given or uuid.uuid4().hex.encode()
+
+        async def with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0] != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", value)]}
+            await send(message)
+
+        await self.app(scope, receive, with_id)
 
 
 TOKENIZER_FILES = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")
@@ -500,4 +524,6 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: list[str]) ->
             allow_methods=["*"],
             allow_headers=["*"],
         )
+    if config.enable_request_id_headers:  # outermost: refusals carry it too
+        app.add_middleware(RequestIdHeader)
     return app

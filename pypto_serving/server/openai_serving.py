@@ -229,6 +229,12 @@ async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Re
     return task.result()
 
 
+def request_id(body: CompletionRequest | ChatCompletionRequest, raw: Request) -> str:
+    """What a response's id is made of (vLLM's rule): the body's request_id, else the
+    X-Request-Id header, else a new one. The engine's own ids stay unique whatever it is."""
+    return body.request_id or raw.headers.get("x-request-id") or uuid.uuid4().hex
+
+
 def stream_usage(body: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
     """Whether a stream ends with a usage chunk, and whether every chunk carries the usage so
     far too (continuous_usage_stats, which vLLM honours with include_usage only)."""
@@ -382,7 +388,9 @@ class OpenAIServing:
         except OverloadedError as e:
             raise APIError(503, str(e), UNAVAILABLE, None, "overloaded", RETRY_AFTER) from None
         return [
-            self.engine.generate(f"{request_id}-{i}", ids, params, cache_salt, priority)
+            self.engine.generate(
+                f"{request_id}-{uuid.uuid4().hex[:8]}-{i}", ids, params, cache_salt, priority
+            )
             for i, ids in enumerate(prompts)
         ]
 
@@ -408,7 +416,7 @@ class OpenAIServing:
             else ""
             for p, ids in zip(texts, prompts, strict=True)
         ]
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"cmpl-{request_id(body, raw)}", int(time.time())
         room = self.engine.engine.max_model_len - max(map(len, prompts))
         beams = body.beam_params(body.max_tokens if body.max_tokens is not None else room)
         if beams is not None:
@@ -558,7 +566,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
         prepared = await self.prepare_chat(body)
         prompt, params, fmt = prepared.prompt, prepared.params, prepared.fmt
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"chatcmpl-{request_id(body, raw)}", int(time.time())
         name = self.check_model(body.model)  # checked by prepare_chat: the name it answers as
         if prepared.beams is not None:
             work = self._beam_chat(body, prompt, prepared.beams, rid, created, name)

@@ -268,6 +268,9 @@ class _Sampling(_Request):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     """vLLM's: only the prompt's last k tokens are used (left truncation; -1: the longest
     the context takes, max_model_len - 1)."""
+    request_id: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
+    """vLLM's: what the response's id is made of (`cmpl-<id>`, `chatcmpl-<id>`); the
+    X-Request-Id header gives it too."""
     priority: int = 0
     """vLLM's: the lower runs first when requests wait (ties in arrival order); a request
     waiting behind lower ones is the first preempted."""
