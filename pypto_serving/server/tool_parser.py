@@ -144,7 +144,11 @@ class ToolCallParser:
         tag = self.fmt.open
         if tag:
             at, hold = self.held.find(tag), _held_prefix(self.held, tag)
-        else:  # a call opens the reply, at its first character
+        else:  # a call opens the reply, at its first character (or follows a separator)
+            if self._fresh and self.calls:  # after `;`: the whitespace before the next call
+                self.held = self.held.lstrip()
+                if not self.held:
+                    return True
             at, hold = (0 if self._fresh and self.held.startswith("{") else -1), 0
         if at < 0:
             keep = len(self.held) - hold
