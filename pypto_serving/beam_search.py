@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from pypto_serving.errors import PyptoError
 from pypto_serving.ops.sampler import Sampled
@@ -159,6 +160,9 @@ class BeamSearch:
         self.finished.sort(key=lambda s: -s.score)
         del self.finished[self.params.beam_width :]
 
-    def best(self) -> list[BeamSearchSequence]:
-        """The finished beams, best first (once `done`)."""
+    def best(self, tokenizer: Any = None) -> list[BeamSearchSequence]:
+        """The finished beams, best first (once `done`), each with its text where a
+        tokenizer is given."""
+        for beam in self.finished if tokenizer is not None else ():
+            beam.text = tokenizer.decode(beam.output_token_ids, skip_special_tokens=True)
         return list(self.finished)

@@ -84,6 +84,12 @@ def reassembled(chunks) -> tuple[dict[int, dict], dict[int, str | None], str]:
     return calls, reasons, content
 
 
+def answered(message, call) -> list[dict]:
+    """ASK, the reply that made `call`, and the call's result: a conversation to go on."""
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}
+    return [*ASK, message.model_dump(exclude_none=True), result]
+
+
 # --- the parser ----------------------------------------------------------------------------
 
 REPLIES = [
@@ -362,11 +368,7 @@ def test_a_tool_result_goes_back_through_the_template(hermes):
     kw = dict(model="tiny", tools=TOOLS, max_tokens=400, temperature=0)
     first = api.chat.completions.create(**kw, messages=ASK, tool_choice="required").choices[0]
     call = first.message.tool_calls[0]
-    history = [
-        *ASK,
-        first.message.model_dump(exclude_none=True),
-        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'},
-    ]
+    history = answered(first.message, call)
     follow = api.chat.completions.create(**(kw | {"max_tokens": 8}), messages=history)
     assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
     rendered = httpx.post(live.url + "/tokenize", json={"messages": history}).json()["tokens"]
@@ -601,11 +603,7 @@ def test_mistral_and_llama3_formats_call_valid_tools_streamed_or_not(other_forma
     assert check_calls(one.choices[0].message.tool_calls) == ["get_time"]
     # the call and its result go back through the model's own template
     call = whole.message.tool_calls[0]
-    history = [
-        *ASK,
-        whole.message.model_dump(exclude_none=True),
-        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'},
-    ]
+    history = answered(whole.message, call)
     follow = api.chat.completions.create(**(kw | {"max_tokens": 4}), messages=history)
     assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
     shown = httpx.post(

@@ -123,6 +123,12 @@ class _Family:
         )
 
 
+def as_batch(prompts: Prompt | Sequence[Prompt]) -> Sequence[Prompt]:
+    """One prompt (text or token ids) as a batch of one; a batch as it is."""
+    one = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
+    return [cast(Prompt, prompts)] if one else cast(Sequence[Prompt], prompts)
+
+
 def next_token_scores(out: RequestOutput) -> Sampled:
     """The scores of the one token a beam-search query generated."""
     logprobs = out.outputs[0].logprobs
@@ -186,8 +192,7 @@ class LLM:
         self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None
     ) -> list[EmbeddingRequestOutput]:
         """vLLM's LLM.embed: each prompt's embedding (pooling.py), in order."""
-        one = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
-        batch = [cast(Prompt, prompts)] if one else cast(Sequence[Prompt], prompts)
+        batch = as_batch(prompts)
         params = self.pooling_params(pooling_params)
         out = []
         for i, prompt in enumerate(batch):
@@ -365,8 +370,7 @@ class LLM:
         """Generate for every prompt (continuous batching); outputs in prompt order.
 
         `priority`: one per prompt, lower runs first (default: first come, first served)."""
-        one = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
-        batch = [cast(Prompt, prompts)] if one else cast(Sequence[Prompt], prompts)
+        batch = as_batch(prompts)
         params = sampling_params or self.get_default_sampling_params()
         plist = list(params) if isinstance(params, Sequence) else [params] * len(batch)
         prios = list(priority) if priority is not None else [0] * len(batch)
@@ -388,8 +392,7 @@ class LLM:
         """vLLM's beam search (beam_search.py, HF's algorithm): each prompt's best
         `beam_width` beams, best first. Every step scores all the prompts' running beams in
         one batch."""
-        one = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
-        batch = [cast(Prompt, prompts)] if one else cast(Sequence[Prompt], prompts)
+        batch = as_batch(prompts)
         eos = frozenset(self.engine.model_config.eos_token_ids)
         searches = [BeamSearch(self.encode(p), params, eos) for p in batch]
         for search in searches:  # fits the context to the last step, before any runs
@@ -400,11 +403,7 @@ class LLM:
             scored = iter([next_token_scores(o) for o in outs])
             for search in live:
                 search.advance([next(scored) for _ in search.running])
-        decode = self.tokenizer.decode
-        for search in searches:
-            for beam in search.finished:
-                beam.text = decode(beam.output_token_ids, skip_special_tokens=True)
-        return [BeamSearchOutput(s.best()) for s in searches]
+        return [BeamSearchOutput(s.best(self.tokenizer)) for s in searches]
 
     def stream(self, prompt: Prompt, params: SamplingParams) -> Generator[str, None, RequestOutput]:
         """Text of a single sequence (n=1), piece by piece as tokens are produced; the

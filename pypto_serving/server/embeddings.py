@@ -28,8 +28,8 @@ from pypto_serving.server.openai_serving import OpenAIServing, unless_disconnect
 from pypto_serving.server.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
     PromptInput,
-    _few_prompts,
     _Request,
+    few_prompts,
     keep_last,
     prompt_list,
 )
@@ -38,7 +38,7 @@ from pypto_serving.server.response_size import render_json
 
 class EmbeddingRequest(_Request):
     model: str | None = None
-    input: Annotated[PromptInput, BeforeValidator(_few_prompts)]
+    input: Annotated[PromptInput, BeforeValidator(few_prompts("input"))]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     """The first this many values of each vector (a Matryoshka model's shorter vectors)."""

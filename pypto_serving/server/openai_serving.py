@@ -693,10 +693,7 @@ class OpenAIServing:
                         scored[i] = d.logprobs[0]
             search.advance([s for s in scored if s is not None])
             step += 1
-        decode = self.tokenizer.decode
-        for beam in search.finished:
-            beam.text = decode(beam.output_token_ids, skip_special_tokens=True)
-        return search.best()
+        return search.best(self.tokenizer)
 
     async def _beam_completions(
         self,

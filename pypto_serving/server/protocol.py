@@ -12,7 +12,7 @@ seconds for a large body), and the number of prompts and of chat items is checke
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Annotated, Any, Literal
@@ -83,16 +83,21 @@ def lone_surrogate(value: Any, path: str) -> str | None:
     return None
 
 
-def _few_prompts(prompt: Any) -> Any:
-    """Refuse a list of more prompts than one request may run, before validating them."""
-    many = isinstance(prompt, list) and len(prompt) > MAX_SEQUENCES_PER_REQUEST
-    if many and isinstance(prompt[0], str | list):  # a list of prompts, not of token ids
-        raise PyptoError(
-            f"{len(prompt)} prompts are over the limit of {MAX_SEQUENCES_PER_REQUEST} "
-            "sequences per request",
-            "prompt",
-        )
-    return prompt
+def few_prompts(param: str) -> Callable[[Any], Any]:
+    """A validator refusing a list of more prompts than one request may run, before they
+    are validated (an error naming `param`)."""
+
+    def check(prompt: Any) -> Any:
+        many = isinstance(prompt, list) and len(prompt) > MAX_SEQUENCES_PER_REQUEST
+        if many and isinstance(prompt[0], str | list):  # a list of prompts, not of token ids
+            raise PyptoError(
+                f"{len(prompt)} prompts are over the limit of {MAX_SEQUENCES_PER_REQUEST} "
+                "sequences per request",
+                param,
+            )
+        return prompt
+
+    return check
 
 
 def _few_biases(bias: Any) -> Any:
@@ -508,7 +513,7 @@ PromptInput = (
 
 
 class CompletionRequest(_Sampling):
-    prompt: Annotated[PromptInput, BeforeValidator(_few_prompts)]
+    prompt: Annotated[PromptInput, BeforeValidator(few_prompts("prompt"))]
     max_tokens: int | None = 16
     """OpenAI's default for completions; null means up to the context length."""
     logprobs: int | None = None
