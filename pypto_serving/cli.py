@@ -10,6 +10,7 @@ import argparse
 import atexit
 import json
 import logging
+import os
 import sys
 import time
 from importlib.metadata import version as package_version
@@ -33,6 +34,7 @@ from pypto_serving.flags import (
     positive_int,
     read_prompts,
 )
+from pypto_serving.vllm_flags import add_vllm_only_flags
 
 if TYPE_CHECKING:
     from pypto_serving.outputs import RequestOutput
@@ -82,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_flags(serve, "server", (ServerConfig,))
     add_engine_flags(serve, SERVE_ENGINE_DEFAULTS)
+    add_vllm_only_flags(serve)
     add_chat_parser(sub)
     add_bench_parser(sub)
     return parser
@@ -169,6 +172,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 f"two models given: {args.model_path!r} and --model {args.model!r}", "model"
             )
         knobs["model"] = args.model_path
+    key = os.environ.get("PYPTO_API_KEY") or os.environ.get("VLLM_API_KEY")
+    if key and "api_key" not in knobs:  # out of the command line, which others can read
+        knobs["api_key"] = key
     engine, server = split_knobs(knobs)
     if engine.get("node_rank", 0) > 0:  # another machine of a multi-node engine: no HTTP
         from pypto_serving.config import engine_config
@@ -192,8 +198,19 @@ def run_command(args: argparse.Namespace) -> int:
     return cmd_generate(args)
 
 
+def dashed(argv: list[str]) -> list[str]:
+    """`--max_model_len` as `--max-model-len`: vLLM's command lines spell flags either way."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":  # the end of the flags
+            return out + argv[i:]
+        name, eq, value = arg.partition("=")
+        out.append(name.replace("_", "-") + eq + value if arg.startswith("--") else arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(dashed(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         stream=sys.stderr,

@@ -485,6 +485,14 @@ class EngineConfig:
     keeps the weights in dtype. auto: gguf for a GGUF file whose matrices are all Q4_1 or
     Q8_0 where the native decode step runs (the start-up log says), else none. Each but none
     costs some accuracy against the unquantized model."""
+    max_logprobs: int = 20
+    """vLLM's --max-logprobs: the most logprobs (top_logprobs) and prompt_logprobs a request
+    may ask for; -1: the whole vocabulary, which a request asks for with -1 (the server's
+    --max-response-logprobs still bounds a response)."""
+    seed: int | None = None
+    """vLLM's --seed: the random state of sampling for requests that bring no seed of their
+    own, set when the engine starts (the same server, requests and order: the same tokens).
+    None: a state from the operating system."""
     step_timeout_s: float = 60.0
     """A step (or a data-parallel replica's step) making no progress (no layer done) for
     longer is taken for a hang: the watchdog fails the requests it held and reports the
@@ -556,7 +564,8 @@ class ServerConfig:
     first is the one metrics carry and a request without `model` is answered as); a string
     in a config file is one name. None uses the model directory's (or GGUF file's) name."""
     api_key: str | None = None
-    """Require `Authorization: Bearer KEY` on every route but /health."""
+    """Require `Authorization: Bearer KEY` on every route but /health. `pypto serve` also
+    reads it from PYPTO_API_KEY or VLLM_API_KEY (vLLM's), out of sight of `ps`."""
     max_request_bytes: int = 4 << 20
     """Largest request body accepted; larger ones get 413."""
     max_header_bytes: int = 16 << 10
@@ -618,6 +627,11 @@ class ServerConfig:
     (`[TOOL_CALLS]` and a list of calls) or llama3_json (Llama 3's JSON calls, `;` between
     them). None: the format the model's chat template shows. Another of vLLM's names is
     refused, naming these."""
+    reasoning_parser: str | None = None
+    """vLLM's flag: split a reasoning model's thinking (`<think>` ... `</think>`) out of its
+    chat replies into the message's `reasoning` (server/reasoning.py): qwen3 (thinking where
+    the reply or its prompt opens the tag) or deepseek_r1 (the reply always starts thinking).
+    None: the thinking stays in the content as the model wrote it."""
     return_tokens_as_token_ids: bool = False
     """vLLM's flag: logprobs name every token `token_id:<id>` unless a request says
     otherwise (its `return_tokens_as_token_ids`)."""
@@ -630,6 +644,16 @@ class ServerConfig:
     enable_server_load_tracking: bool = False
     """vLLM's flag: serve GET /load, `{"server_load": N}`, N the generation requests being
     answered now (a load balancer's signal); off, the route is a 404."""
+    enable_force_include_usage: bool = False
+    """vLLM's flag: every stream carries its usage, whether or not the request asks
+    (stream_options): each chunk the usage so far, and a last chunk with the whole."""
+    root_path: str = ""
+    """vLLM's flag: the path prefix a reverse proxy serves this server under (/llm: the API
+    answers at /llm/v1/... as well as at /v1/...)."""
+    structured_outputs_backend: str = "auto"
+    """vLLM's --structured-outputs-config.backend: each of vLLM's names (auto, xgrammar,
+    guidance, outlines, lm-format-enforcer) means this server's grammar engine,
+    llguidance."""
 
     def validate(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -669,11 +693,29 @@ class ServerConfig:
                 "model's chat template)",
                 "tool_call_parser",
             )
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise PyptoError(
+                f"reasoning_parser {self.reasoning_parser!r} is not served here: give one of "
+                f"{', '.join(REASONING_PARSERS)} (both read <think> ... </think>), or leave it "
+                "out (the thinking stays in the content)",
+                "reasoning_parser",
+            )
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise PyptoError(
                 f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, got "
                 f"{self.uvicorn_log_level!r}",
                 "uvicorn_log_level",
+            )
+        if self.structured_outputs_backend not in GRAMMAR_BACKENDS:
+            raise PyptoError(
+                f"structured_outputs_backend must be one of {', '.join(sorted(GRAMMAR_BACKENDS))} "
+                f"(each means llguidance here), got {self.structured_outputs_backend!r}",
+                "structured_outputs_backend",
+            )
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise PyptoError(
+                f"root_path must start with / and not end with one, got {self.root_path!r}",
+                "root_path",
             )
         if self.enable_lora:
             raise PyptoError(
@@ -687,10 +729,16 @@ class ServerConfig:
                 raise PyptoError(f"{name} must be an integer >= 0, got {value!r}")
 
 
+GRAMMAR_BACKENDS = frozenset(
+    {"auto", "xgrammar", "guidance", "llguidance", "outlines", "lm-format-enforcer"}
+)
+"""vLLM's structured-output backend names: each means this server's llguidance."""
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 """uvicorn's log levels (`ServerConfig.uvicorn_log_level`)."""
 RUNNERS = ("auto", "generate", "pooling")
 """vLLM's --runner values (`EngineConfig.runner`)."""
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+"""vLLM's --reasoning-parser names served here (`ServerConfig.reasoning_parser`)."""
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 """vLLM's --tool-call-parser names this server reads (`ServerConfig.tool_call_parser`)."""
 

@@ -33,6 +33,7 @@ ALIASES = {
     "data_parallel_size": ("--dp", "-dp"),
     "tensor_parallel_size": ("--tp", "-tp"),
     "pipeline_parallel_size": ("--pp", "-pp"),
+    "structured_outputs_backend": ("--structured-outputs-config.backend",),
 }
 """Short flags beside the long ones derived from field names (vLLM's spellings)."""
 
@@ -85,13 +86,15 @@ def add_config_flags(
     defaults: dict[str, Any] | None = None,
 ) -> None:
     """One flag per field of the config dataclasses (default None: 'not given'); `defaults`
-    names the fields whose default differs for this command."""
+    names the fields whose default differs for this command. A command's own flag of the
+    same name stays (`pypto generate --seed` seeds its requests, and so the engine too)."""
     group = parser.add_argument_group(title)
     for section in sections:
         docs = field_docs(section)
         hints = typing.get_type_hints(section)
         for f in fields(section):
-            if f.name in SECTION_NAMES:
+            taken = "--" + f.name.replace("_", "-") in parser._option_string_actions
+            if f.name in SECTION_NAMES or taken:
                 continue
             flags = [
                 "--" + f.name.replace("_", "-"),

@@ -134,6 +134,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     """Only these tokens may be sampled (vLLM's): every other token's logit is -inf; logprobs
     stay the model's own."""
+    logprob_token_ids: list[int] | None = None
+    """vLLM's: at each generated position, the logprobs of these tokens (and of the sampled
+    one) instead of the most likely `logprobs`; needs logprobs."""
     structured_outputs: StructuredOutputsParams | None = None
     """What the output must match (grammar.py): each step samples only tokens that keep it
     matching, and the request stops where the grammar ends. logprobs stay the model's own."""
@@ -232,9 +235,14 @@ class SamplingParams:
                 not isinstance(t, int) or not 0 <= t < INT64.stop for t in self.allowed_token_ids
             ):
                 raise bad("allowed_token_ids", "token ids must be non-negative 64-bit integers")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", "must be in [0, 20]")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise bad("prompt_logprobs", "must be in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):  # the bound is the engine's max_logprobs
+            count = getattr(self, name)
+            if count is not None and (not isinstance(count, int) or count < 0):
+                raise bad(name, "must be an integer >= 0")
+        if self.logprob_token_ids is not None:
+            if self.logprobs is None or not self.logprob_token_ids:
+                raise bad("logprob_token_ids", "needs logprobs, and at least one token id")
+            if any(not isinstance(t, int) or t < 0 for t in self.logprob_token_ids):
+                raise bad("logprob_token_ids", "token ids must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")

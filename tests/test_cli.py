@@ -15,6 +15,7 @@ from patience import patience
 from pypto_serving import LLM
 from pypto_serving.cli import build_parser, main
 from pypto_serving.errors import PyptoError
+from pypto_serving.vllm_flags import OUT_OF_SCOPE
 
 
 def run(argv, capsys):
@@ -264,6 +265,42 @@ def test_serve_config_file_and_flags(tmp_path, monkeypatch, capsys):
         assert "served_model_name must be one or more different" in capsys.readouterr().err
 
 
+def test_vllm_spellings_of_serve_flags(monkeypatch, capsys):
+    """vLLM's command lines: flags with underscores, the API key from VLLM_API_KEY, --seed,
+    --structured-outputs-config.backend, and flags whose effect is how this server works."""
+    from pypto_serving.server import launch
+
+    seen = {}
+    monkeypatch.setattr(launch, "run_server", lambda knobs, server: seen.update(k=knobs, s=server))
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    argv = ["serve", "--max_model_len", "64", "--max-num_seqs=3", "--seed", "7"]
+    argv += ["--structured-outputs-config.backend", "xgrammar", "--enable-chunked-prefill"]
+    argv += ["--enable-prompt-tokens-details", "--root-path", "/llm"]
+    assert main(argv) is None
+    assert seen["k"]["max_model_len"] == 64 and seen["k"]["max_num_seqs"] == 3
+    assert seen["k"]["seed"] == 7
+    server = seen["s"]
+    assert (server.api_key, server.structured_outputs_backend) == ("from-env", "xgrammar")
+    assert server.root_path == "/llm"
+    assert main(["serve", "--api-key", "given"]) is None  # the command line wins
+    assert seen["s"].api_key == "given"
+    for argv, message in [
+        (["serve", "--structured-outputs-config.backend", "regexes"], "each means llguidance"),
+        (["serve", "--root-path", "llm/"], "root_path must start with / and not end with one"),
+    ]:
+        code, _, err = run(argv, capsys)
+        assert code == 1 and message in err, err
+
+
+@pytest.mark.parametrize("name", sorted(OUT_OF_SCOPE))
+def test_vllm_flags_for_features_not_here_are_refused_saying_so(name, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", f"--{name}", "x"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --{name}: not supported: {OUT_OF_SCOPE[name]}" in err, err
+
+
 @pytest.mark.slow
 def test_a_server_started_with_vllms_flags_answers(tiny_model):
     """vLLM's serve flags that mean something here, or nothing to turn off: accepted (issue
@@ -274,7 +311,8 @@ def test_a_server_started_with_vllms_flags_answers(tiny_model):
     flags = ["--gpu-memory-utilization", "0.5", "--disable-log-requests"]
     flags += ["--uvicorn-log-level", "warning", "--enable-auto-tool-choice"]
     flags += ["--tool-call-parser", "hermes", "--served-model-name", "a", "b"]
-    flags += ["--trust-remote-code"]
+    flags += ["--trust-remote-code", "--max_model_len", "128", "--seed", "0"]
+    flags += ["--enable-chunked-prefill", "--structured-outputs-config.backend", "xgrammar"]
     with pypto_serve(tiny_model("llama-gqa4-tied"), *flags) as (process, url):
         assert process.poll() is None, process.stderr.read()[-2000:]
         for name in ("a", "b"):

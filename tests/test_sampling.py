@@ -24,7 +24,7 @@ from pypto_serving.sampling import SamplingParams
         ({"max_tokens": 0}, "max_tokens"),
         ({"n": 0}, "n="),
         ({"stop": [""]}, "stop"),
-        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"stop_token_ids": [-1]}, "stop_"),
         ({"logit_bias": {1: 101.0}}, "logit_bias"),

@@ -80,12 +80,17 @@ def live(model_dir):
 @pytest.fixture(scope="module")
 def flagged(model_dir):
     """A server started with vLLM's --return-tokens-as-token-ids,
-    --enable-tokenizer-info-endpoint and --enable-server-load-tracking."""
+    --enable-tokenizer-info-endpoint, --enable-server-load-tracking,
+    --enable-force-include-usage, --root-path /llm, --reasoning-parser qwen3 and
+    --max-logprobs -1."""
     with serving(
-        tiny_llm(model_dir),
+        tiny_llm(model_dir, max_logprobs=-1),
         return_tokens_as_token_ids=True,
         enable_tokenizer_info_endpoint=True,
         enable_server_load_tracking=True,
+        enable_force_include_usage=True,
+        root_path="/llm",
+        reasoning_parser="qwen3",
     ) as server:
         yield server
 
@@ -510,6 +515,12 @@ def test_stop_strings_kept_special_tokens_shown_and_prompts_truncated(live):
     assert truncated["choices"][0]["text"] == echo + last3["choices"][0]["text"]
     chat = {"messages": CONVERSATION, "max_tokens": 2, "truncate_prompt_tokens": 5}
     assert ok(live, "/v1/chat/completions", chat)["usage"]["prompt_tokens"] == 5
+    # truncation_side right: the first k instead
+    ids = list(range(8, 16))
+    cut = {"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 4, "return_token_ids": True}
+    for side, kept_ids in (("right", ids[:4]), ("left", ids[-4:])):
+        choice = ok(live, "/v1/completions", cut | {"truncation_side": side})["choices"][0]
+        assert choice["prompt_token_ids"] == kept_ids, side
     refused(
         live,
         "/v1/completions",
@@ -607,3 +618,207 @@ def test_request_ids_name_the_responses(live, model_dir):
         assert r.headers["x-request-id"] == "x1"
         made = httpx.get(server.url + "/health").headers["x-request-id"]
         assert len(made) == 32 and made != "x1"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_token_ids_give_the_prompt_and_each_choices_tokens(live, stream):
+    tokenizer = live.llm.tokenizer
+    prompt_ids = tokenizer.encode("the quick brown")
+    body = {"prompt": "the quick brown", "max_tokens": 5, "temperature": 1, "seed": 3, "n": 2}
+    body |= {"ignore_eos": True, "stream": stream}
+    if stream:
+        chunks = sse_chunks(live, "/v1/completions", body | {"return_token_ids": True})
+        got: dict[int, dict[str, Any]] = {}
+        for c in chunks:
+            (one,) = c["choices"]
+            mine = got.setdefault(one["index"], {"text": "", "ids": [], "prompts": []})
+            mine["text"] += one["text"]
+            mine["ids"] += one["token_ids"]
+            mine["prompts"].append(one["prompt_token_ids"])
+        assert sorted(got) == [0, 1]
+        for mine in got.values():  # the prompt's ids in the choice's first chunk only
+            assert mine["prompts"][0] == prompt_ids and not any(mine["prompts"][1:])
+            assert len(mine["ids"]) == 5  # text is held back mid-character, never invented
+            assert tokenizer.decode(mine["ids"]).startswith(mine["text"])
+        plain = sse_chunks(live, "/v1/completions", body)
+        assert all("token_ids" not in c["choices"][0] for c in plain)
+    else:
+        choices = ok(live, "/v1/completions", body | {"return_token_ids": True})["choices"]
+        for c in choices:
+            assert c["prompt_token_ids"] == prompt_ids and len(c["token_ids"]) == 5
+            assert tokenizer.decode(c["token_ids"]).startswith(c["text"])
+        for c in ok(live, "/v1/completions", body)["choices"]:  # null when not asked for
+            assert c["prompt_token_ids"] is None and c["token_ids"] is None
+    chat = {"messages": CONVERSATION[:1], "max_tokens": 4, "ignore_eos": True, "stream": stream}
+    rendered_ids = rendered(live, CONVERSATION[:1], add_generation_prompt=True)
+    if stream:
+        chunks = sse_chunks(live, "/v1/chat/completions", chat | {"return_token_ids": True})
+        assert chunks[0]["prompt_token_ids"] == rendered_ids
+        ids = [t for c in chunks for one in c["choices"] for t in one.get("token_ids", [])]
+        text = "".join(one["delta"].get("content") or "" for c in chunks for one in c["choices"])
+        assert len(ids) == 4 and tokenizer.decode(ids).startswith(text)
+    else:
+        reply = ok(live, "/v1/chat/completions", chat | {"return_token_ids": True})
+        assert reply["prompt_token_ids"] == rendered_ids
+        choice = reply["choices"][0]
+        assert tokenizer.decode(choice["token_ids"]).startswith(choice["message"]["content"])
+        plain = ok(live, "/v1/chat/completions", chat)
+        assert plain["prompt_token_ids"] is None and plain["choices"][0]["token_ids"] is None
+
+
+def test_forced_usage_and_a_root_path(live, flagged):
+    """--enable-force-include-usage: every stream ends with its usage; --root-path /llm: the
+    API answers under the proxy's prefix as well as at its own paths."""
+    body = {"prompt": "the", "max_tokens": 3, "ignore_eos": True, "stream": True}
+    chat = {"messages": CONVERSATION[:1], "max_tokens": 3, "ignore_eos": True, "stream": True}
+    for path, request in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+        *running, last = sse_chunks(flagged, path, request)
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+        counts = [c["usage"]["completion_tokens"] for c in running]  # each chunk's so far
+        assert counts == sorted(counts) and 0 < counts[-1] == 3
+    assert all(c.get("usage") is None for c in sse_chunks(live, "/v1/completions", body))
+    for path in ("/v1/models", "/llm/v1/models"):
+        r = httpx.get(flagged.url + path)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny", (path, r.text)
+    assert httpx.get(live.url + "/llm/v1/models").status_code == 404
+
+
+def test_the_engine_seed_makes_unseeded_sampling_repeat(model_dir):
+    """vLLM's --seed: two engines started with one seed sample the same tokens for requests
+    that bring no seed; another seed, other tokens."""
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+
+    def sampled(seed: int) -> list[list[int]]:
+        llm = tiny_llm(model_dir, seed=seed)
+        try:
+            return [o.outputs[0].token_ids for o in llm.generate(["the", "a b"], params)]
+        finally:
+            llm.close()
+
+    first = sampled(5)
+    assert sampled(5) == first
+    assert sampled(6) != first
+
+
+THINKING = {"regex": "<think>[a-z]{2,6}( [a-z]{2,6}){1,3}</think>\n\n[a-z]{2,6}( [a-z]{2,6}){0,2}"}
+"""A reply that thinks, then answers (a grammar makes the tiny model write one)."""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_parser_splits_the_thinking_from_the_reply(live, flagged, stream):
+    """--reasoning-parser qwen3: the thinking is the message's `reasoning`, the rest its
+    content; the same split streamed or whole; include_reasoning false drops it; a server
+    without the parser leaves the reply as written."""
+    body = {"messages": CONVERSATION[:1], "max_tokens": 60, "temperature": 1, "seed": 4}
+    body |= {"structured_outputs": THINKING, "stream": stream}
+
+    def reply(server: Live, extra: dict[str, Any]) -> dict[str, Any]:
+        if not stream:
+            return ok(server, "/v1/chat/completions", body | extra)["choices"][0]["message"]
+        whole: dict[str, Any] = {}
+        for c in sse_chunks(server, "/v1/chat/completions", body | extra):
+            for key, value in (c["choices"][0]["delta"] if c["choices"] else {}).items():
+                if key in ("content", "reasoning") and value:
+                    whole[key] = whole.get(key, "") + value
+        return whole
+
+    plain = reply(live, {})
+    text = plain["content"]
+    assert "reasoning" not in plain and text.startswith("<think>")
+    thought, answer = text.removeprefix("<think>").split("</think>\n\n")
+    split = reply(flagged, {})
+    assert (split["reasoning"], split["content"]) == (thought, answer)
+    left_out = reply(flagged, {"include_reasoning": False})
+    assert left_out.get("reasoning") is None and left_out["content"] == answer
+    no_thinking = {"structured_outputs": {"regex": "[a-z]{2,6}( [a-z]{2,6}){1,3}"}}
+    answered = reply(flagged, no_thinking)
+    assert answered.get("reasoning") is None and answered["content"]
+
+
+def test_max_logprobs_bounds_requests_and_minus_one_is_the_whole_vocabulary(live, flagged):
+    vocab = live.llm.engine.model_config.vocab_size
+    body = {"prompt": "the quick", "max_tokens": 1, "temperature": 0}
+    refused(live, "/v1/completions", body | {"logprobs": 21}, "logprobs", "must be in [0, 20]")
+    refused(live, "/v1/completions", body | {"logprobs": -1}, "logprobs", "must be in [0, 20]")
+    chat = {"messages": CONVERSATION[:1], "max_tokens": 1, "logprobs": True, "top_logprobs": -1}
+    refused(live, "/v1/chat/completions", chat, "top_logprobs", "--max-logprobs")
+    top = ok(flagged, "/v1/completions", body | {"logprobs": -1})["choices"][0]["logprobs"]
+    assert len(top["top_logprobs"][0]) >= vocab - 1  # every token (decoding may merge a few)
+    content = ok(flagged, "/v1/chat/completions", chat)["choices"][0]["logprobs"]["content"]
+    assert len(content[0]["top_logprobs"]) == vocab
+    scored = ok(flagged, "/v1/completions", body | {"prompt_logprobs": -1})["choices"][0]
+    assert all(len(p) >= vocab - 1 for p in scored["prompt_logprobs"][1:])
+
+
+def test_a_batch_of_conversations_answers_each_as_its_own_request(live):
+    """vLLM's /v1/chat/completions/batch: choice i is what conversation i alone gets (greedy),
+    the usage their sum; streams, tools and n are refused."""
+    conversations = [CONVERSATION[:1], [{"role": "user", "content": "a b c"}], CONVERSATION]
+    common = {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": True}
+    batch = ok(live, "/v1/chat/completions/batch", common | {"messages": conversations})
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2]
+    prompt_tokens = 0
+    for conversation, choice in zip(conversations, batch["choices"], strict=True):
+        alone = ok(live, "/v1/chat/completions", common | {"messages": conversation})
+        assert choice["message"] == alone["choices"][0]["message"]
+        mine, its = choice["logprobs"]["content"], alone["choices"][0]["logprobs"]["content"]
+        assert [t["token"] for t in mine] == [t["token"] for t in its]
+        # in company the batch's sums may round otherwise (not --batch-invariant)
+        assert [t["logprob"] for t in mine] == pytest.approx([t["logprob"] for t in its], abs=1e-2)
+        prompt_tokens += alone["usage"]["prompt_tokens"]
+    usage = batch["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (prompt_tokens, 15)
+    assert usage["total_tokens"] == prompt_tokens + 15
+    path = "/v1/chat/completions/batch"
+    for extra, param in [({"stream": True}, "stream"), ({"n": 2}, "n")]:
+        refused(live, path, {"messages": conversations} | extra, param, "batch")
+    refused(live, path, {"messages": []}, "messages", "")
+    refused(live, path, {"messages": [[]]}, "messages.0", "at least 1 item")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprob_token_ids_give_those_tokens_logprobs(live, stream):
+    """vLLM's logprob_token_ids: each position's top_logprobs are the named tokens' and the
+    sampled one's, their values the model's own (as the plain top_logprobs have them)."""
+    named = [5, 17, 40]
+    body = {"messages": CONVERSATION[:1], "max_tokens": 3, "temperature": 0, "logprobs": True}
+    body |= {"return_tokens_as_token_ids": True, "ignore_eos": True, "stream": stream}
+
+    def positions(extra: dict[str, Any]) -> list[dict[str, Any]]:
+        if not stream:
+            reply = ok(live, "/v1/chat/completions", body | extra)
+            return reply["choices"][0]["logprobs"]["content"]
+        chunks = sse_chunks(live, "/v1/chat/completions", body | extra)
+        pieces = [c["choices"][0]["logprobs"] for c in chunks if c["choices"]]
+        return [p for piece in pieces for p in (piece or {}).get("content") or []]
+
+    def token_id(name: str) -> int:
+        return int(name.removeprefix("token_id:"))
+
+    got = positions({"logprob_token_ids": named})
+    vocab = live.llm.engine.model_config.vocab_size
+    everything = positions({"top_logprobs": 20, "max_tokens": 3})
+    assert len(got) == 3
+    for p, full in zip(got, everything, strict=True):
+        sampled = token_id(p["token"])
+        tops = {token_id(t["token"]): t["logprob"] for t in p["top_logprobs"]}
+        assert set(tops) == {sampled, *named} and len(p["top_logprobs"]) == len(tops)
+        assert tops[sampled] == pytest.approx(p["logprob"])
+        for t in full["top_logprobs"]:  # where a named token is among the 20 most likely
+            if token_id(t["token"]) in tops:
+                assert tops[token_id(t["token"])] == pytest.approx(t["logprob"], abs=1e-4)
+    assert vocab > max(named)
+    refused(
+        live,
+        "/v1/chat/completions",
+        body | {"logprobs": False, "logprob_token_ids": named},
+        "logprob_token_ids",
+        "needs logprobs",
+    )
+    refused(
+        live,
+        "/v1/chat/completions",
+        body | {"logprob_token_ids": [vocab]},
+        "logprob_token_ids",
+        f"must be in [0, {vocab})",
+    )

@@ -96,24 +96,48 @@ def combine_stats(parts: list[EngineStats]) -> EngineStats:
 
 
 def check_request(
-    prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    max_logprobs: int = 20,
 ) -> None:
-    """Raise PyptoError (naming the parameter) unless the request fits the model."""
+    """Raise PyptoError (naming the parameter) unless the request fits the model (and the
+    engine's max_logprobs)."""
+    limit = vocab_size if max_logprobs == -1 else max_logprobs
+    for name in ("logprobs", "prompt_logprobs", "logprob_token_ids"):
+        count = getattr(params, name)
+        if (len(count) if isinstance(count, list) else count or 0) > limit:
+            raise PyptoError(
+                f"{name} must be in [0, {limit}] (the server's max_logprobs; -1 asks for the "
+                "whole vocabulary where that is -1)",
+                name,
+            )
     n = len(prompt_token_ids)
     if n == 0:
-        raise PyptoError("the prompt is empty", param="prompt")
+        raise PyptoError(  # vLLM's words, which clients may look for
+            "the prompt is empty. Either prompt or prompt_embeds must be provided and non-empty.",
+            param="prompt",
+        )
     if n >= max_model_len:  # before the ids are read: a prompt may be millions of them
         raise PyptoError(
             f"the prompt has {n} tokens; this model's context is "
             f"{max_model_len} (prompt plus at least one new token)",
             param="prompt",
         )
-    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
-        raise PyptoError(f"prompt token ids must be integers in [0, {vocab_size})", "prompt")
+    outside = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if outside:
+        raise PyptoError(
+            f"prompt token ids must be integers in [0, {vocab_size}): {outside[0]!r} is out "
+            "of vocabulary",
+            "prompt",
+        )
     if any(t >= vocab_size for t in params.stop_token_ids):
         raise PyptoError(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
     if any(t >= vocab_size for t in params.logit_bias):
         raise PyptoError(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
+    if any(t >= vocab_size for t in params.logprob_token_ids or ()):
+        raise PyptoError(f"logprob_token_ids must be in [0, {vocab_size})", "logprob_token_ids")
     if any(t >= vocab_size for t in params.allowed_token_ids or ()):
         raise PyptoError(f"allowed_token_ids must be in [0, {vocab_size})", "allowed_token_ids")
     if params.structured_outputs is not None:
@@ -197,6 +221,8 @@ class EngineCore:
         config, p = self.config, self.config.parallel
         self.plan = plan = plan_run(own, self.model_dir)
         torch.set_num_threads(plan.num_threads)
+        if config.seed is not None:  # rank 0 samples; a replica is an engine of its own
+            torch.manual_seed(config.seed)
         self.device, self.dtype = plan.device, plan.dtype
         if config.executor == "paged" and self.device.type == "cpu" and not config.enforce_eager:
             trust_cpu_vector_isa_soon()  # while the model loads; warm-up compiles for it
@@ -301,7 +327,8 @@ class EngineCore:
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise PyptoError (naming the parameter) unless the request fits the model."""
-        check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        vocab = self.model_config.vocab_size
+        check_request(prompt_token_ids, params, vocab, self.max_model_len, self.config.max_logprobs)
 
     def add_request(self, request: Request) -> None:
         """Queue a request after checking it fits the model."""

@@ -214,7 +214,8 @@ class DPEngine:
         )
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        vocab = self.model_config.vocab_size
+        check_request(prompt_token_ids, params, vocab, self.max_model_len, self.config.max_logprobs)
         check_step_time(len(prompt_token_ids), self.config, self.layer_costs)
 
     @property

@@ -228,11 +228,13 @@ def _with_logprobs(
     top_vals, top_ids = logprobs.topk(max(want, 1), dim=-1)
     out = []
     for i, row in enumerate(rows):
-        k = row.params.logprobs
-        top = (
-            None
-            if k is None
-            else dict(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True))
-        )
+        k, named = row.params.logprobs, row.params.logprob_token_ids
+        if named:  # these tokens' logprobs, the sampled one's first
+            values = logprobs[i, named].tolist()
+            top = {token_list[i]: chosen[i], **dict(zip(named, values, strict=True))}
+        elif k is not None:
+            top = dict(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True))
+        else:
+            top = None
         out.append(Sampled(token_list[i], chosen[i], top))
     return out

@@ -38,6 +38,7 @@ from pypto_serving.config import ServerConfig
 from pypto_serving.engine.async_llm import AsyncLLM
 from pypto_serving.engine.metrics import PREFIX, VLLM
 from pypto_serving.errors import PyptoError
+from pypto_serving.server.chat_batch import batch_chat
 from pypto_serving.server.embeddings import (
     EmbeddingRequest,
     EmbeddingsServing,
@@ -48,6 +49,7 @@ from pypto_serving.server.errors import UNAVAILABLE, error_body, install_error_h
 from pypto_serving.server.json_body import FastJSONRoute
 from pypto_serving.server.openai_serving import OpenAIServing
 from pypto_serving.server.protocol import (
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -183,6 +185,7 @@ GENERATION_PATHS = frozenset(
     {
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/chat/completions/batch",
         "/v1/responses",
         "/v1/embeddings",
         "/score",
@@ -217,6 +220,23 @@ class LoadTracker:
                 await self.app(scope, receive, send)
             finally:
                 self.tracker.in_flight -= 1
+
+
+class RootPath:
+    """vLLM's --root-path: a request under the prefix a reverse proxy serves this server at
+    is routed as the same request without it (requests without it keep working), and the
+    prefix is the scope's root_path (the API docs' links carry it)."""
+
+    def __init__(self, app: ASGIApp, prefix: str) -> None:
+        self.app, self.prefix = app, prefix
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path: str = scope["path"]
+            if path == self.prefix or path.startswith(self.prefix + "/"):
+                path = path[len(self.prefix) :] or "/"
+            scope = {**scope, "path": path, "root_path": self.prefix}
+        await self.app(scope, receive, send)
 
 
 class RequestIdHeader:
@@ -330,6 +350,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: list[str]) ->
         config.max_response_logprobs,
         config.return_tokens_as_token_ids,
         config.tool_call_parser,
+        config.enable_force_include_usage,
+        config.reasoning_parser,
     )
     model_name = model_names[0]
     responses = ResponsesServing(serving)
@@ -343,6 +365,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: list[str]) ->
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return await serving.chat(body, raw)
+
+    @app.post("/v1/chat/completions/batch")
+    async def chat_completions_batch(body: BatchChatCompletionRequest, raw: Request) -> Any:
+        return await batch_chat(serving, body, raw)
 
     @app.post("/v1/embeddings")
     async def create_embeddings(body: EmbeddingRequest, raw: Request) -> Any:
@@ -526,4 +552,6 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: list[str]) ->
         )
     if config.enable_request_id_headers:  # outermost: refusals carry it too
         app.add_middleware(RequestIdHeader)
+    if config.root_path:  # before any path is looked at
+        app.add_middleware(RootPath, prefix=config.root_path)
     return app

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -56,6 +56,8 @@ from pypto_serving.server.protocol import (
     CompletionRequest,
     ToolPlan,
 )
+from pypto_serving.server.reasoning import OPEN as REASONING_OPEN
+from pypto_serving.server.reasoning import ReasoningSplitter
 from pypto_serving.server.response_size import (
     ResponseShape,
     check_response_size,
@@ -78,7 +80,7 @@ class _Choice:
     """A choice being assembled for a non-streaming response."""
 
     text: str = ""
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[Sampled] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[Sampled | None] | None = None
@@ -186,12 +188,12 @@ async def gather(
         for d in update.deltas:
             c = choices[p * n + d.index]
             c.text += d.text
-            c.num_tokens += len(d.token_ids)
+            c.token_ids += d.token_ids
             c.logprobs += d.logprobs or []
             c.finish_reason = d.finish_reason
         if update.finished:
             usage.add_cached(update)
-    usage.completion_tokens = sum(c.num_tokens for c in choices)
+    usage.completion_tokens = sum(len(c.token_ids) for c in choices)
 
 
 def best(choices: list[_Choice], n: int, best_of: int) -> list[_Choice]:
@@ -229,18 +231,22 @@ async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Re
     return task.result()
 
 
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+
+
 def request_id(body: CompletionRequest | ChatCompletionRequest, raw: Request) -> str:
     """What a response's id is made of (vLLM's rule): the body's request_id, else the
     X-Request-Id header, else a new one. The engine's own ids stay unique whatever it is."""
     return body.request_id or raw.headers.get("x-request-id") or uuid.uuid4().hex
 
 
-def stream_usage(body: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+def stream_usage(body: CompletionRequest | ChatCompletionRequest, force: bool) -> tuple[bool, bool]:
     """Whether a stream ends with a usage chunk, and whether every chunk carries the usage so
-    far too (continuous_usage_stats, which vLLM honours with include_usage only)."""
+    far too (continuous_usage_stats, which vLLM honours with include_usage only); the
+    server's --enable-force-include-usage (`force`) gives both to every stream."""
     options = body.stream_options
-    include = bool(options and options.include_usage)
-    return include, include and bool(options and options.continuous_usage_stats)
+    include = bool(options and options.include_usage) or force
+    return include, force or (include and bool(options and options.continuous_usage_stats))
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -262,9 +268,13 @@ class OpenAIServing:
         max_response_logprobs: int,
         tokens_as_ids: bool = False,
         tool_call_parser: str | None = None,
+        force_usage: bool = False,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.engine, self.model_names, self.model_name = engine, model_names, model_names[0]
         self.max_response_logprobs = max_response_logprobs
+        self.force_usage = force_usage
+        self.reasoning_parser = reasoning_parser
         self.tokens_as_ids = tokens_as_ids
         """--return-tokens-as-token-ids: the default of requests that do not say."""
         self.tokenizer = engine.llm.tokenizer
@@ -396,7 +406,30 @@ class OpenAIServing:
 
     # --- /v1/completions -----------------------------------------------------------------
 
+    def logprob_counts(self, body: Body) -> Body:
+        """The request with vLLM's -1 in logprobs, top_logprobs or prompt_logprobs (the whole
+        vocabulary) made the vocabulary's size; a count over the engine's max_logprobs is a
+        400 naming its field."""
+        engine = self.engine.engine
+        vocab, limit = engine.model_config.vocab_size, engine.config.max_logprobs
+        limit = vocab if limit == -1 else limit
+        counts = {}
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            count = getattr(body, name, None)
+            if isinstance(count, bool) or not isinstance(count, int):
+                continue  # chat's logprobs is a switch
+            if count == -1:
+                count = counts[name] = vocab
+            if count > limit:
+                raise PyptoError(
+                    f"{name} must be in [0, {limit}] (the server's --max-logprobs; -1 asks for "
+                    "the whole vocabulary where that is -1)",
+                    name,
+                )
+        return body.model_copy(update=counts) if counts else body
+
     async def completions(self, body: CompletionRequest, raw: Request) -> Any:
+        body = self.logprob_counts(body)
         name = self.check_model(body.model)
         params = body.sampling_params(body.max_tokens, body.logprobs, self.defaults)
         texts = body.prompts()
@@ -438,9 +471,11 @@ class OpenAIServing:
             reason: str | None,
             offsets: TextOffsets,
             scores: _PromptScores | None = None,
+            ids: tuple[list[int] | None, list[int]] = (None, []),
         ) -> dict[str, Any]:
             """A choice; with `scores` (its prompt's), the echoed prompt's logprobs lead its
-            own and vLLM's prompt_logprobs come with it."""
+            own and vLLM's prompt_logprobs come with it; `ids`: its prompt's token ids (where
+            they go: the first chunk of a stream's choice) and the generated ones it holds."""
             echoed = scores.echoed if scores is not None else None
             if echoed is not None:
                 logprobs = logprobs or []
@@ -450,6 +485,9 @@ class OpenAIServing:
             out = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
             if body.prompt_logprobs is not None or not body.stream:  # null when not asked for
                 out["prompt_logprobs"] = scores.vllm if scores is not None else None
+            if body.return_token_ids or not body.stream:  # null when not asked for
+                out["prompt_token_ids"] = ids[0] if body.return_token_ids else None
+                out["token_ids"] = ids[1] if body.return_token_ids else None
             return out
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
@@ -463,7 +501,7 @@ class OpenAIServing:
             }
 
         if body.stream:
-            include_usage, continuous = stream_usage(body)
+            include_usage, continuous = stream_usage(body, self.force_usage)
 
             def echo_events(
                 p: int, scored: list[Sampled | None], offsets: list[TextOffsets]
@@ -473,16 +511,19 @@ class OpenAIServing:
                 events = []
                 for i in range(p * n, (p + 1) * n):
                     offsets[i] = scores.offsets.copy()
-                    c = choice(i, echoes[p], None, None, offsets[i], scores)
+                    c = choice(i, echoes[p], None, None, offsets[i], scores, (prompts[p], []))
                     events.append(render_sse(chunk([c], usage.as_dict() if continuous else None)))
                 return "".join(events)
 
             async def stream() -> AsyncIterator[str]:
                 offsets = [TextOffsets() for _ in range(len(prompts) * n)]
                 scoring = params.prompt_logprobs is not None
+                unseen = set() if body.echo else set(range(len(offsets)))  # no chunk yet
                 if body.echo and not scoring:
                     for i in range(len(offsets)):
-                        c = choice(i, echoes[i // n], None, None, offsets[i])
+                        c = choice(
+                            i, echoes[i // n], None, None, offsets[i], None, (prompts[i // n], [])
+                        )
                         yield sse(chunk([c], usage.as_dict() if continuous else None))
                 async for p, update in updates:
                     if update.prompt_logprobs is not None:  # the echo, once the prompt is scored
@@ -491,7 +532,12 @@ class OpenAIServing:
                     for d in update.deltas:
                         i = p * n + d.index
                         usage.completion_tokens += len(d.token_ids)
-                        c = choice(i, d.text, d.logprobs, d.finish_reason, offsets[i])
+                        ids: tuple[list[int] | None, list[int]] = (
+                            prompts[p] if i in unseen else None,
+                            list(d.token_ids),
+                        )
+                        unseen.discard(i)
+                        c = choice(i, d.text, d.logprobs, d.finish_reason, offsets[i], None, ids)
                         yield sse(chunk([c], usage.as_dict() if continuous else None))
                     if update.finished:
                         usage.add_cached(update)
@@ -512,7 +558,8 @@ class OpenAIServing:
             for i, c in enumerate(choices):
                 s = scores[i // body.n]
                 lp = c.logprobs if want else None
-                out.append(choice(i, c.text, lp, c.finish_reason, s.offsets.copy(), s))
+                ids = (prompts[i // body.n], c.token_ids)
+                out.append(choice(i, c.text, lp, c.finish_reason, s.offsets.copy(), s, ids))
             body_bytes = render_json(chunk(out, usage.as_dict()))
             return Response(body_bytes, media_type="application/json")
 
@@ -564,6 +611,7 @@ class OpenAIServing:
         )
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
+        body = self.logprob_counts(body)
         prepared = await self.prepare_chat(body)
         prompt, params, fmt = prepared.prompt, prepared.params, prepared.fmt
         rid, created = f"chatcmpl-{request_id(body, raw)}", int(time.time())
@@ -574,6 +622,17 @@ class OpenAIServing:
         updates = self.start_chat(prepared, rid, body.cache_salt)
         usage = _Usage(prompt_tokens=len(prompt))
         parsers = [ToolCallParser(fmt) if fmt is not None else None for _ in range(params.n)]
+        thinking = [self._reasoning(prompt) for _ in range(params.n)]
+
+        def split(i: int, text: str, last: bool) -> tuple[dict[str, Any], str]:
+            """Choice i's reasoning (a message's or delta's field) and content in `text`."""
+            splitter = thinking[i]
+            if splitter is None:
+                return {}, text
+            reasoning, content = splitter.feed(text, last)
+            if not body.include_reasoning:
+                return {}, content
+            return ({"reasoning": reasoning} if reasoning else {}), content
 
         def reason(i: int, finish_reason: str | None) -> str | None:
             """A reply that called tools and stopped by itself finished by tool_calls."""
@@ -594,7 +653,7 @@ class OpenAIServing:
         names = self.names(body)
         role, echoed = body.reply_role(), body.echoed()
         if body.stream:
-            include_usage, continuous = stream_usage(body)
+            include_usage, continuous = stream_usage(body, self.force_usage)
 
             def tail() -> dict[str, Any]:
                 """A chunk's usage: the usage so far (continuous_usage_stats), or null."""
@@ -606,6 +665,8 @@ class OpenAIServing:
                 first: list[dict[str, Any]], prompt_logprobs: list[Sampled | None] | None
             ) -> str:
                 scored = self._prompt_logprobs(body, prompt_logprobs)
+                if body.return_token_ids:
+                    scored["prompt_token_ids"] = prompt
                 return render_sse(chunk(first, "chat.completion.chunk", **tail(), **scored))
 
             async def stream() -> AsyncIterator[str]:
@@ -626,13 +687,17 @@ class OpenAIServing:
                         first = []
                     for d in update.deltas:
                         usage.completion_tokens += len(d.token_ids)
-                        delta = self._delta(parsers[d.index], d.text, d.finish_reason is not None)
+                        last = d.finish_reason is not None
+                        reasoning, text = split(d.index, d.text, last)
+                        delta = reasoning | self._delta(parsers[d.index], text, last)
                         one = {
                             "index": d.index,
                             "delta": delta if delta or d.finish_reason is None else {},
                             "logprobs": chat_logprobs(names, d.logprobs),
                             "finish_reason": reason(d.index, d.finish_reason),
                         }
+                        if body.return_token_ids:
+                            one["token_ids"] = list(d.token_ids)
                         yield sse(chunk([one], "chat.completion.chunk", **tail()))
                     if update.finished:
                         usage.add_cached(update)
@@ -641,18 +706,26 @@ class OpenAIServing:
 
             return self._streaming(stream())
 
+        def message(i: int, text: str) -> dict[str, Any]:
+            reasoning, content = split(i, text, True)
+            if self.reasoning_parser is not None:
+                reasoning = {"reasoning": None} | reasoning
+            return self._message(parsers[i], echoed + content, role) | reasoning
+
         def response(choices: list[_Choice]) -> Response:
             """The whole response, built and encoded on a worker thread: it may be large."""
             out = [
                 {
                     "index": i,
-                    "message": self._message(parsers[i], echoed + c.text, role),
+                    "message": message(i, c.text),
                     "logprobs": chat_logprobs(names, c.logprobs if body.logprobs else None),
                     "finish_reason": reason(i, c.finish_reason),
+                    "token_ids": c.token_ids if body.return_token_ids else None,
                 }
                 for i, c in enumerate(choices)
             ]
             scored = self._prompt_logprobs(body, choices[0].prompt_logprobs)
+            scored["prompt_token_ids"] = prompt if body.return_token_ids else None
             whole = chunk(out, "chat.completion", usage=usage.as_dict(), **scored)
             return Response(render_json(whole), media_type="application/json")
 
@@ -799,6 +872,13 @@ class OpenAIServing:
         except PyptoError as e:
             raise PyptoError(f"a tool's parameters: {e}", "tools") from None
         return spec
+
+    def _reasoning(self, prompt: list[int]) -> ReasoningSplitter | None:
+        """A reply's thinking splitter (--reasoning-parser), or None: no parser."""
+        if self.reasoning_parser is None:
+            return None
+        tail = self.tokenizer.decode(prompt[-8:]).rstrip()
+        return ReasoningSplitter(self.reasoning_parser, tail.endswith(REASONING_OPEN))
 
     @staticmethod
     def _delta(parser: ToolCallParser | None, text: str, last: bool) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from pypto_serving.beam_search import BeamSearchParams
+from pypto_serving.config import GRAMMAR_BACKENDS
 from pypto_serving.errors import PyptoError
 from pypto_serving.sampling import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
 from pypto_serving.server.chat_prompt import ChatTemplateOptions
@@ -35,7 +36,6 @@ from pypto_serving.server.errors import APIError, quoted
 
 NONE: Mapping[str, Any] = MappingProxyType({})
 """No defaults."""
-MAX_TOP_LOGPROBS = 20
 GUIDED = ("json", "regex", "choice", "grammar")
 """vLLM's older guided_* fields, in StructuredOutputsParams' order."""
 MAX_SEQUENCES_PER_REQUEST = 128
@@ -255,9 +255,15 @@ class _Sampling(_Request):
     meaning, `no-fallback` has nothing to turn off."""
     allowed_token_ids: Annotated[list[StrictInt], Field(fail_fast=True)] | None = None
     """vLLM's: only these tokens may be sampled."""
+    logprob_token_ids: Annotated[list[StrictInt], Field(fail_fast=True)] | None = None
+    """vLLM's: at each generated position, these tokens' logprobs (and the sampled one's) are
+    its top_logprobs, in place of the most likely; needs logprobs."""
     return_tokens_as_token_ids: bool | None = None
     """vLLM's: logprobs name every token `token_id:<id>` (default: the server's
     --return-tokens-as-token-ids)."""
+    return_token_ids: bool | None = None
+    """vLLM's: the response carries the prompt's token ids and each choice's generated ones
+    (`prompt_token_ids`, `token_ids`), as the model saw and wrote them."""
     store: bool | None = None
     """OpenAI's stored completions: nothing is stored here, so true is refused."""
     metadata: dict[str, str] | None = None
@@ -271,8 +277,11 @@ class _Sampling(_Request):
     skip_special_tokens: bool = True
     """vLLM's: special tokens are left out of the text (false: kept, as the model wrote)."""
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-    """vLLM's: only the prompt's last k tokens are used (left truncation; -1: the longest
-    the context takes, max_model_len - 1)."""
+    """vLLM's: only k of the prompt's tokens are used (-1: the longest the context takes,
+    max_model_len - 1), its last ones unless truncation_side says otherwise."""
+    truncation_side: Literal["left", "right"] = "left"
+    """vLLM's: where truncate_prompt_tokens cuts: left (the last k kept) or right (the first
+    k)."""
     request_id: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
     """vLLM's: what the response's id is made of (`cmpl-<id>`, `chatcmpl-<id>`); the
     X-Request-Id header gives it too."""
@@ -323,7 +332,8 @@ class _Sampling(_Request):
     def truncated(self, prompt: list[int], max_model_len: int) -> list[int]:
         """The prompt as truncate_prompt_tokens leaves it (its last k tokens; -1: room for
         one new token)."""
-        return keep_last(prompt, self.truncate_prompt_tokens, max_model_len - 1)
+        k, side = self.truncate_prompt_tokens, self.truncation_side
+        return keep_last(prompt, k, max_model_len - 1, side)
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any] = NONE
@@ -360,7 +370,7 @@ class _Sampling(_Request):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=best_of,
-            logit_bias={token_id(key): value for key, value in (self.logit_bias or {}).items()},
+            logit_bias=token_ids_of(self.logit_bias or {}),
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             seed=self.seed,
@@ -370,6 +380,7 @@ class _Sampling(_Request):
             logprobs=logprobs,
             prompt_logprobs=self.scored_prompt(),
             allowed_token_ids=self.allowed_token_ids,
+            logprob_token_ids=self.logprob_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             bad_words=list(self.bad_words or []),
             skip_special_tokens=self.skip_special_tokens,
@@ -428,6 +439,7 @@ BEAM_FREE = (
     "min_tokens",
     "logit_bias",
     "allowed_token_ids",
+    "logprob_token_ids",
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
@@ -438,10 +450,6 @@ BEAM_FREE = (
 """Fields beam search cannot honour: a value other than the neutral one is a 400."""
 
 
-GRAMMAR_BACKENDS = frozenset(
-    {"auto", "xgrammar", "guidance", "llguidance", "outlines", "lm-format-enforcer"}
-)
-"""vLLM's guided_decoding_backend names: each means this server's llguidance."""
 BACKEND_OPTIONS = frozenset(
     {"disable-any-whitespace", "disable-additional-properties", "no-fallback"}
 )
@@ -475,9 +483,9 @@ def with_backend_options(
     return spec
 
 
-def keep_last(prompt: list[int], k: int | None, longest: int) -> list[int]:
+def keep_last(prompt: list[int], k: int | None, longest: int, side: str = "left") -> list[int]:
     """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the `longest` the
-    context takes; None: all of it)."""
+    context takes; None: all of it); its first k where `side` is right."""
     if k is None:
         return prompt
     if k == 0:
@@ -485,22 +493,32 @@ def keep_last(prompt: list[int], k: int | None, longest: int) -> list[int]:
             "truncate_prompt_tokens must be -1 (the context's length) or at least 1",
             "truncate_prompt_tokens",
         )
-    return prompt[-(longest if k == -1 else k) :]
+    keep = longest if k == -1 else k
+    return prompt[:keep] if side == "right" else prompt[-keep:]
 
 
-def token_id(key: str) -> int:
-    """A logit_bias key as a token id: ASCII decimal digits (blanks around them allowed), at
-    most MAX_TOKEN_ID_DIGITS of them once leading zeros are gone; the vocabulary's bound is
-    the engine's check."""
-    text = key.strip()
-    digits = text.lstrip("0") or "0"  # int() refuses over 4,300 digits, leading zeros too
-    if not (text.isascii() and text.isdigit()) or len(digits) > MAX_TOKEN_ID_DIGITS:
+def token_ids_of(bias: Mapping[str, float]) -> dict[int, float]:
+    """logit_bias with its keys as token ids: ASCII decimal digits (blanks around them
+    allowed), at most MAX_TOKEN_ID_DIGITS of them once leading zeros are gone; the error
+    names the first few keys that are not. The vocabulary's bound is the engine's check."""
+    out, bad = {}, []
+    for key, value in bias.items():
+        text = key.strip()
+        digits = text.lstrip("0") or "0"  # int() refuses over 4,300 digits, leading zeros too
+        if not (text.isascii() and text.isdigit()) or len(digits) > MAX_TOKEN_ID_DIGITS:
+            bad.append(key)
+        else:
+            out[int(digits)] = value
+    if bad:
+        shown = ", ".join(quoted(k) for k in bad[:5]) + (
+            f" and {len(bad) - 5} more" * (len(bad) > 5)
+        )
         raise PyptoError(
-            "logit_bias keys must be token ids: ASCII decimal integers within the "
-            f"vocabulary, got {quoted(key)}",
+            f"logit_bias keys must be token ids: ASCII decimal integers within the "
+            f"vocabulary, got {shown}",
             "logit_bias",
         )
-    return int(digits)
+    return out
 
 
 TokenIds = Annotated[list[StrictInt], Field(fail_fast=True)]
@@ -701,6 +719,9 @@ class ChatCompletionRequest(_Sampling):
     echo: bool = False
     """vLLM's: the reply starts with the last message's content where that message has the
     reply's role (with continue_final_message: the whole continued message)."""
+    include_reasoning: bool = True
+    """vLLM's: with a --reasoning-parser, the reply's thinking comes as its `reasoning`
+    (false: it is left out)."""
 
     def tool_plan(self) -> ToolPlan | None:
         """What the reply may call, or None where it calls nothing (no tools, or none)."""
@@ -746,8 +767,12 @@ class ChatCompletionRequest(_Sampling):
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise PyptoError("top_logprobs needs logprobs: true", "top_logprobs")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise PyptoError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise PyptoError(
+                "top_logprobs must be >= 0, or -1 (the whole vocabulary, where the server's "
+                "max_logprobs allows it)",
+                "top_logprobs",
+            )
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, Any]]:
@@ -869,3 +894,40 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: TokenIds
+
+
+MAX_BATCH_CONVERSATIONS = 128
+"""Most conversations one /v1/chat/completions/batch request may hold."""
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's /v1/chat/completions/batch: the fields of a chat request, `messages` a list of
+    conversations, each answered as its own request with the same parameters; not streamed,
+    no tools, one choice per conversation."""
+
+    messages: Annotated[  # type: ignore[assignment]
+        list[
+            Annotated[
+                list[ChatMessage],
+                Field(min_length=1, fail_fast=True),
+                BeforeValidator(_few_chat_items),
+            ]
+        ],
+        Field(min_length=1, max_length=MAX_BATCH_CONVERSATIONS, fail_fast=True),
+    ]
+
+    def conversations(self) -> list[ChatCompletionRequest]:
+        """One chat request per conversation (the fields are checked already)."""
+        for name, given in (("stream", self.stream), ("tools", self.tools)):
+            if given:
+                raise PyptoError(f"a batch of conversations takes no {name}", name)
+        if self.n != 1 or self.use_beam_search:
+            param = "n" if self.n != 1 else "use_beam_search"
+            raise PyptoError("a batch of conversations gets one reply each", param)
+        fields = dict(self)
+        return [
+            ChatCompletionRequest.model_construct(
+                self.model_fields_set, **(fields | {"messages": conversation})
+            )
+            for conversation in self.messages
+        ]

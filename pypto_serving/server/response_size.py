@@ -36,6 +36,13 @@ _SSE_ENCODER = json.JSONEncoder()
 """json.dumps' defaults (what `sse` writes), run in pure Python."""
 
 
+def top_count(params: SamplingParams) -> int:
+    """Top logprobs a generated token comes with: logprobs, or logprob_token_ids' tokens and
+    the sampled one."""
+    named = params.logprob_token_ids
+    return len(named) + 1 if named else params.logprobs or 0
+
+
 @dataclass(frozen=True, slots=True)
 class ResponseShape:
     """What a response holds for each of its prompts, as its endpoint lays it out."""
@@ -59,13 +66,14 @@ class ResponseShape:
     def of_completion(body: CompletionRequest, params: SamplingParams) -> ResponseShape:
         """Completions' top logprobs repeat each token's own entry: one more per token."""
         echo_top = body.logprobs + 1 if body.echo and body.logprobs is not None else None
-        top = params.logprobs + 1 if params.logprobs is not None else None
+        top = top_count(params) + 1 if params.logprobs is not None else None
         return ResponseShape(body.n, params.n, top, echo_top, body.prompt_logprobs)
 
     @staticmethod
     def of_chat(body: ChatCompletionRequest, params: SamplingParams) -> ResponseShape:
         prompt_top = body.prompt_logprobs
-        return ResponseShape(body.n, params.n, params.logprobs, None, prompt_top, True)
+        top = top_count(params) if params.logprobs is not None else None
+        return ResponseShape(body.n, params.n, top, None, prompt_top, True)
 
     def entries(self, prompt_tokens: int, new_tokens: int) -> Counter[str]:
         """Logprob entries for one prompt, by the parameter that asks for them."""
