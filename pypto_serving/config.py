@@ -441,7 +441,8 @@ class EngineConfig:
     model: str = "default"
     """A Hugging Face model directory, a .gguf file, or 'default' (SmolLM2-135M-Instruct)."""
     dtype: str = "auto"
-    """auto, float32, bfloat16 or float16 (auto: bfloat16 where the hardware has it)."""
+    """auto, float32, bfloat16 or float16 (vLLM's half and float too; auto: bfloat16 where
+    the hardware has it)."""
     device: str = "auto"
     """auto (CUDA if present, else CPU), cpu, cuda, cuda:N."""
     executor: str = "paged"
@@ -625,8 +626,8 @@ class ServerConfig:
     """vLLM's flag: the format the model writes calls in (server/tools.py): hermes (calls in
     `<tool_call>` blocks: Qwen's and Hermes' format, and SmolLM2's list of calls), mistral
     (`[TOOL_CALLS]` and a list of calls) or llama3_json (Llama 3's JSON calls, `;` between
-    them). None: the format the model's chat template shows. Another of vLLM's names is
-    refused, naming these."""
+    them) or pythonic (a Python list of calls: Llama 3.2's and 4's). None: the format the
+    model's chat template shows. Another of vLLM's names is refused, naming these."""
     reasoning_parser: str | None = None
     """vLLM's flag: split a reasoning model's thinking (`<think>` ... `</think>`) out of its
     chat replies into the message's `reasoning` (server/reasoning.py): qwen3 (thinking where
@@ -739,7 +740,7 @@ RUNNERS = ("auto", "generate", "pooling")
 """vLLM's --runner values (`EngineConfig.runner`)."""
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 """vLLM's --reasoning-parser names served here (`ServerConfig.reasoning_parser`)."""
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 """vLLM's --tool-call-parser names this server reads (`ServerConfig.tool_call_parser`)."""
 
 SERVE_ENGINE_DEFAULTS: dict[str, Any] = {"max_num_batched_tokens": 1024, "background_compile": True}

@@ -13,6 +13,8 @@ import torch
 from pypto_serving.errors import PyptoError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+"""vLLM's other spellings of --dtype."""
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -198,8 +200,10 @@ def resolve_dtype(name: str, device: torch.device, native: bool = False) -> torc
     """'auto' is `auto_dtype`'s choice; else the dtype named."""
     if name == "auto":
         return auto_dtype(device, native)[0]
+    name = DTYPE_ALIASES.get(name, name)
     if name not in DTYPES:
-        raise PyptoError(f"unsupported dtype {name!r}; choose one of: auto, {', '.join(DTYPES)}")
+        names = ", ".join([*DTYPES, *DTYPE_ALIASES])
+        raise PyptoError(f"unsupported dtype {name!r}; choose one of: auto, {names}")
     return DTYPES[name]
 
 

@@ -36,8 +36,27 @@ server_log = ""
 left_out: list[str] = []
 
 
+LORA_FLAGS = {"--enable-lora": 0, "--lora-modules": 1, "--max-lora-rank": 1, "--max-cpu-loras": 1}
+"""vLLM's LoRA flags and how many values follow each: left out of our command line (LoRA is
+not served here; the tests that name an adapter are in the skip table)."""
+
+
+def without_lora(args: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(args):
+        name = args[i].partition("=")[0]
+        if name in LORA_FLAGS:
+            i += 1 + (LORA_FLAGS[name] if "=" not in args[i] else 0)
+        else:
+            out.append(args[i])
+            i += 1
+    return out
+
+
 def serve_command(model: str, vllm_args: list[str]) -> list[str]:
-    """`pypto serve` for a test that asked vLLM to serve `model` with `vllm_args`."""
+    """`pypto serve` for a test that asked vLLM to serve `model` with `vllm_args` (less its
+    LoRA flags)."""
+    vllm_args = without_lora(vllm_args)
     command = shlex.split(os.environ["PYPTO_HARNESS_SERVE"])
     ours = os.environ.get("PYPTO_HARNESS_MODEL", "")
     if ours:
@@ -75,6 +94,17 @@ def pytest_configure(config: pytest.Config) -> None:
         cls._start_server = start_pypto
     # Our server reads its model itself; vLLM's pre-download would go to the hub.
     utils.RemoteVLLMServer._pre_download_model = lambda self, model, args: None
+    # A LoRA adapter's files would come from the hub, for flags our command line leaves out.
+    from huggingface_hub import HfApi
+
+    download = HfApi.snapshot_download
+
+    def no_adapter(self: HfApi, repo_id: str, *args: Any, **kwargs: Any) -> str:
+        if "lora" in repo_id.lower():
+            return tempfile.mkdtemp(prefix="no-lora-")
+        return download(self, repo_id, *args, **kwargs)
+
+    HfApi.snapshot_download = no_adapter  # type: ignore[method-assign]
 
 
 def source_of(obj: Any) -> str:
@@ -85,13 +115,19 @@ def source_of(obj: Any) -> str:
 
 
 def starts_a_server(item: pytest.Item) -> bool:
-    """Whether the test, or a fixture it uses (directly or through others), starts vLLM's
-    server: the test is a client test."""
+    """Whether the test, or a fixture it uses (directly, through others, or by name with
+    request.getfixturevalue in a module that starts one), starts vLLM's server: the test
+    is a client test."""
     funcs = [getattr(item, "function", None)]
     info = getattr(item, "_fixtureinfo", None)
     if info is not None:
         funcs += [d.func for defs in info.name2fixturedefs.values() for d in defs]
-    return any(name in source_of(f) for f in funcs if f is not None for name in SERVER_CLASSES)
+    sources = [source_of(f) for f in funcs if f is not None]
+    if any(name in text for text in sources for name in SERVER_CLASSES):
+        return True
+    module = source_of(getattr(item, "module", None))
+    by_name = any("getfixturevalue" in text for text in sources)
+    return by_name and any(name in module for name in SERVER_CLASSES)
 
 
 def skip_table() -> dict[str, str]:

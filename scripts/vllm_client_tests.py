@@ -49,6 +49,7 @@ HUB_MARKERS = (
     "OfflineModeIsEnabled",
     "outgoing traffic has been disabled",
     "Cannot find the requested files in the disk cache",
+    "validation error for ModelConfig",  # vLLM's ModelConfig reads the named model's config
 )
 
 

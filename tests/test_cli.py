@@ -10,10 +10,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from patience import patience
 
 from pypto_serving import LLM
 from pypto_serving.cli import build_parser, main
+from pypto_serving.device import resolve_dtype
 from pypto_serving.errors import PyptoError
 from pypto_serving.vllm_flags import OUT_OF_SCOPE
 
@@ -209,7 +211,7 @@ def test_serve_rejects_bad_options_clearly(tmp_path, capsys):
         (["serve", "--max-request-bytes", "10"], "max_request_bytes must be >= 1024"),
         (["serve", "--enable-lora"], "LoRA adapters are not supported; merge the adapter"),
         (["serve", "--uvicorn-log-level", "loud"], "uvicorn_log_level must be one of critical"),
-        (["serve", "--tool-call-parser", "pythonic"], "give one of hermes, llama3_json, mistral"),
+        (["serve", "--tool-call-parser", "granite"], "give one of hermes, llama3_json, mistral"),
     ]
     bad_json = tmp_path / "bad.json"
     bad_json.write_text("{not json")
@@ -282,6 +284,8 @@ def test_vllm_spellings_of_serve_flags(monkeypatch, capsys):
     server = seen["s"]
     assert (server.api_key, server.structured_outputs_backend) == ("from-env", "xgrammar")
     assert server.root_path == "/llm"
+    assert resolve_dtype("half", torch.device("cpu")) is torch.float16  # vLLM's spellings
+    assert resolve_dtype("float", torch.device("cpu")) is torch.float32
     assert main(["serve", "--api-key", "given"]) is None  # the command line wins
     assert seen["s"].api_key == "given"
     for argv, message in [

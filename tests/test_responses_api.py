@@ -106,7 +106,7 @@ def test_text_format_json_schema_holds(live):
         ({"previous_response_id": "resp_1"}, "previous_response_id", "nothing is stored"),
         ({"max_output_tokens": 10**6}, "max_output_tokens", "context length"),
         ({"tool_choice": "required"}, "tool_choice", "requires tools"),
-        ({"reasoning": {"effort": "low"}}, "reasoning", "unsupported parameter"),
+        ({"include": ["reasoning.encrypted_content"]}, "include", "nothing is stored"),
         ({"input": [{"type": "function_call_output"}]}, "input", "a list of input items"),
     ],
 )
@@ -116,3 +116,40 @@ def test_what_cannot_be_done_is_a_400_naming_the_field(live, extra, param, said)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"].startswith(param) and said in error["message"], error
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_top_logprobs_come_with_the_text_and_raw_messages_when_asked(live, stream):
+    """top_logprobs (or include's message.output_text.logprobs): each output token's logprob
+    and its alternatives, as chat's logprobs give them, on the text deltas and the output_text
+    part; vLLM's enable_response_messages: the prompt and reply as token ids and raw text."""
+    live_, api = live
+    kw = dict(model="tiny", temperature=0, max_output_tokens=8, input=ASK, top_logprobs=3)
+    chat = api.chat.completions.create(
+        model="tiny",
+        temperature=0,
+        max_tokens=8,
+        messages=[{"role": "user", "content": ASK}],
+        logprobs=True,
+        top_logprobs=3,
+    )
+    expected = [c.model_dump() for c in chat.choices[0].logprobs.content]
+    if stream:
+        events = list(api.responses.create(**kw, stream=True))
+        deltas = [e for e in events if e.type == "response.output_text.delta"]
+        got = [lp.model_dump() for e in deltas for lp in e.logprobs]
+        done = next(e for e in events if e.type == "response.output_text.done")
+        assert [lp.model_dump() for lp in done.logprobs] == got
+    else:
+        r = api.responses.create(**kw)
+        got = [lp.model_dump() for lp in r.output[0].content[0].logprobs]
+    assert got == expected and all(len(lp["top_logprobs"]) == 3 for lp in got)
+    body = {"input": ASK, "max_output_tokens": 4, "temperature": 0}
+    body |= {"include": ["message.output_text.logprobs"], "enable_response_messages": True}
+    raw = httpx.post(live_.url + "/v1/responses", json=body, timeout=60).json()
+    assert len(raw["output"][0]["content"][0]["logprobs"]) == 4
+    tokenizer = live_.llm.tokenizer
+    (prompt,), (reply,) = raw["input_messages"], raw["output_messages"]
+    assert prompt["type"] == reply["type"] == "raw_message_tokens"
+    assert tokenizer.decode(prompt["tokens"]) == prompt["message"] and ASK in prompt["message"]
+    assert len(reply["tokens"]) == 4 and tokenizer.decode(reply["tokens"]) == reply["message"]

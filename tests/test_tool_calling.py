@@ -575,16 +575,22 @@ def test_the_default_model_calls_tools_through_the_openai_client():
 # --- tiny models with Mistral's and Llama 3's formats ------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["mistral", "llama3_json"])
+@pytest.fixture(scope="module", params=["mistral", "llama3_json", "pythonic"])
 def other_format(request, tmp_path_factory):
-    template = {"mistral": MISTRAL_TOOLS, "llama3_json": LLAMA3_TOOLS}[request.param]
+    """A tiny model whose template writes calls in this format; pythonic's is named by the
+    server's --tool-call-parser (its template is Llama 3's, which renders the tools)."""
+    template = {"mistral": MISTRAL_TOOLS}.get(request.param, LLAMA3_TOOLS)
     out = build_tools_model(tmp_path_factory.mktemp(request.param), template)
-    with tiny_llm(out, num_kv_pages=512) as llm, serving(llm, "tiny") as live:
+    parser = "pythonic" if request.param == "pythonic" else None
+    with (
+        tiny_llm(out, num_kv_pages=512) as llm,
+        serving(llm, "tiny", tool_call_parser=parser) as live,
+    ):
         api = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
         yield request.param, live, api
 
 
-def test_mistral_and_llama3_formats_call_valid_tools_streamed_or_not(other_format):
+def test_mistral_llama3_and_pythonic_formats_call_valid_tools_streamed_or_not(other_format):
     name, live, api = other_format
     # one call each: a random model would go on adding calls to a list until max_tokens
     kw = dict(model="tiny", tools=TOOLS, max_tokens=300, temperature=0, parallel_tool_calls=False)

@@ -32,11 +32,13 @@ from pypto_serving.server.tools import tool_format
 MODEL = "llama-gqa4-tied"
 TEMPLATE = (
     "{% if greeting is defined %}{{ greeting }}\n{% endif %}"
+    "{% if reasoning_effort is defined %}effort {{ reasoning_effort }}\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
     "{% if not (loop.last and continue_final_message is defined) %}<|im_end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-"""ChatML that shows a `greeting` variable where one is given (chat_template_kwargs)."""
+"""ChatML that shows a `greeting` variable where one is given (chat_template_kwargs), and a
+`reasoning_effort`."""
 CONVERSATION = [
     {"role": "user", "content": "tell me a saying"},
     {"role": "assistant", "content": "the quick brown fox"},
@@ -822,3 +824,17 @@ def test_logprob_token_ids_give_those_tokens_logprobs(live, stream):
         "logprob_token_ids",
         f"must be in [0, {vocab})",
     )
+
+
+def test_reasoning_effort_reaches_the_template_and_responses_take_vllms_extras(live):
+    """Chat's reasoning_effort (and the Responses API's reasoning.effort) is the template's
+    `reasoning_effort`, as vLLM gives it; the Responses API takes top_k."""
+    chat = {"messages": CONVERSATION[:1], "max_tokens": 2, "return_token_ids": True}
+    reply = ok(live, "/v1/chat/completions", chat | {"reasoning_effort": "low"})
+    expected = rendered(live, CONVERSATION[:1], add_generation_prompt=True, reasoning_effort="low")
+    assert reply["prompt_token_ids"] == expected
+    assert expected != rendered(live, CONVERSATION[:1], add_generation_prompt=True)
+    body = {"input": "the quick", "max_output_tokens": 6, "reasoning": {"effort": "low"}}
+    top1 = ok(live, "/v1/responses", body | {"top_k": 1, "temperature": 1.0})
+    greedy = ok(live, "/v1/responses", body | {"temperature": 0})
+    assert top1["output"][0]["content"][0]["text"] == greedy["output"][0]["content"][0]["text"]

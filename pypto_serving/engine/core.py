@@ -115,10 +115,7 @@ def check_request(
             )
     n = len(prompt_token_ids)
     if n == 0:
-        raise PyptoError(  # vLLM's words, which clients may look for
-            "the prompt is empty. Either prompt or prompt_embeds must be provided and non-empty.",
-            param="prompt",
-        )
+        raise PyptoError("the prompt is empty", param="prompt")
     if n >= max_model_len:  # before the ids are read: a prompt may be millions of them
         raise PyptoError(
             f"the prompt has {n} tokens; this model's context is "

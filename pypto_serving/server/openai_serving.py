@@ -56,6 +56,7 @@ from pypto_serving.server.protocol import (
     CompletionRequest,
     ToolPlan,
 )
+from pypto_serving.server.pythonic_calls import call_parser, pythonic_grammar
 from pypto_serving.server.reasoning import OPEN as REASONING_OPEN
 from pypto_serving.server.reasoning import ReasoningSplitter
 from pypto_serving.server.response_size import (
@@ -621,7 +622,7 @@ class OpenAIServing:
             return await unless_disconnected(raw, work)
         updates = self.start_chat(prepared, rid, body.cache_salt)
         usage = _Usage(prompt_tokens=len(prompt))
-        parsers = [ToolCallParser(fmt) if fmt is not None else None for _ in range(params.n)]
+        parsers = [call_parser(fmt) if fmt is not None else None for _ in range(params.n)]
         thinking = [self._reasoning(prompt) for _ in range(params.n)]
 
         def split(i: int, text: str, last: bool) -> tuple[dict[str, Any], str]:
@@ -858,8 +859,12 @@ class OpenAIServing:
     def tool_grammar(self, fmt: ToolFormat, plan: ToolPlan) -> StructuredOutputsParams:
         """The grammar holding the reply to calls of the allowed tools (see tools.py); a tool
         whose parameters cannot be enforced is a 400 naming tools."""
-        calls = [call_schema(t.name, t.arguments_schema(), fmt.arguments) for t in plan.allowed]
-        text = call_grammar(fmt, calls, plan.required, plan.parallel, self.tool_tags)
+        if fmt.pythonic:
+            tools = [(t.name, t.arguments_schema()) for t in plan.allowed]
+            text = pythonic_grammar(tools, plan.required, plan.parallel)
+        else:
+            calls = [call_schema(t.name, t.arguments_schema(), fmt.arguments) for t in plan.allowed]
+            text = call_grammar(fmt, calls, plan.required, plan.parallel, self.tool_tags)
         if len(text) > MAX_SPEC_CHARS:
             raise PyptoError(
                 f"the tools' parameters are too large: the grammar of their calls is {len(text)} "

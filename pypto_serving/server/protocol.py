@@ -719,6 +719,9 @@ class ChatCompletionRequest(_Sampling):
     echo: bool = False
     """vLLM's: the reply starts with the last message's content where that message has the
     reply's role (with continue_final_message: the whole continued message)."""
+    reasoning_effort: str | None = None
+    """OpenAI's: given to the chat template as `reasoning_effort` (as vLLM does), for the
+    templates that read it (gpt-oss's, some thinking models')."""
     include_reasoning: bool = True
     """vLLM's: with a --reasoning-parser, the reply's thinking comes as its `reasoning`
     (false: it is left out)."""
@@ -828,6 +831,9 @@ def template_options(
             "continue_final_message",
         )
     kwargs = dict(body.chat_template_kwargs or {})
+    effort = getattr(body, "reasoning_effort", None)
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
     taken = sorted(TEMPLATE_PARAMETERS & kwargs.keys())
     if taken:
         raise PyptoError(

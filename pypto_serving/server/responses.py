@@ -23,6 +23,7 @@ from pydantic import Field, StrictStr, ValidationError
 from pypto_serving.engine.async_llm import GenerationUpdate
 from pypto_serving.errors import PyptoError, RequestFailedError
 from pypto_serving.server.errors import UNAVAILABLE, _validation_message
+from pypto_serving.server.logprobs import TokenBytes, chat_logprobs
 from pypto_serving.server.openai_serving import (
     OpenAIServing,
     _Usage,
@@ -35,6 +36,7 @@ from pypto_serving.server.protocol import (
     _Request,
     unsupported,
 )
+from pypto_serving.server.pythonic_calls import call_parser
 from pypto_serving.server.tool_parser import CallDelta, ToolCallParser
 
 RENAMED = {
@@ -114,6 +116,14 @@ class TextFormat(_Body):
     strict: bool | None = None
 
 
+class ReasoningOptions(_Body):
+    effort: str | None = None
+    """Given to the chat template as `reasoning_effort` (as vLLM does), for the templates
+    that read it."""
+    summary: str | None = None
+    """Accepted; no summary is written here (the reasoning item holds the thinking itself)."""
+
+
 class TextOptions(_Body):
     format: TextFormat | None = None
     verbosity: str | None = None
@@ -143,14 +153,27 @@ class ResponsesRequest(_Request):
     truncation: Literal["disabled"] | None = None
     parse_special_tokens_in_content: bool = False
     """As chat's: control tokens written in the input and tools are text unless this is true."""
+    reasoning: ReasoningOptions | None = None
+    top_k: int | None = None
+    """vLLM's sampling extra, as chat's."""
+    top_logprobs: int | None = None
+    """Each output token's logprob and this many most likely alternatives, on the text's
+    deltas and its output_text part (as include's message.output_text.logprobs asks)."""
+    enable_response_messages: bool = False
+    """vLLM's: the response holds the prompt and the reply as the model saw and wrote them
+    (`input_messages`, `output_messages`: raw text and token ids)."""
+
+    def logprobs(self) -> bool:
+        return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or [])
 
     def chat(self) -> ChatCompletionRequest:
         """The same request as chat takes it; 400 naming the field for what has no such."""
+        stored = [i for i in self.include or [] if i != LOGPROBS_INCLUDE]
         for name, value in (
             ("store", self.store),
             ("previous_response_id", self.previous_response_id),
             ("background", self.background),
-            ("include", self.include),
+            ("include", stored),
         ):
             if value:
                 raise unsupported(name, f"{name} is not supported: nothing is stored here")
@@ -165,7 +188,12 @@ class ResponsesRequest(_Request):
             "parallel_tool_calls": self.parallel_tool_calls,
             "stream": self.stream,
             "parse_special_tokens_in_content": self.parse_special_tokens_in_content,
+            "top_k": self.top_k,
+            "logprobs": self.logprobs(),
+            "top_logprobs": self.top_logprobs,
         }
+        if self.reasoning is not None:
+            body["reasoning_effort"] = self.reasoning.effort
         if self.tools:
             body["tools"] = [
                 {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
@@ -216,6 +244,10 @@ class ResponsesRequest(_Request):
         return out
 
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+"""The one `include` value served: output text with its tokens' logprobs."""
+
+
 class _Run:
     """One response as it is produced: its output items, grown from the reply's text (split
     into text and calls by the tool parser) and turned into the API's stream events. A
@@ -225,12 +257,17 @@ class _Run:
         self,
         serving: OpenAIServing,
         body: ResponsesRequest,
-        prompt_tokens: int,
+        prompt: list[int],
         parser: ToolCallParser | None,
+        names: TokenBytes,
     ) -> None:
-        self.serving, self.body, self.parser = serving, body, parser
+        self.serving, self.body, self.parser, self.names = serving, body, parser, names
+        self.prompt = prompt
+        self.output: list[int] = []
+        self.pending: list[dict[str, Any]] = []
+        """Logprobs of tokens whose text the parser holds back (they go with the next text)."""
         self.id, self.created = f"resp_{uuid.uuid4().hex}", time.time()
-        self.usage = _Usage(prompt_tokens=prompt_tokens)
+        self.usage = _Usage(prompt_tokens=len(prompt))
         self.items: list[dict[str, Any]] = []
         self.message: dict[str, Any] | None = None
         """The message item text is going into (None: none open)."""
@@ -258,6 +295,9 @@ class _Run:
         events: list[str] = []
         for d in update.deltas:
             self.usage.completion_tokens += len(d.token_ids)
+            self.output += d.token_ids
+            if self.body.logprobs():
+                self.pending += (chat_logprobs(self.names, d.logprobs or []) or {})["content"]
             last = d.finish_reason is not None
             if self.parser is None:
                 text, calls = d.text, list[CallDelta]()
@@ -293,18 +333,20 @@ class _Run:
                     item=self.message,
                 )
             )
-            self.message["content"].append({"type": "output_text", "text": "", "annotations": []})
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            self.message["content"].append(part)
             events.append(
-                self.event(
-                    "response.content_part.added",
-                    **self.where(self.message),
-                    part={"type": "output_text", "text": "", "annotations": []},
-                )
+                self.event("response.content_part.added", **self.where(self.message), part=part)
             )
+        logprobs, self.pending = self.pending, []
         self.message["content"][0]["text"] += piece
+        self.message["content"][0]["logprobs"] += logprobs
         events.append(
             self.event(
-                "response.output_text.delta", **self.where(self.message), delta=piece, logprobs=[]
+                "response.output_text.delta",
+                **self.where(self.message),
+                delta=piece,
+                logprobs=logprobs,
             )
         )
         return events
@@ -351,7 +393,10 @@ class _Run:
         part = message["content"][0]
         return [
             self.event(
-                "response.output_text.done", **self.where(message), text=part["text"], logprobs=[]
+                "response.output_text.done",
+                **self.where(message),
+                text=part["text"],
+                logprobs=part["logprobs"],
             ),
             self.event("response.content_part.done", **self.where(message), part=part),
             self.event(
@@ -425,7 +470,17 @@ class _Run:
             }
             if done
             else None,
+            **(self.raw_messages() if done and body.enable_response_messages else {}),
         }
+
+    def raw_messages(self) -> dict[str, Any]:
+        """vLLM's enable_response_messages: the prompt and the reply, text and token ids."""
+        decode = self.serving.tokenizer.decode
+
+        def raw(ids: list[int]) -> list[dict[str, Any]]:
+            return [{"type": "raw_message_tokens", "message": decode(ids), "tokens": ids}]
+
+        return {"input_messages": raw(self.prompt), "output_messages": raw(self.output)}
 
 
 class ResponsesServing:
@@ -438,8 +493,9 @@ class ResponsesServing:
             prepared = await self.serving.prepare_chat(chat)
         except PyptoError as e:
             raise PyptoError(str(e), RENAMED.get(e.param or "", e.param)) from None
-        parser = ToolCallParser(prepared.fmt) if prepared.fmt is not None else None
-        run = _Run(self.serving, body, len(prepared.prompt), parser)
+        parser = call_parser(prepared.fmt) if prepared.fmt is not None else None
+        names = self.serving.names(chat)
+        run = _Run(self.serving, body, prepared.prompt, parser, names)
         updates = self.serving.start_chat(prepared, run.id, None)
         if body.stream:
             return StreamingResponse(self.events(run, updates), media_type="text/event-stream")

@@ -54,6 +54,8 @@ class ToolFormat:
     """The call's key for its arguments (llama3_json: parameters)."""
     separator: str = ""
     """Between two calls that have no tags around them (llama3_json: ;)."""
+    pythonic: bool = False
+    """Calls are a Python list of calls (server/pythonic_calls.py), not JSON."""
 
     def template(self) -> str | None:
         """The chat template to render a conversation with tools in, None for the model's."""
@@ -72,7 +74,10 @@ LLAMA3_JSON = ToolFormat(
     arguments="parameters",
     separator=";",
 )
-PARSERS = {"hermes": HERMES, "mistral": MISTRAL, "llama3_json": LLAMA3_JSON}
+PYTHONIC = ToolFormat(
+    "pythonic", list_body=True, own_template=False, open="", close="", pythonic=True
+)
+PARSERS = {"hermes": HERMES, "mistral": MISTRAL, "llama3_json": LLAMA3_JSON, "pythonic": PYTHONIC}
 """vLLM's --tool-call-parser names -> formats (hermes: SmolLM2's where the template renders
 no tools, its calls being in the same tags)."""
 
