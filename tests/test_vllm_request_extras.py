@@ -24,9 +24,9 @@ import pytest
 from live_server import Live, serving, tiny_llm
 from patience import patience
 
+from pypto_serving.chat_prompt import special_tokens_around
 from pypto_serving.errors import PyptoError
 from pypto_serving.sampling import SamplingParams
-from pypto_serving.server.chat_prompt import special_tokens_around
 from pypto_serving.server.tools import tool_format
 
 MODEL = "llama-gqa4-tied"

@@ -13,6 +13,7 @@ from typing import Any, Self, cast
 from tqdm import tqdm
 
 from pypto_serving.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from pypto_serving.chat_prompt import ChatTemplateOptions, chat_token_ids
 from pypto_serving.config import engine_config
 from pypto_serving.engine.core import EngineCore
 from pypto_serving.engine.dp import DPEngine
@@ -231,23 +232,14 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a conversation rendered with the tokenizer's own chat template (or
-        `chat_template`), vLLM's options as transformers takes them."""
-        if add_generation_prompt and continue_final_message:
-            raise PyptoError(
-                "give add_generation_prompt or continue_final_message, not both",
-                "continue_final_message",
-            )
-        out = self.tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tokenize=True,
-            return_dict=False,
-            **(chat_template_kwargs or {}),
+        `chat_template`), vLLM's options as transformers takes them; control tokens written in
+        the messages are control tokens (the caller is trusted, as vLLM's LLM.chat takes it)."""
+        options = ChatTemplateOptions(
+            add_generation_prompt, continue_final_message, dict(chat_template_kwargs or {})
         )
-        return list(out["input_ids"] if isinstance(out, dict) else out)
+        return chat_token_ids(
+            self.tokenizer, messages, options, tools, chat_template, parse_special=True
+        )
 
     def chat(
         self,

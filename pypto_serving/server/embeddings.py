@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
+import torch
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BeforeValidator, Field, StrictStr
@@ -149,9 +150,11 @@ class EmbeddingsServing:
         params = self._params(PoolingParams(normalize=True))
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
         ids = await self._token_ids(list(texts), True, truncate, param)
-        vectors = dict(zip(texts, await self._vectors(ids, params), strict=True))
-        scores = [sum(x * y for x, y in zip(vectors[a], vectors[b], strict=True)) for a, b in pairs]
-        return scores, sum(map(len, ids))
+        row = {text: i for i, text in enumerate(texts)}
+        matrix = torch.tensor(await self._vectors(ids, params), dtype=torch.float64)
+        left = matrix[[row[a] for a, _ in pairs]]
+        right = matrix[[row[b] for _, b in pairs]]
+        return (left * right).sum(dim=-1).tolist(), sum(map(len, ids))
 
     async def score(self, body: ScoreRequest, raw: Request) -> Response:
         name = self.serving.check_model(body.model)

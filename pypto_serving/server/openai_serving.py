@@ -22,6 +22,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pypto_serving import grammar
 from pypto_serving.beam_search import BeamSearch, BeamSearchParams, BeamSearchSequence
+from pypto_serving.chat_prompt import (
+    ChatTemplateOptions,
+    chat_token_ids,
+    conversation_chars,
+)
 from pypto_serving.engine.async_llm import (
     AsyncLLM,
     DrainingError,
@@ -35,11 +40,6 @@ from pypto_serving.grammar import Grammars
 from pypto_serving.kv.tier import TIER_NAMES
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.sampling import MAX_SPEC_CHARS, SamplingParams, StructuredOutputsParams
-from pypto_serving.server.chat_prompt import (
-    ChatTemplateOptions,
-    chat_token_ids,
-    conversation_chars,
-)
 from pypto_serving.server.errors import UNAVAILABLE, APIError, error_body, quoted
 from pypto_serving.server.logprobs import (
     TextOffsets,

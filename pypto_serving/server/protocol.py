@@ -28,10 +28,10 @@ from pydantic import (
 )
 
 from pypto_serving.beam_search import BeamSearchParams
+from pypto_serving.chat_prompt import ChatTemplateOptions
 from pypto_serving.config import GRAMMAR_BACKENDS
 from pypto_serving.errors import PyptoError
 from pypto_serving.sampling import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
-from pypto_serving.server.chat_prompt import ChatTemplateOptions
 from pypto_serving.server.errors import APIError, quoted
 
 NONE: Mapping[str, Any] = MappingProxyType({})
@@ -706,7 +706,7 @@ class ChatCompletionRequest(_Sampling):
     """False: one call at most. Default true."""
     parse_special_tokens_in_content: bool = False
     """True (a trusted client's choice): control tokens written in the messages and tools
-    (`<|im_end|>`) are control tokens; by default they are text (server/chat_prompt.py)."""
+    (`<|im_end|>`) are control tokens; by default they are text (chat_prompt.py)."""
     add_generation_prompt: bool = True
     """vLLM's: end the prompt with the template's opening of an assistant reply."""
     continue_final_message: bool = False
@@ -824,12 +824,6 @@ def template_options(
     body: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool
 ) -> ChatTemplateOptions:
     """A request's chat-template options, checked (vLLM's rules)."""
-    if body.add_generation_prompt and body.continue_final_message:
-        raise PyptoError(
-            "give add_generation_prompt or continue_final_message, not both: a prompt either "
-            "opens a new reply or continues its last message",
-            "continue_final_message",
-        )
     kwargs = dict(body.chat_template_kwargs or {})
     effort = getattr(body, "reasoning_effort", None)
     if effort is not None:

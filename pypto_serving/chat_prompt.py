@@ -12,6 +12,7 @@ rendered text as usual: a conversation holding no such string gets exactly the i
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,14 @@ class ChatTemplateOptions:
     """More variables for the template (chat_template_kwargs)."""
     add_special_tokens: bool = False
     """The tokenizer's special tokens (a BOS) added around what the template wrote."""
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise PyptoError(
+                "give add_generation_prompt or continue_final_message, not both: a prompt "
+                "either opens a new reply or continues its last message",
+                "continue_final_message",
+            )
 
 
 def conversation_chars(messages: list[dict[str, Any]]) -> int:
@@ -76,6 +85,7 @@ def chat_token_ids(
     return ids
 
 
+@functools.lru_cache(maxsize=8)  # a tokenizer is hashed by identity: one per model
 def special_tokens_around(tokenizer: Any) -> tuple[list[int], list[int]]:
     """The special tokens the tokenizer adds before and after a text (a BOS, an EOS): read
     from how it encodes one letter with and without them."""
