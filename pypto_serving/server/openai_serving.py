@@ -54,6 +54,7 @@ from pypto_serving.server.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
     ChatCompletionRequest,
     CompletionRequest,
+    NamedToolChoice,
     ToolPlan,
 )
 from pypto_serving.server.pythonic_calls import call_parser, pythonic_grammar
@@ -635,10 +636,13 @@ class OpenAIServing:
                 return {}, content
             return ({"reasoning": reasoning} if reasoning else {}), content
 
+        named = isinstance(body.tool_choice, NamedToolChoice)
+
         def reason(i: int, finish_reason: str | None) -> str | None:
-            """A reply that called tools and stopped by itself finished by tool_calls."""
+            """A reply that called tools and stopped by itself finished by tool_calls; one
+            made to call a named tool, by stop (OpenAI's rule, as vLLM keeps it)."""
             parser = parsers[i]
-            called = parser is not None and parser.calls
+            called = parser is not None and parser.calls and not named
             return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
         def chunk(choices: list[dict[str, Any]], obj: str, **extra: Any) -> dict[str, Any]:
@@ -711,7 +715,10 @@ class OpenAIServing:
             reasoning, content = split(i, text, True)
             if self.reasoning_parser is not None:
                 reasoning = {"reasoning": None} | reasoning
-            return self._message(parsers[i], echoed + content, role) | reasoning
+            out = self._message(parsers[i], echoed + content, role) | reasoning
+            if named and out["content"] is None:  # vLLM's: a named call's content is ""
+                out["content"] = ""
+            return out
 
         def response(choices: list[_Choice]) -> Response:
             """The whole response, built and encoded on a worker thread: it may be large."""

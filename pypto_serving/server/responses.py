@@ -155,7 +155,11 @@ class ResponsesRequest(_Request):
     """As chat's: control tokens written in the input and tools are text unless this is true."""
     reasoning: ReasoningOptions | None = None
     top_k: int | None = None
-    """vLLM's sampling extra, as chat's."""
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    """vLLM's sampling extras, as chat's."""
     top_logprobs: int | None = None
     """Each output token's logprob and this many most likely alternatives, on the text's
     deltas and its output_text part (as include's message.output_text.logprobs asks)."""
@@ -189,6 +193,10 @@ class ResponsesRequest(_Request):
             "stream": self.stream,
             "parse_special_tokens_in_content": self.parse_special_tokens_in_content,
             "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
             "logprobs": self.logprobs(),
             "top_logprobs": self.top_logprobs,
         }
