@@ -31,6 +31,9 @@ class ChatTemplateOptions:
     """More variables for the template (chat_template_kwargs)."""
     add_special_tokens: bool = False
     """The tokenizer's special tokens (a BOS) added around what the template wrote."""
+    template: str | None = None
+    """The request's own Jinja chat template (vLLM's `chat_template` field), in place of the
+    model's; None: the model's."""
 
     def __post_init__(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:

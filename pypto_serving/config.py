@@ -628,6 +628,10 @@ class ServerConfig:
     (`[TOOL_CALLS]` and a list of calls) or llama3_json (Llama 3's JSON calls, `;` between
     them) or pythonic (a Python list of calls: Llama 3.2's and 4's). None: the format the
     model's chat template shows. Another of vLLM's names is refused, naming these."""
+    trust_request_chat_template: bool = False
+    """vLLM's flag: a request may bring its own chat template (`chat_template`), rendered in
+    transformers' sandboxed Jinja; off, such a request is a 400 (a template is code the
+    server runs)."""
     reasoning_parser: str | None = None
     """vLLM's flag: split a reasoning model's thinking (`<think>` ... `</think>`) out of its
     chat replies into the message's `reasoning` (server/reasoning.py): qwen3 (thinking where

@@ -83,8 +83,8 @@ def live(model_dir):
 def flagged(model_dir):
     """A server started with vLLM's --return-tokens-as-token-ids,
     --enable-tokenizer-info-endpoint, --enable-server-load-tracking,
-    --enable-force-include-usage, --root-path /llm, --reasoning-parser qwen3 and
-    --max-logprobs -1."""
+    --enable-force-include-usage, --root-path /llm, --reasoning-parser qwen3,
+    --trust-request-chat-template and --max-logprobs -1."""
     with serving(
         tiny_llm(model_dir, max_logprobs=-1),
         return_tokens_as_token_ids=True,
@@ -93,6 +93,7 @@ def flagged(model_dir):
         enable_force_include_usage=True,
         root_path="/llm",
         reasoning_parser="qwen3",
+        trust_request_chat_template=True,
     ) as server:
         yield server
 
@@ -843,3 +844,25 @@ def test_reasoning_effort_reaches_the_template_and_responses_take_vllms_extras(l
     top1 = ok(live, "/v1/responses", body | {"top_k": 1, "temperature": 1.0})
     greedy = ok(live, "/v1/responses", body | {"temperature": 0})
     assert top1["output"][0]["content"][0]["text"] == greedy["output"][0]["content"][0]["text"]
+
+
+def test_a_requests_own_chat_template_only_where_the_server_trusts_it(live, flagged):
+    """vLLM's chat_template field: the conversation rendered in the request's template (chat
+    and /tokenize), where the server was started with --trust-request-chat-template; else a
+    400 naming the flag."""
+    template = "{% for m in messages %}[{{ m['role'] }}: {{ m['content'] }}]{% endfor %}"
+    body = {"messages": CONVERSATION[:1], "max_tokens": 2, "return_token_ids": True}
+    expected = live.llm.tokenizer.encode("[user: tell me a saying]", add_special_tokens=False)
+    reply = ok(flagged, "/v1/chat/completions", body | {"chat_template": template})
+    assert reply["prompt_token_ids"] == expected
+    tokens = ok(flagged, "/tokenize", {"messages": CONVERSATION[:1], "chat_template": template})
+    assert tokens["tokens"] == expected
+    asked = {"messages": CONVERSATION[:1]}
+    for path, request in (("/v1/chat/completions", body), ("/tokenize", asked)):
+        refused(
+            live,
+            path,
+            request | {"chat_template": template},
+            "chat_template",
+            "--trust-request-chat-template",
+        )

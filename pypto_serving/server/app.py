@@ -352,6 +352,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, model_names: list[str]) ->
         config.tool_call_parser,
         config.enable_force_include_usage,
         config.reasoning_parser,
+        config.trust_request_chat_template,
     )
     model_name = model_names[0]
     responses = ResponsesServing(serving)

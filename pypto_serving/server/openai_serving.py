@@ -272,11 +272,13 @@ class OpenAIServing:
         tool_call_parser: str | None = None,
         force_usage: bool = False,
         reasoning_parser: str | None = None,
+        trust_request_templates: bool = False,
     ) -> None:
         self.engine, self.model_names, self.model_name = engine, model_names, model_names[0]
         self.max_response_logprobs = max_response_logprobs
         self.force_usage = force_usage
         self.reasoning_parser = reasoning_parser
+        self.trust_request_templates = trust_request_templates
         self.tokens_as_ids = tokens_as_ids
         """--return-tokens-as-token-ids: the default of requests that do not say."""
         self.tokenizer = engine.llm.tokenizer
@@ -946,13 +948,21 @@ class OpenAIServing:
         with calls and their results in it, in the template of the model's tool format.
         Refused first when its text is longer than `max_prompt_chars`; control tokens written
         in its strings are text unless `parse_special` (chat_prompt.py)."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        own = getattr(self.tokenizer, "chat_template", None)
+        if not own and options.template is None:
             raise PyptoError("this model has no chat template; use /v1/completions", "messages")
         self._check_chars(conversation_chars(messages), "the conversation", "messages")
-        template = None
+        if options.template is not None and not self.trust_request_templates:
+            raise PyptoError(
+                "a request's own chat_template is refused: the server must be started with "
+                "--trust-request-chat-template (vLLM's flag) to render clients' templates",
+                "chat_template",
+            )
+        template = options.template
         if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
             messages = [template_message(m) for m in messages]
-            template = self.tool_format.template() if self.tool_format is not None else None
+            if template is None and self.tool_format is not None:
+                template = self.tool_format.template()
         return chat_token_ids(self.tokenizer, messages, options, tools, template, parse_special)
 
     def _check_chars(self, chars: int, what: str, param: str) -> None:

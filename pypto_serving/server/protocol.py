@@ -40,6 +40,8 @@ GUIDED = ("json", "regex", "choice", "grammar")
 """vLLM's older guided_* fields, in StructuredOutputsParams' order."""
 MAX_SEQUENCES_PER_REQUEST = 128
 """Prompts x n of one request: more is refused (one request must not flood the queue)."""
+MAX_TEMPLATE_CHARS = 64 << 10
+"""Longest chat template a request may bring."""
 MAX_TOOLS = 128
 """Most tools one request may offer (OpenAI's limit)."""
 MAX_CHAT_ITEMS = 10_000
@@ -714,6 +716,9 @@ class ChatCompletionRequest(_Sampling):
     reply); not with add_generation_prompt."""
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM's: more variables for the chat template (`{"enable_thinking": false}`)."""
+    chat_template: Annotated[str, Field(min_length=1, max_length=MAX_TEMPLATE_CHARS)] | None = None
+    """vLLM's: a Jinja chat template for this request, in place of the model's; only where
+    the server trusts its clients' templates (--trust-request-chat-template)."""
     add_special_tokens: bool = False
     """vLLM's: the tokenizer's special tokens (a BOS) added around what the template wrote."""
     echo: bool = False
@@ -836,7 +841,11 @@ def template_options(
             "chat_template_kwargs",
         )
     return ChatTemplateOptions(
-        body.add_generation_prompt, body.continue_final_message, kwargs, add_special_tokens
+        body.add_generation_prompt,
+        body.continue_final_message,
+        kwargs,
+        add_special_tokens,
+        body.chat_template,
     )
 
 
@@ -882,6 +891,8 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Annotated[str, Field(min_length=1, max_length=MAX_TEMPLATE_CHARS)] | None = None
+    """As chat's."""
     parse_special_tokens_in_content: bool = False
     """As chat's: control tokens written in the messages are text unless this is true."""
     return_token_strs: bool = False
