@@ -645,6 +645,13 @@ def test_return_token_ids_give_the_prompt_and_each_choices_tokens(live, stream):
             assert tokenizer.decode(mine["ids"], skip_special_tokens=True).startswith(mine["text"])
         plain = sse_chunks(live, "/v1/completions", body)
         assert all("token_ids" not in c["choices"][0] for c in plain)
+        scored = body | {"return_token_ids": True, "prompt_logprobs": 1}  # scored first
+        firsts: dict[int, list[Any]] = {}
+        for c in sse_chunks(live, "/v1/completions", scored):
+            (one,) = c["choices"]
+            firsts.setdefault(one["index"], []).append(one["prompt_token_ids"])
+        for ids in firsts.values():  # once a choice, in its first chunk
+            assert ids[0] == prompt_ids and not any(ids[1:])
     else:
         choices = ok(live, "/v1/completions", body | {"return_token_ids": True})["choices"]
         for c in choices:

@@ -533,6 +533,7 @@ class OpenAIServing:
                     if update.prompt_logprobs is not None:  # the echo, once the prompt is scored
                         scored = update.prompt_logprobs
                         yield await asyncio.to_thread(echo_events, p, scored, offsets)
+                        unseen.difference_update(range(p * n, (p + 1) * n))  # their first
                     for d in update.deltas:
                         i = p * n + d.index
                         usage.completion_tokens += len(d.token_ids)
