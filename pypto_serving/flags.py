@@ -87,14 +87,18 @@ def add_config_flags(
 ) -> None:
     """One flag per field of the config dataclasses (default None: 'not given'); `defaults`
     names the fields whose default differs for this command. A command's own flag of the
-    same name stays (`pypto generate --seed` seeds its requests, and so the engine too)."""
+    same name stays its own, and that field is not set by it (`pypto generate --seed` seeds
+    its requests, `pypto bench --seed` its random prompts; the engine's seed is serve's)."""
     group = parser.add_argument_group(title)
+    own = set(parser.get_default("own_flags") or ())
     for section in sections:
         docs = field_docs(section)
         hints = typing.get_type_hints(section)
         for f in fields(section):
-            taken = "--" + f.name.replace("_", "-") in parser._option_string_actions
-            if f.name in SECTION_NAMES or taken:
+            if "--" + f.name.replace("_", "-") in parser._option_string_actions:
+                own.add(f.name)
+                continue
+            if f.name in SECTION_NAMES:
                 continue
             flags = [
                 "--" + f.name.replace("_", "-"),
@@ -113,11 +117,13 @@ def add_config_flags(
                 group.add_argument(*flags, type=item, nargs="+", default=None, help=help_text)
             else:
                 group.add_argument(*flags, type=kind, default=None, help=help_text)
+    parser.set_defaults(own_flags=frozenset(own))
 
 
 def engine_knobs(args: argparse.Namespace, sections: tuple[type, ...] = SECTIONS) -> dict[str, Any]:
     """The config fields given on the command line (flags left out are not in the dict)."""
     names = {f.name for s in sections for f in fields(s)} - set(SECTION_NAMES)
+    names -= getattr(args, "own_flags", frozenset())  # the command's own, not a config field
     return {n: v for n, v in vars(args).items() if n in names and v is not None}
 
 

@@ -32,6 +32,7 @@ API_KEY = "fuzz-key"
 OPERATIONS = {
     "POST /v1/completions",
     "POST /v1/chat/completions",
+    "POST /v1/chat/completions/batch",
     "POST /v1/responses",
     "POST /v1/embeddings",
     "POST /score",
