@@ -721,7 +721,7 @@ def test_reasoning_parser_splits_the_thinking_from_the_reply(live, flagged, stre
     """--reasoning-parser qwen3: the thinking is the message's `reasoning`, the rest its
     content; the same split streamed or whole; include_reasoning false drops it; a server
     without the parser leaves the reply as written."""
-    body = {"messages": CONVERSATION[:1], "max_tokens": 60, "temperature": 1, "seed": 4}
+    body = {"messages": CONVERSATION[:1], "max_tokens": 120, "temperature": 1, "seed": 4}
     body |= {"structured_outputs": THINKING, "stream": stream}
 
     def reply(server: Live, extra: dict[str, Any]) -> dict[str, Any]:
