@@ -87,6 +87,11 @@ class StructuredOutputsParams:
             raise PyptoError(f"invalid {kind}: {e}", "structured_outputs") from e
 
 
+MIN_REPETITION_PENALTY = 0.01
+"""The smallest repetition_penalty: seen tokens' positive logits are divided by it, and a
+tinier one (the fuzzer sent 5e-245) makes them infinite, which nothing can be sampled from."""
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling and stopping controls; `validate()` runs on construction."""
@@ -205,8 +210,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise bad(name, "must be in [-2, 2]")
-        if not 0 < self.repetition_penalty <= 2:
-            raise bad("repetition_penalty", "must be in (0, 2]")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2:
+            raise bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY}, 2]")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -358,6 +358,11 @@ CASES = [
         "frequency_penalty",
     ),
     Bad("repetition_penalty_zero", patch({"repetition_penalty": 0}), "repetition_penalty"),
+    Bad(  # the fuzzer's: seen tokens' logits divided by it were infinite (a 503)
+        "repetition_penalty_tiny",
+        patch({"repetition_penalty": 5.2757274371191525e-245}),
+        "repetition_penalty",
+    ),
     Bad("seed_over_int64", patch({"seed": 2**64}), "seed"),
     Bad("seed_wrong_type", patch({"seed": "abc"}), "seed"),
     Bad("n_zero", patch({"n": 0}), "n"),
