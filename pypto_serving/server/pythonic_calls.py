@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from pypto_serving.server.tool_parser import CallDelta, ToolCall, ToolCallParser
@@ -51,26 +52,39 @@ def _calls(text: str) -> list[tuple[str, dict[str, Any]]] | None:
     return out
 
 
-def _list_end(text: str) -> int | None:
-    """Where the list that `text` opens with `[` closes (the index after it), or None."""
-    depth, quote, escaped = 0, "", False
-    for i, ch in enumerate(text):
-        if quote:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == quote:
-                quote = ""
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+@dataclass(slots=True)
+class _ListScan:
+    """Where the list a reply opens with `[` closes, found piece by piece: the scan keeps its
+    place, depth and string state, so each character is read once however the reply streams."""
+
+    at: int = 0
+    depth: int = 0
+    quote: str = ""
+    escaped: bool = False
+
+    def end(self, text: str) -> int | None:
+        """The index after the list's closing bracket in `text` (the held list so far, which
+        only grows), or None: not closed yet."""
+        for i in range(self.at, len(text)):
+            ch = text[i]
+            if self.quote:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == self.quote:
+                    self.quote = ""
+            elif ch in "'\"":
+                self.quote = ch
+            elif ch in "([{":
+                self.depth += 1
+            elif ch in ")]}":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.at = i + 1
+                    return i + 1
+        self.at = len(text)
+        return None
 
 
 def call_parser(fmt: ToolFormat) -> ToolCallParser:
@@ -84,6 +98,7 @@ class PythonicCallParser(ToolCallParser):
     def __init__(self, fmt: ToolFormat) -> None:
         super().__init__(fmt)
         self.state = "start"  # start | list (held until it closes) | after | text
+        self.scan = _ListScan()
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self.held += text
@@ -111,7 +126,7 @@ class PythonicCallParser(ToolCallParser):
             else:
                 self.state = "text"
         if self.state == "list":
-            end = _list_end(self.held)
+            end = self.scan.end(self.held)
             if end is None:
                 return "", []
             found = _calls(self.held[:end])
