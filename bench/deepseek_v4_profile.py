@@ -90,7 +90,7 @@ def profile(
 ) -> None:
     """Time each step of `requests` requests (each a prefill of `prompt_len` in chunks of
     `chunk`, then `decode` decodes, the decodes of all in one step), and within it each
-    layer's attention by its kind; `native`: the decodes attend on the kind's native kernel
+    layer's attention by its kind; `native`: every query attends on the kind's native kernel
     (the default), else on PyTorch's path."""
     kinds: dict[str, float] = defaultdict(float)
     attend = compressed.CompressedStep.attend_layer
@@ -202,7 +202,7 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default="eager,compiled",
-        help="eager, compiled, compiled-pytorch (compiled, the decodes' attention on PyTorch's "
+        help="eager, compiled, compiled-pytorch (compiled, every query's attention on PyTorch's "
         "path instead of the native kernel: --no-native-attention), in the order given",
     )
     args = parser.parse_args()

@@ -1,10 +1,11 @@
-"""DeepSeek-V4's native attention for decodes (native/compressed.cpp): every decode's output
-(several a step, beside prefill chunks) equals the kind's PyTorch path on the same pages
-(the window's raw rows, the entries, the indexer's top k, the sinks), in float32 and
-bfloat16, on every tiny V4 (window-only, CSA and HCA layers, top k below and above the
-entries there are), for the native build and the AVX2 build; and the greedy tokens of
-engines with and without it are the same (tests/test_deepseek_v4.py compares every path
-with HF's with it on, the run plan's default)."""
+"""DeepSeek-V4's native attention (native/compressed.cpp): every query's output (decodes,
+several a step, and prefill chunks beside them, each chunk's queries a block at a time)
+equals the kind's PyTorch path on the same pages (the window's raw rows, the entries, the
+indexer's top k, the sinks), in float32 and bfloat16, on every tiny V4 (window-only, CSA
+and HCA layers, top k below and above the entries there are), for the native build and the
+AVX2 build; and the greedy tokens of engines with and without it are the same
+(tests/test_deepseek_v4.py compares every path with HF's with it on, the run plan's
+default)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ def checked_native(monkeypatch: pytest.MonkeyPatch, library: Any, seen: dict[str
 
     def both(
         self: CompressedStep,
-        nd: int,
         layer: int,
         q: torch.Tensor,
         sinks: torch.Tensor,
@@ -44,17 +44,19 @@ def checked_native(monkeypatch: pytest.MonkeyPatch, library: Any, seen: dict[str
     ) -> torch.Tensor:
         if library is not None:
             self.library = library
-        out = native(self, nd, layer, q, sinks, window, compression, inputs)
+        out = native(self, layer, q, sinks, window, compression, inputs)
         offset = self.layout.rows[layer]
         raw_rows = self.rows[:, offset : offset + q.shape[-1]]
-        for b, (first, count, ctx) in enumerate(self.spans[:nd]):
+        nd = self.num_decodes
+        for b, (first, count, ctx) in enumerate(self.spans):
             want = torch.cat(
                 self._attend_sequence(b, layer, q, raw_rows, sinks, window, compression, inputs)
             )
             got = out[first : first + count].float()
             seen["diff"] = max(seen["diff"], (got - want.float()).abs().max().item())
-            seen["decodes"] += 1
-            seen["mixed"] += nd < len(self.spans)  # prefill chunks in the step too
+            seen["decodes" if b < nd else "chunks"] += 1
+            seen["longest"] = max(seen["longest"], count)
+            seen["mixed"] += 0 < nd < len(self.spans)  # decodes and prefill chunks together
             if compression is not None and compression.indexer is not None:  # more to choose
                 seen["chosen"] += ctx // compression.ratio > compression.indexer.topk
         return out
@@ -85,24 +87,38 @@ def avx2_library(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_the_native_kernel_equals_the_pytorch_path(
     tiny_model, monkeypatch, avx2_library, name: str, dtype: str, build: str
 ) -> None:
-    seen = {"diff": 0.0, "decodes": 0, "mixed": 0, "chosen": 0}
+    seen = {"diff": 0.0, "decodes": 0, "chunks": 0, "mixed": 0, "chosen": 0, "longest": 0}
     checked_native(monkeypatch, avx2_library if build == "avx2" else None, seen)
     knobs = {"page_size": 6, "max_num_seqs": 3, "max_num_batched_tokens": 12}
     knobs |= {"long_prefill_token_threshold": 12}  # chunks beside decodes in a step
     with tiny_llm(tiny_model(name), dtype=dtype, **knobs) as llm:
         assert llm.engine.attention.own_kernels
         llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    assert seen["decodes"] and seen["mixed"] and seen["chosen"]  # the indexer chose too
+    assert seen["decodes"] and seen["chunks"] and seen["mixed"]
+    assert seen["chosen"]  # the indexer chose too
     assert seen["diff"] < (1e-5 if dtype == "float32" else 1e-2), seen
 
 
-def test_without_native_attention_every_decode_stays_on_pytorch(tiny_model, monkeypatch):
+def test_a_long_chunk_attends_in_several_blocks(tiny_model, monkeypatch) -> None:
+    """A prompt of 150 tokens in one step: the kernel's blocks of 64 queries (64, 64, 22),
+    each over its own band of rows and the entries so far."""
+    seen = {"diff": 0.0, "decodes": 0, "chunks": 0, "mixed": 0, "chosen": 0, "longest": 0}
+    checked_native(monkeypatch, None, seen)
+    prompts = [[(11 * j) % 300 + 3 for j in range(150)], PROMPTS[1]]
+    knobs = {"page_size": 6, "max_num_batched_tokens": 256, "dtype": "float32"}
+    with tiny_llm(tiny_model("deepseekv4-swa-csa-hca-hash"), **knobs) as llm:
+        llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert seen["longest"] >= 150 and seen["chosen"] and seen["decodes"], seen
+    assert seen["diff"] < 1e-5, seen
+
+
+def test_without_native_attention_every_query_stays_on_pytorch(tiny_model, monkeypatch):
     calls: list[int] = []
     native = CompressedStep._attend_native
     monkeypatch.setattr(
         CompressedStep,
         "_attend_native",
-        lambda self, nd, *a: calls.append(nd) or native(self, nd, *a),
+        lambda self, layer, q, *a: calls.append(len(q)) or native(self, layer, q, *a),
     )
     path: Path = tiny_model("deepseekv4-swa-csa-hca-hash")
     with tiny_llm(path, native_attention=False) as off:

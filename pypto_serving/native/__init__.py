@@ -12,7 +12,8 @@
   elsewhere; bf16 weights: AVX512-BF16 dot products, or widened to float32 and FMAs on AVX2);
   called by `executor/native_decode.py`.
 - `compressed.cpp`: DeepSeek-V4's compressed attention (the window's rows, the entries, the
-  indexer's top k, the sinks), query by query over the kind's pages in place; its own library
+  indexer's top k, the sinks) of decodes and prefill chunks, in blocks of a sequence's
+  consecutive queries over the kind's pages in place; its own library
   (`compressed_library`), called by `kv/kinds/compressed.py`.
 - `shm.cpp`: the collectives between the ranks of one machine over a shared-memory segment
   (all-reduce, all-gather, broadcast: spin, then yield, then nap); its own library

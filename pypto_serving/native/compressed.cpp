@@ -2,8 +2,9 @@
 // place: each query (of a decode or of a prefill chunk: its sequence and its position given)
 // attends over the raw rows of its window and, in a compressed layer, the entries of the
 // windows complete by its position (all of them: HCA; CSA: the top k the lightning indexer
-// scores highest), with a per-head sink logit in the softmax's denominator. The same arithmetic as the kind's PyTorch path (float32 inside,
-// scale head_dim^-0.5); no shape constant: one library for every model.
+// scores highest), with a per-head sink logit in the softmax's denominator. The same
+// arithmetic as the kind's PyTorch path (float32 inside, scale head_dim^-0.5); no shape
+// constant: one library for every model.
 //
 // Layouts (the kind's `Layout`):
 //   rows      [slots, row_width] (float32 or bfloat16): a token's raw row of this layer at
@@ -13,8 +14,15 @@
 //             sequence's entry_table[b][p]), at w - p * page / ratio; the entries of a layer
 //             from column `entry_offset` (head_dim wide each), the indexer's keys from
 //             `index_offset` (index_dim wide each)
-// A query's work runs on one thread of torch's OpenMP team; queries spread over it. The
-// windows a step completes are pooled into the entry pages before the call (on PyTorch).
+//
+// Work is done a block at a time: a run of up to BLOCK queries of one sequence at
+// consecutive positions (a prefill chunk's; a decode is a block of one). A block reads the
+// band of raw rows its windows cover once, widened to float32 and also stored transposed,
+// and the entries (HCA) or the indexer's keys (CSA) once; each query then scores its own
+// window's part of the band and its entries with loops over keys (unit stride, no
+// horizontal sums: they vectorize at any -march) and sums the values the same way. Blocks
+// spread over torch's OpenMP team. The windows a step completes are pooled into the entry
+// pages before the call (on PyTorch).
 #include <omp.h>
 
 #include <algorithm>
@@ -25,6 +33,8 @@
 #include <vector>
 
 namespace {
+
+constexpr int BLOCK = 64;  // queries of one sequence that share one read of their band
 
 inline float widen(uint16_t h) {  // bfloat16 -> float32: its bits are the high half
     const uint32_t u = uint32_t(h) << 16;
@@ -43,10 +53,80 @@ inline void read_row(const void* base, int dtype, int64_t at, int n, float* out)
     }
 }
 
-inline float dot(const float* a, const float* b, int n) {
-    float s = 0.0f;
-    for (int i = 0; i < n; ++i) s += a[i] * b[i];
-    return s;
+// rows [n][dim] -> out [dim][n]
+inline void transpose(const float* rows, int64_t n, int dim, float* out) {
+    for (int64_t j = 0; j < n; ++j)
+        for (int d = 0; d < dim; ++d) out[d * n + j] = rows[j * dim + d];
+}
+
+// out[j] = sum over d of q[d] * keys_t[d][first + j], j < n (keys_t: `stride` columns);
+// four dims a pass over out.
+inline void scores_of(const float* q, const float* keys_t, int64_t stride, int64_t first,
+                      int64_t n, int dim, float* __restrict out) {
+    std::fill(out, out + n, 0.0f);
+    int d = 0;
+    for (; d + 4 <= dim; d += 4) {
+        const float q0 = q[d], q1 = q[d + 1], q2 = q[d + 2], q3 = q[d + 3];
+        const float* __restrict k0 = keys_t + d * stride + first;
+        const float* __restrict k1 = k0 + stride;
+        const float* __restrict k2 = k1 + stride;
+        const float* __restrict k3 = k2 + stride;
+        for (int64_t j = 0; j < n; ++j) out[j] += q0 * k0[j] + q1 * k1[j] + q2 * k2[j] + q3 * k3[j];
+    }
+    for (; d < dim; ++d) {
+        const float qd = q[d];
+        const float* __restrict k = keys_t + d * stride + first;
+        for (int64_t j = 0; j < n; ++j) out[j] += qd * k[j];
+    }
+}
+
+// out[d] += sum over j < n of p[j] * values[j][d]; four rows a pass over out.
+inline void add_values(const float* p, const float* values, int64_t n, int dim,
+                       float* __restrict out) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float p0 = p[j], p1 = p[j + 1], p2 = p[j + 2], p3 = p[j + 3];
+        const float* __restrict v0 = values + j * dim;
+        const float* __restrict v1 = v0 + dim;
+        const float* __restrict v2 = v1 + dim;
+        const float* __restrict v3 = v2 + dim;
+        for (int d = 0; d < dim; ++d) out[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+    }
+    for (; j < n; ++j) {
+        const float pj = p[j];
+        const float* __restrict v = values + j * dim;
+        for (int d = 0; d < dim; ++d) out[d] += pj * v[d];
+    }
+}
+
+// e^x for x <= 0 (softmax after subtracting the max): 2^n * e^r with |r| <= ln2 / 2 and a
+// degree-6 Taylor polynomial for e^r (relative error < 2e-7); below -87 it flushes to ~0.
+// Branch-free, so that a loop of it vectorizes.
+inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const int32_t n = int32_t(x * 1.44269504f - 0.5f);  // round(x / ln2), x <= 0
+    const float r = x - float(n) * 0.693147181f;
+    const float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 +
+                                            r * (1.0f / 120 + r * (1.0f / 720))))));
+    const int32_t bits = (n + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+// p[j] = softmax over the n logits and the sink (whose own share is left out), in place.
+inline void softmax_with_sink(float* __restrict p, int64_t n, float sink) {
+    float top = sink;
+#pragma omp simd reduction(max : top)
+    for (int64_t j = 0; j < n; ++j) top = std::max(top, p[j]);
+    float denom = exp_nonpositive(sink - top);
+#pragma omp simd reduction(+ : denom)
+    for (int64_t j = 0; j < n; ++j) {
+        p[j] = exp_nonpositive(p[j] - top);
+        denom += p[j];
+    }
+    const float inv = 1.0f / denom;
+    for (int64_t j = 0; j < n; ++j) p[j] *= inv;
 }
 
 struct Entries {
@@ -62,6 +142,15 @@ struct Entries {
         const int64_t slot = w - p * page / ratio;
         return table[b * table_width + p] * page_elems + offset + slot * width;
     }
+};
+
+// What one thread reuses from block to block.
+struct Scratch {
+    std::vector<float> band, band_t;        // the block's raw rows, [n][dim] and [dim][n]
+    std::vector<float> ent, ent_t;          // entries: all (HCA) or a query's chosen (CSA)
+    std::vector<float> index_t, score, tmp; // CSA: the indexer's keys [index_dim][n], scores
+    std::vector<float> logits, qs;          // a head's logits, its query scaled
+    std::vector<int64_t> chosen;
 };
 
 }  // namespace
@@ -89,64 +178,100 @@ extern "C" int pypto_compressed_attention(
     if (ratio < 0 || (index_heads > 0 && (ratio == 0 || index_dim <= 0 || topk <= 0))) return 2;
     const Entries ent{ratio, page, entries, page_width * page, entry_table, entry_table_width};
     const float scale = 1.0f / std::sqrt(float(dim));
-#pragma omp parallel for schedule(dynamic, 1)
+    std::vector<int> starts;  // the blocks: runs of one sequence at consecutive positions
     for (int i = 0; i < queries; ++i) {
-        const int64_t b = seqs[i], pos = positions[i];
-        const int64_t lo = std::max<int64_t>(pos - window + 1, 0);
-        const int64_t n_entries = ratio > 0 ? (pos + 1) / ratio : 0;
-        std::vector<int64_t> chosen;  // the windows whose entries it reads
-        if (index_heads > 0 && n_entries > topk) {
-            std::vector<float> score(n_entries), key(index_dim);
-            const float* iq = index_q + int64_t(i) * index_heads * index_dim;
-            const float* iw = index_weights + int64_t(i) * index_heads;
-            for (int64_t w = 0; w < n_entries; ++w) {
-                read_row(entries, dtype, ent.at(b, w, index_offset, index_dim), index_dim,
-                         key.data());
-                float s = 0.0f;
-                for (int h = 0; h < index_heads; ++h)
-                    s += iw[h] * std::max(dot(iq + int64_t(h) * index_dim, key.data(), index_dim),
-                                          0.0f);
-                score[w] = s;
+        const bool same = i > 0 && seqs[i] == seqs[i - 1] && positions[i] == positions[i - 1] + 1
+                          && i - starts.back() < BLOCK;
+        if (!same) starts.push_back(i);
+    }
+    starts.push_back(queries);
+    const int blocks = int(starts.size()) - 1;
+#pragma omp parallel
+    {
+        Scratch s;
+#pragma omp for schedule(dynamic, 1)
+        for (int k = 0; k < blocks; ++k) {
+            const int first = starts[k], last = starts[k + 1] - 1;
+            const int64_t b = seqs[first];
+            const int64_t lo = std::max<int64_t>(positions[first] - window + 1, 0);
+            const int64_t n_band = positions[last] - lo + 1;
+            s.band.resize(n_band * dim);
+            s.band_t.resize(n_band * dim);
+            for (int64_t j = 0; j < n_band; ++j) {
+                const int64_t t = lo + j;
+                const int64_t slot = block_table[b * table_width + t / page] * page + t % page;
+                read_row(rows, dtype, slot * row_width + row_offset, dim, &s.band[j * dim]);
             }
-            chosen.resize(n_entries);
-            for (int64_t w = 0; w < n_entries; ++w) chosen[w] = w;
-            std::partial_sort(chosen.begin(), chosen.begin() + topk, chosen.end(),
-                              [&](int64_t x, int64_t y) {
-                                  return score[x] > score[y] || (score[x] == score[y] && x < y);
-                              });
-            chosen.resize(topk);
-        } else {
-            for (int64_t w = 0; w < n_entries; ++w) chosen.push_back(w);
-        }
-        // the keys (= values): the window's raw rows, then the chosen entries
-        const int64_t n_rows = pos - lo + 1, n_keys = n_rows + int64_t(chosen.size());
-        std::vector<float> keys(n_keys * dim), scores(n_keys);
-        for (int64_t j = 0; j < n_rows; ++j) {
-            const int64_t t = lo + j;
-            const int64_t slot = block_table[b * table_width + t / page] * page + t % page;
-            read_row(rows, dtype, slot * row_width + row_offset, dim, &keys[j * dim]);
-        }
-        for (size_t i = 0; i < chosen.size(); ++i)
-            read_row(entries, dtype, ent.at(b, chosen[i], entry_offset, dim),
-                     dim, &keys[(n_rows + int64_t(i)) * dim]);
-        for (int h = 0; h < heads; ++h) {
-            const float* qh = q + (int64_t(i) * heads + h) * dim;
-            float top = sinks[h];
-            for (int64_t s = 0; s < n_keys; ++s) {
-                scores[s] = dot(qh, &keys[s * dim], dim) * scale;
-                top = std::max(top, scores[s]);
+            transpose(s.band.data(), n_band, dim, s.band_t.data());
+            const int64_t n_all = ratio > 0 ? (positions[last] + 1) / ratio : 0;
+            if (n_all > 0 && index_heads == 0) {  // HCA: every entry, read once a block
+                s.ent.resize(n_all * dim);
+                s.ent_t.resize(n_all * dim);
+                for (int64_t w = 0; w < n_all; ++w)
+                    read_row(entries, dtype, ent.at(b, w, entry_offset, dim), dim,
+                             &s.ent[w * dim]);
+                transpose(s.ent.data(), n_all, dim, s.ent_t.data());
+            } else if (n_all > topk) {  // CSA with a choice to make: the indexer's keys
+                s.index_t.resize(n_all * index_dim);
+                s.tmp.resize(n_all * index_dim);
+                for (int64_t w = 0; w < n_all; ++w)
+                    read_row(entries, dtype, ent.at(b, w, index_offset, index_dim), index_dim,
+                             &s.tmp[w * index_dim]);
+                transpose(s.tmp.data(), n_all, index_dim, s.index_t.data());
             }
-            float denom = std::exp(sinks[h] - top);
-            for (int64_t s = 0; s < n_keys; ++s) {
-                scores[s] = std::exp(scores[s] - top);
-                denom += scores[s];
-            }
-            float* oh = out + (int64_t(i) * heads + h) * dim;
-            std::fill(oh, oh + dim, 0.0f);
-            for (int64_t s = 0; s < n_keys; ++s) {
-                const float p = scores[s] / denom;
-                const float* k = &keys[s * dim];
-                for (int d = 0; d < dim; ++d) oh[d] += p * k[d];
+            for (int i = first; i <= last; ++i) {
+                const int64_t pos = positions[i];
+                const int64_t j0 = std::max<int64_t>(pos - window + 1, 0) - lo;
+                const int64_t n_rows = pos - lo + 1 - j0;
+                const int64_t n_seen = ratio > 0 ? (pos + 1) / ratio : 0;
+                // the entries it reads: ent_t's first n_ent columns (and ent's rows)
+                int64_t n_ent = n_seen, ent_stride = n_all;
+                if (index_heads > 0) {
+                    s.chosen.resize(n_seen);
+                    for (int64_t w = 0; w < n_seen; ++w) s.chosen[w] = w;
+                    if (n_seen > topk) {
+                        s.score.assign(n_seen, 0.0f);
+                        s.tmp.resize(n_seen);
+                        const float* iq = index_q + int64_t(i) * index_heads * index_dim;
+                        const float* iw = index_weights + int64_t(i) * index_heads;
+                        for (int h = 0; h < index_heads; ++h) {
+                            scores_of(iq + int64_t(h) * index_dim, s.index_t.data(), n_all, 0,
+                                      n_seen, index_dim, s.tmp.data());
+                            for (int64_t w = 0; w < n_seen; ++w)
+                                s.score[w] += iw[h] * std::max(s.tmp[w], 0.0f);
+                        }
+                        const float* sc = s.score.data();
+                        std::partial_sort(s.chosen.begin(), s.chosen.begin() + topk,
+                                          s.chosen.end(), [sc](int64_t x, int64_t y) {
+                                              return sc[x] > sc[y] || (sc[x] == sc[y] && x < y);
+                                          });
+                        s.chosen.resize(topk);
+                    }
+                    n_ent = ent_stride = int64_t(s.chosen.size());
+                    s.ent.resize(n_ent * dim);
+                    s.ent_t.resize(n_ent * dim);
+                    for (int64_t c = 0; c < n_ent; ++c)
+                        read_row(entries, dtype, ent.at(b, s.chosen[c], entry_offset, dim), dim,
+                                 &s.ent[c * dim]);
+                    transpose(s.ent.data(), n_ent, dim, s.ent_t.data());
+                }
+                s.logits.resize(n_rows + n_ent);
+                float* lg = s.logits.data();
+                s.qs.resize(dim);
+                float* qs = s.qs.data();
+                for (int h = 0; h < heads; ++h) {
+                    const float* qh = q + (int64_t(i) * heads + h) * dim;
+                    for (int d = 0; d < dim; ++d) qs[d] = qh[d] * scale;
+                    scores_of(qs, s.band_t.data(), n_band, j0, n_rows, dim, lg);
+                    if (n_ent > 0)
+                        scores_of(qs, s.ent_t.data(), ent_stride, 0, n_ent, dim,
+                                  lg + n_rows);
+                    softmax_with_sink(lg, n_rows + n_ent, sinks[h]);
+                    float* oh = out + (int64_t(i) * heads + h) * dim;
+                    std::fill(oh, oh + dim, 0.0f);
+                    add_values(lg, &s.band[j0 * dim], n_rows, dim, oh);
+                    if (n_ent > 0) add_values(lg + n_rows, s.ent.data(), n_ent, dim, oh);
+                }
             }
         }
     }

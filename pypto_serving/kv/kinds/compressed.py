@@ -534,8 +534,8 @@ class CompressedStep(StepAttention):
         progress: StepProgress | None = None,
         library: ctypes.CDLL | None = None,
     ) -> None:
-        """library: the kind's native kernel (`native.compressed_library`), which attends the
-        decodes; None: every sequence on the PyTorch path."""
+        """library: the kind's native kernel (`native.compressed_library`), which attends
+        every query; None: every sequence on the PyTorch path."""
         cache = kv.manager(ROWS).pool.cache
         super().__init__(
             cache, row_pages, positions, q_lens, ctx_lens, num_decodes, max_q, None, progress
@@ -557,10 +557,10 @@ class CompressedStep(StepAttention):
         self.spans = list(zip(firsts, q_lens.tolist(), ctx_lens.tolist(), strict=True))
         """Per sequence: its first token in the step, its new tokens, its context after."""
         self.library = library
-        nd = num_decodes
-        self.decode_queries = (torch.arange(nd, device=positions.device), positions[:nd].clone())
-        """The decodes' sequence and position per query, as the native kernel takes them (the
-        same for every layer of the step)."""
+        seqs = torch.arange(len(q_lens), device=positions.device)
+        self.queries = (torch.repeat_interleave(seqs, q_lens), positions.contiguous())
+        """Each query's sequence and position, as the native kernel takes them (the same for
+        every layer of the step)."""
 
     def attend_layer(
         self,
@@ -576,16 +576,19 @@ class CompressedStep(StepAttention):
         raw_rows = self.rows[:, offset : offset + raw.shape[1]]
         raw_rows.index_copy_(0, self.slot_mapping, raw.to(raw_rows.dtype))
         inputs = None if compression is None else self._store_inputs(layer, compression)
-        outs = []
-        native = self.num_decodes if self.library is not None else 0
-        if native:
-            outs.append(self._attend_native(native, layer, q, sinks, window, compression, inputs))
-        for b in range(native, len(self.spans)):
-            outs += self._attend_sequence(b, layer, q, raw_rows, sinks, window, compression, inputs)
+        if self.library is not None:
+            out = self._attend_native(layer, q, sinks, window, compression, inputs)
+        else:
+            outs = []
+            for b in range(len(self.spans)):
+                outs += self._attend_sequence(
+                    b, layer, q, raw_rows, sinks, window, compression, inputs
+                )
+            out = torch.cat(outs)
         self.layers += 1
         if self.progress is not None:
             self.progress.layers += 1
-        return torch.cat(outs)
+        return out
 
     def _store_inputs(self, layer: int, compression: Compression) -> Inputs:
         """Write the new tokens' compressor (and indexer) inputs of a compressed layer: HCA's
@@ -636,7 +639,6 @@ class CompressedStep(StepAttention):
 
     def _attend_native(
         self,
-        nd: int,
         layer: int,
         q: torch.Tensor,
         sinks: torch.Tensor,
@@ -644,27 +646,30 @@ class CompressedStep(StepAttention):
         compression: Compression | None,
         inputs: Inputs | None,
     ) -> torch.Tensor:
-        """The first `nd` sequences' (the decodes') queries in one call of the native kernel,
-        which reads the pages in place, after pooling the windows they complete (one batch).
-        Prefill chunks stay on PyTorch's path, whose blocked matmuls beat the kernel's query
-        by query loops there (docs/performance.md)."""
-        lay, lib = self.layout, self.library
+        """Every query of the step in one call of the native kernel, which reads the pages
+        in place (a prefill chunk's queries a block at a time, sharing one read of their
+        band of rows), after pooling the windows the step completes (the decodes' in one
+        batch)."""
+        lay, lib, nd = self.layout, self.library, self.num_decodes
         assert lib is not None
         ratio = 0 if compression is None else compression.ratio
         if compression is not None and inputs is not None:
-            self._pool_decodes(nd, layer, compression, inputs)
-        queries = q[:nd].float().contiguous()
+            if nd:
+                self._pool_decodes(nd, layer, compression, inputs)
+            for b in range(nd, len(self.spans)):
+                self._pool_sequence(b, layer, compression, inputs)
+        queries = q.float().contiguous()
         out = torch.empty_like(queries)
         indexer = None if compression is None else compression.indexer
         index_q = index_weights = None
         if indexer is not None:
-            index_q = indexer.q[:nd].float().contiguous()
-            index_weights = indexer.weights[:nd].float().contiguous()
+            index_q = indexer.q.float().contiguous()
+            index_weights = indexer.weights.float().contiguous()
         sink = sinks.float().contiguous()
-        seqs, positions = self.decode_queries
+        seqs, positions = self.queries
         failed = lib.pypto_compressed_attention(
             NATIVE_DTYPES[self.rows.dtype],
-            nd,
+            len(queries),
             queries.shape[1],
             queries.shape[2],
             queries.data_ptr(),
@@ -816,11 +821,10 @@ class CompressedStep(StepAttention):
 
 
 def step(kv: KVGroups, cfg: Any, batch: StepBatch) -> CompressedStep:
-    """The step's operator over the groups' pages: its decodes on the kind's own native
+    """The step's operator over the groups' pages: every query on the kind's own native
     kernel where the run plan says so (`StepBatch.own_kernels`: on the CPU, for float32 and
-    bfloat16 caches), every other sequence on PyTorch's path. A batch-invariant step
-    (`decodes_as_prefill`) keeps the decodes on PyTorch's path too, so that a token attends
-    with the same arithmetic whether it is decoded or recomputed in a prefill."""
+    bfloat16 caches), else on PyTorch's path. A batch-invariant step (`decodes_as_prefill`)
+    stays on PyTorch's path, whose arithmetic its guarantee was established on."""
     assert batch.kernel is None, "the compressed kind attends on kernels of its own"
     layers = batch.layers
     if layers is None:  # the whole model
@@ -829,7 +833,7 @@ def step(kv: KVGroups, cfg: Any, batch: StepBatch) -> CompressedStep:
     cache = kv.manager(ROWS).pool.cache.k_cache
     library = None
     native = cache.device.type == "cpu" and cache.dtype in NATIVE_DTYPES
-    if batch.own_kernels and native and not batch.decodes_as_prefill and batch.num_decodes:
+    if batch.own_kernels and native and not batch.decodes_as_prefill:
         library = compressed_library()
     return CompressedStep(
         kv,
