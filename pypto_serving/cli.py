@@ -85,6 +85,32 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(serve, "server", (ServerConfig,))
     add_engine_flags(serve, SERVE_ENGINE_DEFAULTS)
     add_vllm_only_flags(serve)
+    router = sub.add_parser(
+        "router",
+        help="the OpenAI API in front of prefill and decode servers (disaggregated serving)",
+    )
+    router.add_argument(
+        "--prefill",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="prefill servers (pypto serve --disaggregation-mode prefill)",
+    )
+    router.add_argument(
+        "--decode",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="decode servers (pypto serve --disaggregation-mode decode)",
+    )
+    router.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    router.add_argument("--port", type=int, default=8000, help="port to listen on")
+    router.add_argument(
+        "--retry-s",
+        type=float,
+        default=10.0,
+        help="how long a server that failed stays out of the rotation",
+    )
     add_chat_parser(sub)
     add_bench_parser(sub)
     return parser
@@ -195,6 +221,12 @@ def run_command(args: argparse.Namespace) -> int:
         return run_chat(args)
     if args.command == "bench":
         return run_bench(args)
+    if args.command == "router":
+        from pypto_serving.server.router import RouterConfig, run_router
+
+        return run_router(
+            RouterConfig(args.prefill, args.decode, args.host, args.port, args.retry_s)
+        )
     return cmd_generate(args)
 
 

@@ -659,6 +659,73 @@ class ServerConfig:
     """vLLM's --structured-outputs-config.backend: each of vLLM's names (auto, xgrammar,
     guidance, outlines, lm-format-enforcer) means this server's grammar engine,
     llguidance."""
+    disaggregation_mode: str | None = None
+    """Prefill and decode on separate servers (SGLang's flag; engine/kv_transfer.py):
+    prefill (compute prompts and their first tokens, and hand their KV to a decode server
+    over Mooncake's Transfer Engine), decode (go on from such handoffs), both, or null
+    (colocated only, the default). `pypto router --prefill URL --decode URL` fronts them."""
+    kv_transfer_config: str | dict[str, Any] | None = None
+    """vLLM's spelling of disaggregation_mode, as JSON: {"kv_connector": "MooncakeConnector",
+    "kv_role": "kv_producer" (prefill), "kv_consumer" (decode) or "kv_both", "kv_ip": the
+    address to offer KV at, "kv_connector_extra_config": {"mooncake_protocol": "tcp" or
+    "rdma"}}."""
+    kv_transfer_host: str | None = None
+    """The address this server's Transfer Engine offers KV at (default: kv_transfer_config's
+    kv_ip, else this machine's address on its route out)."""
+    kv_transfer_protocol: str = "tcp"
+    """The Transfer Engine's transport: tcp, or rdma where the machine has a device."""
+    kv_transfer_timeout_s: float = 60.0
+    """How long a prefill server keeps a handoff for its decode server to read (then frees
+    it), and how long a decode server waits on a read (then computes the prompt itself)."""
+
+    def transfer(self) -> tuple[str, str | None, str] | None:
+        """(role, host, protocol) of disaggregated serving, from either spelling; None:
+        colocated only."""
+        mode = self.disaggregation_mode
+        role = None if mode in (None, "null") else mode
+        host, protocol = self.kv_transfer_host, self.kv_transfer_protocol
+        raw = self.kv_transfer_config
+        if raw is not None:
+            try:
+                kv = json.loads(raw) if isinstance(raw, str) else raw
+                if not isinstance(kv, dict):
+                    raise ValueError(type(kv).__name__)
+            except ValueError as e:
+                why = f"kv_transfer_config is not a JSON object: {e}"
+                raise PyptoError(why, "kv_transfer_config") from None
+            connector = kv.get("kv_connector", "MooncakeConnector")
+            if connector not in KV_CONNECTORS:
+                raise PyptoError(
+                    f"kv_connector {connector!r} is not served here: the KV moves over "
+                    f"Mooncake's Transfer Engine ({', '.join(KV_CONNECTORS)})",
+                    "kv_transfer_config",
+                )
+            kv_role = kv.get("kv_role")
+            if kv_role not in KV_ROLES:
+                raise PyptoError(
+                    f"kv_role must be one of {', '.join(KV_ROLES)}, got {kv_role!r}",
+                    "kv_transfer_config",
+                )
+            if role is not None and role != KV_ROLES[kv_role]:
+                raise PyptoError(
+                    f"disaggregation_mode {role} and kv_role {kv_role} disagree",
+                    "disaggregation_mode",
+                )
+            role = KV_ROLES[kv_role]
+            host = host or kv.get("kv_ip")
+            extra = kv.get("kv_connector_extra_config") or {}
+            protocol = str(extra.get("mooncake_protocol", protocol))
+        if role is not None and role not in KV_ROLES.values():
+            raise PyptoError(
+                f"disaggregation_mode must be prefill, decode, both or null, got {role!r}",
+                "disaggregation_mode",
+            )
+        if protocol not in ("tcp", "rdma"):
+            raise PyptoError(
+                f"kv_transfer_protocol must be tcp or rdma, got {protocol!r}",
+                "kv_transfer_protocol",
+            )
+        return None if role is None else (role, host, protocol)
 
     def validate(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -732,6 +799,10 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise PyptoError(f"{name} must be an integer >= 0, got {value!r}")
+        timeout = self.kv_transfer_timeout_s
+        if not isinstance(timeout, int | float) or not timeout > 0:
+            raise PyptoError(f"kv_transfer_timeout_s must be > 0, got {timeout!r}")
+        self.transfer()
 
 
 GRAMMAR_BACKENDS = frozenset(
@@ -742,6 +813,11 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 """uvicorn's log levels (`ServerConfig.uvicorn_log_level`)."""
 RUNNERS = ("auto", "generate", "pooling")
 """vLLM's --runner values (`EngineConfig.runner`)."""
+KV_CONNECTORS = ("MooncakeConnector", "MooncakeConnectorV1")
+"""vLLM's kv_connector names this server's handoffs answer to (engine/kv_transfer.py)."""
+KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+"""vLLM's kv_role -> disaggregation_mode."""
+
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 """vLLM's --reasoning-parser names served here (`ServerConfig.reasoning_parser`)."""
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from pypto_serving.kv.handoff import Handoff
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.sampling import SamplingParams
 
@@ -59,6 +60,12 @@ class Request:
     matcher: Any = None
     """The llguidance matcher of a request with structured outputs (grammar.py), made by
     the engine that runs it; it advances with each token appended."""
+    export_kv: bool = False
+    """A prefill server's request for a decode server: once its first token is sampled, its
+    KV and that token are handed off (`handoff`), and it ends."""
+    handoff: Handoff | None = None
+    """On a prefill server, what it hands off once its first token is sampled; on a decode
+    server, what it was handed (the request goes on from there)."""
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:

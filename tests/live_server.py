@@ -66,12 +66,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(llm: LLM, name: str | list[str] = "tiny", **server: Any) -> Iterator[Live]:
-    """Serve `llm` until the block ends, under `name` (or several names)."""
+def serving(
+    llm: LLM, name: str | list[str] = "tiny", transfer: Any = None, **server: Any
+) -> Iterator[Live]:
+    """Serve `llm` until the block ends, under `name` (or several names); `transfer`: its
+    end of disaggregated serving (a KVTransfer)."""
     names = [name] if isinstance(name, str) else name
     config = ServerConfig(port=free_port(), **server)
     limits = QueueLimits(config.max_queued_requests, config.max_queued_tokens)
-    engine = AsyncLLM(llm, names[0], config.log_interval_s, limits=limits)
+    engine = AsyncLLM(llm, names[0], config.log_interval_s, limits=limits, transfer=transfer)
     app = build_app(engine, config, names)
     uv = uvicorn.Server(uvicorn_config(app, config))  # `pypto serve`'s settings and limits
     thread = threading.Thread(target=uv.run, daemon=True)

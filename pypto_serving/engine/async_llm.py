@@ -28,14 +28,17 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from pypto_serving.engine.core import check_step_time
+from pypto_serving.engine.core import EngineCore, check_step_time
+from pypto_serving.engine.kv_transfer import KVTransfer, TransferFailed
 from pypto_serving.engine.llm import LLM, _Family
 from pypto_serving.engine.metrics import EngineMetrics, FinishedRequest, cache_info
 from pypto_serving.engine.process import describe
 from pypto_serving.errors import EngineDeadError, PyptoError, RequestFailedError
+from pypto_serving.kv.handoff import Handoff, PageGeometry
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.outputs import CompletionDelta
 from pypto_serving.pooling import PoolingParams
+from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -100,6 +103,8 @@ class GenerationUpdate:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     prompt_logprobs: list[Sampled | None] | None = None
     """With prompt_logprobs asked for: in the first update after the prompt is computed."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """A prefill server's request, once finished: where a decode server reads its KV."""
 
 
 @dataclass(slots=True)
@@ -158,6 +163,8 @@ class _Add:
     stream: _Stream
     cache_salt: str | None = None
     priority: int = 0
+    export_kv: bool = False
+    handoff: Handoff | None = None
 
 
 @dataclass(slots=True)
@@ -177,9 +184,14 @@ class AsyncLLM:
         log_interval_s: float = 5.0,
         thread: EngineThread | None = None,
         limits: QueueLimits = QueueLimits(),
+        transfer: KVTransfer | None = None,
     ) -> None:
+        """transfer: this server's end of disaggregated serving (a prefill server's offers,
+        a decode server's pulls), None where it serves colocated only."""
         self.llm = llm
         self.limits = limits
+        self.transfer = transfer
+        self._pulls: set[asyncio.Task[None]] = set()
         parallel = llm.engine.config.parallel
         self.running_capacity = llm.engine.config.scheduler.max_num_seqs * (
             parallel.data_parallel_size
@@ -219,6 +231,7 @@ class AsyncLLM:
         model_name: str | None,
         log_interval_s: float,
         limits: QueueLimits = QueueLimits(),
+        transfer: KVTransfer | None = None,
     ) -> AsyncLLM:
         """Load the model (and compile it) on the engine thread; the name defaults to the
         model directory's."""
@@ -227,8 +240,11 @@ class AsyncLLM:
             llm = thread.submit(LLM, **knobs).result()
         except BaseException:
             thread.shutdown(wait=False)
+            if transfer is not None:
+                transfer.close()
             raise
-        return cls(llm, model_name or llm.model_dir.name, log_interval_s, thread, limits)
+        name = model_name or llm.model_dir.name
+        return cls(llm, name, log_interval_s, thread, limits, transfer)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="pypto-engine")
@@ -246,6 +262,8 @@ class AsyncLLM:
             return
         self._thread.submit(self.engine.close).result()
         self._thread.shutdown(wait=True)
+        if self.transfer is not None:
+            self.transfer.close()
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests; wait up to `timeout_s` for those in flight to finish, then end
@@ -320,6 +338,7 @@ class AsyncLLM:
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        kv_transfer: dict[str, Any] | None = None,
     ) -> RequestUpdates:
         """Queue a request now and return the iterator of its updates until it finishes
         (`priority`: lower runs first when requests wait).
@@ -327,7 +346,13 @@ class AsyncLLM:
         Raises PyptoError for a request the model cannot take, EngineDeadError when the
         engine is not running, DrainingError while shutting down. The request counts as in
         flight from this call (admission limits see it at once); closing the iterator early
-        aborts it. A request lost to a fault ends with RequestFailedError."""
+        aborts it. A request lost to a fault ends with RequestFailedError.
+
+        kv_transfer (vLLM's `kv_transfer_params`, disaggregated serving): `do_remote_decode`
+        asks a prefill server to compute the prompt and the first token and hand them off
+        (its last update carries the params a decode server reads them by);
+        `do_remote_prefill` asks a decode server to go on from such a handoff (read first;
+        if that fails it computes the prompt itself)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         if self.draining:
@@ -336,11 +361,64 @@ class AsyncLLM:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.engine.check(prompt_token_ids, params)
         check_step_time(len(prompt_token_ids), self.engine.config, self.engine.layer_costs)
+        export, pull = self._transfer_asked(kv_transfer, params)
         stream = _Stream(asyncio.Queue(), time.monotonic(), params.n, len(prompt_token_ids))
         self._streams[request_id] = stream
-        self._adds.append(_Add(request_id, prompt_token_ids, params, stream, cache_salt, priority))
-        self._wake.set()
+        add = _Add(request_id, prompt_token_ids, params, stream, cache_salt, priority, export)
+        if pull is not None:
+            task = asyncio.get_running_loop().create_task(self._pull(add, pull))
+            self._pulls.add(task)
+            task.add_done_callback(self._pulls.discard)
+        else:
+            self._adds.append(add)
+            self._wake.set()
         return RequestUpdates(self, request_id, stream)
+
+    def _transfer_asked(
+        self, kv_transfer: dict[str, Any] | None, params: SamplingParams
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """(hand this request's KV off, the handoff to go on from) as `kv_transfer` asks;
+        PyptoError where this server does not do what it asks."""
+        if not kv_transfer:
+            return False, None
+        export = bool(kv_transfer.get("do_remote_decode"))
+        pull = bool(kv_transfer.get("do_remote_prefill"))
+        if not export and not pull:
+            return False, None
+        role = "prefill" if export else "decode"
+        transfer = self.transfer
+        if transfer is None or not (transfer.sends if export else transfer.receives):
+            raise PyptoError(
+                f"kv_transfer_params asks for a {role} server's work: start this server with "
+                f"--disaggregation-mode {role}",
+                "kv_transfer_params",
+            )
+        if params.n != 1:
+            raise PyptoError("a request handed between prefill and decode servers takes n=1", "n")
+        if pull and params.prompt_logprobs is not None:  # they are computed with the prompt
+            return False, None
+        return export, kv_transfer if pull else None
+
+    async def _pull(self, add: _Add, params: dict[str, Any]) -> None:
+        """Read a decode request's handoff (on a worker thread, at most the transfer's
+        timeout), then queue the request; if the read fails it computes its prompt here."""
+        transfer = self.transfer
+        assert transfer is not None
+        layout, geometry = self._kv_layout()
+        work = asyncio.to_thread(transfer.pull, params, layout, geometry, add.prompt_token_ids)
+        try:
+            add.handoff = await asyncio.wait_for(work, transfer.timeout_s)
+        except (TransferFailed, TimeoutError) as e:
+            transfer.failed += isinstance(e, TimeoutError)
+            why = str(e) or f"no answer in {transfer.timeout_s:g} s"
+            log.warning(
+                "request %s: the prompt's KV was not read (%s): computing it here",
+                add.request_id,
+                why,
+            )
+        if add.request_id in self._streams:  # not aborted meanwhile
+            self._adds.append(add)
+            self._wake.set()
 
     async def embed(self, prompt_token_ids: list[int], params: PoolingParams) -> list[float]:
         """A prompt's embedding, computed on the engine's thread between two steps."""
@@ -365,6 +443,8 @@ class AsyncLLM:
             while True:
                 self._apply_requests()
                 self._maybe_log()
+                if self.transfer is not None:  # handoffs read, or kept too long
+                    self.transfer.sweep()
                 if not self.engine.has_unfinished():
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):  # wakes to log the last interval
@@ -416,6 +496,8 @@ class AsyncLLM:
                     request_id=a.request_id,
                     arrival_time=a.stream.arrival,
                     cache_salt=a.cache_salt,
+                    export_kv=a.export_kv,
+                    handoff=a.handoff,
                 )
             except Exception as e:  # checked in generate(); a failure here is reported to it
                 self._streams.pop(a.request_id, None)
@@ -441,9 +523,25 @@ class AsyncLLM:
                 f.finished,
                 dict(first.cached_tokens_by_tier) if f.finished else {},
                 f.take_prompt_logprobs(),
+                self._offer(first),
             )
             updates.append((f.request_id, update))
         return updates
+
+    def _kv_layout(self) -> tuple[str, list[PageGeometry]]:
+        engine = self.engine
+        if not isinstance(engine, EngineCore):  # refused when the config is read
+            raise PyptoError("disaggregated serving runs one engine (data_parallel_size 1)")
+        return engine.kv_layout()
+
+    def _offer(self, request: Request) -> dict[str, Any] | None:
+        """A prefill server's finished request: its handoff offered to decode servers (on
+        the engine thread: packing copies its pages)."""
+        handoff, request.handoff = request.handoff, None
+        if handoff is None or self.transfer is None:
+            return None
+        layout, _ = self._kv_layout()
+        return self.transfer.offer(handoff, layout, request.prompt_token_ids)
 
     def _dispatch(self, updates: list[tuple[str, GenerationUpdate | RequestFailedError]]) -> None:
         now = time.monotonic()

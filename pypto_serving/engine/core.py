@@ -29,14 +29,16 @@ from pypto_serving.executor.paged import PagedExecutor
 from pypto_serving.grammar import Grammars
 from pypto_serving.kv.events import KVEvent, KVEventLog
 from pypto_serving.kv.groups import KVGroups
+from pypto_serving.kv.handoff import Handoff, PageGeometry
 from pypto_serving.kv.paged_attention import StepProgress
 from pypto_serving.kv.tier import TierStats, merge_tier_stats
 from pypto_serving.models.config import load_model_config
 from pypto_serving.ops.attention import DenseKV
+from pypto_serving.ops.sampler import Sampled
 from pypto_serving.pooling import PoolingParams, pool
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
-from pypto_serving.scheduler import Scheduler
+from pypto_serving.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +198,8 @@ class EngineCore:
                 "data_parallel_size > 1), not as one EngineCore"
             )
         self.workers: list[ChildProcess] = []
+        self.finished_on_arrival: list[Request] = []
+        """Requests a handoff's first token ended (returned by the next step)."""
         self._num_threads = torch.get_num_threads()  # restored by close
         self._deadline = StartupDeadline.after(p.startup_timeout_s)
         own = config
@@ -334,13 +338,51 @@ class EngineCore:
         if spec is not None and request.matcher is None:
             request.matcher = self.grammars.matcher(spec, request.params.min_tokens)
         request.max_model_len = self.max_model_len
+        if request.handoff is not None:  # a prefill server computed its prompt
+            self._receive(request, request.handoff)
+            if request.finished:  # its first token ended it (a stop token, max_tokens 1)
+                self.finished_on_arrival.append(request)
+                return
         self.scheduler.add(request)
+
+    def kv_layout(self) -> tuple[str, list[PageGeometry]]:
+        """What a handoff between servers must agree on: the KV's layout digest, and how each
+        group's page reads (`KVGroups.layout_digest`, `geometry`)."""
+        if not isinstance(self.executor, PagedExecutor):
+            raise PyptoError("disaggregated serving needs the paged executor")
+        kv = self.executor.kv
+        return kv.layout_digest, kv.geometry()
+
+    def _receive(self, request: Request, handoff: Handoff) -> None:
+        """Go on from where a prefill server stopped: its first token appended (the grammar
+        and stop conditions see it as if sampled here), the sampler's state, and the prompt's
+        KV held until the request is admitted (as a swapped request's)."""
+        kv = self.executor.kv if isinstance(self.executor, PagedExecutor) else None
+        assert kv is not None, "a handoff needs the paged executor"
+        if handoff.generator_state is not None and request.generator is not None:
+            state = torch.frombuffer(bytearray(handoff.generator_state), dtype=torch.uint8)
+            request.generator.set_state(state)
+        request.append(handoff.first)
+        if not request.finished:
+            kv.receive(request, handoff.groups)
+        request.handoff = None  # its pages are the KV side's now
+
+    def _export(self, out: SchedulerOutput, sampled: dict[str, Sampled]) -> None:
+        """A prefill server's requests whose first token was sampled in this step: their
+        prompt's KV, that token and the sampler's state, handed off (`Request.handoff`)."""
+        kv = self.executor.kv if isinstance(self.executor, PagedExecutor) else None
+        for s in out.scheduled:
+            r, first = s.request, sampled.get(s.request.request_id)
+            if not r.export_kv or first is None or first.error is not None or kv is None:
+                continue
+            state = None if r.generator is None else bytes(r.generator.get_state().numpy())
+            r.handoff = Handoff(kv.export(r, len(r.prompt_token_ids)), first, state)
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> list[Request]:
         return self.scheduler.abort(request_ids, reason)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self.finished_on_arrival) or self.scheduler.has_unfinished()
 
     @torch.inference_mode()
     def embed(self, prompt_token_ids: list[int], params: PoolingParams) -> list[float]:
@@ -436,12 +478,13 @@ class EngineCore:
 
     def step(self) -> list[Request]:
         """One engine step; returns the requests that got a new token or finished."""
+        arrived, self.finished_on_arrival = self.finished_on_arrival, []
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.lockstep:  # the other replicas' tokens may need this one's experts
                 assert isinstance(self.executor, PagedExecutor)
                 self.executor.join_expert_exchange()
-            return []
+            return arrived
         for s in out.scheduled:
             r = s.request
             prompt_end = min(r.num_computed_tokens + s.num_new_tokens, len(r.prompt_token_ids))
@@ -453,6 +496,7 @@ class EngineCore:
                 raise EngineDeadError(f"{lost} stopped") from e
             raise
         self.generation_tokens += len(sampled)
+        self._export(out, sampled)
         self.scheduler.update(out, sampled)
         kv = self._event_store()
         if kv is not None and kv.pool.events is not None:
@@ -461,4 +505,4 @@ class EngineCore:
                 self.kv_events.publish(events)
             if self.dp.size > 1:
                 self.page_events += events
-        return [s.request for s in out.scheduled if s.request.request_id in sampled]
+        return arrived + [s.request for s in out.scheduled if s.request.request_id in sampled]

@@ -20,6 +20,7 @@ from pypto_serving.engine.dp import DPEngine
 from pypto_serving.engine.memory_budget import with_kv_budget
 from pypto_serving.engine.text import TextAssembler
 from pypto_serving.errors import PyptoError, RequestFailedError
+from pypto_serving.kv.handoff import Handoff
 from pypto_serving.models.chat_defaults import chat_template_text, generation_defaults
 from pypto_serving.models.config import load_model_config
 from pypto_serving.models.default_model import resolve_model_path
@@ -277,9 +278,18 @@ class LLM:
         request_id: str | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        export_kv: bool = False,
+        handoff: Handoff | None = None,
     ) -> _Family:
         """Queue one prompt (n child sequences); returns its handle. Requests share cached
-        prefix pages only with requests of the same `cache_salt`."""
+        prefix pages only with requests of the same `cache_salt`. Disaggregated serving (one
+        sample only): `export_kv`, a prefill server's request, ends at its first token and
+        hands its KV off (`Request.handoff`); `handoff`, a decode server's, goes on from
+        what a prefill server handed off."""
+        if (export_kv or handoff is not None) and params.n != 1:
+            raise PyptoError("a request handed between prefill and decode servers takes n=1", "n")
+        if export_kv:  # its first token ends it: the decode server makes the rest
+            params = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         seq = next(self._ids)
         rid = request_id if request_id is not None else str(seq)
         ids = self.encode(prompt)
@@ -295,6 +305,7 @@ class LLM:
             req = Request(
                 f"{rid}-{i}", ids, child, eos, priority, seq, arrived, cache_salt=cache_salt
             )
+            req.export_kv, req.handoff = export_kv, handoff
             family.children.append(req)
             family.texts.append(TextAssembler(self.tokenizer, ids, params))
             family.sent.append(0)
@@ -340,7 +351,8 @@ class LLM:
                 changed[family.request_id] = family
                 continue
             text = family.texts[i]
-            text.add(req.output_token_ids[-1])
+            for token in req.output_token_ids[text.num_tokens :]:  # a handoff's first too
+                text.add(token)
             if text.stopped and not req.finished:
                 self.engine.abort([req.request_id], reason="stop")
             if req.finished:

@@ -28,10 +28,13 @@ class TextAssembler:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.num_tokens = 0
+        """Output tokens added so far."""
 
     def add(self, token_id: int) -> None:
         """Append a token; sets `stopped` (and cuts the text) when a stop string appears."""
         self.ids.append(token_id)
+        self.num_tokens += 1
         decode, skip = self.tokenizer.decode, self.skip_special
         prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
         full = decode(self.ids[self.prefix_offset :], skip_special_tokens=skip)

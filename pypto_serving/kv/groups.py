@@ -18,6 +18,7 @@ Nothing here names a kind or a page id: the groups' managers hold the page table
 from __future__ import annotations
 
 from pypto_serving.kv.events import KVEvent
+from pypto_serving.kv.handoff import GroupKV, PageGeometry
 from pypto_serving.kv.manager import KVManager
 from pypto_serving.kv.pool import KVPool
 from pypto_serving.kv.tier import TierStats, merge_tier_stats
@@ -134,6 +135,33 @@ class KVGroups:
                 m.drop_swap(request)
             return False
         return True
+
+    # --- handoffs between servers (disaggregated prefill and decode) --------------------------
+
+    @property
+    def layout_digest(self) -> str:
+        """Identifies the groups' model, configuration and page layouts: a handoff moves only
+        between servers of the same digest."""
+        return "+".join(f"{m.name}:{m.pool.layout_digest}" for m in self.managers)
+
+    def geometry(self) -> list[PageGeometry]:
+        """How each group's page reads, in order (what a handoff's bytes are cut by)."""
+        out = []
+        for m in self.managers:
+            page = m.pool.cache.read_page(0)
+            out.append(PageGeometry(m.name, tuple(tuple(t.shape) for t in page), page[0].dtype))
+        return out
+
+    def export(self, request: Request, num_tokens: int) -> list[GroupKV]:
+        """Every group's copies of the pages of the request's first `num_tokens` tokens."""
+        return [m.export(request, num_tokens) for m in self.managers]
+
+    def receive(self, request: Request, groups: list[GroupKV]) -> None:
+        """Hold KV another server computed for the request, every group's (`export` there):
+        it is admitted as a swapped request is, its KV written into device pages then."""
+        assert [g.name for g in groups] == [m.name for m in self.managers]
+        for m, group in zip(self.managers, groups, strict=True):
+            m.receive(request, group)
 
     # --- the executor's side -----------------------------------------------------------------
 

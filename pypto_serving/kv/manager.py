@@ -29,8 +29,10 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from pypto_serving.kv.handoff import GroupKV
 from pypto_serving.kv.page_pool import hash_page
 from pypto_serving.kv.pool import Hit, KVPool
+from pypto_serving.kv.tier import PageKV
 from pypto_serving.request import Request
 
 Tokens = tuple[int, ...]
@@ -59,6 +61,8 @@ class _Swapped:
     num_tokens: int
     hashes: list[bytes]
     released: int = 0
+    received: list[PageKV] | None = None
+    """Pages another server sent (`receive`), held here rather than in the CPU tier."""
 
 
 def window_end(hits: list[Hit], span: int) -> int:
@@ -211,7 +215,8 @@ class KVManager:
 
     def drop_swap(self, request: Request) -> None:
         """Forget the request's swapped KV (if any): it recomputes instead."""
-        if (entry := self.swapped.pop(request.request_id, None)) is not None:
+        entry = self.swapped.pop(request.request_id, None)
+        if entry is not None and entry.received is None:
             self.pool.drop_held(entry.key)
 
     def release_before(self, request: Request, num_tokens: int) -> None:
@@ -264,9 +269,11 @@ class KVManager:
             return None  # wait until it and its next token fit
         start = time.perf_counter()
         del self.swapped[request.request_id]
-        held = self.pool.take_held(entry.key)
         page_ids = [-1] * entry.released + self.pool.allocate(num_pages)
-        self.pool.write_held(held, page_ids[entry.released :], start)
+        if entry.received is not None:
+            self.pool.write_received(entry.received, page_ids[entry.released :])
+        else:
+            self.pool.write_held(self.pool.take_held(entry.key), page_ids[entry.released :], start)
         tokens = request.token_ids
         for i, page_hash in enumerate(entry.hashes[entry.released :], entry.released):
             chunk = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
@@ -274,6 +281,34 @@ class KVManager:
             self.pool.index(page_ids[i], page_hash, chunk, parent)
         self.tables[request.request_id] = PageTable(page_ids, list(entry.hashes), entry.released)
         return entry.num_tokens
+
+    # --- handing a request's KV to another server (disaggregated prefill and decode) --------
+
+    def export(self, request: Request, num_tokens: int) -> GroupKV:
+        """Copies of the pages that hold the request's first `num_tokens` tokens (those its
+        window still holds): what `receive` takes on another server."""
+        table = self.tables[request.request_id]
+        end = -(-num_tokens // self.page_size)
+        assert len(table.pages) >= end, "the request's pages hold fewer tokens"
+        pages = [
+            tuple(t.clone() for t in self.pool.cache.read_page(p))
+            for p in table.pages[table.released : end]
+        ]
+        return GroupKV(self.name, num_tokens, min(table.released, end), pages)
+
+    def receive(self, request: Request, group: GroupKV) -> None:
+        """Hold the KV another server computed for the request (`export` there), to be
+        written into device pages when the request is admitted, as a swapped request's."""
+        full = group.num_tokens // self.page_size
+        hashes, parent = [], None
+        tokens = request.token_ids
+        for i in range(full):
+            chunk = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
+            parent = hash_page(parent, chunk, request.cache_salt)
+            hashes.append(parent)
+        key = f"{self.name}/received/{request.request_id}"
+        entry = _Swapped(key, group.num_tokens, hashes, group.released, group.pages)
+        self.swapped[request.request_id] = entry
 
     # --- the executor's side ---------------------------------------------------------------
 

@@ -151,6 +151,9 @@ class KVPool:
         self.ssd = None
         layout = f"{FORMAT_VERSION}|{digest}|{spec.describe()}".encode()
         full_digest = hashlib.blake2b(layout, digest_size=16).hexdigest()
+        self.layout_digest = full_digest
+        """Identifies this KV's model, configuration and page layout: pages move only between
+        pools of the same digest (the SSD tier's folder, the shared pool's keys, handoffs)."""
         if ssd_dir is not None and ssd_pages > 0:
             args = (ssd_dir, ssd_pages, shape, spec.dtype, full_digest, n)
             self.ssd = DiskTier(*args) if journal is None else JournaledDiskTier(journal, *args)
@@ -492,6 +495,12 @@ class KVPool:
         self.stats["device"].stored += len(kvs)
         self.costs.observe_load("cpu", len(kvs), seconds)
         self.num_swap_ins += 1
+
+    def write_received(self, kvs: list[PageKV], page_ids: list[int]) -> None:
+        """Write pages another server sent (a handoff) into device pages `page_ids`."""
+        for page_id, kv in zip(page_ids, kvs, strict=True):
+            self._write_page(page_id, kv)
+        self.stats["device"].stored += len(kvs)
 
     def drop_held(self, key: str) -> None:
         """Forget the pages held under `key`."""

@@ -22,6 +22,7 @@ import uvicorn
 
 from pypto_serving.config import ServerConfig, engine_config
 from pypto_serving.engine.async_llm import AsyncLLM, QueueLimits
+from pypto_serving.engine.kv_transfer import KVTransfer
 from pypto_serving.errors import PyptoError
 from pypto_serving.server.app import build_app
 from pypto_serving.server.connections import guarded_protocol
@@ -100,7 +101,16 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(knobs: dict[str, Any], config: ServerConfig) -> int:
     """Serve until SIGTERM (drained) or SIGINT; returns the exit code."""
-    engine_config(**knobs)  # bad options are reported before the address is taken
+    checked = engine_config(**knobs)  # bad options are reported before the address is taken
+    transfer_spec = config.transfer()
+    if transfer_spec is not None:
+        p = checked.parallel
+        if p.data_parallel_size * p.tensor_parallel_size * p.pipeline_parallel_size > 1:
+            raise PyptoError(
+                "disaggregated serving runs on one rank here: data, tensor and pipeline "
+                "parallel sizes must be 1 with disaggregation_mode / kv_transfer_config",
+                "disaggregation_mode",
+            )
     if config.trust_remote_code:
         log.warning(
             "--trust-remote-code is accepted for vLLM's command lines: no code from the "
@@ -111,7 +121,11 @@ def run_server(knobs: dict[str, Any], config: ServerConfig) -> int:
         limits = QueueLimits(config.max_queued_requests, config.max_queued_tokens)
         names = config.served_model_name
         first = names[0] if names else None
-        engine = AsyncLLM.build(knobs, first, config.log_interval_s, limits)
+        transfer = None
+        if transfer_spec is not None:
+            role, host, protocol = transfer_spec
+            transfer = KVTransfer(role, host, protocol, config.kv_transfer_timeout_s)
+        engine = AsyncLLM.build(knobs, first, config.log_interval_s, limits, transfer)
         names = names or [engine.metrics.model_name]
         app = build_app(engine, config, names)
         log.info(

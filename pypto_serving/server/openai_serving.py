@@ -104,6 +104,9 @@ class _Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
+    kv_transfer_params: dict[str, Any] | None = None
+    """A prefill server's handoff: where a decode server reads the prompt's KV (the
+    response's `kv_transfer_params`, vLLM's field)."""
 
     def add_cached(self, update: GenerationUpdate) -> None:
         """Count a finished prompt's cached tokens, in all and per KV tier."""
@@ -195,7 +198,34 @@ async def gather(
             c.finish_reason = d.finish_reason
         if update.finished:
             usage.add_cached(update)
+        if update.kv_transfer_params is not None:
+            usage.kv_transfer_params = update.kv_transfer_params
     usage.completion_tokens = sum(len(c.token_ids) for c in choices)
+
+
+def forwarded_prompt(body: CompletionRequest | ChatCompletionRequest) -> list[int] | None:
+    """vLLM's `kv_transfer_params.prompt_token_ids`: the prompt a prefill server computed,
+    taken as it is (the request's own text is not rendered into another)."""
+    ids = (body.kv_transfer_params or {}).get("prompt_token_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
+        raise PyptoError(
+            "kv_transfer_params.prompt_token_ids must be a non-empty list of token ids",
+            "kv_transfer_params",
+        )
+    return ids
+
+
+def check_transfer(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """A prefill server answers its handoff in the response: not in a stream."""
+    params = body.kv_transfer_params
+    if params and params.get("do_remote_decode") and body.stream:
+        raise PyptoError(
+            "kv_transfer_params with do_remote_decode takes stream false (the response "
+            "carries the handoff)",
+            "stream",
+        )
 
 
 def best(choices: list[_Choice], n: int, best_of: int) -> list[_Choice]:
@@ -394,16 +424,25 @@ class OpenAIServing:
         cache_salt: str | None,
         count: str = "n",
         priority: int = 0,
+        kv_transfer: dict[str, Any] | None = None,
     ) -> list[RequestUpdates]:
         """Queue the prompts, which `_check` has passed (a bad prompt must queue nothing);
-        `count`: the field that set params.n."""
+        `count`: the field that set params.n; `kv_transfer`: the request's
+        kv_transfer_params (one prompt only)."""
+        if kv_transfer and len(prompts) != 1:
+            raise PyptoError("kv_transfer_params takes one prompt", "kv_transfer_params")
         try:
             self.engine.admit(prompts, params, count)
         except OverloadedError as e:
             raise APIError(503, str(e), UNAVAILABLE, None, "overloaded", RETRY_AFTER) from None
         return [
             self.engine.generate(
-                f"{request_id}-{uuid.uuid4().hex[:8]}-{i}", ids, params, cache_salt, priority
+                f"{request_id}-{uuid.uuid4().hex[:8]}-{i}",
+                ids,
+                params,
+                cache_salt,
+                priority,
+                kv_transfer,
             )
             for i, ids in enumerate(prompts)
         ]
@@ -441,6 +480,10 @@ class OpenAIServing:
         await self.admit_grammar(params, body)
         max_model_len = self.engine.engine.max_model_len
         prompts = [body.truncated(p, max_model_len) for p in await self.encode(texts)]
+        if (forwarded := forwarded_prompt(body)) is not None:
+            if len(prompts) != 1:
+                raise PyptoError("kv_transfer_params takes one prompt", "kv_transfer_params")
+            prompts = [forwarded]
         self._check(prompts, params)
         self._check_size(ResponseShape.of_completion(body, params), prompts, params)
         echoes = [
@@ -459,9 +502,16 @@ class OpenAIServing:
         if beams is not None:
             work = self._beam_completions(body, prompts, echoes, beams, rid, created, name)
             return await unless_disconnected(raw, work)
+        check_transfer(body)
         updates = merge(
             self._start(
-                prompts, params, rid, body.cache_salt, body.sequences_param(), body.priority
+                prompts,
+                params,
+                rid,
+                body.cache_salt,
+                body.sequences_param(),
+                body.priority,
+                body.kv_transfer_params,
             )
         )
         usage = _Usage(prompt_tokens=sum(map(len, prompts)))
@@ -565,8 +615,10 @@ class OpenAIServing:
                 lp = c.logprobs if want else None
                 ids = (prompts[i // body.n], c.token_ids)
                 out.append(choice(i, c.text, lp, c.finish_reason, s.offsets.copy(), s, ids))
-            body_bytes = render_json(chunk(out, usage.as_dict()))
-            return Response(body_bytes, media_type="application/json")
+            whole = chunk(out, usage.as_dict())
+            if usage.kv_transfer_params is not None:
+                whole["kv_transfer_params"] = usage.kv_transfer_params
+            return Response(render_json(whole), media_type="application/json")
 
         async def collect() -> Response:
             choices = [_Choice(echoes[i // n]) for i in range(len(prompts) * n)]
@@ -606,25 +658,39 @@ class OpenAIServing:
         return PreparedChat(prompt, params, fmt, body.sequences_param(), beams, body.priority)
 
     def start_chat(
-        self, chat: PreparedChat, request_id: str, cache_salt: str | None
+        self,
+        chat: PreparedChat,
+        request_id: str,
+        cache_salt: str | None,
+        kv_transfer: dict[str, Any] | None = None,
     ) -> AsyncIterator[Update]:
         """The prepared request queued: its updates (closing them aborts it)."""
         return merge(
             self._start(
-                [chat.prompt], chat.params, request_id, cache_salt, chat.count, chat.priority
+                [chat.prompt],
+                chat.params,
+                request_id,
+                cache_salt,
+                chat.count,
+                chat.priority,
+                kv_transfer,
             )
         )
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
         body = self.logprob_counts(body)
         prepared = await self.prepare_chat(body)
+        if (forwarded := forwarded_prompt(body)) is not None:
+            self._check([forwarded], prepared.params, "kv_transfer_params")
+            prepared = replace(prepared, prompt=forwarded)
         prompt, params, fmt = prepared.prompt, prepared.params, prepared.fmt
         rid, created = f"chatcmpl-{request_id(body, raw)}", int(time.time())
         name = self.check_model(body.model)  # checked by prepare_chat: the name it answers as
         if prepared.beams is not None:
             work = self._beam_chat(body, prompt, prepared.beams, rid, created, name)
             return await unless_disconnected(raw, work)
-        updates = self.start_chat(prepared, rid, body.cache_salt)
+        check_transfer(body)
+        updates = self.start_chat(prepared, rid, body.cache_salt, body.kv_transfer_params)
         usage = _Usage(prompt_tokens=len(prompt))
         parsers = [call_parser(fmt) if fmt is not None else None for _ in range(params.n)]
         thinking = [self._reasoning(prompt) for _ in range(params.n)]
@@ -738,6 +804,8 @@ class OpenAIServing:
             scored = self._prompt_logprobs(body, choices[0].prompt_logprobs)
             scored["prompt_token_ids"] = prompt if body.return_token_ids else None
             whole = chunk(out, "chat.completion", usage=usage.as_dict(), **scored)
+            if usage.kv_transfer_params is not None:
+                whole["kv_transfer_params"] = usage.kv_transfer_params
             return Response(render_json(whole), media_type="application/json")
 
         async def collect() -> Response:

@@ -237,6 +237,12 @@ class _Sampling(_Request):
     requests of the same salt (and requests without one only with each other)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's, for prefill and decode on separate servers (engine/kv_transfer.py):
+    `{"do_remote_decode": true}` asks a prefill server to compute the prompt and its first
+    token and hand them off (the response's `kv_transfer_params` say where);
+    `{"do_remote_prefill": true, ...}` (those params) asks a decode server to go on from
+    there. `pypto router` sends both."""
     logit_bias: Annotated[dict[str, float] | None, BeforeValidator(_few_biases)] = None
     """Token id (as a string, OpenAI's JSON) -> a bias in [-100, 100] added to its logit."""
     best_of: int | None = None

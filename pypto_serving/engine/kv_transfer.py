@@ -1,0 +1,243 @@
+"""Prefill and decode on separate servers: a prompt's KV handed over Mooncake's Transfer Engine.
+
+A prefill server (`--disaggregation-mode prefill`) computes a request's prompt and samples its
+first token; the engine then hands off (`kv.handoff.Handoff`) every KV group's pages of the
+prompt, that token and the sampler's state. `KVTransfer.offer` packs the pages into one buffer,
+registers it with the Transfer Engine and answers with `kv_transfer_params`: where the buffer
+is, how it is cut, and the token. The router passes those to a decode server
+(`--disaggregation-mode decode`), whose `KVTransfer.pull` reads the buffer from the prefill
+server's memory (TCP here, RDMA where the Transfer Engine finds a device), marks it read (a
+write into the buffer's last bytes, which frees it there) and gives the engine its handoff:
+the request is then admitted as a swapped-out one is, its KV written into device pages, and it
+decodes from the first token on.
+
+    router ──1──▶ prefill: compute the prompt, sample token 1, keep its KV, answer params
+           ──2──▶ decode:  read the KV (Transfer Engine), go on from token 1, stream
+
+Both ends check before any byte moves that they hold the same KV layout (model, weights,
+quantization, KV dtype, page size: `KVGroups.layout_digest`) and the same prompt tokens. A
+buffer no decode server reads within `timeout_s` is freed. A read that fails or takes longer
+than `timeout_s` leaves the request to compute its prompt on the decode server: it never
+decodes on partial KV, and never waits forever.
+
+The Transfer Engine lets whoever reaches its port read what is registered (only these
+buffers, never the KV cache itself): like vLLM's and SGLang's connectors, prefill and decode
+servers belong on a private network.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pypto_serving.errors import PyptoError
+from pypto_serving.kv.handoff import GroupKV, Handoff, PageGeometry, num_bytes, pack, unpack
+from pypto_serving.ops.sampler import Sampled
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "both")
+"""What a server does in disaggregated serving: prefill hands off, decode receives (both:
+either, per request)."""
+ACK_BYTES = 8
+"""The flag after an offered buffer's pages that the decode server sets once it has read them."""
+
+
+def prompt_digest(prompt_token_ids: list[int]) -> str:
+    """Identifies a prompt's tokens: a decode server takes a handoff only for the same ones."""
+    data = np.asarray(prompt_token_ids, dtype=np.int64).tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def local_address() -> str:
+    """This machine's address on the route out (no packet is sent); 127.0.0.1 without one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+@dataclass(slots=True)
+class _Offer:
+    buffer: np.ndarray
+    """The packed pages, then ACK_BYTES the reader sets."""
+    expires: float
+
+
+class TransferFailed(Exception):
+    """A handoff could not be read: the decode server computes the prompt itself."""
+
+
+class KVTransfer:
+    """One server's end of KV handoffs: offers (a prefill server's) and pulls (a decode
+    server's), over one Transfer Engine."""
+
+    def __init__(
+        self, role: str, host: str | None = None, protocol: str = "tcp", timeout_s: float = 60.0
+    ) -> None:
+        if role not in ROLES:
+            raise PyptoError(f"disaggregation mode must be one of {', '.join(ROLES)}", "role")
+        try:
+            from mooncake.engine import TransferEngine  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        except ImportError as e:
+            raise PyptoError(
+                "disaggregated serving needs Mooncake's Transfer Engine: pip install "
+                "'pypto-serving[remote]' (the mooncake-transfer-engine-non-cuda package)"
+            ) from e
+        self.role, self.timeout_s = role, timeout_s
+        self.host = host or local_address()
+        self.engine = TransferEngine()
+        if self.engine.initialize(self.host, "P2PHANDSHAKE", protocol, "") != 0:
+            raise PyptoError(f"the Transfer Engine did not start on {self.host} ({protocol})")
+        self.port = int(self.engine.get_rpc_port())
+        self.engine_id = uuid.uuid4().hex
+        self._offers: dict[str, _Offer] = {}
+        self._lock = threading.Lock()
+        self._read = np.ones(ACK_BYTES, dtype=np.uint8)
+        """What a decode server writes into an offer's flag once read (registered once)."""
+        self._register(self._read)
+        self.offered = self.pulled = self.failed = 0
+        log.info(
+            "KV transfer (%s): Transfer Engine at %s:%d (%s)", role, self.host, self.port, protocol
+        )
+
+    @property
+    def sends(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def receives(self) -> bool:
+        return self.role in ("decode", "both")
+
+    def _register(self, buffer: np.ndarray) -> None:
+        if self.engine.register_memory(buffer.ctypes.data, buffer.nbytes) != 0:
+            raise TransferFailed(f"registering {buffer.nbytes} bytes with the Transfer Engine")
+
+    def _unregister(self, buffer: np.ndarray) -> None:
+        self.engine.unregister_memory(buffer.ctypes.data)
+
+    # --- the prefill server's side ---------------------------------------------------------
+
+    def offer(self, handoff: Handoff, layout: str, prompt_token_ids: list[int]) -> dict[str, Any]:
+        """Keep the handoff's pages where a decode server can read them (until it has, or
+        for `timeout_s`); returns the `kv_transfer_params` that tell it how."""
+        self.sweep()
+        size = sum(t.numel() * t.element_size() for g in handoff.groups for p in g.pages for t in p)
+        buffer = np.zeros(size + ACK_BYTES, dtype=np.uint8)
+        pack(handoff.groups, buffer[:size])
+        self._register(buffer)
+        transfer_id = uuid.uuid4().hex
+        with self._lock:
+            self._offers[transfer_id] = _Offer(buffer, time.monotonic() + self.timeout_s)
+        self.offered += 1
+        first = handoff.first
+        state = handoff.generator_state
+        return {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "transfer_id": transfer_id,
+            "buffer": int(buffer.ctypes.data),
+            "num_bytes": size,
+            "layout": layout,
+            "prompt": prompt_digest(prompt_token_ids),
+            "prompt_token_ids": list(prompt_token_ids),
+            "groups": [[g.name, g.num_tokens, g.released, len(g.pages)] for g in handoff.groups],
+            "first_token": {
+                "token_id": first.token_id,
+                "logprob": first.logprob,
+                "top_logprobs": (
+                    None if first.top_logprobs is None else list(first.top_logprobs.items())
+                ),
+            },
+            "generator_state": None if state is None else base64.b64encode(state).decode(),
+        }
+
+    def sweep(self) -> None:
+        """Free the offers a decode server has read, and those nobody read in time."""
+        now = time.monotonic()
+        with self._lock:
+            done = [
+                tid
+                for tid, o in self._offers.items()
+                if o.buffer[-ACK_BYTES:].any() or now > o.expires
+            ]
+            offers = [self._offers.pop(tid) for tid in done]
+        for o in offers:
+            self._unregister(o.buffer)
+
+    @property
+    def num_offers(self) -> int:
+        with self._lock:
+            return len(self._offers)
+
+    # --- the decode server's side ----------------------------------------------------------
+
+    def pull(
+        self,
+        params: dict[str, Any],
+        layout: str,
+        geometry: list[PageGeometry],
+        prompt_token_ids: list[int],
+    ) -> Handoff:
+        """Read the handoff `params` describe from the prefill server that offered it (on the
+        calling thread: it blocks), then mark it read there. Raises TransferFailed."""
+        try:
+            host, port = str(params["remote_host"]), int(params["remote_port"])
+            remote, size = int(params["buffer"]), int(params["num_bytes"])
+            shapes = [(str(n), int(t), int(r), int(c)) for n, t, r, c in params["groups"]]
+            first = params["first_token"]
+            top = first.get("top_logprobs")
+            sampled = Sampled(
+                int(first["token_id"]),
+                float(first["logprob"]),
+                None if top is None else {int(k): float(v) for k, v in top},
+            )
+            state = params.get("generator_state")
+            generator_state = None if state is None else base64.b64decode(state)
+            theirs, prompt = str(params["layout"]), str(params["prompt"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise TransferFailed(f"malformed kv_transfer_params ({type(e).__name__}: {e})") from e
+        if theirs != layout:
+            raise TransferFailed("the prefill server's KV layout (model, dtype, pages) differs")
+        if prompt != prompt_digest(prompt_token_ids):
+            raise TransferFailed("the prefill server computed other prompt tokens")
+        expected = [GroupKV(n, t, r, [()] * c) for n, t, r, c in shapes]
+        if len(shapes) != len(geometry) or num_bytes(expected, geometry) != size:
+            raise TransferFailed("the handoff's size does not match this server's KV pages")
+        buffer = np.empty(size, dtype=np.uint8)
+        session = f"{host}:{port}"
+        self._register(buffer)
+        try:
+            rc = self.engine.transfer_sync_read(session, buffer.ctypes.data, remote, size)
+        finally:
+            self._unregister(buffer)
+        if rc != 0:
+            self.failed += 1
+            raise TransferFailed(f"reading {size} bytes from {session} failed ({rc})")
+        self.engine.transfer_sync_write(session, self._read.ctypes.data, remote + size, ACK_BYTES)
+        self.pulled += 1
+        try:
+            groups = unpack(buffer, shapes, geometry)
+        except ValueError as e:
+            raise TransferFailed(str(e)) from e
+        return Handoff(groups, sampled, generator_state)
+
+    def close(self) -> None:
+        with self._lock:
+            offers, self._offers = list(self._offers.values()), {}
+        for o in offers:
+            self._unregister(o.buffer)

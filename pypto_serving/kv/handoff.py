@@ -1,0 +1,99 @@
+"""A prompt's KV handed from a prefill server to a decode server (disaggregated serving).
+
+The prefill server computes a prompt and samples its first token; what the decode server
+needs to go on as if it had done so itself is the `Handoff`: every KV group's pages of the
+prompt (`GroupKV`, in the group's own page layout; a window's pages it had already given back
+are not sent), the first token with its logprobs, and the sampler's random state after it.
+
+On the wire the pages are one flat byte buffer (`pack`): group by group, page by page, each
+stored tensor's bytes in turn. The receiver cuts it by its own groups' page geometry
+(`unpack`), which must be the sender's: both compare the layout digest of their KV (the
+model's weights, quantization, KV dtype and layout, page size) before any byte moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pypto_serving.kv.tier import PageKV, numpy_bits
+from pypto_serving.ops.sampler import Sampled
+
+
+@dataclass(slots=True)
+class GroupKV:
+    """One KV group's pages of a request's first `num_tokens` tokens: the `released` leading
+    pages a window gave back are left out (the receiver holds -1 there, as the sender did)."""
+
+    name: str
+    num_tokens: int
+    released: int
+    pages: list[PageKV]
+
+
+@dataclass(slots=True)
+class Handoff:
+    """What a decode server needs to continue a request a prefill server began."""
+
+    groups: list[GroupKV]
+    first: Sampled
+    """The first output token, sampled by the prefill server (with its logprobs, if asked)."""
+    generator_state: bytes | None = None
+    """The request's seeded generator after that token (None: unseeded)."""
+
+
+@dataclass(slots=True, frozen=True)
+class PageGeometry:
+    """How one group's page reads: its stored tensors' page shapes and dtype."""
+
+    name: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+
+    @property
+    def page_bytes(self) -> int:
+        item = torch.empty((), dtype=self.dtype).element_size()
+        return sum(int(np.prod(s)) for s in self.shapes) * item
+
+
+def num_bytes(groups: list[GroupKV], geometry: list[PageGeometry]) -> int:
+    """The packed size of `groups` (by the receiver's geometry)."""
+    return sum(len(g.pages) * geo.page_bytes for g, geo in zip(groups, geometry, strict=True))
+
+
+def pack(groups: list[GroupKV], out: np.ndarray) -> None:
+    """Write the groups' pages into `out` (uint8, exactly their size), as `unpack` reads."""
+    at = 0
+    for group in groups:
+        for page in group.pages:
+            for t in page:
+                flat = numpy_bits(t.contiguous()).reshape(-1).view(np.uint8)
+                out[at : at + flat.size] = flat
+                at += flat.size
+    assert at == out.size, f"packed {at} bytes into a buffer of {out.size}"
+
+
+def unpack(
+    buffer: np.ndarray, shapes: list[tuple[str, int, int, int]], geometry: list[PageGeometry]
+) -> list[GroupKV]:
+    """The groups a sender packed into `buffer`; shapes: per group (name, num_tokens,
+    released, pages sent), in the receiver's group order. The pages are views of `buffer`."""
+    data = torch.from_numpy(buffer)
+    groups, at = [], 0
+    for (name, num_tokens, released, count), geo in zip(shapes, geometry, strict=True):
+        if name != geo.name:
+            raise ValueError(f"KV group {name!r} where this server has {geo.name!r}")
+        pages = []
+        for _ in range(count):
+            page = []
+            for shape in geo.shapes:
+                size = int(np.prod(shape)) * torch.empty((), dtype=geo.dtype).element_size()
+                page.append(data[at : at + size].view(geo.dtype).view(shape))
+                at += size
+            pages.append(tuple(page))
+        groups.append(GroupKV(name, num_tokens, released, pages))
+    if at != buffer.size:
+        raise ValueError(f"the KV sent is {buffer.size} bytes, its groups' pages {at}")
+    return groups

@@ -1,0 +1,333 @@
+"""Prefill and decode on separate servers (engine/kv_transfer.py, kv/handoff.py,
+server/router.py): a request a prefill server began and a decode server finished gives the
+tokens one server gives alone (every attention kind's pages travel: GQA, MLA's latent,
+DeepSeek-V4's groups, windows, local/global hybrids), seeded sampling and grammars included;
+the KV moves over Mooncake's Transfer Engine only between servers of one layout and one
+prompt, is freed once read, and a prefill or decode server that goes away costs a request
+nothing but time (the decode server computes the prompt) or fails it clearly (a 503)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import uvicorn
+from live_server import free_port, serving, tiny_llm
+from patience import patience
+
+from pypto_serving import SamplingParams
+from pypto_serving.engine.kv_transfer import KVTransfer, TransferFailed
+from pypto_serving.engine.llm import LLM
+from pypto_serving.kv.handoff import GroupKV, Handoff, PageGeometry, num_bytes, pack, unpack
+from pypto_serving.ops.sampler import Sampled
+from pypto_serving.server.router import RouterConfig, build_router_app
+
+KINDS = [
+    "llama-gqa4-tied",  # GQA
+    "deepseekv3-qlora-yarn",  # MLA: the latent
+    "deepseekv4-swa-csa-hca-hash",  # V4: entries, rows, CSA's inputs
+    "mistral-window8",  # a window: the pages it gave back stay behind
+    "gemma3-local5-global",  # local and global layers: two groups
+]
+PROMPTS = [[(7 * i + 3 * j) % 200 + 5 for j in range(n)] for i, n in enumerate((5, 19, 40, 71))]
+"""Lengths inside a page, across pages, and longer than the windows."""
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PREFILL = {"do_remote_decode": True}
+
+
+def handed_over(prefill: LLM, decode: LLM, prompt: list[int], params: SamplingParams) -> Handoff:
+    """The prefill engine's handoff for `prompt`, through a byte buffer cut by the decode
+    engine's geometry (what the Transfer Engine carries)."""
+    family = prefill.add(prompt, params, export_kv=True)
+    while prefill.engine.has_unfinished():
+        prefill.step()
+    handoff = family.children[0].handoff
+    assert handoff is not None and family.children[0].finish_reason == "length"
+    layout, geometry = decode.engine.kv_layout()
+    assert prefill.engine.kv_layout()[0] == layout
+    buffer = np.zeros(num_bytes(handoff.groups, geometry), dtype=np.uint8)
+    pack(handoff.groups, buffer)
+    shapes = [(g.name, g.num_tokens, g.released, len(g.pages)) for g in handoff.groups]
+    return Handoff(unpack(buffer, shapes, geometry), handoff.first, handoff.generator_state)
+
+
+def decoded(decode: LLM, prompts: list[list[int]], handoffs: list[Handoff], params: Any) -> list:
+    families = [decode.add(p, params, handoff=h) for p, h in zip(prompts, handoffs, strict=True)]
+    while decode.engine.has_unfinished():
+        decode.step()
+    return [f.output().outputs[0] for f in families]
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_a_handoff_goes_on_as_one_server_would(tiny_model, name: str) -> None:
+    path = tiny_model(name)
+    with tiny_llm(path) as prefill, tiny_llm(path) as decode:
+        alone = [o.outputs[0].token_ids for o in prefill.generate(PROMPTS, GREEDY, False)]
+        handoffs = [handed_over(prefill, decode, p, GREEDY) for p in PROMPTS]
+        got = decoded(decode, PROMPTS, handoffs, GREEDY)  # all four decoding together
+        assert [o.token_ids for o in got] == alone
+        assert [h.first.token_id for h in handoffs] == [ids[0] for ids in alone]
+        groups = handoffs[-1].groups
+        if name.startswith("mistral"):  # the window's passed pages were not sent
+            assert groups[0].released > 0
+        stats = decode.engine.stats()
+        assert stats.prompt_tokens == 0  # the decode engine computed no prompt token
+
+
+def test_sampling_logprobs_and_grammars_go_on_where_they_were(tiny_model) -> None:
+    path = tiny_model("llama-gqa4-tied")
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=16, logprobs=2)
+    grammar = SamplingParams(
+        temperature=0.7, seed=5, max_tokens=24, structured_outputs={"regex": "[a-z]{3,9}-[0-9]{2}"}
+    )
+    with tiny_llm(path) as prefill, tiny_llm(path) as decode:
+        for params in (sampled, grammar):
+            alone = prefill.generate(PROMPTS[:2], params, False)
+            handoffs = [handed_over(prefill, decode, p, params) for p in PROMPTS[:2]]
+            assert all(h.generator_state is not None for h in handoffs)
+            got = decoded(decode, PROMPTS[:2], handoffs, params)
+            for a, b in zip(alone, got, strict=True):
+                assert b.token_ids == a.outputs[0].token_ids
+                assert b.text == a.outputs[0].text
+                assert b.finish_reason == a.outputs[0].finish_reason
+                if params.logprobs:
+                    assert [s.logprob for s in b.logprobs] == pytest.approx(
+                        [s.logprob for s in a.outputs[0].logprobs], abs=1e-5
+                    )
+
+
+def test_a_first_token_that_ends_the_request_ends_it_on_the_decode_server(tiny_model) -> None:
+    path = tiny_model("llama-gqa4-tied")
+    with tiny_llm(path) as prefill, tiny_llm(path) as decode:
+        one = SamplingParams(temperature=0, max_tokens=1)
+        handoff = handed_over(prefill, decode, PROMPTS[1], one)
+        (out,) = decoded(decode, [PROMPTS[1]], [handoff], one)
+        assert out.token_ids == [handoff.first.token_id] and out.finish_reason == "length"
+        stop = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[handoff.first.token_id])
+        (out,) = decoded(decode, [PROMPTS[1]], [handoff], stop)
+        assert out.token_ids == [handoff.first.token_id] and out.finish_reason == "stop"
+        assert not decode.engine.has_unfinished()
+
+
+# --- the Transfer Engine's side ----------------------------------------------------------
+
+GEOMETRY = [PageGeometry("gqa", ((2, 3, 4, 8), (2, 3, 4, 8)), torch.bfloat16)]
+
+
+def some_handoff() -> Handoff:
+    pages = [tuple(torch.randn(2, 3, 4, 8).bfloat16() for _ in range(2)) for _ in range(3)]
+    return Handoff([GroupKV("gqa", 10, 0, pages)], Sampled(5, -0.5, {5: -0.5, 7: -1.0}), b"st")
+
+
+def test_a_handoff_crosses_the_transfer_engine_once_and_is_freed() -> None:
+    prefill, decode = KVTransfer("prefill", "127.0.0.1"), KVTransfer("decode", "127.0.0.1")
+    try:
+        sent = some_handoff()
+        params = prefill.offer(sent, "layout", [1, 2, 3])
+        assert prefill.num_offers == 1
+        got = decode.pull(params, "layout", GEOMETRY, [1, 2, 3])
+        pairs = zip(sent.groups[0].pages, got.groups[0].pages, strict=True)
+        assert all(torch.equal(a, b) for p, q in pairs for a, b in zip(p, q, strict=True))
+        assert got.first == sent.first and got.generator_state == b"st"
+        prefill.sweep()  # read: freed
+        assert prefill.num_offers == 0
+        params = prefill.offer(sent, "layout", [1, 2, 3])
+        with pytest.raises(TransferFailed, match="layout"):
+            decode.pull(params, "another", GEOMETRY, [1, 2, 3])
+        with pytest.raises(TransferFailed, match="prompt"):
+            decode.pull(params, "layout", GEOMETRY, [1, 2, 4])
+        wrong = [PageGeometry("gqa", ((2, 3, 4, 4), (2, 3, 4, 4)), torch.bfloat16)]
+        with pytest.raises(TransferFailed, match="size"):
+            decode.pull(params, "layout", wrong, [1, 2, 3])
+        with pytest.raises(TransferFailed, match="malformed"):
+            decode.pull({"remote_host": "x"}, "layout", GEOMETRY, [1, 2, 3])
+        prefill.close()  # gone: the read fails at once, it does not hang
+        start = time.monotonic()
+        with pytest.raises(TransferFailed, match="failed"):
+            decode.pull(params, "layout", GEOMETRY, [1, 2, 3])
+        assert time.monotonic() - start < patience(10)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_an_offer_nobody_reads_is_freed_after_its_timeout() -> None:
+    prefill = KVTransfer("prefill", "127.0.0.1", timeout_s=0.2)
+    try:
+        prefill.offer(some_handoff(), "layout", [1])
+        assert prefill.num_offers == 1
+        time.sleep(0.3)
+        prefill.sweep()
+        assert prefill.num_offers == 0
+    finally:
+        prefill.close()
+
+
+# --- servers and the router --------------------------------------------------------------
+
+
+@contextmanager
+def routing(prefill: list[str], decode: list[str]) -> Iterator[str]:
+    config = RouterConfig(prefill, decode, port=free_port(), retry_s=30)
+    server = uvicorn.Server(uvicorn.Config(build_router_app(config), port=config.port))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + patience(30)
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the router did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=patience(30))
+
+
+async def answers(url: str, chat: bool, stream: bool) -> list[str]:
+    """Every prompt at once, greedy; each answer's text."""
+
+    async def one(client: httpx.AsyncClient, prompt: list[int]) -> str:
+        body: dict[str, Any] = {"model": "tiny", "max_tokens": 10, "temperature": 0}
+        body |= {"ignore_eos": True, "stream": stream}
+        if chat:
+            words = " ".join(f"t{t}" for t in prompt)
+            path, body = (
+                "/v1/chat/completions",
+                body | {"messages": [{"role": "user", "content": words}]},
+            )
+        else:
+            path, body = "/v1/completions", body | {"prompt": prompt}
+        if not stream:
+            r = await client.post(url + path, json=body)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            return choice["message"]["content"] if chat else choice["text"]
+        text = ""
+        async with client.stream("POST", url + path, json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        text += (c.get("delta") or {}).get("content") or c.get("text") or ""
+        return text
+
+    async with httpx.AsyncClient(timeout=patience(120)) as client:
+        return list(await asyncio.gather(*(one(client, p) for p in PROMPTS)))
+
+
+def test_the_router_serves_prefill_and_decode_servers_as_one(tiny_model) -> None:
+    path = tiny_model("llama-gqa4-tied")
+    sends, gets = KVTransfer("prefill", "127.0.0.1"), KVTransfer("decode", "127.0.0.1")
+    with contextlib.ExitStack() as stack:
+        alone_llm, p_llm, d_llm = (stack.enter_context(tiny_llm(path)) for _ in range(3))
+        alone = stack.enter_context(serving(alone_llm))
+        prefill_side = stack.enter_context(contextlib.ExitStack())  # it stops first, below
+        p = prefill_side.enter_context(serving(p_llm, transfer=sends))
+        d = stack.enter_context(serving(d_llm, transfer=gets))
+        router = stack.enter_context(routing([p.url], [d.url]))
+        for chat in (False, True):
+            for stream in (False, True):
+                want = asyncio.run(answers(alone.url, chat, stream))
+                assert asyncio.run(answers(router, chat, stream)) == want, (chat, stream)
+        assert gets.pulled == 4 * len(PROMPTS) and gets.failed == 0
+        sends.sweep()
+        assert sends.num_offers == 0  # every handoff read, so freed
+        assert d_llm.engine.stats().prompt_tokens == 0  # every prompt came from the prefill
+        metrics = httpx.get(router + "/metrics").text
+        assert 'pypto_router_requests_total{outcome="ok",role="prefill"' in metrics
+        # a request asking a server for another role's work is told what to start
+        body = {"prompt": [5, 6], "max_tokens": 2}
+        r = httpx.post(d.url + "/v1/completions", json=body | {"kv_transfer_params": PREFILL})
+        assert r.status_code == 400 and "--disaggregation-mode prefill" in r.text
+        r = httpx.post(router + "/v1/completions", json=body | {"kv_transfer_params": {}})
+        assert r.status_code == 400 and "router" in r.text
+        # a handoff that cannot be read (its prefill server gone after offering it): the
+        # decode server computes the prompt itself
+        body = {"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        offered = httpx.post(p.url + "/v1/completions", json=body | {"kv_transfer_params": PREFILL})
+        params = offered.json()["kv_transfer_params"]
+        sends.close()
+        r = httpx.post(d.url + "/v1/completions", json=body | {"kv_transfer_params": params})
+        want = httpx.post(alone.url + "/v1/completions", json=body).json()["choices"][0]["text"]
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        assert gets.failed == 1 and d_llm.engine.stats().prompt_tokens > 0
+        # the prefill server stops: the router sends every request to the decode server
+        prefill_side.close()
+        want = asyncio.run(answers(alone.url, False, True))
+        assert asyncio.run(answers(router, False, True)) == want
+        metrics = httpx.get(router + "/metrics").text
+        assert 'pypto_router_requests_total{outcome="failed",role="prefill"' in metrics
+        assert "pypto_router_colocated_total 4.0" in metrics
+    with routing(["http://127.0.0.1:9"], ["http://127.0.0.1:9"]) as router:  # nobody there
+        r = httpx.post(router + "/v1/completions", json={"prompt": [5], "max_tokens": 2})
+        assert r.status_code == 503 and "no decode server" in r.json()["error"]["message"]
+    gets.close()
+
+
+def test_bad_disaggregation_options_are_refused_clearly() -> None:
+    from pypto_serving.config import ServerConfig
+    from pypto_serving.errors import PyptoError
+    from pypto_serving.server.launch import run_server
+
+    cases = [
+        ({"disaggregation_mode": "middle"}, "prefill, decode, both or null"),
+        ({"kv_transfer_config": "not json"}, "not a JSON object"),
+        ({"kv_transfer_config": '{"kv_role": "kv_nothing"}'}, "kv_role must be one of"),
+        (
+            {"kv_transfer_config": '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'},
+            "Mooncake",
+        ),
+        (
+            {"disaggregation_mode": "decode", "kv_transfer_config": {"kv_role": "kv_producer"}},
+            "disagree",
+        ),
+        ({"disaggregation_mode": "prefill", "kv_transfer_protocol": "udp"}, "tcp or rdma"),
+        ({"kv_transfer_timeout_s": 0}, "kv_transfer_timeout_s"),
+    ]
+    for fields, message in cases:
+        with pytest.raises(PyptoError, match=message):
+            ServerConfig(**fields).validate()
+    vllm = ServerConfig(
+        kv_transfer_config='{"kv_connector": "MooncakeConnector", '
+        '"kv_role": "kv_consumer", "kv_ip": "10.0.0.2", '
+        '"kv_connector_extra_config": {"mooncake_protocol": "rdma"}}'
+    )
+    assert vllm.transfer() == ("decode", "10.0.0.2", "rdma")
+    assert ServerConfig(disaggregation_mode="null").transfer() is None
+    with pytest.raises(PyptoError, match="parallel sizes must be 1"):  # before anything starts
+        run_server({"tensor_parallel_size": 2}, ServerConfig(disaggregation_mode="prefill"))
+    with pytest.raises(PyptoError, match="decode server"):
+        RouterConfig([], []).validate()
+    with pytest.raises(PyptoError, match="http"):
+        RouterConfig([], ["ftp://x"]).validate()
+
+
+def test_forwarded_prompt_token_ids_are_the_prompt(tiny_model) -> None:
+    """vLLM's `kv_transfer_params.prompt_token_ids`: a decode request's prompt, taken as is."""
+    with tiny_llm(tiny_model("llama-gqa4-tied")) as llm, serving(llm) as live:
+        ids = PROMPTS[1]
+        body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+        chat = body | {"messages": [{"role": "user", "content": "other words"}]}
+        r = httpx.post(
+            live.url + "/v1/chat/completions",
+            json=chat | {"kv_transfer_params": {"prompt_token_ids": ids}},
+        )
+        assert r.status_code == 200 and r.json()["prompt_token_ids"] == ids
+        plain = httpx.post(live.url + "/v1/completions", json=body | {"prompt": ids}).json()
+        assert r.json()["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+        for bad in (["a"], [], "1 2"):
+            r = httpx.post(
+                live.url + "/v1/chat/completions",
+                json=chat | {"kv_transfer_params": {"prompt_token_ids": bad}},
+            )
+            assert r.status_code == 400 and "prompt_token_ids" in r.text
