@@ -671,7 +671,8 @@ class ServerConfig:
     "rdma"}}."""
     kv_transfer_host: str | None = None
     """The address this server's Transfer Engine offers KV at (default: kv_transfer_config's
-    kv_ip, else this machine's address on its route out)."""
+    kv_ip, else --host where that is one address, else this machine's address on its route
+    out)."""
     kv_transfer_protocol: str = "tcp"
     """The Transfer Engine's transport: tcp, or rdma where the machine has a device."""
     kv_transfer_timeout_s: float = 60.0

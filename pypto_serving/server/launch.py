@@ -124,6 +124,8 @@ def run_server(knobs: dict[str, Any], config: ServerConfig) -> int:
         transfer = None
         if transfer_spec is not None:
             role, host, protocol = transfer_spec
+            if host is None and config.host not in ("0.0.0.0", "::", "127.0.0.1", "localhost"):
+                host = config.host  # the address it serves on: where its peers reach it
             transfer = KVTransfer(role, host, protocol, config.kv_transfer_timeout_s)
         engine = AsyncLLM.build(knobs, first, config.log_interval_s, limits, transfer)
         names = names or [engine.metrics.model_name]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -224,18 +225,26 @@ def build_router_app(config: RouterConfig) -> FastAPI:
             outcome = "ok" if upstream.status_code < 400 else "refused"
             router.requests.labels("decode", backend.url, outcome).inc()
 
-            async def relay(upstream: httpx.Response = upstream, b: Backend = backend) -> Any:
+            kind = upstream.headers.get("content-type", "application/json")
+
+            async def relay(
+                upstream: httpx.Response = upstream, b: Backend = backend, kind: str = kind
+            ) -> Any:
                 try:
                     async for chunk in upstream.aiter_raw():
                         yield chunk
-                except httpx.HTTPError as e:  # the server died mid-answer: the stream ends
+                except httpx.HTTPError as e:  # the server died mid-answer
                     router.failed(b, f"{type(e).__name__} mid-answer")
+                    if kind.startswith("text/event-stream"):  # say so, as a server would
+                        why = f"the decode server {b.url} stopped mid-answer"
+                        event = {"error": {"message": why, "type": "service_unavailable"}}
+                        yield f"\n\ndata: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+                    # a whole JSON answer is cut short: its client sees the body end early
                 finally:
                     await upstream.aclose()
                     b.in_flight -= 1
                     router.in_flight.labels("decode", b.url).dec()
 
-            kind = upstream.headers.get("content-type", "application/json")
             return StreamingResponse(relay(), upstream.status_code, media_type=kind)
         names = ", ".join(b.url for b in router.backends["decode"])
         return error(503, f"no decode server answered ({names}); retry later")
