@@ -37,6 +37,21 @@ def test_pp2_gives_the_pp1_and_hf_tokens(tiny_model, name):
     assert all(gone(pid) for pid in pids)
 
 
+def test_dp2_pp2_gives_the_tokens_of_one_rank(tiny_model):
+    """Two data-parallel replicas, each a pipeline of two stages (four processes): the
+    requests split between the replicas, each stage's activations passed on inside its
+    replica, the greedy and seeded tokens of one rank."""
+    path = tiny_model("llama-gqa4-tied")
+    with tiny_llm(path) as one:
+        greedy, sampled = tokens(one, GREEDY), tokens(one, SAMPLED)
+    with tiny_llm(path, data_parallel_size=2, pipeline_parallel_size=2) as four:
+        assert tokens(four, GREEDY) == greedy
+        assert tokens(four, SAMPLED) == sampled
+        pids = children_of(os.getpid())
+        assert len(pids) >= 2  # the replicas (each starting its second stage)
+    assert all(gone(pid) for pid in pids)
+
+
 @pytest.mark.parametrize(
     ("name", "knobs"),
     [("llama-gqa4-tied", {}), ("qwen3moe-e4-top2", {"enable_expert_parallel": True})],
