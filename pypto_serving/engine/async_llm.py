@@ -408,9 +408,10 @@ class AsyncLLM:
         work = asyncio.to_thread(transfer.pull, params, layout, geometry, add.prompt_token_ids)
         try:
             add.handoff = await asyncio.wait_for(work, transfer.timeout_s)
-        except (TransferFailed, TimeoutError) as e:
-            transfer.failed += isinstance(e, TimeoutError)
-            why = str(e) or f"no answer in {transfer.timeout_s:g} s"
+        except Exception as e:  # whatever failed, the request is not lost to it
+            if not isinstance(e, TransferFailed):  # (a failed read counts itself)
+                transfer.failed += 1
+            why = str(e) or f"{type(e).__name__}, after {transfer.timeout_s:g} s"
             log.warning(
                 "request %s: the prompt's KV was not read (%s): computing it here",
                 add.request_id,

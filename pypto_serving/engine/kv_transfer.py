@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -88,12 +89,14 @@ class KVTransfer:
     ) -> None:
         if role not in ROLES:
             raise PyptoError(f"disaggregation mode must be one of {', '.join(ROLES)}", "role")
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # it logs every connection at INFO
         try:
             from mooncake.engine import TransferEngine  # type: ignore[import-untyped,import-not-found,unused-ignore]
         except ImportError as e:
             raise PyptoError(
                 "disaggregated serving needs Mooncake's Transfer Engine: pip install "
-                "'pypto-serving[remote]' (the mooncake-transfer-engine-non-cuda package)"
+                "'pypto-serving[remote]' (the mooncake-transfer-engine-non-cuda package) and "
+                f"Debian's libibverbs1, which it links even for TCP ({e})"
             ) from e
         self.role, self.timeout_s = role, timeout_s
         self.host = host or local_address()
