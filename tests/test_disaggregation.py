@@ -331,3 +331,34 @@ def test_forwarded_prompt_token_ids_are_the_prompt(tiny_model) -> None:
                 json=chat | {"kv_transfer_params": {"prompt_token_ids": bad}},
             )
             assert r.status_code == 400 and "prompt_token_ids" in r.text
+
+
+def test_the_router_sends_a_prompt_to_the_prefill_server_that_cached_its_prefix(tiny_model):
+    path = tiny_model("llama-gqa4-tied")
+    transfers = [KVTransfer(role, "127.0.0.1") for role in ("prefill", "prefill", "decode")]
+    with contextlib.ExitStack() as stack:
+        llms = [stack.enter_context(tiny_llm(path)) for _ in range(3)]
+        a, b, d = (
+            stack.enter_context(serving(llm, transfer=t))
+            for llm, t in zip(llms, transfers, strict=True)
+        )
+        router = stack.enter_context(routing([a.url, b.url], [d.url]))
+        stem = PROMPTS[3][:64]
+        body = {"model": "tiny", "max_tokens": 2, "temperature": 0}
+        for i in range(6):  # the stem, then the stem with a different tail each time
+            r = httpx.post(router + "/v1/completions", json=body | {"prompt": stem + [7 + i] * i})
+            assert r.status_code == 200, r.text
+        hits = [llm.engine.stats().prefix_hits for llm in llms[:2]]
+        served = [llm.engine.stats().prefix_queries for llm in llms[:2]]
+        assert sorted(hits) == [0, 5 * 64] and min(served) == 0  # one server took all six
+        metrics = httpx.get(router + "/metrics").text
+        assert "pypto_router_prefix_tokens_total 320.0" in metrics  # 5 x 4 pages of 16
+        # a text prompt is tokenized by a prefill server first, and follows its prefix too
+        words = "the quick brown fox jumps over the lazy dog " * 8
+        for tail in ("", "paris", "hello world"):
+            r = httpx.post(router + "/v1/completions", json=body | {"prompt": words + tail})
+            assert r.status_code == 200
+        queries = [llm.engine.stats().prefix_queries for llm in llms[:2]]
+        assert sorted(q - s for q, s in zip(queries, served, strict=True))[0] == 0
+    for t in transfers:
+        t.close()

@@ -12,8 +12,14 @@ through. The decode server reads the KV from the prefill server itself
     client ──▶ router ──1──▶ prefill server  (prompt, token 1, KV kept for the read)
                       ──2──▶ decode server   (reads the KV, goes on, streams) ──▶ client
 
-Each role's server is the one with the fewest requests in flight from this router (ties in
-turn). A server that cannot be reached, or answers 5xx, is taken out for `retry_s` and the
+A prefill server is chosen by the prefix it probably caches (Mooncake's cache-aware
+scheduling): the router remembers the pages (of ROUTER_PAGE tokens, as hash chains) of every
+prompt each prefill server computed for it, learns a new request's tokens from a prefill
+server's /tokenize (a prompt of ids needs none), and sends it to the server holding the
+longest run of its leading pages; then, as for decode servers, the one with the fewest
+requests in flight from this router (ties in turn).
+
+A server that cannot be reached, or answers 5xx, is taken out for `retry_s` and the
 request goes to another of its role; with no prefill server left, the decode server computes
 the prompt itself; with no decode server, the request is a 503 naming the servers. A
 request a handoff cannot carry (n > 1, best_of, beam search, prompt logprobs, echo) goes to
@@ -24,10 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +51,17 @@ log = logging.getLogger(__name__)
 
 FORWARDED_HEADERS = ("authorization", "x-request-id")
 """Request headers passed on to the servers (the API key, the request id)."""
+ROUTER_PAGE = 16
+"""Tokens a page of the router's prefix estimate covers."""
+TEMPLATE_FIELDS = (
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "chat_template",
+)
+"""A chat request's fields that decide its prompt's tokens (what /tokenize is given)."""
 
 
 @dataclass(slots=True)
@@ -53,10 +72,33 @@ class Backend:
     role: str
     in_flight: int = 0
     down_until: float = 0.0
+    pages: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    """The page hashes of the prompts it computed for this router (an LRU): what its prefix
+    cache probably holds."""
 
     @property
     def up(self) -> bool:
         return time.monotonic() >= self.down_until
+
+    def held(self, chain: list[bytes]) -> int:
+        """How many leading pages of a prompt's chain it probably caches."""
+        n = 0
+        while n < len(chain) and chain[n] in self.pages:
+            n += 1
+        return n
+
+
+def page_chain(token_ids: list[int], salt: str | None) -> list[bytes]:
+    """A prompt's full pages of ROUTER_PAGE tokens as a chain of hashes (each covers its
+    tokens, all before them and the cache salt, as a server's prefix cache keys its pages)."""
+    chain, parent = [], (salt or "").encode()
+    for start in range(0, len(token_ids) - ROUTER_PAGE + 1, ROUTER_PAGE):
+        data = b"".join(
+            t.to_bytes(4, "little", signed=True) for t in token_ids[start : start + ROUTER_PAGE]
+        )
+        parent = hashlib.blake2b(parent + data, digest_size=16).digest()
+        chain.append(parent)
+    return chain
 
 
 @dataclass(slots=True)
@@ -67,6 +109,8 @@ class RouterConfig:
     port: int = 8000
     retry_s: float = 10.0
     """How long a server that failed stays out of the rotation."""
+    prefix_pages: int = 1 << 16
+    """Pages of ROUTER_PAGE tokens remembered per prefill server (its prefix estimate)."""
     timeout_s: float = 600.0
     """The longest a server may take to answer (a whole non-streamed response)."""
 
@@ -106,6 +150,11 @@ class Router:
             ["role", "server"],
             registry=self.registry,
         )
+        self.prefix_tokens = Counter(
+            "pypto_router_prefix_tokens",
+            "Prompt tokens sent to a prefill server that probably cached them already",
+            registry=self.registry,
+        )
         self.fallbacks = Counter(
             "pypto_router_colocated",
             "Requests a decode server computed whole (no prefill server, or a request a "
@@ -113,13 +162,25 @@ class Router:
             registry=self.registry,
         )
 
-    def pick(self, role: str, tried: set[str]) -> Backend | None:
-        """The up server of `role` with the fewest requests in flight, not yet tried."""
+    def pick(self, role: str, tried: set[str], chain: list[bytes] | None = None) -> Backend | None:
+        """The up server of `role` not yet tried that holds the longest prefix of `chain` (a
+        prompt's page hashes: `page_chain`), then with the fewest requests in flight."""
         turn = next(self._turn)
         servers = self.backends[role]
         order = servers[turn % len(servers) :] + servers[: turn % len(servers)] if servers else []
         up = [b for b in order if b.up and b.url not in tried]
-        return min(up, key=lambda b: b.in_flight) if up else None
+        if not up:
+            return None
+        return min(up, key=lambda b: (-b.held(chain or []), b.in_flight))
+
+    def sent(self, backend: Backend, chain: list[bytes]) -> None:
+        """The server computed a prompt of these pages: it caches them (as far as anyone
+        knows until they age out of its estimate)."""
+        for page in chain:
+            backend.pages[page] = None
+            backend.pages.move_to_end(page)
+        while len(backend.pages) > self.config.prefix_pages:
+            backend.pages.popitem(last=False)
 
     def failed(self, backend: Backend, why: str) -> None:
         backend.down_until = time.monotonic() + self.config.retry_s
@@ -172,13 +233,39 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     app = FastAPI(title="pypto router", lifespan=lifespan)
     app.state.router = router
 
+    async def prompt_ids(body: dict[str, Any], headers: dict[str, str]) -> list[int] | None:
+        """The request's prompt tokens, as a prefill server's /tokenize renders them (None:
+        none answered, or the prompt is not one text or one list of ids)."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return prompt
+        if isinstance(prompt, str):
+            ask: dict[str, Any] = {"prompt": prompt}
+        elif "messages" in body:
+            ask = {k: body[k] for k in TEMPLATE_FIELDS if k in body}
+        else:
+            return None
+        backend = router.pick("prefill", set())
+        if backend is None:
+            return None
+        try:
+            r = await client.post(backend.url + "/tokenize", json=ask, headers=headers)
+            ids = r.json().get("tokens") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        return ids if isinstance(ids, list) else None
+
     async def prefill(
         body: dict[str, Any], path: str, headers: dict[str, str]
     ) -> dict[str, Any] | Response | None:
-        """The handoff's kv_transfer_params from a prefill server; a Response to give the
-        client as it is (the request is bad: a 4xx); None when no prefill server answered."""
+        """The handoff's kv_transfer_params from a prefill server (the one that probably
+        caches the longest prefix of the prompt); a Response to give the client as it is
+        (the request is bad: a 4xx); None when no prefill server answered."""
+        ids = await prompt_ids(body, headers)
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        chain = page_chain(ids, salt) if ids is not None else []
         tried: set[str] = set()
-        while (backend := router.pick("prefill", tried)) is not None:
+        while (backend := router.pick("prefill", tried, chain)) is not None:
             tried.add(backend.url)
             backend.in_flight += 1
             router.in_flight.labels("prefill", backend.url).inc()
@@ -197,8 +284,14 @@ def build_router_app(config: RouterConfig) -> FastAPI:
                 router.requests.labels("prefill", backend.url, "refused").inc()
                 return Response(r.content, r.status_code, media_type="application/json")
             router.requests.labels("prefill", backend.url, "ok").inc()
+            router.prefix_tokens.inc(backend.held(chain) * ROUTER_PAGE)
             params = r.json().get("kv_transfer_params")
-            return params if isinstance(params, dict) else None
+            if not isinstance(params, dict):
+                return None
+            computed = params.get("prompt_token_ids")
+            if isinstance(computed, list):  # what it now caches
+                router.sent(backend, page_chain(computed, salt))
+            return params
         return None
 
     async def decode(body: dict[str, Any], path: str, headers: dict[str, str]) -> Response:
