@@ -29,7 +29,7 @@ from pypto_serving.executor.paged import PagedExecutor
 from pypto_serving.grammar import Grammars
 from pypto_serving.kv.events import KVEvent, KVEventLog
 from pypto_serving.kv.groups import KVGroups
-from pypto_serving.kv.handoff import Handoff, PageGeometry
+from pypto_serving.kv.handoff import Handoff, PageGeometry, packed
 from pypto_serving.kv.paged_attention import StepProgress
 from pypto_serving.kv.tier import TierStats, merge_tier_stats
 from pypto_serving.models.config import load_model_config
@@ -376,7 +376,8 @@ class EngineCore:
             if not r.export_kv or first is None or first.error is not None or kv is None:
                 continue
             state = None if r.generator is None else bytes(r.generator.get_state().numpy())
-            r.handoff = Handoff(kv.export(r, len(r.prompt_token_ids)), first, state)
+            buffer, groups = packed(kv.export(r, len(r.prompt_token_ids)))  # before it is freed
+            r.handoff = Handoff(groups, first, state, buffer)
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> list[Request]:
         return self.scheduler.abort(request_ids, reason)

@@ -2,12 +2,13 @@
 
 A prefill server (`--disaggregation-mode prefill`) computes a request's prompt and samples its
 first token; the engine then hands off (`kv.handoff.Handoff`) every KV group's pages of the
-prompt, that token and the sampler's state. `KVTransfer.offer` packs the pages into one buffer,
-registers it with the Transfer Engine and answers with `kv_transfer_params`: where the buffer
-is, how it is cut, and the token. The router passes those to a decode server
-(`--disaggregation-mode decode`), whose `KVTransfer.pull` reads the buffer from the prefill
-server's memory (TCP here, RDMA where the Transfer Engine finds a device), marks it read (a
-write into the buffer's last bytes, which frees it there) and gives the engine its handoff:
+prompt, copied once into one buffer before they are freed, that token and the sampler's state.
+`KVTransfer.offer` registers the buffer with the Transfer Engine and answers with
+`kv_transfer_params`: where the buffer is, how it is cut, and the token. The router passes
+those to a decode server (`--disaggregation-mode decode`), whose `KVTransfer.pull` reads the
+buffer from the prefill server's memory (TCP here, RDMA where the Transfer Engine finds a
+device), marks it read (a write into the offer's read flag, which frees it there) and gives
+the engine its handoff:
 the request is then admitted as a swapped-out one is, its KV written into device pages, and it
 decodes from the first token on.
 
@@ -41,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from pypto_serving.errors import PyptoError
-from pypto_serving.kv.handoff import GroupKV, Handoff, PageGeometry, num_bytes, pack, unpack
+from pypto_serving.kv.handoff import GroupKV, Handoff, PageGeometry, num_bytes, packed, unpack
 from pypto_serving.ops.sampler import Sampled
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,9 @@ def local_address() -> str:
 @dataclass(slots=True)
 class _Offer:
     buffer: np.ndarray
-    """The packed pages, then ACK_BYTES the reader sets."""
+    """The packed pages."""
+    read: np.ndarray
+    """ACK_BYTES the reader sets once it has read them."""
     expires: float
 
 
@@ -136,13 +139,16 @@ class KVTransfer:
         """Keep the handoff's pages where a decode server can read them (until it has, or
         for `timeout_s`); returns the `kv_transfer_params` that tell it how."""
         self.sweep()
-        size = sum(t.numel() * t.element_size() for g in handoff.groups for p in g.pages for t in p)
-        buffer = np.zeros(size + ACK_BYTES, dtype=np.uint8)
-        pack(handoff.groups, buffer[:size])
+        buffer = handoff.buffer
+        if buffer is None:  # pages the engine did not pack
+            buffer, _ = packed(handoff.groups)
+        size = buffer.size
+        read = np.zeros(ACK_BYTES, dtype=np.uint8)
         self._register(buffer)
+        self._register(read)
         transfer_id = uuid.uuid4().hex
         with self._lock:
-            self._offers[transfer_id] = _Offer(buffer, time.monotonic() + self.timeout_s)
+            self._offers[transfer_id] = _Offer(buffer, read, time.monotonic() + self.timeout_s)
         self.offered += 1
         first = handoff.first
         state = handoff.generator_state
@@ -155,6 +161,7 @@ class KVTransfer:
             "transfer_id": transfer_id,
             "buffer": int(buffer.ctypes.data),
             "num_bytes": size,
+            "read_flag": int(read.ctypes.data),
             "layout": layout,
             "prompt": prompt_digest(prompt_token_ids),
             "prompt_token_ids": list(prompt_token_ids),
@@ -173,14 +180,11 @@ class KVTransfer:
         """Free the offers a decode server has read, and those nobody read in time."""
         now = time.monotonic()
         with self._lock:
-            done = [
-                tid
-                for tid, o in self._offers.items()
-                if o.buffer[-ACK_BYTES:].any() or now > o.expires
-            ]
+            done = [tid for tid, o in self._offers.items() if o.read.any() or now > o.expires]
             offers = [self._offers.pop(tid) for tid in done]
         for o in offers:
             self._unregister(o.buffer)
+            self._unregister(o.read)
 
     @property
     def num_offers(self) -> int:
@@ -201,6 +205,7 @@ class KVTransfer:
         try:
             host, port = str(params["remote_host"]), int(params["remote_port"])
             remote, size = int(params["buffer"]), int(params["num_bytes"])
+            flag = int(params["read_flag"])
             shapes = [(str(n), int(t), int(r), int(c)) for n, t, r, c in params["groups"]]
             first = params["first_token"]
             top = first.get("top_logprobs")
@@ -231,7 +236,7 @@ class KVTransfer:
         if rc != 0:
             self.failed += 1
             raise TransferFailed(f"reading {size} bytes from {session} failed ({rc})")
-        self.engine.transfer_sync_write(session, self._read.ctypes.data, remote + size, ACK_BYTES)
+        self.engine.transfer_sync_write(session, self._read.ctypes.data, flag, ACK_BYTES)
         self.pulled += 1
         try:
             groups = unpack(buffer, shapes, geometry)
@@ -244,3 +249,4 @@ class KVTransfer:
             offers, self._offers = list(self._offers.values()), {}
         for o in offers:
             self._unregister(o.buffer)
+            self._unregister(o.read)

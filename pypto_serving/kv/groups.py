@@ -153,7 +153,8 @@ class KVGroups:
         return out
 
     def export(self, request: Request, num_tokens: int) -> list[GroupKV]:
-        """Every group's copies of the pages of the request's first `num_tokens` tokens."""
+        """Every group's pages of the request's first `num_tokens` tokens (views of the
+        device pages: copy them before the request is freed)."""
         return [m.export(request, num_tokens) for m in self.managers]
 
     def receive(self, request: Request, groups: list[GroupKV]) -> None:

@@ -42,6 +42,9 @@ class Handoff:
     """The first output token, sampled by the prefill server (with its logprobs, if asked)."""
     generator_state: bytes | None = None
     """The request's seeded generator after that token (None: unseeded)."""
+    buffer: np.ndarray | None = None
+    """The groups' pages as one buffer (`packed`; the pages are views of it), ready to be
+    sent as it is."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -73,6 +76,26 @@ def pack(groups: list[GroupKV], out: np.ndarray) -> None:
                 out[at : at + flat.size] = flat
                 at += flat.size
     assert at == out.size, f"packed {at} bytes into a buffer of {out.size}"
+
+
+def packed(groups: list[GroupKV]) -> tuple[np.ndarray, list[GroupKV]]:
+    """The groups' pages copied into one buffer (as `pack` lays them out), and the groups
+    again with their pages as views of it: one copy, where the pages go on being read."""
+    size = sum(t.numel() * t.element_size() for g in groups for p in g.pages for t in p)
+    buffer = np.empty(size, dtype=np.uint8)
+    pack(groups, buffer)
+    data, at, out = torch.from_numpy(buffer), 0, []
+    for g in groups:
+        pages = []
+        for page in g.pages:
+            views = []
+            for t in page:
+                n = t.numel() * t.element_size()
+                views.append(data[at : at + n].view(t.dtype).view(t.shape))
+                at += n
+            pages.append(tuple(views))
+        out.append(GroupKV(g.name, g.num_tokens, g.released, pages))
+    return buffer, out
 
 
 def unpack(

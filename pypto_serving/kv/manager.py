@@ -285,15 +285,13 @@ class KVManager:
     # --- handing a request's KV to another server (disaggregated prefill and decode) --------
 
     def export(self, request: Request, num_tokens: int) -> GroupKV:
-        """Copies of the pages that hold the request's first `num_tokens` tokens (those its
-        window still holds): what `receive` takes on another server."""
+        """The pages that hold the request's first `num_tokens` tokens (those its window still
+        holds), as views of the device pages (to be copied before they are freed): what
+        `receive` takes on another server."""
         table = self.tables[request.request_id]
         end = -(-num_tokens // self.page_size)
         assert len(table.pages) >= end, "the request's pages hold fewer tokens"
-        pages = [
-            tuple(t.clone() for t in self.pool.cache.read_page(p))
-            for p in table.pages[table.released : end]
-        ]
+        pages = [self.pool.cache.read_page(p) for p in table.pages[table.released : end]]
         return GroupKV(self.name, num_tokens, min(table.released, end), pages)
 
     def receive(self, request: Request, group: GroupKV) -> None:
