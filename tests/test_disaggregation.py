@@ -245,6 +245,11 @@ def test_the_router_serves_prefill_and_decode_servers_as_one(tiny_model) -> None
         assert d_llm.engine.stats().prompt_tokens == 0  # every prompt came from the prefill
         metrics = httpx.get(router + "/metrics").text
         assert 'pypto_router_requests_total{outcome="ok",role="prefill"' in metrics
+        models = httpx.get(router + "/v1/models")
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+        health = httpx.get(router + "/health")
+        assert health.status_code == 200
+        assert health.json()["servers"] == {p.url: "ok", d.url: "ok"}
         # a request asking a server for another role's work is told what to start
         body = {"prompt": [5, 6], "max_tokens": 2}
         r = httpx.post(d.url + "/v1/completions", json=body | {"kv_transfer_params": PREFILL})
@@ -268,9 +273,13 @@ def test_the_router_serves_prefill_and_decode_servers_as_one(tiny_model) -> None
         metrics = httpx.get(router + "/metrics").text
         assert 'pypto_router_requests_total{outcome="failed",role="prefill"' in metrics
         assert "pypto_router_colocated_total 4.0" in metrics
+        health = httpx.get(router + "/health")  # still serving: its decode server is up
+        assert health.status_code == 200 and health.json()["servers"][p.url] == "down"
     with routing(["http://127.0.0.1:9"], ["http://127.0.0.1:9"]) as router:  # nobody there
         r = httpx.post(router + "/v1/completions", json={"prompt": [5], "max_tokens": 2})
         assert r.status_code == 503 and "no decode server" in r.json()["error"]["message"]
+        assert httpx.get(router + "/health").status_code == 503
+        assert httpx.get(router + "/v1/models").status_code == 503
     gets.close()
 
 
