@@ -256,6 +256,10 @@ def test_the_router_serves_prefill_and_decode_servers_as_one(tiny_model) -> None
         assert r.status_code == 400 and "--disaggregation-mode prefill" in r.text
         r = httpx.post(router + "/v1/completions", json=body | {"kv_transfer_params": {}})
         assert r.status_code == 400 and "router" in r.text
+        # several prompts, or n > 1: the decode server alone answers them whole
+        for extra in ({"prompt": [PROMPTS[0], PROMPTS[1]]}, {"prompt": "a b", "n": 2}):
+            r = httpx.post(router + "/v1/completions", json=body | extra)
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
         # a handoff that cannot be read (its prefill server gone after offering it): the
         # decode server computes the prompt itself
         body = {"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
@@ -272,7 +276,7 @@ def test_the_router_serves_prefill_and_decode_servers_as_one(tiny_model) -> None
         assert asyncio.run(answers(router, False, True)) == want
         metrics = httpx.get(router + "/metrics").text
         assert 'pypto_router_requests_total{outcome="failed",role="prefill"' in metrics
-        assert "pypto_router_colocated_total 4.0" in metrics
+        assert "pypto_router_colocated_total 6.0" in metrics
         health = httpx.get(router + "/health")  # still serving: its decode server is up
         assert health.status_code == 200 and health.json()["servers"][p.url] == "down"
     with routing(["http://127.0.0.1:9"], ["http://127.0.0.1:9"]) as router:  # nobody there

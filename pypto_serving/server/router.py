@@ -22,8 +22,8 @@ requests in flight from this router (ties in turn).
 A server that cannot be reached, or answers 5xx, is taken out for `retry_s` and the
 request goes to another of its role; with no prefill server left, the decode server computes
 the prompt itself; with no decode server, the request is a 503 naming the servers. A
-request a handoff cannot carry (n > 1, best_of, beam search, prompt logprobs, echo) goes to
-a decode server alone. The router's own counters are at /metrics.
+request a handoff cannot carry (several prompts, n > 1, best_of, beam search, prompt
+logprobs, echo) goes to a decode server alone. The router's own counters are at /metrics.
 """
 
 from __future__ import annotations
@@ -195,9 +195,12 @@ class Router:
 
 
 def carries(body: dict[str, Any]) -> bool:
-    """Whether a handoff can carry this request (one sample, no prompt scores)."""
+    """Whether a handoff can carry this request (one prompt, one sample, no prompt scores)."""
+    prompt = body.get("prompt")
+    batch = isinstance(prompt, list) and any(not isinstance(p, int) for p in prompt)
     return (
-        body.get("n", 1) in (1, None)
+        not batch
+        and body.get("n", 1) in (1, None)
         and body.get("best_of") in (None, 1)
         and not body.get("use_beam_search")
         and body.get("prompt_logprobs") is None
