@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -129,7 +130,19 @@ def some_handoff() -> Handoff:
     return Handoff([GroupKV("gqa", 10, 0, pages)], Sampled(5, -0.5, {5: -0.5, 7: -1.0}), b"st")
 
 
+def listening_sockets() -> set[str]:
+    """This machine's listening TCP sockets (local address:port, as /proc/net shows them)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":
+                found.add(fields[1])
+    return found
+
+
 def test_a_handoff_crosses_the_transfer_engine_once_and_is_freed() -> None:
+    before = listening_sockets()
     prefill, decode = KVTransfer("prefill", "127.0.0.1"), KVTransfer("decode", "127.0.0.1")
     try:
         sent = some_handoff()
@@ -156,9 +169,12 @@ def test_a_handoff_crosses_the_transfer_engine_once_and_is_freed() -> None:
         with pytest.raises(TransferFailed, match="failed"):
             decode.pull(params, "layout", GEOMETRY, [1, 2, 3])
         assert time.monotonic() - start < patience(10)
+        with pytest.raises(TransferFailed, match="closed"):
+            prefill.offer(sent, "layout", [1, 2, 3])
     finally:
         prefill.close()
         decode.close()
+    assert listening_sockets() <= before  # closed, the Transfer Engines listen no more
 
 
 def test_an_offer_nobody_reads_is_freed_after_its_timeout() -> None:
@@ -266,6 +282,8 @@ def test_the_router_serves_prefill_and_decode_servers_as_one(tiny_model) -> None
         offered = httpx.post(p.url + "/v1/completions", json=body | {"kv_transfer_params": PREFILL})
         params = offered.json()["kv_transfer_params"]
         sends.close()
+        again = httpx.post(p.url + "/v1/completions", json=body | {"kv_transfer_params": PREFILL})
+        assert again.status_code == 200 and "kv_transfer_params" not in again.json()  # none
         r = httpx.post(d.url + "/v1/completions", json=body | {"kv_transfer_params": params})
         want = httpx.post(alone.url + "/v1/completions", json=body).json()["choices"][0]["text"]
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want

@@ -542,7 +542,11 @@ class AsyncLLM:
         if handoff is None or self.transfer is None:
             return None
         layout, _ = self._kv_layout()
-        return self.transfer.offer(handoff, layout, request.prompt_token_ids)
+        try:
+            return self.transfer.offer(handoff, layout, request.prompt_token_ids)
+        except TransferFailed as e:  # no handoff: the decode server computes the prompt
+            log.warning("request %s: its KV is not offered (%s)", request.request_id, e)
+            return None
 
     def _dispatch(self, updates: list[tuple[str, GenerationUpdate | RequestFailedError]]) -> None:
         now = time.monotonic()

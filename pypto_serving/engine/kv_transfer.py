@@ -103,7 +103,7 @@ class KVTransfer:
             ) from e
         self.role, self.timeout_s = role, timeout_s
         self.host = host or local_address()
-        self.engine = TransferEngine()
+        self.engine: Any = TransferEngine()
         if self.engine.initialize(self.host, "P2PHANDSHAKE", protocol, "") != 0:
             raise PyptoError(f"the Transfer Engine did not start on {self.host} ({protocol})")
         self.port = int(self.engine.get_rpc_port())
@@ -126,12 +126,19 @@ class KVTransfer:
     def receives(self) -> bool:
         return self.role in ("decode", "both")
 
+    def _live(self) -> Any:
+        """The Transfer Engine; TransferFailed once closed."""
+        if self.engine is None:
+            raise TransferFailed("the Transfer Engine is closed")
+        return self.engine
+
     def _register(self, buffer: np.ndarray) -> None:
-        if self.engine.register_memory(buffer.ctypes.data, buffer.nbytes) != 0:
+        if self._live().register_memory(buffer.ctypes.data, buffer.nbytes) != 0:
             raise TransferFailed(f"registering {buffer.nbytes} bytes with the Transfer Engine")
 
     def _unregister(self, buffer: np.ndarray) -> None:
-        self.engine.unregister_memory(buffer.ctypes.data)
+        if self.engine is not None:
+            self.engine.unregister_memory(buffer.ctypes.data)
 
     # --- the prefill server's side ---------------------------------------------------------
 
@@ -230,13 +237,13 @@ class KVTransfer:
         session = f"{host}:{port}"
         self._register(buffer)
         try:
-            rc = self.engine.transfer_sync_read(session, buffer.ctypes.data, remote, size)
+            rc = self._live().transfer_sync_read(session, buffer.ctypes.data, remote, size)
         finally:
             self._unregister(buffer)
         if rc != 0:
             self.failed += 1
             raise TransferFailed(f"reading {size} bytes from {session} failed ({rc})")
-        self.engine.transfer_sync_write(session, self._read.ctypes.data, flag, ACK_BYTES)
+        self._live().transfer_sync_write(session, self._read.ctypes.data, flag, ACK_BYTES)
         self.pulled += 1
         try:
             groups = unpack(buffer, shapes, geometry)
@@ -245,8 +252,11 @@ class KVTransfer:
         return Handoff(groups, sampled, generator_state)
 
     def close(self) -> None:
+        """Free every offer and stop the Transfer Engine (its listening sockets close with
+        it); later offers and reads fail with TransferFailed."""
         with self._lock:
             offers, self._offers = list(self._offers.values()), {}
         for o in offers:
             self._unregister(o.buffer)
             self._unregister(o.read)
+        self.engine = None
