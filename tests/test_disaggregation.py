@@ -29,7 +29,15 @@ from patience import patience
 from pypto_serving import SamplingParams
 from pypto_serving.engine.kv_transfer import KVTransfer, TransferFailed
 from pypto_serving.engine.llm import LLM
-from pypto_serving.kv.handoff import GroupKV, Handoff, PageGeometry, num_bytes, pack, unpack
+from pypto_serving.kv.handoff import (
+    GroupKV,
+    Handoff,
+    PageGeometry,
+    counts,
+    num_bytes,
+    pack,
+    unpack,
+)
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.server.router import RouterConfig, build_router_app
 
@@ -56,10 +64,10 @@ def handed_over(prefill: LLM, decode: LLM, prompt: list[int], params: SamplingPa
     assert handoff is not None and family.children[0].finish_reason == "length"
     layout, geometry = decode.engine.kv_layout()
     assert prefill.engine.kv_layout()[0] == layout
-    buffer = np.zeros(num_bytes(handoff.groups, geometry), dtype=np.uint8)
+    buffer = np.zeros(num_bytes(counts(handoff.groups), geometry), dtype=np.uint8)
     pack(handoff.groups, buffer)
-    shapes = [(g.name, g.num_tokens, g.released, len(g.pages)) for g in handoff.groups]
-    return Handoff(unpack(buffer, shapes, geometry), handoff.first, handoff.generator_state)
+    groups = unpack(buffer, counts(handoff.groups), geometry)
+    return Handoff(groups, handoff.first, handoff.generator_state)
 
 
 def decoded(decode: LLM, prompts: list[list[int]], handoffs: list[Handoff], params: Any) -> list:

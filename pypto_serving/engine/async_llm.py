@@ -192,6 +192,7 @@ class AsyncLLM:
         self.limits = limits
         self.transfer = transfer
         self._pulls: set[asyncio.Task[None]] = set()
+        self._layout: tuple[str, list[PageGeometry]] | None = None
         parallel = llm.engine.config.parallel
         self.running_capacity = llm.engine.config.scheduler.max_num_seqs * (
             parallel.data_parallel_size
@@ -395,6 +396,7 @@ class AsyncLLM:
             )
         if params.n != 1:
             raise PyptoError("a request handed between prefill and decode servers takes n=1", "n")
+        self._kv_layout()  # one engine with paged KV, or a PyptoError saying so
         if pull and params.prompt_logprobs is not None:  # they are computed with the prompt
             return False, None
         return export, kv_transfer if pull else None
@@ -530,10 +532,13 @@ class AsyncLLM:
         return updates
 
     def _kv_layout(self) -> tuple[str, list[PageGeometry]]:
-        engine = self.engine
-        if not isinstance(engine, EngineCore):  # refused when the config is read
-            raise PyptoError("disaggregated serving runs one engine (data_parallel_size 1)")
-        return engine.kv_layout()
+        """The engine's KV layout, as handoffs check it (read once: it never changes)."""
+        if self._layout is None:
+            engine = self.engine
+            if not isinstance(engine, EngineCore):  # refused when the config is read
+                raise PyptoError("disaggregated serving runs one engine (data_parallel_size 1)")
+            self._layout = engine.kv_layout()
+        return self._layout
 
     def _offer(self, request: Request) -> dict[str, Any] | None:
         """A prefill server's finished request: its handoff offered to decode servers (on

@@ -345,20 +345,23 @@ class EngineCore:
                 return
         self.scheduler.add(request)
 
+    def _paged_kv(self) -> KVGroups:
+        """The paged executor's KV groups: what handoffs between servers move."""
+        if not isinstance(self.executor, PagedExecutor):
+            raise PyptoError("disaggregated serving needs the paged executor")
+        return self.executor.kv
+
     def kv_layout(self) -> tuple[str, list[PageGeometry]]:
         """What a handoff between servers must agree on: the KV's layout digest, and how each
         group's page reads (`KVGroups.layout_digest`, `geometry`)."""
-        if not isinstance(self.executor, PagedExecutor):
-            raise PyptoError("disaggregated serving needs the paged executor")
-        kv = self.executor.kv
+        kv = self._paged_kv()
         return kv.layout_digest, kv.geometry()
 
     def _receive(self, request: Request, handoff: Handoff) -> None:
         """Go on from where a prefill server stopped: its first token appended (the grammar
         and stop conditions see it as if sampled here), the sampler's state, and the prompt's
         KV held until the request is admitted (as a swapped request's)."""
-        kv = self.executor.kv if isinstance(self.executor, PagedExecutor) else None
-        assert kv is not None, "a handoff needs the paged executor"
+        kv = self._paged_kv()
         if handoff.generator_state is not None and request.generator is not None:
             state = torch.frombuffer(bytearray(handoff.generator_state), dtype=torch.uint8)
             request.generator.set_state(state)
@@ -370,11 +373,11 @@ class EngineCore:
     def _export(self, out: SchedulerOutput, sampled: dict[str, Sampled]) -> None:
         """A prefill server's requests whose first token was sampled in this step: their
         prompt's KV, that token and the sampler's state, handed off (`Request.handoff`)."""
-        kv = self.executor.kv if isinstance(self.executor, PagedExecutor) else None
         for s in out.scheduled:
             r, first = s.request, sampled.get(s.request.request_id)
-            if not r.export_kv or first is None or first.error is not None or kv is None:
+            if not r.export_kv or first is None or first.error is not None:
                 continue
+            kv = self._paged_kv()
             state = None if r.generator is None else bytes(r.generator.get_state().numpy())
             buffer, groups = packed(kv.export(r, len(r.prompt_token_ids)))  # before it is freed
             r.handoff = Handoff(groups, first, state, buffer)

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from pypto_serving.errors import PyptoError
-from pypto_serving.kv.handoff import GroupKV, Handoff, PageGeometry, num_bytes, packed, unpack
+from pypto_serving.kv.handoff import Handoff, PageGeometry, counts, num_bytes, packed, unpack
 from pypto_serving.ops.sampler import Sampled
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class KVTransfer:
             "layout": layout,
             "prompt": prompt_digest(prompt_token_ids),
             "prompt_token_ids": list(prompt_token_ids),
-            "groups": [[g.name, g.num_tokens, g.released, len(g.pages)] for g in handoff.groups],
+            "groups": counts(handoff.groups),
             "first_token": {
                 "token_id": first.token_id,
                 "logprob": first.logprob,
@@ -230,8 +230,7 @@ class KVTransfer:
             raise TransferFailed("the prefill server's KV layout (model, dtype, pages) differs")
         if prompt != prompt_digest(prompt_token_ids):
             raise TransferFailed("the prefill server computed other prompt tokens")
-        expected = [GroupKV(n, t, r, [()] * c) for n, t, r, c in shapes]
-        if len(shapes) != len(geometry) or num_bytes(expected, geometry) != size:
+        if len(shapes) != len(geometry) or num_bytes(shapes, geometry) != size:
             raise TransferFailed("the handoff's size does not match this server's KV pages")
         buffer = np.empty(size, dtype=np.uint8)
         session = f"{host}:{port}"

@@ -61,9 +61,18 @@ class PageGeometry:
         return sum(int(np.prod(s)) for s in self.shapes) * item
 
 
-def num_bytes(groups: list[GroupKV], geometry: list[PageGeometry]) -> int:
-    """The packed size of `groups` (by the receiver's geometry)."""
-    return sum(len(g.pages) * geo.page_bytes for g, geo in zip(groups, geometry, strict=True))
+Counts = list[tuple[str, int, int, int]]
+"""Per group: (name, num_tokens, released, pages sent), how a packed buffer is cut."""
+
+
+def counts(groups: list[GroupKV]) -> Counts:
+    """What the receiver needs, beside its own geometry, to cut the groups' packed bytes."""
+    return [(g.name, g.num_tokens, g.released, len(g.pages)) for g in groups]
+
+
+def num_bytes(shapes: Counts, geometry: list[PageGeometry]) -> int:
+    """The packed size of groups of these counts (by the receiver's geometry)."""
+    return sum(c * geo.page_bytes for (_, _, _, c), geo in zip(shapes, geometry, strict=True))
 
 
 def pack(groups: list[GroupKV], out: np.ndarray) -> None:
@@ -84,23 +93,16 @@ def packed(groups: list[GroupKV]) -> tuple[np.ndarray, list[GroupKV]]:
     size = sum(t.numel() * t.element_size() for g in groups for p in g.pages for t in p)
     buffer = np.empty(size, dtype=np.uint8)
     pack(groups, buffer)
-    data, at, out = torch.from_numpy(buffer), 0, []
-    for g in groups:
-        pages = []
-        for page in g.pages:
-            views = []
-            for t in page:
-                n = t.numel() * t.element_size()
-                views.append(data[at : at + n].view(t.dtype).view(t.shape))
-                at += n
-            pages.append(tuple(views))
-        out.append(GroupKV(g.name, g.num_tokens, g.released, pages))
-    return buffer, out
+    geometry = [  # a group that sends no page is cut by nothing
+        PageGeometry(g.name, tuple(tuple(t.shape) for t in g.pages[0]), g.pages[0][0].dtype)
+        if g.pages
+        else PageGeometry(g.name, (), torch.uint8)
+        for g in groups
+    ]
+    return buffer, unpack(buffer, counts(groups), geometry)
 
 
-def unpack(
-    buffer: np.ndarray, shapes: list[tuple[str, int, int, int]], geometry: list[PageGeometry]
-) -> list[GroupKV]:
+def unpack(buffer: np.ndarray, shapes: Counts, geometry: list[PageGeometry]) -> list[GroupKV]:
     """The groups a sender packed into `buffer`; shapes: per group (name, num_tokens,
     released, pages sent), in the receiver's group order. The pages are views of `buffer`."""
     data = torch.from_numpy(buffer)

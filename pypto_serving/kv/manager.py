@@ -297,13 +297,7 @@ class KVManager:
     def receive(self, request: Request, group: GroupKV) -> None:
         """Hold the KV another server computed for the request (`export` there), to be
         written into device pages when the request is admitted, as a swapped request's."""
-        full = group.num_tokens // self.page_size
-        hashes, parent = [], None
-        tokens = request.token_ids
-        for i in range(full):
-            chunk = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
-            parent = hash_page(parent, chunk, request.cache_salt)
-            hashes.append(parent)
+        hashes = [page_hash for page_hash, _ in self._chain(request, group.num_tokens)]
         key = f"{self.name}/received/{request.request_id}"
         entry = _Swapped(key, group.num_tokens, hashes, group.released, group.pages)
         self.swapped[request.request_id] = entry

@@ -59,44 +59,37 @@ inline void transpose(const float* rows, int64_t n, int dim, float* out) {
         for (int d = 0; d < dim; ++d) out[d * n + j] = rows[j * dim + d];
 }
 
-// out[j] = sum over d of q[d] * keys_t[d][first + j], j < n (keys_t: `stride` columns);
-// four dims a pass over out.
-inline void scores_of(const float* q, const float* keys_t, int64_t stride, int64_t first,
-                      int64_t n, int dim, float* __restrict out) {
-    std::fill(out, out + n, 0.0f);
-    int d = 0;
-    for (; d + 4 <= dim; d += 4) {
-        const float q0 = q[d], q1 = q[d + 1], q2 = q[d + 2], q3 = q[d + 3];
-        const float* __restrict k0 = keys_t + d * stride + first;
-        const float* __restrict k1 = k0 + stride;
-        const float* __restrict k2 = k1 + stride;
-        const float* __restrict k3 = k2 + stride;
-        for (int64_t j = 0; j < n; ++j) out[j] += q0 * k0[j] + q1 * k1[j] + q2 * k2[j] + q3 * k3[j];
+// out[i] += sum over r < rows of c[r] * base[r * stride + i], i < n: four rows a pass over
+// out (unit stride, no horizontal sums). Scores are rows of the transposed keys weighted by
+// the query; a weighted sum of values is rows of values weighted by the probabilities.
+inline void add_rows(const float* c, int64_t rows, const float* base, int64_t stride,
+                     int64_t n, float* __restrict out) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+        const float c0 = c[r], c1 = c[r + 1], c2 = c[r + 2], c3 = c[r + 3];
+        const float* __restrict x0 = base + r * stride;
+        const float* __restrict x1 = x0 + stride;
+        const float* __restrict x2 = x1 + stride;
+        const float* __restrict x3 = x2 + stride;
+        for (int64_t i = 0; i < n; ++i) out[i] += c0 * x0[i] + c1 * x1[i] + c2 * x2[i] + c3 * x3[i];
     }
-    for (; d < dim; ++d) {
-        const float qd = q[d];
-        const float* __restrict k = keys_t + d * stride + first;
-        for (int64_t j = 0; j < n; ++j) out[j] += qd * k[j];
+    for (; r < rows; ++r) {
+        const float cr = c[r];
+        const float* __restrict x = base + r * stride;
+        for (int64_t i = 0; i < n; ++i) out[i] += cr * x[i];
     }
 }
 
-// out[d] += sum over j < n of p[j] * values[j][d]; four rows a pass over out.
-inline void add_values(const float* p, const float* values, int64_t n, int dim,
-                       float* __restrict out) {
-    int64_t j = 0;
-    for (; j + 4 <= n; j += 4) {
-        const float p0 = p[j], p1 = p[j + 1], p2 = p[j + 2], p3 = p[j + 3];
-        const float* __restrict v0 = values + j * dim;
-        const float* __restrict v1 = v0 + dim;
-        const float* __restrict v2 = v1 + dim;
-        const float* __restrict v3 = v2 + dim;
-        for (int d = 0; d < dim; ++d) out[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
-    }
-    for (; j < n; ++j) {
-        const float pj = p[j];
-        const float* __restrict v = values + j * dim;
-        for (int d = 0; d < dim; ++d) out[d] += pj * v[d];
-    }
+// out[j] = sum over d of q[d] * keys_t[d][first + j], j < n (keys_t: `stride` columns).
+inline void scores_of(const float* q, const float* keys_t, int64_t stride, int64_t first,
+                      int64_t n, int dim, float* __restrict out) {
+    std::fill(out, out + n, 0.0f);
+    add_rows(q, dim, keys_t + first, stride, n, out);
+}
+
+// out[d] += sum over j < n of p[j] * values[j][d].
+inline void add_values(const float* p, const float* values, int64_t n, int dim, float* out) {
+    add_rows(p, n, values, dim, dim, out);
 }
 
 // e^x for x <= 0 (softmax after subtracting the max): 2^n * e^r with |r| <= ln2 / 2 and a

@@ -182,6 +182,16 @@ class Router:
         while len(backend.pages) > self.config.prefix_pages:
             backend.pages.popitem(last=False)
 
+    def enter(self, backend: Backend) -> None:
+        """A request is in flight at the server from now."""
+        backend.in_flight += 1
+        self.in_flight.labels(backend.role, backend.url).inc()
+
+    def leave(self, backend: Backend) -> None:
+        """The server is done with a request (answered, or failed)."""
+        backend.in_flight -= 1
+        self.in_flight.labels(backend.role, backend.url).dec()
+
     def failed(self, backend: Backend, why: str) -> None:
         backend.down_until = time.monotonic() + self.config.retry_s
         self.requests.labels(backend.role, backend.url, "failed").inc()
@@ -270,16 +280,14 @@ def build_router_app(config: RouterConfig) -> FastAPI:
         tried: set[str] = set()
         while (backend := router.pick("prefill", tried, chain)) is not None:
             tried.add(backend.url)
-            backend.in_flight += 1
-            router.in_flight.labels("prefill", backend.url).inc()
+            router.enter(backend)
             try:
                 r = await client.post(backend.url + path, json=prefill_body(body), headers=headers)
             except httpx.HTTPError as e:
                 router.failed(backend, type(e).__name__)
                 continue
             finally:
-                backend.in_flight -= 1
-                router.in_flight.labels("prefill", backend.url).dec()
+                router.leave(backend)
             if r.status_code >= 500:
                 router.failed(backend, f"HTTP {r.status_code}")
                 continue
@@ -302,20 +310,17 @@ def build_router_app(config: RouterConfig) -> FastAPI:
         tried: set[str] = set()
         while (backend := router.pick("decode", tried)) is not None:
             tried.add(backend.url)
-            backend.in_flight += 1
-            router.in_flight.labels("decode", backend.url).inc()
+            router.enter(backend)
             request = client.build_request("POST", backend.url + path, json=body, headers=headers)
             try:
                 upstream = await client.send(request, stream=True)
             except httpx.HTTPError as e:
-                backend.in_flight -= 1
-                router.in_flight.labels("decode", backend.url).dec()
+                router.leave(backend)
                 router.failed(backend, type(e).__name__)
                 continue
             if upstream.status_code >= 500:
                 await upstream.aclose()
-                backend.in_flight -= 1
-                router.in_flight.labels("decode", backend.url).dec()
+                router.leave(backend)
                 router.failed(backend, f"HTTP {upstream.status_code}")
                 continue
             outcome = "ok" if upstream.status_code < 400 else "refused"
@@ -338,8 +343,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
                     # a whole JSON answer is cut short: its client sees the body end early
                 finally:
                     await upstream.aclose()
-                    b.in_flight -= 1
-                    router.in_flight.labels("decode", b.url).dec()
+                    router.leave(b)
 
             return StreamingResponse(relay(), upstream.status_code, media_type=kind)
         names = ", ".join(b.url for b in router.backends["decode"])
