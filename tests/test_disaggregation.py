@@ -263,10 +263,26 @@ def test_the_router_serves_prefill_and_decode_servers_as_one(tiny_model) -> None
             for stream in (False, True):
                 want = asyncio.run(answers(alone.url, chat, stream))
                 assert asyncio.run(answers(router, chat, stream)) == want, (chat, stream)
-        assert gets.pulled == 4 * len(PROMPTS) and gets.failed == 0
+        assert gets.stats.pulled == 4 * len(PROMPTS) and gets.stats.failed == 0
         sends.sweep()
         assert sends.num_offers == 0  # every handoff read, so freed
         assert d_llm.engine.stats().prompt_tokens == 0  # every prompt came from the prefill
+        pulled = httpx.get(d.url + "/metrics").text  # the decode server's own counters
+        n = 4 * len(PROMPTS)
+        assert 'pypto_prompt_tokens_total{model_name="tiny"} 0.0' in pulled
+        assert f'pypto_kv_transfer_pulls_total{{model_name="tiny",outcome="ok"}} {n}.0' in pulled
+        assert f'pypto_kv_transfer_read_seconds_count{{model_name="tiny"}} {n}.0' in pulled
+        counted = {
+            line.split("{")[0]: float(line.split()[-1])
+            for line in pulled.splitlines()
+            if line.startswith("pypto_kv_transfer_pulled_")
+        }
+        (geometry,) = d_llm.engine.kv_layout()[1]  # one group of pages
+        pages = counted["pypto_kv_transfer_pulled_pages_total"]
+        assert pages >= 2 * sum(-(-len(prompt) // 16) for prompt in PROMPTS)  # completions'
+        assert counted["pypto_kv_transfer_pulled_bytes_total"] == pages * geometry.page_bytes
+        offered = httpx.get(p.url + "/metrics").text
+        assert f'pypto_kv_transfer_offers_total{{model_name="tiny"}} {n}.0' in offered
         metrics = httpx.get(router + "/metrics").text
         assert 'pypto_router_requests_total{outcome="ok",role="prefill"' in metrics
         models = httpx.get(router + "/v1/models")
@@ -295,7 +311,7 @@ def test_the_router_serves_prefill_and_decode_servers_as_one(tiny_model) -> None
         r = httpx.post(d.url + "/v1/completions", json=body | {"kv_transfer_params": params})
         want = httpx.post(alone.url + "/v1/completions", json=body).json()["choices"][0]["text"]
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
-        assert gets.failed == 1 and d_llm.engine.stats().prompt_tokens > 0
+        assert gets.stats.failed == 1 and d_llm.engine.stats().prompt_tokens > 0
         # the prefill server stops: the router sends every request to the decode server
         prefill_side.close()
         want = asyncio.run(answers(alone.url, False, True))

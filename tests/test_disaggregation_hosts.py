@@ -2,7 +2,9 @@
 private network that exists only inside the test (`netns.py`), each server a `pypto serve`
 process on its own host, the KV crossing the network on Mooncake's Transfer Engine (TCP), and
 `pypto router`s in front as 1P1D, 1P2D and 2P1D. Concurrent requests of different lengths get
-the tokens of one engine; a prefill server killed mid-run costs no request; a decode server
+the tokens of one engine (GQA; MLA and DeepSeek-V4 as 1P1D); the openai SDK gets a colocated
+server's text through the router, streamed or not, and the decode servers compute no prompt
+token (their own counters); a prefill server killed mid-run costs no request; a decode server
 killed mid-run ends its streams with an error event, never a hang."""
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import httpx
 import netns
+import openai
 import pytest
 from live_server import FAST_KNOBS, tiny_llm
 from patience import patience
@@ -38,13 +41,17 @@ MAX_TOKENS = 10
 
 
 @contextmanager
-def spawn(host: netns.Host, model: Path, role: str, logs: str) -> Iterator[subprocess.Popen[str]]:
-    """`pypto serve --disaggregation-mode ROLE` on a host at http://ADDRESS:8000 (its log in
-    `logs`), until the block ends."""
+def spawn(
+    host: netns.Host, model: Path, role: str | None, logs: str
+) -> Iterator[subprocess.Popen[str]]:
+    """`pypto serve --disaggregation-mode ROLE` (None: colocated) on a host at
+    http://ADDRESS:8000 (its log in `logs`), until the block ends."""
     knobs = [f"--{k.replace('_', '-')}={v}" for k, v in FAST_KNOBS.items() if v is not True]
     argv = [sys.executable, "-m", "pypto_serving.cli", "serve", "--model", str(model)]
     argv += ["--host", host.address, "--port", str(HTTP_PORT), "--enforce-eager", *knobs]
-    argv += ["--disaggregation-mode", role, "--kv-transfer-timeout-s", "30"]
+    argv += ["--served-model-name", "tiny"]
+    if role is not None:
+        argv += ["--disaggregation-mode", role, "--kv-transfer-timeout-s", "30"]
     with open(Path(logs, host.address), "w") as log:
         proc = host.run(argv, stderr=log, stdout=log)
         try:
@@ -52,6 +59,58 @@ def spawn(host: netns.Host, model: Path, role: str, logs: str) -> Iterator[subpr
         finally:
             proc.kill()
             proc.wait()
+
+
+def started(
+    stack: ExitStack, model: Path, roles: list[tuple[netns.Host, str | None]]
+) -> dict[str, subprocess.Popen[str]]:
+    """Those servers started together, then each waited for; by address."""
+    logs = stack.enter_context(tempfile.TemporaryDirectory())
+    servers = {h.address: stack.enter_context(spawn(h, model, role, logs)) for h, role in roles}
+    for host, _ in roles:
+        proc = servers[host.address]
+
+        def up(h: netns.Host = host, p: subprocess.Popen[str] = proc) -> bool:
+            return p.poll() is not None or listening(h, h.address, HTTP_PORT)
+
+        wait_until(up, 120, f"pypto serve on {host.address}")
+        assert proc.poll() is None, Path(logs, host.address).read_text()[-3000:]
+    return servers
+
+
+def prompt_tokens_computed(front: netns.Host, host: netns.Host) -> float:
+    """The server's own count of prompt tokens it computed (cache hits excluded)."""
+    text = front.call(lambda: httpx.get(f"http://{host.address}:{HTTP_PORT}/metrics").text)
+    (line,) = [x for x in text.splitlines() if x.startswith("pypto_prompt_tokens_total{")]
+    return float(line.split()[-1])
+
+
+async def sdk_texts(url: str) -> list[str]:
+    """Through the openai SDK: a chat and a completion, each streamed and not, at once;
+    their texts (greedy)."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    greedy: dict[str, Any] = {"model": "tiny", "max_tokens": 12, "temperature": 0}
+    greedy["extra_body"] = {"ignore_eos": True}
+    messages: Any = [{"role": "user", "content": "say something about t5 t9 t11"}]
+
+    async def chat(stream: bool) -> str:
+        if not stream:
+            r = await client.chat.completions.create(messages=messages, **greedy)
+            return r.choices[0].message.content or ""
+        chunks = await client.chat.completions.create(messages=messages, stream=True, **greedy)
+        return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+
+    async def complete(stream: bool) -> str:
+        if not stream:
+            r = await client.completions.create(prompt=PROMPTS[3], **greedy)
+            return r.choices[0].text
+        chunks = await client.completions.create(prompt=PROMPTS[3], stream=True, **greedy)
+        return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+    try:
+        return list(await asyncio.gather(chat(False), chat(True), complete(False), complete(True)))
+    finally:
+        await client.close()
 
 
 @contextmanager
@@ -121,18 +180,22 @@ def test_prefill_and_decode_servers_on_their_own_hosts(tiny_model: Any) -> None:
     with tiny_llm(model) as one:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
         alone = [o.outputs[0].token_ids for o in one.generate(PROMPTS, params, use_tqdm=False)]
-    with netns.hosts(5) as (p1, p2, d1, d2, front), ExitStack() as stack:
-        roles = ((p1, "prefill"), (p2, "prefill"), (d1, "decode"), (d2, "decode"))
-        logs = stack.enter_context(tempfile.TemporaryDirectory())
-        servers = {h.address: stack.enter_context(spawn(h, model, role, logs)) for h, role in roles}
-        for host, _ in roles:  # started together, then each waited for
-            proc = servers[host.address]
-
-            def up(h: netns.Host = host, p: subprocess.Popen[str] = proc) -> bool:
-                return p.poll() is not None or listening(h, h.address, HTTP_PORT)
-
-            wait_until(up, 120, f"pypto serve on {host.address}")
-            assert proc.poll() is None, Path(logs, host.address).read_text()[-3000:]
+    with netns.hosts(6) as (p1, p2, d1, d2, colocated, front), ExitStack() as stack:
+        roles: list[tuple[netns.Host, str | None]] = [
+            (p1, "prefill"),
+            (p2, "prefill"),
+            (d1, "decode"),
+            (d2, "decode"),
+            (colocated, None),
+        ]
+        servers = started(stack, model, roles)
+        # the openai SDK through 1P1D gets the colocated server's text; the decode server
+        # computed no prompt token of it
+        with router(front, 8000, [p1], [d1]) as url:
+            want = front.call(lambda: asyncio.run(sdk_texts(f"http://{colocated.address}:8000")))
+            got = front.call(lambda url=url: asyncio.run(sdk_texts(url)))
+            assert got == want and all(want), (got, want)
+            assert prompt_tokens_computed(front, d1) == 0
         layouts = {
             "1P1D": ([p1], [d1]),
             "1P2D": ([p1], [d1, d2]),
@@ -145,6 +208,7 @@ def test_prefill_and_decode_servers_on_their_own_hosts(tiny_model: Any) -> None:
                     assert got == alone, (name, stream)
                 text = front.call(lambda url=url: httpx.get(url + "/metrics").text)
                 assert "pypto_router_colocated_total 0.0" in text, name  # all handed off
+        assert prompt_tokens_computed(front, d1) == prompt_tokens_computed(front, d2) == 0
         # the first prefill server dies, unannounced, between two runs: the next run's
         # requests sent to it go to the second; none is lost
         with router(front, 8200, [p1, p2], [d1, d2]) as url:
@@ -174,3 +238,20 @@ def test_prefill_and_decode_servers_on_their_own_hosts(tiny_model: Any) -> None:
             assert all(len(e) == many for e in ended if isinstance(e, list))
             got = front.call(lambda: asyncio.run(ask(url, PROMPTS, True)))
             assert got == alone
+
+
+@pytest.mark.parametrize("name", ["deepseekv3-qlora-yarn", "deepseekv4-swa-csa-hca-hash"])
+def test_mla_and_v4_pages_cross_to_a_decode_host(tiny_model: Any, name: str) -> None:
+    """MLA's latent and DeepSeek-V4's entries, rows and CSA inputs over the network: 1P1D
+    gives one engine's tokens, streamed or not, the decode server computing no prompt."""
+    model: Path = tiny_model(name)
+    with tiny_llm(model) as one:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        alone = [o.outputs[0].token_ids for o in one.generate(PROMPTS, params, use_tqdm=False)]
+    with netns.hosts(3) as (p, d, front), ExitStack() as stack:
+        started(stack, model, [(p, "prefill"), (d, "decode")])
+        with router(front, 8000, [p], [d]) as url:
+            for stream in (False, True):
+                got = front.call(lambda url=url, s=stream: asyncio.run(ask(url, PROMPTS, s)))
+                assert got == alone, stream
+        assert prompt_tokens_computed(front, d) == 0

@@ -31,7 +31,12 @@ from typing import Any
 from pypto_serving.engine.core import EngineCore, check_step_time
 from pypto_serving.engine.kv_transfer import KVTransfer, TransferFailed
 from pypto_serving.engine.llm import LLM, _Family
-from pypto_serving.engine.metrics import EngineMetrics, FinishedRequest, cache_info
+from pypto_serving.engine.metrics import (
+    EngineMetrics,
+    FinishedRequest,
+    TransferCollector,
+    cache_info,
+)
 from pypto_serving.engine.process import describe
 from pypto_serving.errors import EngineDeadError, PyptoError, RequestFailedError
 from pypto_serving.kv.handoff import Handoff, PageGeometry
@@ -206,6 +211,8 @@ class AsyncLLM:
             config.scheduler.max_num_batched_tokens,
             cache_info(config, self.engine.stats()),
         )
+        if transfer is not None:
+            self.metrics.registry.register(TransferCollector(lambda: transfer.stats, model_name))
         self._tokens_computed = self.engine.tokens_computed()
         """Tokens computed by the end of the last step (iteration_tokens: each step's)."""
         self.log_interval_s = log_interval_s
@@ -411,8 +418,7 @@ class AsyncLLM:
         try:
             add.handoff = await asyncio.wait_for(work, transfer.timeout_s)
         except Exception as e:  # whatever failed, the request is not lost to it
-            if not isinstance(e, TransferFailed):  # (a failed read counts itself)
-                transfer.failed += 1
+            transfer.stats.failed += 1
             why = str(e) or f"{type(e).__name__}, after {transfer.timeout_s:g} s"
             log.warning(
                 "request %s: the prompt's KV was not read (%s): computing it here",

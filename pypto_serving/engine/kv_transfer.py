@@ -29,6 +29,7 @@ servers belong on a private network.
 from __future__ import annotations
 
 import base64
+import bisect
 import hashlib
 import logging
 import os
@@ -36,7 +37,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -68,6 +69,37 @@ def local_address() -> str:
             return str(s.getsockname()[0])
         except OSError:
             return "127.0.0.1"
+
+
+READ_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Upper bounds (seconds) of the histogram of handoff reads."""
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """What one server's KVTransfer has moved (its /metrics: `pypto_kv_transfer_*`)."""
+
+    offered: int = 0
+    """Handoffs a prefill server offered."""
+    offered_bytes: int = 0
+    pulled: int = 0
+    """Handoffs a decode server read."""
+    failed: int = 0
+    """Handoffs a decode server could not take, for whatever reason (it computed those
+    prompts)."""
+    pulled_bytes: int = 0
+    pulled_pages: int = 0
+    read_seconds: float = 0.0
+    """Time in the Transfer Engine's reads, all together."""
+    read_buckets: list[int] = field(default_factory=lambda: [0] * (len(READ_BUCKETS) + 1))
+    """Reads per READ_BUCKETS bound (the last: longer)."""
+
+    def read(self, seconds: float, size: int, pages: int) -> None:
+        self.pulled += 1
+        self.pulled_bytes += size
+        self.pulled_pages += pages
+        self.read_seconds += seconds
+        self.read_buckets[bisect.bisect_left(READ_BUCKETS, seconds)] += 1
 
 
 @dataclass(slots=True)
@@ -113,7 +145,7 @@ class KVTransfer:
         self._read = np.ones(ACK_BYTES, dtype=np.uint8)
         """What a decode server writes into an offer's flag once read (registered once)."""
         self._register(self._read)
-        self.offered = self.pulled = self.failed = 0
+        self.stats = TransferStats()
         log.info(
             "KV transfer (%s): Transfer Engine at %s:%d (%s)", role, self.host, self.port, protocol
         )
@@ -156,7 +188,8 @@ class KVTransfer:
         transfer_id = uuid.uuid4().hex
         with self._lock:
             self._offers[transfer_id] = _Offer(buffer, read, time.monotonic() + self.timeout_s)
-        self.offered += 1
+        self.stats.offered += 1
+        self.stats.offered_bytes += size
         first = handoff.first
         state = handoff.generator_state
         return {
@@ -235,15 +268,16 @@ class KVTransfer:
         buffer = np.empty(size, dtype=np.uint8)
         session = f"{host}:{port}"
         self._register(buffer)
+        start = time.perf_counter()
         try:
             rc = self._live().transfer_sync_read(session, buffer.ctypes.data, remote, size)
         finally:
             self._unregister(buffer)
+        seconds = time.perf_counter() - start
         if rc != 0:
-            self.failed += 1
             raise TransferFailed(f"reading {size} bytes from {session} failed ({rc})")
         self._live().transfer_sync_write(session, self._read.ctypes.data, flag, ACK_BYTES)
-        self.pulled += 1
+        self.stats.read(seconds, size, sum(c for *_, c in shapes))
         try:
             groups = unpack(buffer, shapes, geometry)
         except ValueError as e:

@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 
 from pypto_serving.config import EngineConfig
 from pypto_serving.engine.core import EngineStats
+from pypto_serving.engine.kv_transfer import READ_BUCKETS, TransferStats
 from pypto_serving.kv.tier import LOAD_BUCKETS, TierStats
 
 PREFIX = "pypto_"
@@ -217,6 +218,43 @@ class _EngineCollector(Collector):
                 list(zip(bounds, cumulative, strict=True)),
                 t.load_seconds_sum,
             )
+        yield h
+
+
+class TransferCollector(Collector):
+    """Disaggregated serving's handoffs (`engine.kv_transfer.TransferStats`): what a prefill
+    server offered, what a decode server read and how long the reads took."""
+
+    def __init__(self, stats: Callable[[], TransferStats], model_name: str) -> None:
+        self.stats, self.model_name = stats, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s, name = self.stats(), [self.model_name]
+        for metric, doc, value in (
+            ("kv_transfer_offers", "Handoffs offered (a prefill server's)", s.offered),
+            ("kv_transfer_offered_bytes", "Bytes of KV pages offered", s.offered_bytes),
+            ("kv_transfer_pulled_pages", "KV pages read from prefill servers", s.pulled_pages),
+            ("kv_transfer_pulled_bytes", "Bytes of KV pages read", s.pulled_bytes),
+        ):
+            c = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+            c.add_metric(name, value)
+            yield c
+        pulls = CounterMetricFamily(
+            PREFIX + "kv_transfer_pulls",
+            "Handoffs a decode server read (ok) or could not take and computed (failed)",
+            labels=["model_name", "outcome"],
+        )
+        pulls.add_metric([self.model_name, "ok"], s.pulled)
+        pulls.add_metric([self.model_name, "failed"], s.failed)
+        yield pulls
+        h = HistogramMetricFamily(
+            PREFIX + "kv_transfer_read_seconds",
+            "Time of one handoff's read over the Transfer Engine",
+            labels=["model_name"],
+        )
+        bounds = [str(b) for b in READ_BUCKETS] + ["+Inf"]
+        cumulative = list(itertools.accumulate(s.read_buckets))
+        h.add_metric(name, list(zip(bounds, cumulative, strict=True)), s.read_seconds)
         yield h
 
 
