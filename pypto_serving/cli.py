@@ -111,6 +111,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="how long a server that failed stays out of the rotation",
     )
+    router.add_argument(
+        "--kv-events",
+        nargs="+",
+        default=[],
+        metavar="ENDPOINT",
+        help="the prefill servers' KV event endpoints (their --kv-events-endpoint, e.g. "
+        "tcp://10.0.0.5:5557), one per --prefill server in the same order: their events "
+        "then say which prefixes each caches",
+    )
+    router.add_argument(
+        "--kv-events-server-key",
+        metavar="FILE",
+        help="the servers' CURVE public key (.key), where their KV events are encrypted",
+    )
+    router.add_argument(
+        "--kv-events-key",
+        metavar="FILE",
+        help="this router's CURVE key pair (.key_secret), admitted by the servers",
+    )
     add_chat_parser(sub)
     add_bench_parser(sub)
     return parser
@@ -225,7 +244,16 @@ def run_command(args: argparse.Namespace) -> int:
         from pypto_serving.server.router import RouterConfig, run_router
 
         return run_router(
-            RouterConfig(args.prefill, args.decode, args.host, args.port, args.retry_s)
+            RouterConfig(
+                args.prefill,
+                args.decode,
+                args.host,
+                args.port,
+                args.retry_s,
+                kv_events=args.kv_events,
+                kv_events_server_key=args.kv_events_server_key,
+                kv_events_key=args.kv_events_key,
+            )
         )
     return cmd_generate(args)
 

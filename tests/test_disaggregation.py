@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -201,8 +204,8 @@ def test_an_offer_nobody_reads_is_freed_after_its_timeout() -> None:
 
 
 @contextmanager
-def routing(prefill: list[str], decode: list[str]) -> Iterator[str]:
-    config = RouterConfig(prefill, decode, port=free_port(), retry_s=30)
+def routing(prefill: list[str], decode: list[str], **knobs: Any) -> Iterator[str]:
+    config = RouterConfig(prefill, decode, port=free_port(), retry_s=30, **knobs)
     server = uvicorn.Server(uvicorn.Config(build_router_app(config), port=config.port))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -365,6 +368,20 @@ def test_bad_disaggregation_options_are_refused_clearly() -> None:
         RouterConfig([], []).validate()
     with pytest.raises(PyptoError, match="http"):
         RouterConfig([], ["ftp://x"]).validate()
+    p, d = ["http://a:1", "http://b:1"], ["http://c:1"]
+    with pytest.raises(PyptoError, match="one endpoint per prefill server"):
+        RouterConfig(p, d, kv_events=["tcp://a:5557"]).validate()
+    with pytest.raises(PyptoError, match="tcp://HOST:PORT"):
+        RouterConfig(p, d, kv_events=["tcp://a:5557", "a:5557"]).validate()
+    with pytest.raises(PyptoError, match="go together"):
+        RouterConfig(p, d, kv_events_key="router.key_secret").validate()
+    with pytest.raises(PyptoError, match="CURVE keys"):
+        RouterConfig(p, d, kv_events_server_key="/none.key", kv_events_key="/x").validate()
+    # the command line says it the same way, without a traceback
+    cli = [sys.executable, "-m", "pypto_serving.cli", "router", "--prefill", *p, "--decode", *d]
+    done = subprocess.run([*cli, "--kv-events", "tcp://a:1"], capture_output=True, text=True)
+    assert done.returncode != 0 and "one endpoint per prefill server" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_forwarded_prompt_token_ids_are_the_prompt(tiny_model) -> None:
@@ -415,5 +432,67 @@ def test_the_router_sends_a_prompt_to_the_prefill_server_that_cached_its_prefix(
             assert r.status_code == 200
         queries = [llm.engine.stats().prefix_queries for llm in llms[:2]]
         assert sorted(q - s for q, s in zip(queries, served, strict=True))[0] == 0
+    for t in transfers:
+        t.close()
+
+
+def estimated(router: str, server: str) -> float:
+    """The router's estimate of the pages `server` caches (its /metrics)."""
+    for line in httpx.get(router + "/metrics").text.splitlines():
+        if line.startswith(f'pypto_router_prefix_pages{{server="{server}"}}'):
+            return float(line.split()[-1])
+    raise AssertionError(f"no estimate for {server}")
+
+
+def test_the_routers_prefix_estimate_follows_the_servers_kv_events(tiny_model) -> None:
+    """With --kv-events the router knows what a prefill server caches from the server itself:
+    a prompt another client sent it counts, and pages it evicted stop counting."""
+    path = tiny_model("llama-gqa4-tied")
+    transfers = [KVTransfer(role, "127.0.0.1") for role in ("prefill", "prefill", "decode")]
+    events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    small = {"num_kv_pages": 12, "kv_cpu_bytes": 0}  # 192 tokens, nothing offloaded
+    with contextlib.ExitStack() as stack:
+        llms = [stack.enter_context(tiny_llm(path, kv_events_endpoint=e, **small)) for e in events]
+        llms.append(stack.enter_context(tiny_llm(path)))
+        a, b, d = (
+            stack.enter_context(serving(llm, transfer=t))
+            for llm, t in zip(llms, transfers, strict=True)
+        )
+        router = stack.enter_context(routing([a.url, b.url], [d.url], kv_events=events))
+        body = {"model": "tiny", "max_tokens": 1, "temperature": 0}
+
+        def direct(url: str, prompt: list[int]) -> None:  # not through the router
+            r = httpx.post(url + "/v1/completions", json=body | {"prompt": prompt})
+            assert r.status_code == 200, r.text
+
+        deadline = time.monotonic() + patience(30)
+        for i in itertools.count():  # until the router's subscription is up (ZeroMQ connects
+            direct(b.url, [i % 300 + 7] * 20)  # in the background): a fresh page each time
+            if estimated(router, b.url) > 0:
+                break
+            assert time.monotonic() < deadline, "no KV event reached the router"
+            time.sleep(0.1)
+        stem, before = PROMPTS[3][:64], estimated(router, b.url)
+        direct(b.url, stem)  # b caches the stem's 4 pages; the router did not send it there
+        deadline = time.monotonic() + patience(30)
+        while estimated(router, b.url) < before + 4:
+            assert time.monotonic() < deadline, "the stem's pages never reached the estimate"
+            time.sleep(0.05)
+        r = httpx.post(router + "/v1/completions", json=body | {"prompt": [*stem, 9, 9]})
+        assert r.status_code == 200
+        metrics = httpx.get(router + "/metrics").text
+        assert "pypto_router_prefix_tokens_total 64.0" in metrics  # sent where it was cached
+        assert f'role="prefill",server="{a.url}"' not in metrics
+        assert llms[1].engine.stats().prefix_hits == 64
+        # b evicts the stem for a prompt as long as its whole pool: the router learns it
+        direct(b.url, [(31 * j) % 250 + 5 for j in range(180)])  # 12 pages, 11 of them full
+        deadline = time.monotonic() + patience(30)
+        while estimated(router, b.url) != 11:  # its 11 full pages, everything else evicted
+            assert time.monotonic() < deadline, "the evicted pages still count"
+            time.sleep(0.05)
+        r = httpx.post(router + "/v1/completions", json=body | {"prompt": [*stem, 8, 8]})
+        assert r.status_code == 200
+        metrics = httpx.get(router + "/metrics").text
+        assert "pypto_router_prefix_tokens_total 64.0" in metrics  # nothing counted this time
     for t in transfers:
         t.close()

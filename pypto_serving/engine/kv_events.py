@@ -54,23 +54,35 @@ class _Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=
     """vLLM's KVCacheEvent."""
 
 
+BlockHash = bytes | int
+"""A page's hash on the wire: bytes here (and in recent vLLM), an int in older vLLM."""
+
+
 class BlockStored(_Event):
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
     token_ids: list[int]
+    """The blocks' tokens, one after the other (empty: not told, a salted request's)."""
     block_size: int
     lora_id: int | None
     medium: str | None
 
 
 class BlockRemoved(_Event):
-    block_hashes: list[bytes]
+    block_hashes: list[BlockHash]
     medium: str | None
+
+
+class AllBlocksCleared(_Event):
+    """Every block is gone (vLLM's, on a prefix-cache reset; never published here)."""
+
+
+WireEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
-    events: list[BlockStored | BlockRemoved]
+    events: list[WireEvent]
     data_parallel_rank: int | None = None
 
 

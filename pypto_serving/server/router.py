@@ -13,11 +13,12 @@ through. The decode server reads the KV from the prefill server itself
                       ──2──▶ decode server   (reads the KV, goes on, streams) ──▶ client
 
 A prefill server is chosen by the prefix it probably caches (Mooncake's cache-aware
-scheduling): the router remembers the pages (of ROUTER_PAGE tokens, as hash chains) of every
-prompt each prefill server computed for it, learns a new request's tokens from a prefill
-server's /tokenize (a prompt of ids needs none), and sends it to the server holding the
-longest run of its leading pages; then, as for decode servers, the one with the fewest
-requests in flight from this router (ties in turn).
+scheduling, `prefix_estimate.py`): the pages (of ROUTER_PAGE tokens, as hash chains) the
+server's KV events say it holds (`kv_events`), or else those of every prompt it computed for
+this router; the router learns a new request's tokens from a prefill server's /tokenize (a
+prompt of ids needs none) and sends it to the server holding the longest run of its leading
+pages; then, as for decode servers, the one with the fewest requests in flight from this
+router (ties in turn).
 
 A server that cannot be reached, or answers 5xx, is taken out for `retry_s` and the
 request goes to another of its role; with no prefill server left, the decode server computes
@@ -30,12 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import itertools
 import json
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,13 +45,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from pypto_serving.errors import PyptoError
+from pypto_serving.server.prefix_estimate import ROUTER_PAGE, PrefixEstimate, follow, page_chain
 
 log = logging.getLogger(__name__)
 
 FORWARDED_HEADERS = ("authorization", "x-request-id")
 """Request headers passed on to the servers (the API key, the request id)."""
-ROUTER_PAGE = 16
-"""Tokens a page of the router's prefix estimate covers."""
 TEMPLATE_FIELDS = (
     "messages",
     "tools",
@@ -70,35 +68,16 @@ class Backend:
 
     url: str
     role: str
+    prefixes: PrefixEstimate
+    """What its prefix cache probably holds."""
+    kv_events: str | None = None
+    """Where it publishes its KV events (then they, not what it was sent, say what it holds)."""
     in_flight: int = 0
     down_until: float = 0.0
-    pages: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
-    """The page hashes of the prompts it computed for this router (an LRU): what its prefix
-    cache probably holds."""
 
     @property
     def up(self) -> bool:
         return time.monotonic() >= self.down_until
-
-    def held(self, chain: list[bytes]) -> int:
-        """How many leading pages of a prompt's chain it probably caches."""
-        n = 0
-        while n < len(chain) and chain[n] in self.pages:
-            n += 1
-        return n
-
-
-def page_chain(token_ids: list[int], salt: str | None) -> list[bytes]:
-    """A prompt's full pages of ROUTER_PAGE tokens as a chain of hashes (each covers its
-    tokens, all before them and the cache salt, as a server's prefix cache keys its pages)."""
-    chain, parent = [], (salt or "").encode()
-    for start in range(0, len(token_ids) - ROUTER_PAGE + 1, ROUTER_PAGE):
-        data = b"".join(
-            t.to_bytes(4, "little", signed=True) for t in token_ids[start : start + ROUTER_PAGE]
-        )
-        parent = hashlib.blake2b(parent + data, digest_size=16).digest()
-        chain.append(parent)
-    return chain
 
 
 @dataclass(slots=True)
@@ -111,6 +90,13 @@ class RouterConfig:
     """How long a server that failed stays out of the rotation."""
     prefix_pages: int = 1 << 16
     """Pages of ROUTER_PAGE tokens remembered per prefill server (its prefix estimate)."""
+    kv_events: list[str] = field(default_factory=list)
+    """The prefill servers' KV event endpoints, in their order (none: the estimate is what
+    the router sent each)."""
+    kv_events_server_key: str | None = None
+    """The servers' CURVE public key file (`.key`), where their events are encrypted."""
+    kv_events_key: str | None = None
+    """This router's CURVE key pair (a `.key_secret` file), admitted by the servers."""
     timeout_s: float = 600.0
     """The longest a server may take to answer (a whole non-streamed response)."""
 
@@ -120,6 +106,44 @@ class RouterConfig:
         for url in (*self.prefill, *self.decode):
             if not url.startswith(("http://", "https://")):
                 raise PyptoError(f"a server is an http(s):// URL, got {url!r}")
+        if self.kv_events and len(self.kv_events) != len(self.prefill):
+            raise PyptoError(
+                f"--kv-events names one endpoint per prefill server, in their order: "
+                f"{len(self.prefill)} servers, {len(self.kv_events)} endpoints",
+                "kv_events",
+            )
+        for endpoint in self.kv_events:
+            if not endpoint.startswith(("tcp://", "ipc://")):
+                raise PyptoError(
+                    f"a KV events endpoint is tcp://HOST:PORT or ipc://PATH, got {endpoint!r}",
+                    "kv_events",
+                )
+        if (self.kv_events_server_key is None) != (self.kv_events_key is None):
+            raise PyptoError(
+                "--kv-events-server-key and --kv-events-key go together (the servers' public "
+                "key, this router's key pair)",
+                "kv_events_key",
+            )
+        self.curve()
+
+    def curve(self) -> tuple[bytes, bytes, bytes] | None:
+        """(the servers' public key, this router's public and secret keys), or None."""
+        if self.kv_events_server_key is None or self.kv_events_key is None:
+            return None
+        from zmq.auth import load_certificate
+
+        try:
+            server, _ = load_certificate(self.kv_events_server_key)
+            public, secret = load_certificate(self.kv_events_key)
+        except (OSError, ValueError) as e:
+            raise PyptoError(f"the KV events' CURVE keys: {e}", "kv_events_key") from None
+        if secret is None:
+            raise PyptoError(
+                f"--kv-events-key {self.kv_events_key} holds no secret key (give the "
+                "`.key_secret` file)",
+                "kv_events_key",
+            )
+        return server, public, secret
 
 
 @dataclass
@@ -132,9 +156,15 @@ class Router:
 
     def __post_init__(self) -> None:
         c = self.config
+        events: list[str | None] = [*c.kv_events] or [None] * len(c.prefill)
         self.backends = {
-            "prefill": [Backend(u.rstrip("/"), "prefill") for u in c.prefill],
-            "decode": [Backend(u.rstrip("/"), "decode") for u in c.decode],
+            "prefill": [
+                Backend(u.rstrip("/"), "prefill", PrefixEstimate(c.prefix_pages), e)
+                for u, e in zip(c.prefill, events, strict=True)
+            ],
+            "decode": [
+                Backend(u.rstrip("/"), "decode", PrefixEstimate(c.prefix_pages)) for u in c.decode
+            ],
         }
         self._turn = itertools.count()
         self.registry = CollectorRegistry()
@@ -155,6 +185,15 @@ class Router:
             "Prompt tokens sent to a prefill server that probably cached them already",
             registry=self.registry,
         )
+        self.prefix_pages = Gauge(
+            "pypto_router_prefix_pages",
+            f"Pages of {ROUTER_PAGE} tokens a prefill server probably caches (the router's "
+            "estimate: its KV events, or what the router sent it)",
+            ["server"],
+            registry=self.registry,
+        )
+        for b in self.backends["prefill"]:
+            self.prefix_pages.labels(b.url).set_function(b.prefixes.__len__)
         self.fallbacks = Counter(
             "pypto_router_colocated",
             "Requests a decode server computed whole (no prefill server, or a request a "
@@ -171,16 +210,13 @@ class Router:
         up = [b for b in order if b.up and b.url not in tried]
         if not up:
             return None
-        return min(up, key=lambda b: (-b.held(chain or []), b.in_flight))
+        return min(up, key=lambda b: (-b.prefixes.held(chain or []), b.in_flight))
 
     def sent(self, backend: Backend, chain: list[bytes]) -> None:
         """The server computed a prompt of these pages: it caches them (as far as anyone
-        knows until they age out of its estimate)."""
-        for page in chain:
-            backend.pages[page] = None
-            backend.pages.move_to_end(page)
-        while len(backend.pages) > self.config.prefix_pages:
-            backend.pages.popitem(last=False)
+        knows until they age out of its estimate; its KV events, where it has them, tell)."""
+        if backend.kv_events is None:
+            backend.prefixes.sent(chain)
 
     def enter(self, backend: Backend) -> None:
         """A request is in flight at the server from now."""
@@ -240,7 +276,16 @@ def build_router_app(config: RouterConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        curve = config.curve()
+        feeds = [
+            asyncio.create_task(follow(b.kv_events, b.prefixes, curve))
+            for b in router.backends["prefill"]
+            if b.kv_events is not None
+        ]
         yield
+        for feed in feeds:
+            feed.cancel()
+        await asyncio.gather(*feeds, return_exceptions=True)
         await client.aclose()
 
     app = FastAPI(title="pypto router", lifespan=lifespan)
@@ -280,6 +325,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
         tried: set[str] = set()
         while (backend := router.pick("prefill", tried, chain)) is not None:
             tried.add(backend.url)
+            cached = backend.prefixes.held(chain)  # (before its KV events tell of this prompt)
             router.enter(backend)
             try:
                 r = await client.post(backend.url + path, json=prefill_body(body), headers=headers)
@@ -295,7 +341,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
                 router.requests.labels("prefill", backend.url, "refused").inc()
                 return Response(r.content, r.status_code, media_type="application/json")
             router.requests.labels("prefill", backend.url, "ok").inc()
-            router.prefix_tokens.inc(backend.held(chain) * ROUTER_PAGE)
+            router.prefix_tokens.inc(cached * ROUTER_PAGE)
             params = r.json().get("kv_transfer_params")
             if not isinstance(params, dict):
                 return None
