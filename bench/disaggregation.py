@@ -18,6 +18,7 @@ per request).
 
     python bench/disaggregation.py --markdown disagg.md --json disagg.json
     python bench/disaggregation.py --duration-s 30 --long-lens 1024 --chats 2   # a quick look
+    python bench/disaggregation.py --setups 1P1D --store   # the KV over a Mooncake Store
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_side_by_side import NAME, add_output_args, emit, model_dir, report_of, serving
+from shared_pool import start_master
 
-PORTS = {"colocated": 8765, "prefill": 8766, "decode": 8767, "router": 8768}
+PORTS = {"colocated": 8765, "prefill": 8766, "decode": 8767, "router": 8768, "master": 8770}
 VOCAB = (1000, 40000)
 """Random prompt tokens are drawn from here (ordinary tokens of SmolLM2's vocabulary)."""
 
@@ -180,12 +182,13 @@ def transfer_costs(d: dict[str, float]) -> dict[str, float] | None:
     }
 
 
-def server(role: str, cpus: list[int], extra: list[str]) -> list[str]:
+def server(role: str, cpus: list[int], extra: list[str], store: str | None = None) -> list[str]:
     cmd = ["taskset", "-c", ",".join(map(str, cpus)), sys.executable, "-m", "pypto_serving.cli"]
     cmd += ["serve", "--model", str(model_dir()), "--port", str(PORTS[role])]
     cmd += ["--served-model-name", NAME, *extra]
     if role in ("prefill", "decode"):
         cmd += ["--disaggregation-mode", role, "--kv-transfer-host", "127.0.0.1"]
+        cmd += ["--kv-transfer-store", store] if store else []
     return cmd
 
 
@@ -214,10 +217,16 @@ def run_setup(setup: str, args: argparse.Namespace) -> dict[str, Any]:
             ready(front)
         else:
             result["prefill_cpus"], result["decode_cpus"] = cpus[:half], cpus[half:] or cpus
+            store = None
+            if args.store:  # the handoffs through a Mooncake Store (its master on the prefill CPUs)
+                master = start_master(PORTS["master"])
+                stack.callback(master.kill)
+                store = f"mooncake://127.0.0.1:{PORTS['master']}"
+                result["store"] = store
             for role, part in (("prefill", cpus[:half]), ("decode", cpus[half:] or cpus)):
                 info: dict[str, Any] = {}
                 if not stack.enter_context(
-                    serving(server(role, part, []), {}, 900, info, PORTS[role])
+                    serving(server(role, part, [], store), {}, 900, info, PORTS[role])
                 ):
                     return result | {"error": f"{role}: {info.get('error')}"}
                 ready(PORTS[role])
@@ -312,6 +321,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="long prompts' lengths in tokens, cycled",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--store",
+        action="store_true",
+        help="1P1D hands the KV over a Mooncake Store (a master started here), not peer to peer",
+    )
     add_output_args(p)
     return p.parse_args(argv)
 

@@ -193,8 +193,9 @@ MOONCAKE_MIN_SEGMENT_BYTES = 16 << 20
 ("Total size must be at least 16777216", then the join fails with -600; mooncake 0.3.13)."""
 
 
-def remote_address(url: str) -> tuple[str, int]:
-    """(host, port) of a kv_remote URL, mooncake://HOST:PORT; PyptoError otherwise."""
+def remote_address(url: str, field_name: str = "kv_remote") -> tuple[str, int]:
+    """(host, port) of a Mooncake master's URL, mooncake://HOST:PORT (the `field_name`
+    option's value); PyptoError otherwise."""
     parts = urlsplit(str(url))
     try:
         port = parts.port
@@ -207,9 +208,9 @@ def remote_address(url: str) -> tuple[str, int]:
         or parts.path not in ("", "/")
     ):
         raise PyptoError(
-            f"kv_remote must look like mooncake://HOST:PORT (a Mooncake master's RPC "
+            f"{field_name} must look like mooncake://HOST:PORT (a Mooncake master's RPC "
             f"address), got {url!r}",
-            "kv_remote",
+            field_name,
         )
     return parts.hostname, port
 
@@ -555,6 +556,21 @@ class EngineConfig:
             )
 
 
+@dataclass(frozen=True, slots=True)
+class TransferSpec:
+    """How a server takes part in disaggregated serving (`ServerConfig.transfer`)."""
+
+    role: str
+    """prefill, decode or both."""
+    host: str | None
+    """The address its Transfer Engine offers KV at (None: chosen at start-up)."""
+    protocol: str
+    """tcp or rdma."""
+    store: str | None = None
+    """mooncake://HOST:PORT: the handoffs go through that Mooncake Store (None: peer to
+    peer over the Transfer Engine)."""
+
+
 @dataclass(slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -678,13 +694,19 @@ class ServerConfig:
     kv_transfer_timeout_s: float = 60.0
     """How long a prefill server keeps a handoff for its decode server to read (then frees
     it), and how long a decode server waits on a read (then computes the prompt itself)."""
+    kv_transfer_store: str | None = None
+    """mooncake://HOST:PORT: hand the KV over the Mooncake Store whose master is there (the
+    prefill server puts it, the decode server gets it) instead of peer to peer over the
+    Transfer Engine. vLLM's spelling: kv_connector "MooncakeStoreConnector" with
+    kv_connector_extra_config {"master_server_address": "HOST:PORT"}."""
 
-    def transfer(self) -> tuple[str, str | None, str] | None:
-        """(role, host, protocol) of disaggregated serving, from either spelling; None:
+    def transfer(self) -> TransferSpec | None:
+        """How this server takes part in disaggregated serving, from either spelling; None:
         colocated only."""
         mode = self.disaggregation_mode
         role = None if mode in (None, "null") else mode
         host, protocol = self.kv_transfer_host, self.kv_transfer_protocol
+        store = self.kv_transfer_store
         raw = self.kv_transfer_config
         if raw is not None:
             try:
@@ -698,7 +720,7 @@ class ServerConfig:
             if connector not in KV_CONNECTORS:
                 raise PyptoError(
                     f"kv_connector {connector!r} is not served here: the KV moves over "
-                    f"Mooncake's Transfer Engine ({', '.join(KV_CONNECTORS)})",
+                    f"Mooncake's Transfer Engine or Store ({', '.join(KV_CONNECTORS)})",
                     "kv_transfer_config",
                 )
             kv_role = kv.get("kv_role")
@@ -716,6 +738,19 @@ class ServerConfig:
             host = host or kv.get("kv_ip")
             extra = kv.get("kv_connector_extra_config") or {}
             protocol = str(extra.get("mooncake_protocol", protocol))
+            if connector == STORE_CONNECTOR and store is None:
+                master = extra.get("master_server_address")
+                if not isinstance(master, str):
+                    raise PyptoError(
+                        f"kv_connector {STORE_CONNECTOR} needs kv_connector_extra_config."
+                        "master_server_address (the Mooncake master, HOST:PORT)",
+                        "kv_transfer_config",
+                    )
+                store = (
+                    master
+                    if master.startswith(f"{REMOTE_SCHEME}://")
+                    else (f"{REMOTE_SCHEME}://{master}")
+                )
         if role is not None and role not in KV_ROLES.values():
             raise PyptoError(
                 f"disaggregation_mode must be prefill, decode, both or null, got {role!r}",
@@ -726,7 +761,9 @@ class ServerConfig:
                 f"kv_transfer_protocol must be tcp or rdma, got {protocol!r}",
                 "kv_transfer_protocol",
             )
-        return None if role is None else (role, host, protocol)
+        if store is not None:
+            remote_address(store, "kv_transfer_store")
+        return None if role is None else TransferSpec(role, host, protocol, store)
 
     def validate(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -814,7 +851,8 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 """uvicorn's log levels (`ServerConfig.uvicorn_log_level`)."""
 RUNNERS = ("auto", "generate", "pooling")
 """vLLM's --runner values (`EngineConfig.runner`)."""
-KV_CONNECTORS = ("MooncakeConnector", "MooncakeConnectorV1")
+STORE_CONNECTOR = "MooncakeStoreConnector"
+KV_CONNECTORS = ("MooncakeConnector", "MooncakeConnectorV1", STORE_CONNECTOR)
 """vLLM's kv_connector names this server's handoffs answer to (engine/kv_transfer.py)."""
 KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 """vLLM's kv_role -> disaggregation_mode."""

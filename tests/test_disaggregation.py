@@ -27,6 +27,7 @@ import pytest
 import torch
 import uvicorn
 from live_server import free_port, serving, tiny_llm
+from mooncake_master import mooncake_master
 from patience import patience
 
 from pypto_serving import SamplingParams
@@ -200,6 +201,71 @@ def test_an_offer_nobody_reads_is_freed_after_its_timeout() -> None:
         prefill.close()
 
 
+def test_a_handoff_crosses_a_mooncake_store_once_and_is_removed() -> None:
+    """The Store path: put by the prefill server, got once by the decode server (bit-exact)
+    and removed; one nobody got removed after the timeout; servers that disagree on the
+    path refuse clearly."""
+    port = free_port()
+    with mooncake_master(port, free_port()):
+        url = f"mooncake://127.0.0.1:{port}"
+        prefill = KVTransfer("prefill", timeout_s=0.5, store=url)
+        decode = KVTransfer("decode", store=url)
+        peer = KVTransfer("decode", "127.0.0.1")  # reads over the Transfer Engine
+        try:
+            sent = some_handoff()
+            params = prefill.offer(sent, "layout", [1, 2, 3])
+            assert params["store_key"].startswith("pypto-handoff/") and "buffer" not in params
+            assert prefill.store.is_exist(params["store_key"]) == 1
+            got = decode.pull(params, "layout", GEOMETRY, [1, 2, 3])
+            pairs = zip(sent.groups[0].pages, got.groups[0].pages, strict=True)
+            assert all(torch.equal(a, b) for p, q in pairs for a, b in zip(p, q, strict=True))
+            assert got.first == sent.first and got.generator_state == b"st"
+            assert prefill.store.is_exist(params["store_key"]) != 1  # got, so removed
+            assert decode.stats.pulled == 1 and decode.stats.pulled_bytes == params["num_bytes"]
+            with pytest.raises(TransferFailed, match="Mooncake Store"):
+                decode.pull(params, "layout", GEOMETRY, [1, 2, 3])  # nothing there any more
+            params = prefill.offer(sent, "layout", [1, 2, 3])
+            with pytest.raises(TransferFailed, match="same --kv-transfer-store"):
+                peer.pull(params, "layout", GEOMETRY, [1, 2, 3])
+            with pytest.raises(TransferFailed, match="malformed"):
+                decode.pull(params | {"store_key": "elsewhere/x"}, "layout", GEOMETRY, [1, 2, 3])
+            time.sleep(0.6)  # nobody got it in time: the prefill server removes it
+            prefill.sweep()
+            assert prefill.num_offers == 0
+            assert prefill.store.is_exist(params["store_key"]) != 1
+            prefill.close()
+            with pytest.raises(TransferFailed, match="closed"):
+                prefill.offer(sent, "layout", [1, 2, 3])
+        finally:
+            for t in (prefill, decode, peer):
+                t.close()
+
+
+def test_the_router_serves_over_a_mooncake_store(tiny_model) -> None:
+    """1P1D with the handoffs through a Mooncake Store: one engine's answers, the decode
+    server computing no prompt."""
+    path = tiny_model("llama-gqa4-tied")
+    port = free_port()
+    with mooncake_master(port, free_port()), contextlib.ExitStack() as stack:
+        url = f"mooncake://127.0.0.1:{port}"
+        sends, gets = KVTransfer("prefill", store=url), KVTransfer("decode", store=url)
+        stack.callback(sends.close)
+        stack.callback(gets.close)
+        alone_llm, p_llm, d_llm = (stack.enter_context(tiny_llm(path)) for _ in range(3))
+        alone = stack.enter_context(serving(alone_llm))
+        p = stack.enter_context(serving(p_llm, transfer=sends))
+        d = stack.enter_context(serving(d_llm, transfer=gets))
+        router = stack.enter_context(routing([p.url], [d.url]))
+        for stream in (False, True):
+            want = asyncio.run(answers(alone.url, False, stream))
+            assert asyncio.run(answers(router, False, stream)) == want, stream
+        assert gets.stats.pulled == 2 * len(PROMPTS) and gets.stats.failed == 0
+        assert d_llm.engine.stats().prompt_tokens == 0
+        sends.sweep()
+        assert sends.num_offers == 2 * len(PROMPTS)  # the prefill side cannot see them read
+        assert all(sends.store.is_exist(k) != 1 for k in sends._stored)  # but they are gone
+
+
 # --- servers and the router --------------------------------------------------------------
 
 
@@ -333,7 +399,7 @@ def test_the_router_serves_prefill_and_decode_servers_as_one(tiny_model) -> None
 
 
 def test_bad_disaggregation_options_are_refused_clearly() -> None:
-    from pypto_serving.config import ServerConfig
+    from pypto_serving.config import ServerConfig, TransferSpec
     from pypto_serving.errors import PyptoError
     from pypto_serving.server.launch import run_server
 
@@ -351,6 +417,17 @@ def test_bad_disaggregation_options_are_refused_clearly() -> None:
         ),
         ({"disaggregation_mode": "prefill", "kv_transfer_protocol": "udp"}, "tcp or rdma"),
         ({"kv_transfer_timeout_s": 0}, "kv_transfer_timeout_s"),
+        (
+            {"disaggregation_mode": "decode", "kv_transfer_store": "10.0.0.9:50051"},
+            "kv_transfer_store must look like mooncake://HOST:PORT",
+        ),
+        (
+            {
+                "kv_transfer_config": '{"kv_connector": "MooncakeStoreConnector", "kv_role": '
+                '"kv_consumer"}'
+            },
+            "master_server_address",
+        ),
     ]
     for fields, message in cases:
         with pytest.raises(PyptoError, match=message):
@@ -360,8 +437,16 @@ def test_bad_disaggregation_options_are_refused_clearly() -> None:
         '"kv_role": "kv_consumer", "kv_ip": "10.0.0.2", '
         '"kv_connector_extra_config": {"mooncake_protocol": "rdma"}}'
     )
-    assert vllm.transfer() == ("decode", "10.0.0.2", "rdma")
+    assert vllm.transfer() == TransferSpec("decode", "10.0.0.2", "rdma")
+    store = ServerConfig(
+        kv_transfer_config='{"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_producer", '
+        '"kv_connector_extra_config": {"master_server_address": "10.0.0.9:50051"}}'
+    )
+    assert store.transfer() == TransferSpec("prefill", None, "tcp", "mooncake://10.0.0.9:50051")
     assert ServerConfig(disaggregation_mode="null").transfer() is None
+    with pytest.raises(PyptoError, match=r"kv_transfer_store: the Mooncake master .* does not"):
+        store_gone = "mooncake://127.0.0.1:9"
+        run_server({}, ServerConfig(disaggregation_mode="prefill", kv_transfer_store=store_gone))
     with pytest.raises(PyptoError, match="parallel sizes must be 1"):  # before anything starts
         run_server({"tensor_parallel_size": 2}, ServerConfig(disaggregation_mode="prefill"))
     with pytest.raises(PyptoError, match="decode server"):

@@ -24,6 +24,12 @@ decodes on partial KV, and never waits forever.
 The Transfer Engine lets whoever reaches its port read what is registered (only these
 buffers, never the KV cache itself): like vLLM's and SGLang's connectors, prefill and decode
 servers belong on a private network.
+
+The Mooncake Store is the other path (`store`, a master's mooncake://HOST:PORT): the prefill
+server puts the packed pages under a random key (`pypto-handoff/<transfer id>`) into the pool
+its members lend memory to, and the decode server gets them from there and removes them; the
+prefill server removes what nobody got within `timeout_s`. The servers then need not reach
+each other, only the master and the pool's members.
 """
 
 from __future__ import annotations
@@ -53,6 +59,10 @@ ROLES = ("prefill", "decode", "both")
 either, per request)."""
 ACK_BYTES = 8
 """The flag after an offered buffer's pages that the decode server sets once it has read them."""
+STORE_PREFIX = "pypto-handoff"
+"""Keys of handoffs in a Mooncake Store: STORE_PREFIX/<transfer id>."""
+STORE_SEGMENT_BYTES = 1 << 30
+"""Memory a server lends the Mooncake Store it hands KV over (where handoffs may land)."""
 
 
 def prompt_digest(prompt_token_ids: list[int]) -> str:
@@ -120,10 +130,33 @@ class KVTransfer:
     server's), over one Transfer Engine."""
 
     def __init__(
-        self, role: str, host: str | None = None, protocol: str = "tcp", timeout_s: float = 60.0
+        self,
+        role: str,
+        host: str | None = None,
+        protocol: str = "tcp",
+        timeout_s: float = 60.0,
+        store: str | None = None,
     ) -> None:
+        """store: a Mooncake master's mooncake://HOST:PORT to hand KV over its Store (None:
+        peer to peer over this server's own Transfer Engine)."""
         if role not in ROLES:
             raise PyptoError(f"disaggregation mode must be one of {', '.join(ROLES)}", "role")
+        self.role, self.timeout_s = role, timeout_s
+        self.engine_id = uuid.uuid4().hex
+        self._offers: dict[str, _Offer] = {}
+        self._stored: dict[str, float] = {}
+        """Store keys put and not yet known gone -> when to remove them."""
+        self._lock = threading.Lock()
+        self.stats = TransferStats()
+        self.store: Any = None
+        self.engine: Any = None
+        if store is not None:
+            from pypto_serving.kv.mooncake_pool import connect
+
+            self.store = connect(store, STORE_SEGMENT_BYTES, "kv_transfer_store")
+            self.host, self.port = store, 0
+            log.info("KV transfer (%s): over the Mooncake Store at %s", role, store)
+            return
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # it logs every connection at INFO
         try:
             from mooncake.engine import TransferEngine  # type: ignore[import-untyped,import-not-found,unused-ignore]
@@ -133,19 +166,14 @@ class KVTransfer:
                 "'pypto-serving[remote]' (the mooncake-transfer-engine-non-cuda package) and "
                 f"Debian's libibverbs1, which it links even for TCP ({e})"
             ) from e
-        self.role, self.timeout_s = role, timeout_s
         self.host = host or local_address()
-        self.engine: Any = TransferEngine()
+        self.engine = TransferEngine()
         if self.engine.initialize(self.host, "P2PHANDSHAKE", protocol, "") != 0:
             raise PyptoError(f"the Transfer Engine did not start on {self.host} ({protocol})")
         self.port = int(self.engine.get_rpc_port())
-        self.engine_id = uuid.uuid4().hex
-        self._offers: dict[str, _Offer] = {}
-        self._lock = threading.Lock()
         self._read = np.ones(ACK_BYTES, dtype=np.uint8)
         """What a decode server writes into an offer's flag once read (registered once)."""
         self._register(self._read)
-        self.stats = TransferStats()
         log.info(
             "KV transfer (%s): Transfer Engine at %s:%d (%s)", role, self.host, self.port, protocol
         )
@@ -164,12 +192,24 @@ class KVTransfer:
             raise TransferFailed("the Transfer Engine is closed")
         return self.engine
 
+    def _live_store(self) -> Any:
+        """The Mooncake Store client; TransferFailed once closed."""
+        if self.store is None:
+            raise TransferFailed("the Mooncake Store client is closed")
+        return self.store
+
     def _register(self, buffer: np.ndarray) -> None:
-        if self._live().register_memory(buffer.ctypes.data, buffer.nbytes) != 0:
-            raise TransferFailed(f"registering {buffer.nbytes} bytes with the Transfer Engine")
+        if self.store is not None:
+            rc = self._live_store().register_buffer(buffer.ctypes.data, buffer.nbytes)
+        else:
+            rc = self._live().register_memory(buffer.ctypes.data, buffer.nbytes)
+        if rc != 0:
+            raise TransferFailed(f"registering {buffer.nbytes} bytes for the transfer ({rc})")
 
     def _unregister(self, buffer: np.ndarray) -> None:
-        if self.engine is not None:
+        if self.store is not None:
+            self.store.unregister_buffer(buffer.ctypes.data)
+        elif self.engine is not None:
             self.engine.unregister_memory(buffer.ctypes.data)
 
     # --- the prefill server's side ---------------------------------------------------------
@@ -182,26 +222,18 @@ class KVTransfer:
         if buffer is None:  # pages the engine did not pack
             buffer, _ = packed(handoff.groups)
         size = buffer.size
-        read = np.zeros(ACK_BYTES, dtype=np.uint8)
-        self._register(buffer)
-        self._register(read)
         transfer_id = uuid.uuid4().hex
-        with self._lock:
-            self._offers[transfer_id] = _Offer(buffer, read, time.monotonic() + self.timeout_s)
+        where = self._put(buffer, transfer_id) if self.store else self._keep(buffer, transfer_id)
         self.stats.offered += 1
         self.stats.offered_bytes += size
         first = handoff.first
         state = handoff.generator_state
-        return {
+        return where | {
             "do_remote_decode": False,
             "do_remote_prefill": True,
             "remote_engine_id": self.engine_id,
-            "remote_host": self.host,
-            "remote_port": self.port,
             "transfer_id": transfer_id,
-            "buffer": int(buffer.ctypes.data),
             "num_bytes": size,
-            "read_flag": int(read.ctypes.data),
             "layout": layout,
             "prompt": prompt_digest(prompt_token_ids),
             "prompt_token_ids": list(prompt_token_ids),
@@ -216,20 +248,56 @@ class KVTransfer:
             "generator_state": None if state is None else base64.b64encode(state).decode(),
         }
 
+    def _keep(self, buffer: np.ndarray, transfer_id: str) -> dict[str, Any]:
+        """The buffer registered with the Transfer Engine for a decode server to read; where."""
+        read = np.zeros(ACK_BYTES, dtype=np.uint8)
+        self._register(buffer)
+        self._register(read)
+        with self._lock:
+            self._offers[transfer_id] = _Offer(buffer, read, time.monotonic() + self.timeout_s)
+        return {
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "buffer": int(buffer.ctypes.data),
+            "read_flag": int(read.ctypes.data),
+        }
+
+    def _put(self, buffer: np.ndarray, transfer_id: str) -> dict[str, Any]:
+        """The buffer put into the Mooncake Store under a key of its own; where."""
+        key = f"{STORE_PREFIX}/{transfer_id}"
+        store = self._live_store()
+        self._register(buffer)
+        try:
+            rc = store.put_from(key, buffer.ctypes.data, buffer.size)
+        finally:
+            self._unregister(buffer)
+        if rc != 0:
+            raise TransferFailed(f"putting {buffer.size} bytes into the Mooncake Store ({rc})")
+        with self._lock:
+            self._stored[key] = time.monotonic() + self.timeout_s
+        return {"store_key": key}
+
     def sweep(self) -> None:
         """Free the offers a decode server has read, and those nobody read in time."""
         now = time.monotonic()
         with self._lock:
             done = [tid for tid, o in self._offers.items() if o.read.any() or now > o.expires]
             offers = [self._offers.pop(tid) for tid in done]
+            expired = [key for key, expires in self._stored.items() if now > expires]
+            for key in expired:
+                del self._stored[key]
         for o in offers:
             self._unregister(o.buffer)
             self._unregister(o.read)
+        for key in expired:  # (gone already where a decode server got it)
+            if self.store is not None:
+                self.store.remove(key, True)
 
     @property
     def num_offers(self) -> int:
+        """Handoffs offered and not yet known read (or expired)."""
         with self._lock:
-            return len(self._offers)
+            return len(self._offers) + len(self._stored)
 
     # --- the decode server's side ----------------------------------------------------------
 
@@ -240,12 +308,17 @@ class KVTransfer:
         geometry: list[PageGeometry],
         prompt_token_ids: list[int],
     ) -> Handoff:
-        """Read the handoff `params` describe from the prefill server that offered it (on the
-        calling thread: it blocks), then mark it read there. Raises TransferFailed."""
+        """Read the handoff `params` describe (on the calling thread: it blocks) from the
+        prefill server that offered it, then mark it read there, or from the Mooncake Store,
+        then remove it there. Raises TransferFailed."""
         try:
-            host, port = str(params["remote_host"]), int(params["remote_port"])
-            remote, size = int(params["buffer"]), int(params["num_bytes"])
-            flag = int(params["read_flag"])
+            size = int(params["num_bytes"])
+            key = params.get("store_key")
+            if key is None:
+                host, port = str(params["remote_host"]), int(params["remote_port"])
+                remote, flag = int(params["buffer"]), int(params["read_flag"])
+            elif not isinstance(key, str) or not key.startswith(STORE_PREFIX + "/"):
+                raise ValueError(f"store_key {key!r}")
             shapes = [(str(n), int(t), int(r), int(c)) for n, t, r, c in params["groups"]]
             first = params["first_token"]
             top = first.get("top_logprobs")
@@ -265,31 +338,63 @@ class KVTransfer:
             raise TransferFailed("the prefill server computed other prompt tokens")
         if len(shapes) != len(geometry) or num_bytes(shapes, geometry) != size:
             raise TransferFailed("the handoff's size does not match this server's KV pages")
+        if (key is None) != (self.store is None):
+            theirs_way = "the Transfer Engine" if key is None else "a Mooncake Store"
+            ours_way = "the Transfer Engine" if self.store is None else "a Mooncake Store"
+            raise TransferFailed(
+                f"the prefill server hands KV over {theirs_way}, this server reads over "
+                f"{ours_way} (start both with the same --kv-transfer-store, or neither)"
+            )
         buffer = np.empty(size, dtype=np.uint8)
-        session = f"{host}:{port}"
-        self._register(buffer)
         start = time.perf_counter()
-        try:
-            rc = self._live().transfer_sync_read(session, buffer.ctypes.data, remote, size)
-        finally:
-            self._unregister(buffer)
-        seconds = time.perf_counter() - start
-        if rc != 0:
-            raise TransferFailed(f"reading {size} bytes from {session} failed ({rc})")
-        self._live().transfer_sync_write(session, self._read.ctypes.data, flag, ACK_BYTES)
-        self.stats.read(seconds, size, sum(c for *_, c in shapes))
+        if key is not None:
+            self._get(key, buffer)
+        else:
+            self._read_remote(f"{host}:{port}", remote, flag, buffer)
+        self.stats.read(time.perf_counter() - start, size, sum(c for *_, c in shapes))
         try:
             groups = unpack(buffer, shapes, geometry)
         except ValueError as e:
             raise TransferFailed(str(e)) from e
         return Handoff(groups, sampled, generator_state)
 
+    def _read_remote(self, session: str, remote: int, flag: int, buffer: np.ndarray) -> None:
+        """Read an offer over the Transfer Engine, then set its read flag there."""
+        self._register(buffer)
+        try:
+            rc = self._live().transfer_sync_read(session, buffer.ctypes.data, remote, buffer.size)
+        finally:
+            self._unregister(buffer)
+        if rc != 0:
+            raise TransferFailed(f"reading {buffer.size} bytes from {session} failed ({rc})")
+        self._live().transfer_sync_write(session, self._read.ctypes.data, flag, ACK_BYTES)
+
+    def _get(self, key: str, buffer: np.ndarray) -> None:
+        """Get a handoff from the Mooncake Store, then remove it there."""
+        store = self._live_store()
+        self._register(buffer)
+        try:
+            got = store.get_into(key, buffer.ctypes.data, buffer.size)
+        finally:
+            self._unregister(buffer)
+        if got != buffer.size:
+            raise TransferFailed(
+                f"getting {key} from the Mooncake Store: {got} of {buffer.size} bytes"
+            )
+        store.remove(key, True)  # (force: a get leaves a lease on it for a while)
+
     def close(self) -> None:
         """Free every offer and stop the Transfer Engine (its listening sockets close with
         it); later offers and reads fail with TransferFailed."""
         with self._lock:
             offers, self._offers = list(self._offers.values()), {}
+            stored, self._stored = list(self._stored), {}
         for o in offers:
             self._unregister(o.buffer)
             self._unregister(o.read)
         self.engine = None
+        if self.store is not None:
+            for key in stored:
+                self.store.remove(key, True)
+            self.store.close()
+            self.store = None

@@ -77,9 +77,7 @@ def local_address(host: str, port: int) -> str:
             s.connect((host, port))
             return str(s.getsockname()[0])
     except OSError as e:
-        raise PyptoError(
-            f"kv_remote: no route to the Mooncake master {host}:{port} ({e})"
-        ) from None
+        raise PyptoError(f"no route to the Mooncake master {host}:{port} ({e})") from None
 
 
 @dataclass(slots=True)
@@ -120,11 +118,11 @@ def leave(client: Pool) -> None:
     client.close()
 
 
-def connect(url: str, segment_bytes: int) -> Pool:
+def connect(url: str, segment_bytes: int, what: str = "kv_remote") -> Pool:
     """A client of the Mooncake Store whose master is at `url`, lending `segment_bytes` of
     this process's memory to the pool. PyptoError saying what to install or check when it
-    cannot."""
-    host, port = remote_address(url)
+    cannot (naming the option `what`)."""
+    host, port = remote_address(url, what)
     try:
         ipaddress.ip_address(host)
         address = host
@@ -132,14 +130,14 @@ def connect(url: str, segment_bytes: int) -> Pool:
         try:
             address = socket.gethostbyname(host)
         except OSError as e:
-            raise PyptoError(f"kv_remote: cannot resolve {host!r} ({e})") from None
+            raise PyptoError(f"{what}: cannot resolve {host!r} ({e})") from None
     try:  # Mooncake's own set-up retries an absent master for ~90 s: fail fast instead
         socket.create_connection((address, port), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as e:
         raise PyptoError(
-            f"kv_remote: the Mooncake master at {address}:{port} does not answer ({e}); start "
+            f"{what}: the Mooncake master at {address}:{port} does not answer ({e}); start "
             f"one with `mooncake_master --rpc_port {port}`",
-            "kv_remote",
+            what,
         ) from None
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # it logs every connection at INFO
     try:
@@ -153,7 +151,7 @@ def connect(url: str, segment_bytes: int) -> Pool:
             "package)"
         )
         raise PyptoError(
-            f"kv_remote needs Mooncake Store, which cannot be imported ({e}): {hint}"
+            f"{what} needs Mooncake Store, which cannot be imported ({e}): {hint}"
         ) from None
     client = MooncakeDistributedStore()
     me = local_address(address, port)
@@ -161,9 +159,9 @@ def connect(url: str, segment_bytes: int) -> Pool:
     code = client.setup(me, "P2PHANDSHAKE", segment_bytes, LOCAL_BUFFER_BYTES, "tcp", "", master)
     if code != 0:
         raise PyptoError(
-            f"kv_remote: cannot join the Mooncake master at {address}:{port} (error {code}); "
+            f"{what}: cannot join the Mooncake master at {address}:{port} (error {code}); "
             f"is `mooncake_master --rpc_port {port}` running there?",
-            "kv_remote",
+            what,
         )
     log.info(
         "joined the Mooncake Store at %s as %s, lending it %d MiB", master, me, segment_bytes >> 20

@@ -123,10 +123,16 @@ def run_server(knobs: dict[str, Any], config: ServerConfig) -> int:
         first = names[0] if names else None
         transfer = None
         if transfer_spec is not None:
-            role, host, protocol = transfer_spec
+            host = transfer_spec.host
             if host is None and config.host not in ("0.0.0.0", "::", "127.0.0.1", "localhost"):
                 host = config.host  # the address it serves on: where its peers reach it
-            transfer = KVTransfer(role, host, protocol, config.kv_transfer_timeout_s)
+            transfer = KVTransfer(
+                transfer_spec.role,
+                host,
+                transfer_spec.protocol,
+                config.kv_transfer_timeout_s,
+                transfer_spec.store,
+            )
         engine = AsyncLLM.build(knobs, first, config.log_interval_s, limits, transfer)
         names = names or [engine.metrics.model_name]
         app = build_app(engine, config, names)
