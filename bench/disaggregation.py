@@ -266,8 +266,9 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [
         f"{args.chats} streamed chats (64-256 random tokens in, {args.chat_tokens} out) and a "
         f"long prompt every {args.long_every_s:g} s ({', '.join(map(str, args.long_lens))} "
-        f"tokens, 16 out), {args.duration_s:g} s; colocated on CPUs {co.get('cpus')}, 1P1D "
-        f"prefill on {dis.get('prefill_cpus')} and decode on {dis.get('decode_cpus')}.",
+        f"tokens, 16 out), {args.duration_s:g} s; colocated on CPUs {co.get('cpus', '–')}, "
+        f"1P1D prefill on {dis.get('prefill_cpus')} and decode on {dis.get('decode_cpus')}"
+        f"{', the KV through a Mooncake Store' if dis.get('store') else ''}.",
         "",
         "| | colocated | 1P1D | 1P1D / colocated |",
         "|---|---|---|---|",
@@ -299,8 +300,9 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
         lines += [
             "",
             f"Handoffs read by the decode server: {t['handoffs']:.0f} ({t['failed']:.0f} "
-            f"failed), {t['mb_per_request']:.1f} MB a request on average; the Transfer "
-            f"Engine's read took {t['read_ms_per_request']:.1f} ms a request, "
+            f"failed), {t['mb_per_request']:.1f} MB a request on average; reading it "
+            f"({'a get from the Mooncake Store' if dis.get('store') else 'Transfer Engine'}) "
+            f"took {t['read_ms_per_request']:.1f} ms a request, "
             f"{t['read_us_per_page']:.0f} µs a page of {t['kb_per_page']:.0f} KB "
             f"({t['read_gb_per_s']:.2f} GB/s).",
         ]

@@ -127,7 +127,7 @@ class TransferFailed(Exception):
 
 class KVTransfer:
     """One server's end of KV handoffs: offers (a prefill server's) and pulls (a decode
-    server's), over one Transfer Engine."""
+    server's), over its own Transfer Engine or through a Mooncake Store."""
 
     def __init__(
         self,
