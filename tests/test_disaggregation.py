@@ -581,3 +581,29 @@ def test_the_routers_prefix_estimate_follows_the_servers_kv_events(tiny_model) -
         assert "pypto_router_prefix_tokens_total 64.0" in metrics  # nothing counted this time
     for t in transfers:
         t.close()
+
+
+def test_the_router_fronts_ordinary_servers_by_prefix(tiny_model) -> None:
+    """Without prefill servers the router spreads whole requests over ordinary servers
+    (prefix-aware DP across machines): prompts sharing a stem go where it is cached."""
+    path = tiny_model("llama-gqa4-tied")
+    with contextlib.ExitStack() as stack:
+        llms = [stack.enter_context(tiny_llm(path)) for _ in range(2)]
+        a, b = (stack.enter_context(serving(llm)) for llm in llms)
+        router = stack.enter_context(routing([], [a.url, b.url]))
+        stem = PROMPTS[3][:64]
+        body = {"model": "tiny", "max_tokens": 2, "temperature": 0}
+        for i in range(6):
+            r = httpx.post(router + "/v1/completions", json=body | {"prompt": stem + [7 + i] * i})
+            assert r.status_code == 200, r.text
+        hits = sorted(llm.engine.stats().prefix_hits for llm in llms)
+        queries = sorted(llm.engine.stats().prefix_queries for llm in llms)
+        assert hits == [0, 5 * 64] and queries[0] == 0  # one server took all six
+        metrics = httpx.get(router + "/metrics").text
+        assert "pypto_router_prefix_tokens_total 320.0" in metrics
+        # different prompts still spread over both (the least busy, in turn)
+        for i in range(4):
+            prompt = [(13 * i + j) % 250 + 5 for j in range(20)]
+            r = httpx.post(router + "/v1/completions", json=body | {"prompt": prompt})
+            assert r.status_code == 200
+        assert min(llm.engine.stats().prefix_queries for llm in llms) > 0

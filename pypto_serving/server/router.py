@@ -91,8 +91,9 @@ class RouterConfig:
     prefix_pages: int = 1 << 16
     """Pages of ROUTER_PAGE tokens remembered per prefill server (its prefix estimate)."""
     kv_events: list[str] = field(default_factory=list)
-    """The prefill servers' KV event endpoints, in their order (none: the estimate is what
-    the router sent each)."""
+    """The prefill servers' KV event endpoints, in their order (the decode servers' where
+    there is no prefill server: ordinary servers, each computing whole requests); none: the
+    estimate is what the router sent each."""
     kv_events_server_key: str | None = None
     """The servers' CURVE public key file (`.key`), where their events are encrypted."""
     kv_events_key: str | None = None
@@ -106,10 +107,12 @@ class RouterConfig:
         for url in (*self.prefill, *self.decode):
             if not url.startswith(("http://", "https://")):
                 raise PyptoError(f"a server is an http(s):// URL, got {url!r}")
-        if self.kv_events and len(self.kv_events) != len(self.prefill):
+        followed = self.prefill or self.decode
+        if self.kv_events and len(self.kv_events) != len(followed):
+            role = "prefill" if self.prefill else "decode"
             raise PyptoError(
-                f"--kv-events names one endpoint per prefill server, in their order: "
-                f"{len(self.prefill)} servers, {len(self.kv_events)} endpoints",
+                f"--kv-events names one endpoint per {role} server, in their order: "
+                f"{len(followed)} servers, {len(self.kv_events)} endpoints",
                 "kv_events",
             )
         for endpoint in self.kv_events:
@@ -156,16 +159,14 @@ class Router:
 
     def __post_init__(self) -> None:
         c = self.config
-        events: list[str | None] = [*c.kv_events] or [None] * len(c.prefill)
-        self.backends = {
-            "prefill": [
-                Backend(u.rstrip("/"), "prefill", PrefixEstimate(c.prefix_pages), e)
-                for u, e in zip(c.prefill, events, strict=True)
-            ],
-            "decode": [
-                Backend(u.rstrip("/"), "decode", PrefixEstimate(c.prefix_pages)) for u in c.decode
-            ],
-        }
+        followed = "prefill" if c.prefill else "decode"  # whose KV events --kv-events names
+        self.backends = {}
+        for role, urls in (("prefill", c.prefill), ("decode", c.decode)):
+            events = c.kv_events if role == followed and c.kv_events else [None] * len(urls)
+            self.backends[role] = [
+                Backend(u.rstrip("/"), role, PrefixEstimate(c.prefix_pages), e)
+                for u, e in zip(urls, events, strict=True)
+            ]
         self._turn = itertools.count()
         self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -192,7 +193,7 @@ class Router:
             ["server"],
             registry=self.registry,
         )
-        for b in self.backends["prefill"]:
+        for b in (*self.backends["prefill"], *self.backends["decode"]):
             self.prefix_pages.labels(b.url).set_function(b.prefixes.__len__)
         self.fallbacks = Counter(
             "pypto_router_colocated",
@@ -279,7 +280,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
         curve = config.curve()
         feeds = [
             asyncio.create_task(follow(b.kv_events, b.prefixes, curve))
-            for b in router.backends["prefill"]
+            for b in (*router.backends["prefill"], *router.backends["decode"])
             if b.kv_events is not None
         ]
         yield
@@ -292,8 +293,9 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     app.state.router = router
 
     async def prompt_ids(body: dict[str, Any], headers: dict[str, str]) -> list[int] | None:
-        """The request's prompt tokens, as a prefill server's /tokenize renders them (None:
-        none answered, or the prompt is not one text or one list of ids)."""
+        """The request's prompt tokens, as a server's /tokenize renders them (a prefill
+        server's, else a decode server's; None: none answered, or the prompt is not one text
+        or one list of ids)."""
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             return prompt
@@ -303,7 +305,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
             ask = {k: body[k] for k in TEMPLATE_FIELDS if k in body}
         else:
             return None
-        backend = router.pick("prefill", set())
+        backend = router.pick("prefill", set()) or router.pick("decode", set())
         if backend is None:
             return None
         try:
@@ -313,15 +315,20 @@ def build_router_app(config: RouterConfig) -> FastAPI:
             return None
         return ids if isinstance(ids, list) else None
 
-    async def prefill(
-        body: dict[str, Any], path: str, headers: dict[str, str]
-    ) -> dict[str, Any] | Response | None:
-        """The handoff's kv_transfer_params from a prefill server (the one that probably
-        caches the longest prefix of the prompt); a Response to give the client as it is
-        (the request is bad: a 4xx); None when no prefill server answered."""
+    async def prompt_chain(body: dict[str, Any], headers: dict[str, str]) -> list[bytes]:
+        """The request's prompt as the router's page chain (empty where its tokens are not
+        known)."""
         ids = await prompt_ids(body, headers)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        chain = page_chain(ids, salt) if ids is not None else []
+        return page_chain(ids, salt) if ids is not None else []
+
+    async def prefill(
+        body: dict[str, Any], path: str, headers: dict[str, str], chain: list[bytes]
+    ) -> dict[str, Any] | Response | None:
+        """The handoff's kv_transfer_params from a prefill server (the one that probably
+        caches the longest prefix of the prompt, `chain`); a Response to give the client as
+        it is (the request is bad: a 4xx); None when no prefill server answered."""
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         tried: set[str] = set()
         while (backend := router.pick("prefill", tried, chain)) is not None:
             tried.add(backend.url)
@@ -351,11 +358,16 @@ def build_router_app(config: RouterConfig) -> FastAPI:
             return params
         return None
 
-    async def decode(body: dict[str, Any], path: str, headers: dict[str, str]) -> Response:
-        """The decode server's answer, passed through (a stream as it comes)."""
+    async def decode(
+        body: dict[str, Any], path: str, headers: dict[str, str], chain: list[bytes]
+    ) -> Response:
+        """The decode server's answer, passed through (a stream as it comes). `chain`: the
+        prompt's pages where the decode server computes it whole (it then goes where they
+        are probably cached), else empty."""
         tried: set[str] = set()
-        while (backend := router.pick("decode", tried)) is not None:
+        while (backend := router.pick("decode", tried, chain)) is not None:
             tried.add(backend.url)
+            cached = backend.prefixes.held(chain)
             router.enter(backend)
             request = client.build_request("POST", backend.url + path, json=body, headers=headers)
             try:
@@ -371,6 +383,9 @@ def build_router_app(config: RouterConfig) -> FastAPI:
                 continue
             outcome = "ok" if upstream.status_code < 400 else "refused"
             router.requests.labels("decode", backend.url, outcome).inc()
+            if chain and outcome == "ok":  # it computes the prompt: it caches it now
+                router.prefix_tokens.inc(cached * ROUTER_PAGE)
+                router.sent(backend, chain)
 
             kind = upstream.headers.get("content-type", "application/json")
 
@@ -405,16 +420,17 @@ def build_router_app(config: RouterConfig) -> FastAPI:
         if "kv_transfer_params" in body:
             return error(400, "kv_transfer_params is the router's to set")
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        chain = await prompt_chain(body, headers)
         params = None
         if carries(body) and router.backends["prefill"]:
-            found = await prefill(body, path, headers)
+            found = await prefill(body, path, headers, chain)
             if isinstance(found, Response):
                 return found
             params = found
-        if params is None:
+        if params is None:  # the decode server computes it whole
             router.fallbacks.inc()
-            return await decode(body, path, headers)
-        return await decode(body | {"kv_transfer_params": params}, path, headers)
+            return await decode(body, path, headers, chain)
+        return await decode(body | {"kv_transfer_params": params}, path, headers, [])
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
