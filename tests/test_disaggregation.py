@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -32,7 +33,7 @@ from patience import patience
 
 from pypto_serving import SamplingParams
 from pypto_serving.engine.kv_transfer import KVTransfer, TransferFailed
-from pypto_serving.engine.llm import LLM
+from pypto_serving.engine.llm import LLM, child_id
 from pypto_serving.kv.handoff import (
     GroupKV,
     Handoff,
@@ -74,10 +75,40 @@ def handed_over(prefill: LLM, decode: LLM, prompt: list[int], params: SamplingPa
     return Handoff(groups, handoff.first, handoff.generator_state)
 
 
-def decoded(decode: LLM, prompts: list[list[int]], handoffs: list[Handoff], params: Any) -> list:
-    families = [decode.add(p, params, handoff=h) for p, h in zip(prompts, handoffs, strict=True)]
+def decoded(
+    decode: LLM,
+    prompts: list[list[int]],
+    handoffs: list[Handoff],
+    params: Any,
+    reserve: tuple[int, ...] = (),
+) -> list:
+    """The decode engine going on from the handoffs, all together; those numbered in
+    `reserve` get their device pages reserved first (as a decode server does before it
+    reads) and are admitted into exactly those pages."""
+    kv = decode.engine.executor.kv
+    reserved: dict[str, dict[str, list[int]]] = {}
+    for i in reserve:
+        rid = child_id(f"r{i}", 0)
+        free = [m.pool.num_free for m in kv.managers]
+        assert decode.engine.reserve(rid, [len(g.pages) for g in handoffs[i].groups])
+        reserved[rid] = {m.name: list(m.reserved[rid]) for m in kv.managers}
+        taken = [len(reserved[rid][m.name]) for m in kv.managers]
+        assert [f - m.pool.num_free for f, m in zip(free, kv.managers, strict=True)] == taken
+    families = [
+        decode.add(p, params, handoff=h, request_id=f"r{i}")
+        for i, (p, h) in enumerate(zip(prompts, handoffs, strict=True))
+    ]
+    decode.step()  # every request admitted (swapped in) and decoded once
+    for rid, pages in reserved.items():
+        for m in kv.managers:
+            table = m.tables[rid]
+            held = table.pages[table.released : table.released + len(pages[m.name])]
+            if m.keep is None:  # (a window may have given its first pages back already)
+                assert held == pages[m.name], (m.name, held, pages[m.name])
+            assert rid not in m.reserved
     while decode.engine.has_unfinished():
         decode.step()
+    assert all(not m.reserved for m in kv.managers)
     return [f.output().outputs[0] for f in families]
 
 
@@ -87,7 +118,7 @@ def test_a_handoff_goes_on_as_one_server_would(tiny_model, name: str) -> None:
     with tiny_llm(path) as prefill, tiny_llm(path) as decode:
         alone = [o.outputs[0].token_ids for o in prefill.generate(PROMPTS, GREEDY, False)]
         handoffs = [handed_over(prefill, decode, p, GREEDY) for p in PROMPTS]
-        got = decoded(decode, PROMPTS, handoffs, GREEDY)  # all four decoding together
+        got = decoded(decode, PROMPTS, handoffs, GREEDY, reserve=(1, 3))  # all four together
         assert [o.token_ids for o in got] == alone
         assert [h.first.token_id for h in handoffs] == [ids[0] for ids in alone]
         groups = handoffs[-1].groups
@@ -95,6 +126,20 @@ def test_a_handoff_goes_on_as_one_server_would(tiny_model, name: str) -> None:
             assert groups[0].released > 0
         stats = decode.engine.stats()
         assert stats.prompt_tokens == 0  # the decode engine computed no prompt token
+
+
+def test_a_reservation_takes_every_group_s_pages_or_none(tiny_model) -> None:
+    """A decode server reserves a handoff's device pages before reading it: all groups'
+    or, where the pool has not the room, none (it then reads into host memory)."""
+    with tiny_llm(tiny_model("gemma3-local5-global"), num_kv_pages=6) as decode:
+        kv = decode.engine.executor.kv
+        free = [m.pool.num_free for m in kv.managers]  # (the two groups' pools differ)
+        assert not decode.engine.reserve("a-0", [2, free[1] + 1])  # the second has not that
+        assert [m.pool.num_free for m in kv.managers] == free and not kv.managers[0].reserved
+        assert decode.engine.reserve("a-0", [2, free[1] - 1])
+        assert [m.pool.num_free for m in kv.managers] == [free[0] - 2, 1]
+        decode.engine.unreserve("a-0")
+        assert [m.pool.num_free for m in kv.managers] == free
 
 
 def test_sampling_logprobs_and_grammars_go_on_where_they_were(tiny_model) -> None:
@@ -143,12 +188,19 @@ def some_handoff() -> Handoff:
 
 
 def listening_sockets() -> set[str]:
-    """This machine's listening TCP sockets (local address:port, as /proc/net shows them)."""
+    """This process's listening TCP sockets (local address:port, as /proc/net shows them;
+    other processes', such as other test workers', left out by their inodes)."""
+    mine = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                mine.add(target[len("socket:[") : -1])
     found = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
-            if fields[3] == "0A":
+            if fields[3] == "0A" and fields[9] in mine:
                 found.add(fields[1])
     return found
 
@@ -341,6 +393,8 @@ def test_the_router_serves_prefill_and_decode_servers_as_one(tiny_model) -> None
         assert 'pypto_prompt_tokens_total{model_name="tiny"} 0.0' in pulled
         assert f'pypto_kv_transfer_pulls_total{{model_name="tiny",outcome="ok"}} {n}.0' in pulled
         assert f'pypto_kv_transfer_read_seconds_count{{model_name="tiny"}} {n}.0' in pulled
+        assert 'pypto_kv_transfer_no_room_total{model_name="tiny"} 0.0' in pulled  # reserved
+        assert all(not m.reserved for m in d_llm.engine.executor.kv.managers)
         counted = {
             line.split("{")[0]: float(line.split()[-1])
             for line in pulled.splitlines()
@@ -607,3 +661,45 @@ def test_the_router_fronts_ordinary_servers_by_prefix(tiny_model) -> None:
             r = httpx.post(router + "/v1/completions", json=body | {"prompt": prompt})
             assert r.status_code == 200
         assert min(llm.engine.stats().prefix_queries for llm in llms) > 0
+
+
+def test_a_handoff_without_room_waits_for_it_and_is_not_lost(tiny_model) -> None:
+    """A decode server whose pool is full when a handoff comes reads it into host memory
+    (it cannot reserve its pages) and admits it once room frees: the same tokens."""
+    path = tiny_model("llama-gqa4-tied")
+    sends, gets = KVTransfer("prefill", "127.0.0.1"), KVTransfer("decode", "127.0.0.1")
+    with contextlib.ExitStack() as stack:
+        stack.callback(sends.close)
+        stack.callback(gets.close)
+        alone_llm, p_llm = (stack.enter_context(tiny_llm(path)) for _ in range(2))
+        d_llm = stack.enter_context(tiny_llm(path, num_kv_pages=8, kv_cpu_bytes=0))
+        alone = stack.enter_context(serving(alone_llm))
+        p = stack.enter_context(serving(p_llm, transfer=sends))
+        d = stack.enter_context(serving(d_llm, transfer=gets))
+        router = stack.enter_context(routing([p.url], [d.url]))
+        greedy = {"model": "tiny", "temperature": 0, "ignore_eos": True}
+        handed = greedy | {"prompt": PROMPTS[3][:60], "max_tokens": 6}
+        hog = greedy | {"prompt": [(5 * j) % 250 + 9 for j in range(100)], "max_tokens": 24}
+
+        async def run() -> str:
+            hogging = {"json": hog | {"stream": True}}  # 7 of the 8 pages from its first token
+            async with (
+                httpx.AsyncClient(timeout=patience(120)) as client,
+                client.stream("POST", d.url + "/v1/completions", **hogging) as r,
+            ):
+                lines = r.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        break
+                answer = await client.post(router + "/v1/completions", json=handed)
+                async for _ in lines:  # the hog finishes; then the handoff is admitted
+                    pass
+            assert answer.status_code == 200, answer.text
+            return str(answer.json()["choices"][0]["text"])
+
+        got = asyncio.run(run())
+        want = httpx.post(alone.url + "/v1/completions", json=handed).json()["choices"][0]["text"]
+        assert got == want
+        assert gets.stats.no_room == 1 and gets.stats.pulled == 1
+        assert d_llm.engine.stats().prompt_tokens == 100  # the hog's; none of the handoff's
+        assert all(not m.reserved for m in d_llm.engine.executor.kv.managers)

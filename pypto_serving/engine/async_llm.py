@@ -30,7 +30,7 @@ from typing import Any
 
 from pypto_serving.engine.core import EngineCore, check_step_time
 from pypto_serving.engine.kv_transfer import KVTransfer, TransferFailed
-from pypto_serving.engine.llm import LLM, _Family
+from pypto_serving.engine.llm import LLM, _Family, child_id
 from pypto_serving.engine.metrics import (
     EngineMetrics,
     FinishedRequest,
@@ -410,10 +410,16 @@ class AsyncLLM:
 
     async def _pull(self, add: _Add, params: dict[str, Any]) -> None:
         """Read a decode request's handoff (on a worker thread, at most the transfer's
-        timeout), then queue the request; if the read fails it computes its prompt here."""
+        timeout) into device pages reserved for it first where the pool has the room (else
+        into host memory, the request then waiting for room as a swapped one does), then
+        queue the request; if the read fails it computes its prompt here."""
         transfer = self.transfer
         assert transfer is not None
         layout, geometry = self._kv_layout()
+        engine_id = child_id(add.request_id, 0)
+        reserved = await self._reserve(engine_id, params)
+        if not reserved:
+            transfer.stats.no_room += 1
         work = asyncio.to_thread(transfer.pull, params, layout, geometry, add.prompt_token_ids)
         try:
             add.handoff = await asyncio.wait_for(work, transfer.timeout_s)
@@ -425,9 +431,27 @@ class AsyncLLM:
                 add.request_id,
                 why,
             )
-        if add.request_id in self._streams:  # not aborted meanwhile
+        queued = add.request_id in self._streams  # (not aborted meanwhile)
+        if reserved and (add.handoff is None or not queued):
+            await asyncio.get_running_loop().run_in_executor(
+                self._thread, self._core().unreserve, engine_id
+            )
+        if queued:
             self._adds.append(add)
             self._wake.set()
+
+    async def _reserve(self, engine_id: str, params: dict[str, Any]) -> bool:
+        """Reserve device pages for the handoff `params` describe (each group's pages), on
+        the engine thread between steps; whether the pool had the room."""
+        try:
+            pages = [int(g[3]) for g in params["groups"]]
+        except (KeyError, TypeError, ValueError, IndexError):
+            return False  # malformed: the read says so
+        if len(pages) != len(self._kv_layout()[1]):
+            return False
+        loop = asyncio.get_running_loop()
+        core = self._core()
+        return await loop.run_in_executor(self._thread, core.reserve, engine_id, pages)
 
     async def embed(self, prompt_token_ids: list[int], params: PoolingParams) -> list[float]:
         """A prompt's embedding, computed on the engine's thread between two steps."""
@@ -537,13 +561,17 @@ class AsyncLLM:
             updates.append((f.request_id, update))
         return updates
 
+    def _core(self) -> EngineCore:
+        """The one engine of a disaggregated server (data parallelism is refused with it)."""
+        engine = self.engine
+        if not isinstance(engine, EngineCore):  # refused when the config is read
+            raise PyptoError("disaggregated serving runs one engine (data_parallel_size 1)")
+        return engine
+
     def _kv_layout(self) -> tuple[str, list[PageGeometry]]:
         """The engine's KV layout, as handoffs check it (read once: it never changes)."""
         if self._layout is None:
-            engine = self.engine
-            if not isinstance(engine, EngineCore):  # refused when the config is read
-                raise PyptoError("disaggregated serving runs one engine (data_parallel_size 1)")
-            self._layout = engine.kv_layout()
+            self._layout = self._core().kv_layout()
         return self._layout
 
     def _offer(self, request: Request) -> dict[str, Any] | None:

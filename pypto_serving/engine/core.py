@@ -357,6 +357,16 @@ class EngineCore:
         kv = self._paged_kv()
         return kv.layout_digest, kv.geometry()
 
+    def reserve(self, request_id: str, pages: list[int]) -> bool:
+        """Take each KV group's `pages` device pages for a request whose KV a prefill server
+        is about to send (it is admitted into them); False, taking none, when the pool has
+        not the room now. Between steps, on the engine's thread."""
+        return self._paged_kv().reserve(request_id, pages)
+
+    def unreserve(self, request_id: str) -> None:
+        """Give back what `reserve` took (the KV did not come, or the request went away)."""
+        self._paged_kv().unreserve(request_id)
+
     def _receive(self, request: Request, handoff: Handoff) -> None:
         """Go on from where a prefill server stopped: its first token appended (the grammar
         and stop conditions see it as if sampled here), the sampler's state, and the prompt's
@@ -366,7 +376,9 @@ class EngineCore:
             state = torch.frombuffer(bytearray(handoff.generator_state), dtype=torch.uint8)
             request.generator.set_state(state)
         request.append(handoff.first)
-        if not request.finished:
+        if request.finished:  # nothing to decode: pages reserved for it go back
+            kv.unreserve(request.request_id)
+        else:
             kv.receive(request, handoff.groups)
         request.handoff = None  # its pages are the KV side's now
 

@@ -99,6 +99,9 @@ class TransferStats:
     prompts)."""
     pulled_bytes: int = 0
     pulled_pages: int = 0
+    no_room: int = 0
+    """Handoffs a decode server read before it could reserve their device pages (its pool
+    was full then): they waited for room as swapped requests do."""
     read_seconds: float = 0.0
     """Time in the Transfer Engine's reads, all together."""
     read_buckets: list[int] = field(default_factory=lambda: [0] * (len(READ_BUCKETS) + 1))

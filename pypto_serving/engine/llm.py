@@ -138,6 +138,11 @@ def next_token_scores(out: RequestOutput) -> Sampled:
     return logprobs[0]
 
 
+def child_id(request_id: str, i: int) -> str:
+    """The engine's id of sample `i` of request `request_id` (one engine request each)."""
+    return f"{request_id}-{i}"
+
+
 class LLM:
     """Load a model once; generate for many prompts with continuous batching."""
 
@@ -303,7 +308,7 @@ class LLM:
             if i > 0 and params.prompt_logprobs is not None:  # the first sample scores it
                 child = replace(child, prompt_logprobs=None)
             req = Request(
-                f"{rid}-{i}", ids, child, eos, priority, seq, arrived, cache_salt=cache_salt
+                child_id(rid, i), ids, child, eos, priority, seq, arrived, cache_salt=cache_salt
             )
             req.export_kv, req.handoff = export_kv, handoff
             family.children.append(req)

@@ -235,6 +235,11 @@ class TransferCollector(Collector):
             ("kv_transfer_offered_bytes", "Bytes of KV pages offered", s.offered_bytes),
             ("kv_transfer_pulled_pages", "KV pages read from prefill servers", s.pulled_pages),
             ("kv_transfer_pulled_bytes", "Bytes of KV pages read", s.pulled_bytes),
+            (
+                "kv_transfer_no_room",
+                "Handoffs read before their device pages could be reserved (the pool was full)",
+                s.no_room,
+            ),
         ):
             c = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
             c.add_metric(name, value)

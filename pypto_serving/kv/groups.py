@@ -157,6 +157,22 @@ class KVGroups:
         device pages: copy them before the request is freed)."""
         return [m.export(request, num_tokens) for m in self.managers]
 
+    def reserve(self, request_id: str, pages: list[int]) -> bool:
+        """Take each group's `pages` device pages for KV another server is about to send
+        the request, or (False) none: the pool has not the room now."""
+        done: list[KVManager] = []
+        for m, n in zip(self.managers, pages, strict=True):
+            if not m.reserve(request_id, n):
+                for other in done:
+                    other.unreserve(request_id)
+                return False
+            done.append(m)
+        return True
+
+    def unreserve(self, request_id: str) -> None:
+        for m in self.managers:
+            m.unreserve(request_id)
+
     def receive(self, request: Request, groups: list[GroupKV]) -> None:
         """Hold KV another server computed for the request, every group's (`export` there):
         it is admitted as a swapped request is, its KV written into device pages then."""

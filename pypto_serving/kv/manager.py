@@ -83,6 +83,9 @@ class KVManager:
         self.page_size = pool.page_size
         self.tables: dict[str, PageTable] = {}
         self.swapped: dict[str, _Swapped] = {}
+        self.reserved: dict[str, list[int]] = {}
+        """Device pages taken for KV another server is sending a request (`reserve`), which
+        it is admitted into."""
         self._lookups: dict[str, Counter[tuple[str, str]]] = {}
         """Hits and misses of a claim, counted once its request is admitted (allocate)."""
         self._swaps = itertools.count()
@@ -211,13 +214,14 @@ class KVManager:
         if table is not None:  # tail pages first into the LRU, so they are evicted first
             self.pool.free(table.pages[table.released :][::-1])
         if request.finished:
-            self.drop_swap(request)
+            self.drop_swap(request)  # (and any pages reserved for it)
 
     def drop_swap(self, request: Request) -> None:
         """Forget the request's swapped KV (if any): it recomputes instead."""
         entry = self.swapped.pop(request.request_id, None)
         if entry is not None and entry.received is None:
             self.pool.drop_held(entry.key)
+        self.unreserve(request.request_id)
 
     def release_before(self, request: Request, num_tokens: int) -> None:
         """Give back the request's full pages that lie wholly before token `num_tokens` (the
@@ -257,10 +261,11 @@ class KVManager:
         return swap
 
     def swap_in_fits(self, request: Request) -> bool:
-        """Whether a swapped request's KV and its next token fit the device now."""
+        """Whether a swapped request's KV and its next token fit the device now (beside the
+        pages reserved for it)."""
         entry = self.swapped[request.request_id]
         pages = -(-(entry.num_tokens + 1) // self.page_size) - entry.released
-        return pages <= self.pool.num_free
+        return pages - len(self.reserved.get(request.request_id, ())) <= self.pool.num_free
 
     def _swap_in(self, request: Request) -> int | None:
         entry = self.swapped[request.request_id]
@@ -269,7 +274,9 @@ class KVManager:
             return None  # wait until it and its next token fit
         start = time.perf_counter()
         del self.swapped[request.request_id]
-        page_ids = [-1] * entry.released + self.pool.allocate(num_pages)
+        reserved = self.reserved.pop(request.request_id, None)
+        assert reserved is None or len(reserved) == num_pages, "reserved for other KV"
+        page_ids = [-1] * entry.released + (reserved or self.pool.allocate(num_pages))
         if entry.received is not None:
             self.pool.write_received(entry.received, page_ids[entry.released :])
         else:
@@ -293,6 +300,21 @@ class KVManager:
         assert len(table.pages) >= end, "the request's pages hold fewer tokens"
         pages = [self.pool.cache.read_page(p) for p in table.pages[table.released : end]]
         return GroupKV(self.name, num_tokens, min(table.released, end), pages)
+
+    def reserve(self, request_id: str, num_pages: int) -> bool:
+        """Take `num_pages` device pages for the KV another server is about to send a
+        request (admitted into them: `receive`, then its swap-in); False, taking none, when
+        the pool has not that many free."""
+        if num_pages > self.pool.num_free:
+            return False
+        self.reserved[request_id] = self.pool.allocate(num_pages)
+        return True
+
+    def unreserve(self, request_id: str) -> None:
+        """Give back the pages reserved for a request (its KV did not come, or it ended)."""
+        pages = self.reserved.pop(request_id, None)
+        if pages:
+            self.pool.free(pages)
 
     def receive(self, request: Request, group: GroupKV) -> None:
         """Hold the KV another server computed for the request (`export` there), to be
