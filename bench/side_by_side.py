@@ -12,6 +12,13 @@ with a note when not installed. This file is also the worker those subprocesses 
 
     python bench/side_by_side.py --json side.json --markdown side.md
     python bench/side_by_side.py --engines ours,hf --num-prompts 2 --output-len 4 --single-len 8
+    python bench/side_by_side.py --shape llama-1b --gguf-type Q4_1 --engines ours,vllm,llamacpp
+    python bench/side_by_side.py --model /path/to/model.gguf --engines ours,llamacpp
+
+`--shape` takes a random-weight checkpoint at a published shape (bench/real_shapes.py: written
+once, cached): its Hugging Face directory for vLLM and HF transformers, its GGUF file of
+`--gguf-type` for llama.cpp and for us (the very same file; llama shapes). `--model` takes a
+model directory or a GGUF file instead of the default model.
 """
 
 from __future__ import annotations
@@ -249,14 +256,38 @@ def run_worker(name: str, spec_path: Path, out_path: Path) -> None:
 # ---- the parent: one engine after another ----
 
 
+def model_label(args: argparse.Namespace) -> str | None:
+    """What the tables say the model is (None: the default model)."""
+    if args.shape:
+        return f"random weights at the {args.shape} shape (bench/real_shapes.py), {args.gguf_type}"
+    return None if args.model is None else str(args.model)
+
+
+def model_files(args: argparse.Namespace) -> tuple[Path, Path | None]:
+    """The model's HF directory and GGUF file (None: none) as --shape, --model or the default
+    say; the HF directory of a GGUF-only --model is its conversion (what we serve)."""
+    from pypto_serving.models.default_model import find_default_gguf, resolve_model_path
+
+    if args.shape:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from real_shapes import SHAPES, checkpoint
+
+        llama = SHAPES[args.shape].arch == "llama"
+        return checkpoint(args.shape, args.gguf_type if llama else None)
+    if args.model is not None:
+        if args.model.suffix == ".gguf":
+            return resolve_model_path(str(args.model)), args.model
+        return args.model, None
+    return resolve_model_path("default"), find_default_gguf()
+
+
 def build_spec(args: argparse.Namespace) -> dict[str, Any]:
     """Everything the workers need: model paths, W1 prompts, the single-stream token ids."""
     from transformers import AutoTokenizer
 
     from pypto_serving.bench.datasets import file_prompts, random_prompts, sampling_vocab
-    from pypto_serving.models.default_model import find_default_gguf, resolve_model_path
 
-    model_dir = resolve_model_path("default")
+    model_dir, gguf_file = model_files(args)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     vocab = sampling_vocab(tokenizer, vocab_size)
@@ -268,7 +299,7 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
 
     return {
         "model_dir": str(model_dir),
-        "gguf": str(find_default_gguf()) if "llamacpp" in args.engines else None,
+        "gguf": None if gguf_file is None else str(gguf_file),
         "w1": file_prompts(args.w1, args.num_prompts),
         "output_len": args.output_len,
         "batch_size": args.batch_size,
@@ -293,6 +324,9 @@ def run_command(cmd: list[str], env: dict[str, str], timeout: float) -> str | No
 def ours_commands(args: argparse.Namespace, tmp: Path) -> list[list[str]]:
     cli = [sys.executable, "-m", "pypto_serving.cli", "bench"]
     extra = shlex.split(args.ours_args)
+    if args.shape or args.model is not None:  # the GGUF where there is one: llama.cpp's file
+        model_dir, gguf_file = model_files(args)
+        extra = ["--model", str(gguf_file or model_dir), *extra]
     offline = ["offline", "--prompts-file", str(args.w1), "--num-prompts", str(args.num_prompts)]
     offline += ["--output-len", str(args.output_len), "--json", str(tmp / "ours_offline.json")]
     latency = ["latency", "--input-len", str(args.single_input_len), "--seed", str(args.seed)]
@@ -335,6 +369,10 @@ def peer_python(name: str) -> tuple[Path | None, str]:
 
 
 def run_peer(name: str, args: argparse.Namespace, spec_path: Path, tmp: Path) -> dict[str, Any]:
+    if name == "llamacpp" and json.loads(spec_path.read_text())["gguf"] is None:
+        why = "no GGUF file of this model (the qwen3 shapes are written for HF loaders only)"
+        print(f"note: skipping {name}: {why}", file=sys.stderr)
+        return {"skipped": why}
     python, why = peer_python(name)
     if python is None:
         print(f"note: skipping {name}: {why}", file=sys.stderr)
@@ -407,7 +445,8 @@ def machine() -> dict[str, Any]:
 def markdown(report: dict[str, Any]) -> str:
     w = report["workload"]
     about = (
-        f"Model: SmolLM2-135M-Instruct. W1: {w['num_prompts']} prompts × {w['output_len']} "
+        f"Model: {w.get('model') or 'SmolLM2-135M-Instruct'}. W1: {w['num_prompts']} prompts "
+        f"× {w['output_len']} "
         "output tokens, greedy, EOS ignored. Single stream: "
         f"{w['single_input_len']} random prompt tokens → {w['single_len']} tokens."
     )
@@ -467,6 +506,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="vLLM-CPU's dtype (its AVX2 build is faster in float32)",
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per engine run")
+    p.add_argument(
+        "--shape",
+        help="a random-weight checkpoint at a published shape (bench/real_shapes.py: "
+        "llama-1b, llama-8b, qwen3-4b)",
+    )
+    p.add_argument("--gguf-type", default="Q4_1", help="the --shape's GGUF file type")
+    p.add_argument("--model", type=Path, help="a model directory or GGUF file to measure")
     p.add_argument("--json", type=Path, help="write every figure as JSON")
     p.add_argument("--markdown", type=Path, help="write the tables (for docs/performance.md)")
     p.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
@@ -481,6 +527,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.single_len < 2:
         p.error("--single-len must be >= 2")
+    if args.shape and args.model is not None:
+        p.error("give --shape or --model, not both")
+    if args.model is not None and not args.model.exists():
+        p.error(f"--model {args.model} does not exist")
     return args
 
 
@@ -507,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "command": shlex.join(["python", *sys.argv]),
-        "workload": {k: getattr(args, k) for k in WORKLOAD},
+        "workload": {k: getattr(args, k) for k in WORKLOAD} | {"model": model_label(args)},
         "results": results,
     }
     text = markdown(report)
