@@ -151,6 +151,8 @@ class KVTransfer:
         """Store keys put and not yet known gone -> when to remove them."""
         self._lock = threading.Lock()
         self.stats = TransferStats()
+        self.store_url = store
+        """The Mooncake Store handoffs go through (None: this server's Transfer Engine)."""
         self.store: Any = None
         self.engine: Any = None
         if store is not None:
@@ -202,7 +204,7 @@ class KVTransfer:
         return self.store
 
     def _register(self, buffer: np.ndarray) -> None:
-        if self.store is not None:
+        if self.store_url is not None:
             rc = self._live_store().register_buffer(buffer.ctypes.data, buffer.nbytes)
         else:
             rc = self._live().register_memory(buffer.ctypes.data, buffer.nbytes)
@@ -226,7 +228,8 @@ class KVTransfer:
             buffer, _ = packed(handoff.groups)
         size = buffer.size
         transfer_id = uuid.uuid4().hex
-        where = self._put(buffer, transfer_id) if self.store else self._keep(buffer, transfer_id)
+        keep = self._put if self.store_url else self._keep
+        where = keep(buffer, transfer_id)
         self.stats.offered += 1
         self.stats.offered_bytes += size
         first = handoff.first
@@ -341,9 +344,9 @@ class KVTransfer:
             raise TransferFailed("the prefill server computed other prompt tokens")
         if len(shapes) != len(geometry) or num_bytes(shapes, geometry) != size:
             raise TransferFailed("the handoff's size does not match this server's KV pages")
-        if (key is None) != (self.store is None):
+        if (key is None) != (self.store_url is None):
             theirs_way = "the Transfer Engine" if key is None else "a Mooncake Store"
-            ours_way = "the Transfer Engine" if self.store is None else "a Mooncake Store"
+            ours_way = "the Transfer Engine" if self.store_url is None else "a Mooncake Store"
             raise TransferFailed(
                 f"the prefill server hands KV over {theirs_way}, this server reads over "
                 f"{ours_way} (start both with the same --kv-transfer-store, or neither)"
