@@ -44,7 +44,7 @@ ENGINES = ("ours", *HF_DTYPES, *PEER_MODULES)
 PROBE = "import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
 WORKLOAD = ("num_prompts", "output_len", "batch_size", "single_len", "single_input_len")
-WORKLOAD += ("single_iters", "seed")
+WORKLOAD += ("single_iters", "seed", "ttft_lens")
 METRICS = (  # (key, column title, format)
     ("w1_output_tok_per_s", "W1 output tok/s", "{:.1f}"),
     ("w1_total_tok_per_s", "W1 total tok/s", "{:.1f}"),
@@ -206,9 +206,14 @@ def vllm_worker(spec: dict[str, Any]) -> dict[str, Any]:
         total, outs = timed([{"prompt_token_ids": ids}], spec["single_len"])
         runs.append((ttft, total - ttft, len(outs[0].outputs[0].token_ids)))
     single = single_figures(runs, "TTFT = a max_tokens=1 run; decode = (N-1)/(t_N - TTFT)")
+    ttft_at = {
+        n: 1000 * timed([{"prompt_token_ids": ids}], 1)[0]
+        for n, ids in spec["ttft_prompts"].items()
+    }
     threads = int(os.environ.get("VLLM_CPU_OMP_THREADS", 0)) or None  # bound by vLLM itself
     version = f"vllm {vllm.__version__}"
-    return engine_result(version, spec["vllm_dtype"], threads, startup, w1, single)
+    result = engine_result(version, spec["vllm_dtype"], threads, startup, w1, single)
+    return result | {"ttft_at_ms": ttft_at}
 
 
 def llamacpp_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -216,7 +221,9 @@ def llamacpp_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     threads = len(os.sched_getaffinity(0))
     start = time.perf_counter()
-    llm = llama_cpp.Llama(spec["gguf"], n_ctx=2048, n_threads=threads, verbose=False)
+    longest = max((len(ids) for ids in spec["ttft_prompts"].values()), default=0)
+    context = max(2048, longest + 64)
+    llm = llama_cpp.Llama(spec["gguf"], n_ctx=context, n_threads=threads, verbose=False)
     startup = time.perf_counter() - start
 
     def stream(ids: list[int], n: int) -> tuple[float, float, int]:
@@ -239,8 +246,10 @@ def llamacpp_worker(spec: dict[str, Any]) -> dict[str, Any]:
     w1 = w1_figures(prompt_tokens, output_tokens, time.perf_counter() - start, len(spec["w1"]))
     runs = [stream(ids, spec["single_len"]) for ids in spec["single_prompts"]]
     single = single_figures(runs, "generate() stream: time of the first token")
+    ttft_at = {n: 1000 * stream(ids, 1)[0] for n, ids in spec["ttft_prompts"].items()}
     version = f"llama-cpp-python {llama_cpp.__version__}"
-    return engine_result(version, "Q4_1 GGUF", threads, startup, w1, single)
+    result = engine_result(version, "GGUF", threads, startup, w1, single)
+    return result | {"ttft_at_ms": ttft_at}
 
 
 def run_worker(name: str, spec_path: Path, out_path: Path) -> None:
@@ -307,6 +316,9 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
         "single_prompts": prompts(0),
         "alt_prompts": prompts(7919),
         "warmup_ids": random_prompts(vocab, 1, n, seed + 1_000_003)[0],
+        "ttft_prompts": {  # one fresh prompt per length (no prefix-cache hit)
+            str(k): random_prompts(vocab, 1, k, seed + 2_000_003 + k)[0] for k in args.ttft_lens
+        },
         "vllm_dtype": args.vllm_dtype,
     }
 
@@ -332,7 +344,12 @@ def ours_commands(args: argparse.Namespace, tmp: Path) -> list[list[str]]:
     latency = ["latency", "--input-len", str(args.single_input_len), "--seed", str(args.seed)]
     latency += ["--output-len", str(args.single_len), "--iters", str(args.single_iters)]
     latency += ["--json", str(tmp / "ours_latency.json")]
-    return [cli + offline + extra, cli + latency + extra]
+    ttfts = []
+    for n in args.ttft_lens:  # one prompt of each length alone: its TTFT
+        ttft = ["latency", "--input-len", str(n), "--seed", str(args.seed + 2_000_003 + n)]
+        ttft += ["--output-len", "2", "--iters", "1", "--json", str(tmp / f"ours_ttft_{n}.json")]
+        ttfts.append(ttft)
+    return [cli + offline + extra, cli + latency + extra, *(cli + t + extra for t in ttfts)]
 
 
 def run_ours(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -352,7 +369,12 @@ def run_ours(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     kind = engine["dtype"] + (f", {q}" if (q := engine.get("quantization")) else "")
     kind += f", KV {kv}" if (kv := engine.get("kv_cache_dtype", "auto")) != "auto" else ""
     figures = engine_result("pypto-serving", kind, engine["threads"], off["startup_s"], w1, single)
-    return {**result, **figures, "peak_rss_mib": max(off["peak_rss_mib"], lat["peak_rss_mib"])}
+    ttfts = {str(n): json.loads((tmp / f"ours_ttft_{n}.json").read_text()) for n in args.ttft_lens}
+    rss = max(
+        off["peak_rss_mib"], lat["peak_rss_mib"], *(t["peak_rss_mib"] for t in ttfts.values())
+    )
+    ttft_at = {n: t["ttft_ms"] for n, t in ttfts.items()}
+    return {**result, **figures, "peak_rss_mib": rss, "ttft_at_ms": ttft_at}
 
 
 def peer_python(name: str) -> tuple[Path | None, str]:
@@ -396,22 +418,25 @@ def flatten(result: dict[str, Any]) -> dict[str, float]:
         "single_ttft_ms": single.get("ttft_ms"),
         "startup_s": result.get("startup_s"),
         "peak_rss_mib": result.get("peak_rss_mib"),
-    }
+    } | {f"ttft_{n}_ms": ms for n, ms in result.get("ttft_at_ms", {}).items()}
 
 
 def cell(value: float | None, fmt: str) -> str:
     return "—" if value is None else fmt.format(value)
 
 
-def tables(results: dict[str, dict[str, Any]]) -> list[str]:
-    """Markdown: absolute figures, then ours / peer ratios."""
-    ran = {k: flatten(v) for k, v in results.items() if "w1" in v}
-    head = "| engine | " + " | ".join(t for _, t, _ in METRICS) + " |"
-    rule = "|---" * (len(METRICS) + 1) + "|"
+def tables(results: dict[str, dict[str, Any]], ttft_lens: tuple[int, ...] = ()) -> list[str]:
+    """Markdown: absolute figures, then ours / peer ratios (with a column per TTFT length)."""
+    metrics = [*METRICS, *((f"ttft_{n}_ms", f"TTFT of {n} tokens ms", "{:.0f}") for n in ttft_lens)]
+    ran = {
+        k: {m: None for m, _, _ in metrics} | flatten(v) for k, v in results.items() if "w1" in v
+    }
+    head = "| engine | " + " | ".join(t for _, t, _ in metrics) + " |"
+    rule = "|---" * (len(metrics) + 1) + "|"
     lines = [head, rule]
     for name, m in ran.items():
         label = f"{name} ({results[name].get('version', '')}, {results[name].get('dtype', '')})"
-        lines.append(f"| {label} | " + " | ".join(cell(m[k], f) for k, _, f in METRICS) + " |")
+        lines.append(f"| {label} | " + " | ".join(cell(m[k], f) for k, _, f in metrics) + " |")
     ours = ran.get("ours")
     peers = [p for p in ran if p != "ours"]
     if ours and peers:
@@ -421,7 +446,7 @@ def tables(results: dict[str, dict[str, Any]]) -> list[str]:
         ]
         lines += ["", head.replace("| engine |", "| peer |"), rule]
         for p in peers:
-            ratios = [cell(ratio(ours[k], ran[p][k]), "{:.2f}×") for k, _, _ in METRICS]
+            ratios = [cell(ratio(ours[k], ran[p][k]), "{:.2f}×") for k, _, _ in metrics]
             lines.append(f"| {p} | " + " | ".join(ratios) + " |")
     return lines
 
@@ -452,8 +477,9 @@ def markdown(report: dict[str, Any]) -> str:
     )
     commands = [c for r in report["results"].values() for c in r.get("commands", [])]
     missing = {k: v for k, v in report["results"].items() if "w1" not in v}
+    lens = tuple(w.get("ttft_lens") or ())
     return markdown_report(
-        "Side by side", report, about, tables(report["results"]), commands, missing
+        "Side by side", report, about, tables(report["results"], lens), commands, missing
     )
 
 
@@ -496,6 +522,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--single-input-len", type=int, default=32, help="single-stream prompt tokens")
     p.add_argument("--single-iters", type=int, default=1, help="single-stream runs (median)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument(
+        "--ttft-lens",
+        type=lambda text: [int(n) for n in text.split(",") if n.strip()],
+        default=[512, 2048],
+        help="prompt lengths whose TTFT is measured alone (comma-separated; '' for none)",
+    )
     p.add_argument(
         "--ours-args", default="", help="extra flags for pypto bench, e.g. '--dtype float32'"
     )
