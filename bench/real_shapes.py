@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import shutil
 import sys
 from collections.abc import Iterator
@@ -179,7 +180,7 @@ def write_hf(shape: Shape, out: Path) -> Path:
         shard[name] = t
         size += t.numel() * 2
     flush()
-    total = sum(2 * weight_numel(d) for _, d in tensor_names(shape))
+    total = sum(2 * math.prod(d) for _, d in tensor_names(shape))
     meta = {"metadata": {"total_size": total}, "weight_map": index}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(meta, indent=2))
     (tmp / "config.json").write_text(json.dumps(hf_config(shape), indent=2))
@@ -188,13 +189,6 @@ def write_hf(shape: Shape, out: Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
-
-
-def weight_numel(dims: tuple[int, ...]) -> int:
-    n = 1
-    for d in dims:
-        n *= d
-    return n
 
 
 GGUF_NAMES = {

@@ -296,7 +296,7 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
 
     from pypto_serving.bench.datasets import file_prompts, random_prompts, sampling_vocab
 
-    model_dir, gguf_file = model_files(args)
+    model_dir, gguf_file = args.files
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     vocab = sampling_vocab(tokenizer, vocab_size)
@@ -337,7 +337,7 @@ def ours_commands(args: argparse.Namespace, tmp: Path) -> list[list[str]]:
     cli = [sys.executable, "-m", "pypto_serving.cli", "bench"]
     extra = shlex.split(args.ours_args)
     if args.shape or args.model is not None:  # the GGUF where there is one: llama.cpp's file
-        model_dir, gguf_file = model_files(args)
+        model_dir, gguf_file = args.files
         extra = ["--model", str(gguf_file or model_dir), *extra]
     offline = ["offline", "--prompts-file", str(args.w1), "--num-prompts", str(args.num_prompts)]
     offline += ["--output-len", str(args.output_len), "--json", str(tmp / "ours_offline.json")]
@@ -577,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_name)
         spec_path = tmp / "spec.json"
         try:
+            args.files = model_files(args)  # (written or converted once, here)
             spec_path.write_text(json.dumps(build_spec(args)))
         except PyptoError as e:
             print(f"side_by_side: error: {e}", file=sys.stderr)

@@ -7,6 +7,7 @@ nothing."""
 from __future__ import annotations
 
 import hashlib
+import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -116,6 +117,7 @@ def test_the_router_follows_a_curve_publisher_only_with_an_admitted_key(tmp_path
 
     import zmq.auth
     from live_server import free_port
+    from patience import patience
 
     from pypto_serving.engine.kv_events import Curve, KVEventPublisher
     from pypto_serving.kv.events import PageStored
@@ -144,13 +146,15 @@ def test_the_router_follows_a_curve_publisher_only_with_an_admitted_key(tmp_path
         for told in rounds:
             publisher = KVEventPublisher(endpoint, "", 16, None, curve=curve)
             try:
-                for _ in range(40):  # the first page until the subscription is up
-                    publisher.publish(told[:1])
+                first = page_chain(list(told[0].token_ids), None)
+                deadline = time.monotonic() + patience(5 if key == "stranger" else 30)
+                while not estimate.held(first) and time.monotonic() < deadline:
+                    publisher.publish(told[:1])  # until the subscription is up (or never)
                     await asyncio.sleep(0.05)
-                    if estimate.held(page_chain([t for p in told for t in p.token_ids], None)):
-                        break
                 publisher.publish(told[1:])
-                await asyncio.sleep(0.3)
+                whole = page_chain([t for p in told for t in p.token_ids], None)
+                while estimate.held(whole) < len(whole) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)  # (the stranger's never comes: 5 s)
             finally:
                 publisher.close()
             if key == "router" and told is pages:

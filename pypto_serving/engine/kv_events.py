@@ -102,6 +102,22 @@ def wire_event(event: KVEvent, block_size: int) -> BlockStored | BlockRemoved:
     return BlockRemoved([event.page_hash], medium)
 
 
+def key_pair(path: str, option: str) -> tuple[bytes, bytes]:
+    """The (public, secret) CURVE keys in a `.key_secret` file (zmq.auth's format), given as
+    `option`; PyptoError naming what is wrong."""
+    from zmq.auth import load_certificate
+
+    try:
+        public, secret = load_certificate(path)
+    except (OSError, ValueError) as e:
+        raise PyptoError(f"KV events' CURVE keys: {e}", option) from None
+    if secret is None:
+        raise PyptoError(
+            f"{option} {path} holds no secret key (give the `.key_secret` file)", option
+        )
+    return public, secret
+
+
 @dataclass(frozen=True, slots=True)
 class Curve:
     """The KV event sockets' CURVE settings: the server's key pair and who it admits."""
@@ -120,19 +136,13 @@ class Curve:
     def keys(self) -> tuple[bytes, bytes]:
         """The server's (public key, secret key), the clients' folder checked to hold some;
         PyptoError naming what is wrong."""
-        from zmq.auth import load_certificate, load_certificates
+        from zmq.auth import load_certificates
 
+        public, secret = key_pair(self.key_file, "kv_events_curve_key")
         try:
-            public, secret = load_certificate(self.key_file)
             admitted = load_certificates(self.clients)
         except (OSError, ValueError) as e:
-            raise PyptoError(f"KV events' CURVE keys: {e}", "kv_events_curve_key") from None
-        if secret is None:
-            raise PyptoError(
-                f"kv_events_curve_key {self.key_file} holds no secret key (give the "
-                "`.key_secret` file)",
-                "kv_events_curve_key",
-            )
+            raise PyptoError(f"KV events' CURVE keys: {e}", "kv_events_curve_clients") from None
         if not admitted:
             raise PyptoError(
                 f"kv_events_curve_clients {self.clients} holds no public key (`.key` file): "

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import bisect
+import contextlib
 import hashlib
 import logging
 import os
@@ -43,6 +44,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,6 +219,15 @@ class KVTransfer:
         elif self.engine is not None:
             self.engine.unregister_memory(buffer.ctypes.data)
 
+    @contextlib.contextmanager
+    def _registered(self, buffer: np.ndarray) -> Iterator[int]:
+        """The buffer registered for one transfer (its address), unregistered after."""
+        self._register(buffer)
+        try:
+            yield buffer.ctypes.data
+        finally:
+            self._unregister(buffer)
+
     # --- the prefill server's side ---------------------------------------------------------
 
     def offer(self, handoff: Handoff, layout: str, prompt_token_ids: list[int]) -> dict[str, Any]:
@@ -272,11 +283,8 @@ class KVTransfer:
         """The buffer put into the Mooncake Store under a key of its own; where."""
         key = f"{STORE_PREFIX}/{transfer_id}"
         store = self._live_store()
-        self._register(buffer)
-        try:
-            rc = store.put_from(key, buffer.ctypes.data, buffer.size)
-        finally:
-            self._unregister(buffer)
+        with self._registered(buffer) as address:
+            rc = store.put_from(key, address, buffer.size)
         if rc != 0:
             raise TransferFailed(f"putting {buffer.size} bytes into the Mooncake Store ({rc})")
         with self._lock:
@@ -366,11 +374,8 @@ class KVTransfer:
 
     def _read_remote(self, session: str, remote: int, flag: int, buffer: np.ndarray) -> None:
         """Read an offer over the Transfer Engine, then set its read flag there."""
-        self._register(buffer)
-        try:
-            rc = self._live().transfer_sync_read(session, buffer.ctypes.data, remote, buffer.size)
-        finally:
-            self._unregister(buffer)
+        with self._registered(buffer) as address:
+            rc = self._live().transfer_sync_read(session, address, remote, buffer.size)
         if rc != 0:
             raise TransferFailed(f"reading {buffer.size} bytes from {session} failed ({rc})")
         self._live().transfer_sync_write(session, self._read.ctypes.data, flag, ACK_BYTES)
@@ -378,11 +383,8 @@ class KVTransfer:
     def _get(self, key: str, buffer: np.ndarray) -> None:
         """Get a handoff from the Mooncake Store, then remove it there."""
         store = self._live_store()
-        self._register(buffer)
-        try:
-            got = store.get_into(key, buffer.ctypes.data, buffer.size)
-        finally:
-            self._unregister(buffer)
+        with self._registered(buffer) as address:
+            got = store.get_into(key, address, buffer.size)
         if got != buffer.size:
             raise TransferFailed(
                 f"getting {key} from the Mooncake Store: {got} of {buffer.size} bytes"

@@ -44,6 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from pypto_serving.engine.kv_events import key_pair
 from pypto_serving.errors import PyptoError
 from pypto_serving.server.prefix_estimate import ROUTER_PAGE, PrefixEstimate, follow, page_chain
 
@@ -137,16 +138,9 @@ class RouterConfig:
 
         try:
             server, _ = load_certificate(self.kv_events_server_key)
-            public, secret = load_certificate(self.kv_events_key)
         except (OSError, ValueError) as e:
-            raise PyptoError(f"the KV events' CURVE keys: {e}", "kv_events_key") from None
-        if secret is None:
-            raise PyptoError(
-                f"--kv-events-key {self.kv_events_key} holds no secret key (give the "
-                "`.key_secret` file)",
-                "kv_events_key",
-            )
-        return server, public, secret
+            raise PyptoError(f"KV events' CURVE keys: {e}", "kv_events_server_key") from None
+        return (server, *key_pair(self.kv_events_key, "kv_events_key"))
 
 
 @dataclass
