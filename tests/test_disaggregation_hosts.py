@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -225,7 +226,19 @@ def test_prefill_and_decode_servers_on_their_own_hosts(tiny_model: Any) -> None:
             def kill_d1_soon() -> list[Any]:
                 async def go() -> list[Any]:
                     task = asyncio.create_task(ask(url, short, True, many))
-                    await asyncio.sleep(0.3)
+                    d1_metrics = f"http://{d1.address}:{HTTP_PORT}/metrics"
+                    deadline = time.monotonic() + patience(60)
+                    async with httpx.AsyncClient() as client:
+                        while time.monotonic() < deadline:  # once d1 streams some of them
+                            text = (await client.get(d1_metrics)).text
+                            running = [
+                                float(x.split()[-1])
+                                for x in text.splitlines()
+                                if x.startswith("pypto_num_requests_running{")
+                            ]
+                            if running and running[0] > 0:
+                                break
+                            await asyncio.sleep(0.02)
                     servers[d1.address].send_signal(signal.SIGKILL)
                     return await task
 
