@@ -236,4 +236,7 @@ def test_default_model_is_not_reconverted(default_dir: Path, monkeypatch) -> Non
     monkeypatch.setattr(default_model, "find_default_gguf", lambda: pytest.fail("looked up GGUF"))
     assert resolve_model_path("default", cache=default_dir.parent.parent) == default_dir
     assert (default_dir / "model.safetensors").stat().st_mtime_ns == stamp
-    assert os.listdir(default_dir.parent) == [DEFAULT_MODEL_NAME]  # no temp leftovers
+    # no temp leftovers of this conversion (other models' conversions may share the folder)
+    assert [n for n in os.listdir(default_dir.parent) if DEFAULT_MODEL_NAME in n] == [
+        DEFAULT_MODEL_NAME
+    ]

@@ -27,7 +27,8 @@ def greedy(model: Path) -> list[int]:
     return list(llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids)
 
 
-def test_the_hf_directory_and_the_gguf_file_are_one_model(tmp_path: Path) -> None:
+def test_the_hf_directory_and_the_gguf_file_are_one_model(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PYPTO_CACHE_DIR", str(tmp_path / "cache"))  # the files' conversions
     shape = real_shapes.SHAPES["llama-tiny"]
     hf = real_shapes.write_hf(shape, tmp_path / "hf")
     config = json.loads((hf / "config.json").read_text())
