@@ -70,9 +70,12 @@ def test_the_engine_takes_the_files_records_without_requantizing(q4_model):
     with LLM(str(out), enforce_eager=True) as llm:  # quantization auto
         plan = llm.engine.plan
         assert plan.quantization == "gguf" and llm.engine.attention.native_decode
-        layers = {n: m for n, m in llm.engine.model.named_modules() if isinstance(m, Linear)}
+        assert plan.records_only and plan.pack_linear is None  # one form: the records
+        model = llm.engine.model
+        layers = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
         for name, layer in layers.items():
-            assert layer.native is not None and layer.packed is not None, name
+            assert layer.native is not None and layer.packed is None, name
+            assert layer.weight is None and layer.quantized is None, name  # never loaded
             records, fmt = layer.native
             if name == "lm_head":  # tied: the embedding's Q8_0
                 assert fmt == NATIVE_Q8
@@ -87,6 +90,8 @@ def test_the_engine_takes_the_files_records_without_requantizing(q4_model):
                 want = torch.cat([torch.from_numpy(ref[f"{prefix}.{p}.weight"]) for p in parts])
             got = dequantize(records, fmt, layer.out_features, layer.in_features)
             assert torch.equal(got.float(), want), name
+        embedding = torch.from_numpy(ref["model.embed_tokens.weight"])  # the lookup's, loaded
+        assert torch.equal(model.model.embed_tokens.weight, embedding.bfloat16())
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         [first] = llm.generate([[5, 9, 40, 41]], params, use_tqdm=False)
         assert len(first.outputs[0].token_ids) == 8
@@ -108,6 +113,7 @@ def test_batch_invariance_serves_every_matmul_from_the_files_records(q4_model):
         for _, layer in llm.engine.model.named_modules():
             if isinstance(layer, Linear):
                 assert layer.native is not None and layer.packed is None
+                assert layer.weight is None
 
 
 def test_gguf_asked_of_a_model_without_stored_matrices_is_refused(tmp_path):

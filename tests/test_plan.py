@@ -53,9 +53,13 @@ def test_the_plan_takes_the_switches_where_the_machine_allows(monkeypatch):
         num_threads=plan.num_threads,
         native_attention=True,
         native_decode=True,
-        pack_linear="onednn" if cpu_packs_bf16() else "panels",
+        pack_linear=None,  # int4's records serve every matmul: no bf16 weight packed
         quantization="int4",
+        records_only=True,
     )
+    plan = plan_run(EngineConfig(device="cpu", dtype="bfloat16", quantization="int8"))
+    assert plan.pack_linear == ("onednn" if cpu_packs_bf16() else "panels")
+    assert not plan.records_only
     assert plan.num_threads >= 1
     assert not plan_run(EngineConfig(device="cpu", dtype="float32")).pack_linear
     # the native decode step needs native attention

@@ -14,6 +14,8 @@ from pypto_serving.device import cpu_packs_bf16, int8_gemm_full_range
 from pypto_serving.errors import PyptoError
 from pypto_serving.ops.linear import (
     INT4_GROUP,
+    NATIVE_Q4,
+    NATIVE_Q8,
     QUANTIZED_MAX_ROWS,
     Linear,
     dequantizing_matmul,
@@ -325,11 +327,16 @@ def test_the_quantized_engine_follows_the_bf16_one(tiny_model, kind):
             assert layer.int8.smooth is not None and layer.quantized[2] == 32
             assert head.int8 is not None and head.quantized is None
             assert layer.packed is None and head.packed is None
+        elif kind == "int4":  # the records alone serve every matmul: no bf16 weight kept
+            assert quantized.engine.plan.records_only
+            assert layer.native is not None and layer.native[1] == NATIVE_Q4
+            assert head.native is not None and head.native[1] == NATIVE_Q8
+            assert layer.weight is None and layer.quantized is None and layer.packed is None
         else:
-            assert layer.quantized[2] == (0 if kind == "int8" else 32)
+            assert layer.quantized[2] == 0
         # a graph per class of step: one token, and (int4-w8a8) 2 to 8 apart from more;
         # warm-up compiled each (0 recompilations above)
-        bounds = {"int8": [1], "int4": [1], "w8a8": [], "int4-w8a8": [1, QUANTIZED_MAX_ROWS]}
+        bounds = {"int8": [1], "int4": [], "w8a8": [], "int4-w8a8": [1, QUANTIZED_MAX_ROWS]}
         assert set(map(tuple, quantized.engine.executor.run_layer._row_bounds.values())) == {
             tuple(bounds[kind])
         }

@@ -41,6 +41,10 @@ from pypto_serving.models.loader import model_class
 
 log = logging.getLogger(__name__)
 
+RECORDS_QUANTIZATIONS = ("int4", "gguf")
+"""Quantizations whose records serve every matmul wherever the native GEMM builds (the run
+plan's `records_only`)."""
+
 
 @dataclass(slots=True, frozen=True)
 class RunPlan:
@@ -64,6 +68,12 @@ class RunPlan:
     """Every matmul on the native GEMM's panels (bf16, float32), or on the native step's
     records (int8, int4, int4-w8a8), or w8a8's integers, and no native decode step (config.py's
     `batch_invariant`)."""
+    records_only: bool = False
+    """A quantized model's weights are the native step's records alone, which serve every
+    matmul whatever its rows (`ops/linear.records_linear`), no bf16 copy beside them: int4 and
+    gguf wherever the native GEMM builds (their product beats oneDNN's bf16 GEMM at every
+    width on AVX-512 and the panels on AVX2, at a third of the bytes), and every quantization
+    but w8a8 under --batch-invariant."""
 
 
 def plan_attention(
@@ -146,15 +156,20 @@ def plan_run(config: EngineConfig, model_dir: Path | None = None) -> RunPlan:
         and not config.batch_invariant
     )
     quantization = _quantization(config, model_dir, device, dtype, decode)
+    records_only = quantization is not None and (
+        (config.batch_invariant and quantization != "w8a8")
+        or (quantization in RECORDS_QUANTIZATIONS and native.gemm_library() is not None)
+    )
     return RunPlan(
         device=device,
         dtype=dtype,
         num_threads=config.num_threads or default_num_threads(),
         native_attention=attention,
         native_decode=decode,
-        pack_linear=_packing(config, device, dtype, quantization),
+        pack_linear=_packing(config, device, dtype, quantization, records_only),
         quantization=quantization,
         batch_invariant=config.batch_invariant,
+        records_only=records_only,
     )
 
 
@@ -208,10 +223,17 @@ def _quantization(
 
 
 def _packing(
-    config: EngineConfig, device: torch.device, dtype: torch.dtype, quantization: str | None
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str | None,
+    records_only: bool,
 ) -> str | None:
     """The linear weights' packing: the machine's (`device.linear_packing`) unless the config
-    turns it off; panels only where the native GEMM builds (else said, and plain weights)."""
+    turns it off; panels only where the native GEMM builds (else said, and plain weights);
+    none where the records serve every matmul."""
+    if records_only and not config.batch_invariant:
+        return None
     if config.batch_invariant:
         if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
             raise PyptoError(

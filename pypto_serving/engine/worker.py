@@ -76,7 +76,7 @@ def load_share(
         plan.quantization,
         attention.native_decode,
         plan.pack_linear,
-        records_only=plan.batch_invariant,
+        records_only=plan.records_only,
     )
     if config.executor == "reference":
         return Share(model, ReferenceExecutor(model, plan.device), attention)

@@ -8,22 +8,31 @@ values a second time. Instead the conversion keeps each Q4_1 / Q8_0 matrix's sto
 the native decode step's records exactly (`q4_records`, `q8_records`: the same formats, 16
 rows to a record), fused as the model fuses its projections (q/k/v, gate/up), the tied head
 taking the embedding's. The step then computes what llama.cpp computes for a token (int8
-activations per 32 inputs, the file's weights); wider steps multiply by the dequantized bf16
-weights as int4's do. `auto`, the default, takes this wherever the native step runs.
+activations per 32 inputs, the file's weights), and wherever the native GEMM builds the same
+records serve the wider steps too (the run plan's `records_only`): the layers they stand for
+are never loaded in bf16. `auto`, the default, takes this wherever the native step runs.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 from torch import nn
 
 from pypto_serving.errors import ModelLoadError
 from pypto_serving.models.gguf_convert import BLOCKS_FILE
-from pypto_serving.ops.linear import NATIVE_Q4, NATIVE_Q8, Linear, q4_records, q8_records
+from pypto_serving.ops.linear import (
+    INT4_GROUP,
+    NATIVE_Q4,
+    NATIVE_Q8,
+    RECORD_BYTES,
+    Linear,
+    q4_records,
+    q8_records,
+)
 
 
 def has_blocks(model_dir: Path) -> bool:
@@ -39,17 +48,19 @@ def has_blocks(model_dir: Path) -> bool:
         return False
 
 
-def stored_records(
+def record_sources(
     model: nn.Module, model_dir: Path, fused: dict[str, tuple[str, int]]
-) -> dict[str, dict[str, torch.Tensor]]:
-    """Each Linear's records by module name, in `Linear.quantized_tensors`' form ({"native.F":
-    records}), made from the stored matrices of its checkpoint tensors (`fused`: the loader's
-    map of HF projections onto fused Linears; a tied head takes the embedding's)."""
-    stored = load_file(str(Path(model_dir) / BLOCKS_FILE))
+) -> dict[str, list[str]]:
+    """Each Linear's checkpoint tensors by module name, whose stored matrices make its records
+    (`fused`: the loader's map of HF projections onto fused Linears; a tied head takes the
+    embedding's), each one stored in one form. Needs only the model's structure (a model on
+    the meta device will do)."""
+    with safe_open(str(Path(model_dir) / BLOCKS_FILE), "pt") as f:
+        keys = set(f.keys())
     parts_of: dict[str, list[tuple[int, str]]] = {}
     for hf, (target, index) in fused.items():
         parts_of.setdefault(target, []).append((index, hf))
-    out: dict[str, dict[str, torch.Tensor]] = {}
+    out: dict[str, list[str]] = {}
     for name, layer in model.named_modules():
         if not isinstance(layer, Linear):
             continue
@@ -57,25 +68,70 @@ def stored_records(
         sources = [f"{name}.weight"]
         if leaf in parts_of:
             sources = [f"{name[: -len(leaf)]}{hf}.weight" for _, hf in sorted(parts_of[leaf])]
-        elif leaf == "lm_head" and f"{name}.weight.q" not in stored:
+        elif leaf == "lm_head" and f"{name}.weight.q" not in keys:
             sources = ["model.embed_tokens.weight"]  # tied
-        missing = [s for s in sources if f"{s}.q" not in stored]
-        kinds = {f"{s}.min" in stored for s in sources}
-        if missing or len(kinds) != 1:
+        missing = [s for s in sources if f"{s}.q" not in keys]
+        if missing or len({f"{s}.min" in keys for s in sources}) != 1:
             raise ModelLoadError(
                 f"{BLOCKS_FILE} in {model_dir} has no single stored form for {name} "
                 f"({', '.join(missing) or 'Q4_1 and Q8_0 parts'}): drop --quantization gguf"
             )
-        q = torch.cat([stored[f"{s}.q"] for s in sources])
-        scale = torch.cat([stored[f"{s}.scale"] for s in sources])
-        if q.shape != (layer.out_features, layer.in_features):
-            raise ModelLoadError(
-                f"{BLOCKS_FILE} in {model_dir}: {name} is {tuple(q.shape)}, the model's "
-                f"{(layer.out_features, layer.in_features)}"
-            )
-        if kinds == {True}:
-            low = torch.cat([stored[f"{s}.min"] for s in sources])
-            out[name] = {f"native.{NATIVE_Q4}": q4_records(q, scale, low)}
-        else:
-            out[name] = {f"native.{NATIVE_Q8}": q8_records(q, scale)}
+        out[name] = sources
     return out
+
+
+def stored_records(
+    model: nn.Module, model_dir: Path, sources: dict[str, list[str]]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Each Linear's records by module name, in `Linear.quantized_tensors` form ({"native.F":
+    records}), from the stored matrices of its checkpoint tensors (`record_sources`). Made
+    CHUNK_ROWS rows at a time into the layer's records, the file mapped only meanwhile, so
+    that loading holds little more than the records themselves."""
+    path = str(Path(model_dir) / BLOCKS_FILE)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, parts in sources.items():
+        layer = model.get_submodule(name)
+        assert isinstance(layer, Linear)
+        n, k = layer.out_features, layer.in_features
+        with safe_open(path, "pt") as f:
+            shapes = [f.get_slice(f"{s}.q").get_shape() for s in parts]
+            if sum(r for r, _ in shapes) != n or {c for _, c in shapes} != {k}:
+                raise ModelLoadError(
+                    f"{BLOCKS_FILE} in {model_dir}: {name} is {[tuple(t) for t in shapes]}, the "
+                    f"model's {(n, k)}"
+                )
+            q4 = f"{parts[0]}.min" in f.keys()  # noqa: SIM118 (a safe_open has no __contains__)
+            fmt = NATIVE_Q4 if q4 else NATIVE_Q8
+            records = torch.empty(
+                -(-n // 16) * (k // INT4_GROUP) * RECORD_BYTES[fmt], dtype=torch.uint8
+            )
+            at = 0
+            for first in range(0, n, CHUNK_ROWS):
+                rows = range(first, min(first + CHUNK_ROWS, n))
+                q, scale = (_rows(f, parts, shapes, rows, part) for part in ("q", "scale"))
+                if q4:
+                    chunk = q4_records(q, scale, _rows(f, parts, shapes, rows, "min"))
+                else:
+                    chunk = q8_records(q, scale)
+                records[at : at + chunk.numel()] = chunk
+                at += chunk.numel()
+        out[name] = {f"native.{fmt}": records}
+    return out
+
+
+CHUNK_ROWS = 1024
+"""Rows of a matrix made into records at a time (a multiple of 16: a chunk's records follow
+the previous chunk's)."""
+
+
+def _rows(
+    f: Any, parts: list[str], shapes: list[list[int]], rows: range, part: str
+) -> torch.Tensor:
+    """Rows `rows` of the matrices `parts` stacked, from their stored `part` (q, scale, min)."""
+    pieces, start = [], 0
+    for source, (count, _) in zip(parts, shapes, strict=True):
+        lo, hi = max(rows.start - start, 0), min(rows.stop - start, count)
+        if lo < hi:
+            pieces.append(f.get_slice(f"{source}.{part}")[lo:hi])
+        start += count
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)

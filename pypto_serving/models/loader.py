@@ -28,7 +28,7 @@ from pypto_serving.models.config import DEEPSEEK, DEEPSEEK_V4, ModelConfig, load
 from pypto_serving.models.deepseek import DeepseekForCausalLM, DeepseekMoE
 from pypto_serving.models.deepseek_v4 import DeepseekV4ForCausalLM, V4MoE
 from pypto_serving.models.gemma3 import Gemma3ForCausalLM
-from pypto_serving.models.gguf_weights import stored_records
+from pypto_serving.models.gguf_weights import record_sources, stored_records
 from pypto_serving.models.gpt_oss import GptOssForCausalLM, GptOssMoE
 from pypto_serving.models.llama import CausalLM, MoE
 from pypto_serving.models.quantized_cache import quantize_cached
@@ -417,8 +417,9 @@ def load_model(
     w8a8, int4-w8a8: CPU and bfloat16 only). native: its few decodes run through the native
     decode step, which takes int4's weights in its own packing (`pack_linears`). pack: how bf16
     weights are repacked for wide matmuls ("onednn", "panels", or None: the run plan's
-    `pack_linear`). records_only (--batch-invariant): a quantized model's weights are the
-    native step's records alone, which serve every matmul (`pack_linears`)."""
+    `pack_linear`). records_only (the run plan's): a quantized model's weights are the
+    native step's records alone, which serve every matmul (`pack_linears`); a GGUF file's
+    stored matrices are then never loaded in bf16."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory not found: {model_dir}")
     if quantization is not None and (device.type != "cpu" or dtype != torch.bfloat16):
@@ -436,11 +437,26 @@ def load_model(
     files = safetensors_files(model_dir)
     with torch.device("meta"):
         model = model_class(cfg)(cfg, groups)
-    model = model.to_empty(device=device).to(dtype)
+    sources = None
+    if quantization == "gguf":  # the file's own matrices: nothing to quantize or cache
+        sources = record_sources(model, model_dir, FUSED)
+        if records_only:  # they are the layers' only form: never load those in bf16
+            for name in sources:
+                model.get_submodule(name).register_parameter("weight", None)
+    model = model.to(dtype).to_empty(device=device)
     embed, head = model.model.embed_tokens, model.lm_head
-    if cfg.tie_word_embeddings and embed is not None and head is not None:
+    if (
+        cfg.tie_word_embeddings
+        and embed is not None
+        and head is not None
+        and head.weight is not None
+    ):
         head.weight = embed.weight  # to_empty() gives each module its own tensor: tie again
     weights = iter_checkpoint(files)
+    if sources is not None and records_only:
+        skipped = {s for parts in sources.values() for s in parts}
+        skipped.discard("model.embed_tokens.weight")  # the lookup's, though the head's records
+        weights = (w for w in weights if w[0] not in skipped)
     if cfg.gpt_oss is not None and cfg.gpt_oss.mxfp4:
         weights = mxfp4.dequantized(weights)
     with torch.no_grad():
@@ -449,10 +465,14 @@ def load_model(
     if isinstance(model, DeepseekV4ForCausalLM | Gemma3ForCausalLM):
         model.set_rope(device)
     model = model.eval().requires_grad_(False)
-    if quantization == "gguf":  # the file's own matrices: nothing to quantize or cache
-        saved = stored_records(model, model_dir, FUSED)
+    if sources is not None:  # the records made after the bf16 loads: a lower peak
         pack_linears(
-            model, quantization, saved=saved, native=native, pack=pack, records_only=records_only
+            model,
+            quantization,
+            saved=stored_records(model, model_dir, sources),
+            native=native,
+            pack=pack,
+            records_only=records_only,
         )
     elif quantization is not None:
         digest, tokenizer = checkpoint_digest(model_dir), lambda: load_tokenizer(model_dir)

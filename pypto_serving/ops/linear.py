@@ -351,7 +351,7 @@ def q8_records(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Q8 records (`pack_q8`'s layout) of int8 values q [N, K] and an fp16 scale per row and
     group of 32 inputs [N, K / 32]: weight = q * scale. A GGUF's Q8_0 tensor is these exactly."""
     groups = q.shape[1] // INT4_GROUP
-    u = (_blocks(q.to(torch.int16), groups) + 128).to(torch.uint8)
+    u = _blocks(q.to(torch.int8).view(torch.uint8) ^ 0x80, groups)  # q + 128, as bytes
     u = u.reshape(-1, 16, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [B, G, c, 16, 4]
     scale = _blocks(scale.float(), groups)[..., 0]
     return torch.cat([u.reshape(u.shape[0], groups, 512), _fp16_bytes(scale)], -1).flatten()
@@ -601,6 +601,8 @@ def pack_linears(
         if saved is not None:
             layer.load_quantized(saved[name])
             continue
+        if layer.weight is None:
+            raise PyptoError(f"{name} has no weight to quantize: its records were not given")
         kind = quantization
         if records_only:
             kind = "q8" if layer is head or quantization == "int8" else "q4"
@@ -611,4 +613,7 @@ def pack_linears(
         elif native:
             kind = kind.replace("int4", "q4")
         layer.quantize(kind, (smooth or {}).get(layer), exact=quantization == "w8a8")
+    if records_only:  # the records are the weight now: no bf16 copy beside them
+        for _, layer in layers:
+            layer.register_parameter("weight", None)
     return len(layers)
