@@ -95,10 +95,15 @@ def main(model_dir: str) -> None:
         with LLM(model_dir, **({"dtype": "bfloat16"} | KNOBS | extra)) as llm:
             got = llm.generate(prompts, params, use_tqdm=False)
             linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
-            # bf16 weights in panels for the native GEMM (w8a8's wide matmuls run in int8)
-            wide_int8 = name.endswith("w8a8")
-            assert all((m.packed is None) == wide_int8 for m in linears)
-            assert all(m.packed is None or not m.packed.is_mkldnn for m in linears)
+            # bf16 weights in panels for the native GEMM (w8a8's wide matmuls run in int8;
+            # int4's records, its only weights, dequantized into float32 panels as it runs)
+            if name == "int4":
+                assert llm.engine.plan.records_wide == "panels"
+                assert all(m.packed is None and m.wide == "panels" for m in linears)
+            else:
+                wide_int8 = name.endswith("w8a8")
+                assert all((m.packed is None) == wide_int8 for m in linears)
+                assert all(m.packed is None or not m.packed.is_mkldnn for m in linears)
             if name.endswith("w8a8"):
                 # each layer: 7-bit inputs (8-bit weights and their row sums), 7-bit weights,
                 # or (w8a8's head, queries and keys) 8 bits both in a split weight

@@ -1,6 +1,7 @@
 """--batch-invariant: one request's greedy tokens and logprobs are the same bits alone, after a
 prefix hit, in a batch of 16, with its prompt chunked, reloaded from the CPU tier and after a
-preemption (recomputed), in bf16, float32, w8a8, int8 and int4; in this machine's own build
+preemption (recomputed), in bf16, float32, w8a8, int8 and int4; int4 without the flag too, but
+for the preemption; in this machine's own build
 (AVX-512 here) and in the AVX2 build, each in a child process (the AVX2 one with torch on its
 AVX2 code). int4-w8a8 under the flag is held to load int4's very records (so int4's runs cover
 its bits). The default mode is held to differ somewhere in bf16 (the native decode step's
@@ -91,6 +92,23 @@ def test_the_default_mode_does_not_promise_it(wide_model, cache):
     graphs: a batch of 16 moves A's logprobs (the check above would fail here)."""
     found = situations_apart(wide_model, {"dtype": "bfloat16"}, cache, {})
     assert any(got[1] != found["alone"][1] for got in found.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", ["own", "avx2"])
+def test_int4_by_default_gets_the_same_bits_but_after_a_preemption(wide_model, cache, build):
+    """Without the flag an int4 model's records serve every matmul (the run plan's
+    `records_only`) and every decode runs through the native step, a prefill chunk beside
+    decodes on the graphs alone: alone, after a hit, in a batch of 16, chunked and reloaded
+    from the CPU tier, A's tokens and logprobs are the same bits. A preemption recomputes A's
+    generated tokens on the graphs, whose numerics are not the step's: only the flag promises
+    that one."""
+    if build == "avx2" and (AVX2_IS_THIS_BUILD or not {"avx2", "fma", "f16c"} <= cpu_flags()):
+        pytest.skip("this CPU's own build is the AVX2 build, or it has no AVX2")
+    env = AVX2_ENV if build == "avx2" else {}
+    found = situations_apart(wide_model, VARIANTS["int4"], cache, env)
+    found.pop("preempted")
+    assert_all_equal(found)
 
 
 @pytest.mark.slow

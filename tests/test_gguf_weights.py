@@ -18,13 +18,13 @@ from checkpoints import build_checkpoint, build_tokenizer, dequantize
 from gguf_files import write_tiny_gguf
 from safetensors.torch import load_file
 
-from pypto_serving import LLM, SamplingParams
+from pypto_serving import LLM, SamplingParams, native
 from pypto_serving.config import EngineConfig
 from pypto_serving.engine.plan import plan_run
 from pypto_serving.errors import PyptoError
 from pypto_serving.models.gguf_convert import BLOCKS_FILE, convert_gguf_to_hf
 from pypto_serving.models.gguf_weights import has_blocks
-from pypto_serving.ops.linear import NATIVE_Q4, NATIVE_Q8, Linear
+from pypto_serving.ops.linear import NATIVE_Q4, NATIVE_Q8, Linear, dequantized_linear
 
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
 HIDDEN = 64  # head_dim 16: a shape the native kernels take
@@ -95,6 +95,39 @@ def test_the_engine_takes_the_files_records_without_requantizing(q4_model):
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         [first] = llm.generate([[5, 9, 40, 41]], params, use_tqdm=False)
         assert len(first.outputs[0].token_ids) == 8
+
+
+def test_the_graphs_multiply_by_the_files_weights_in_bf16(q4_model):
+    """A prefill's matmuls dequantize the records as they run (`dequantized_linear`): the
+    file's weights rounded to bf16, the HF conversion's exactly (an identity matrix's product
+    gives them back), with bf16 pair dot products where the build has them and float32
+    panels everywhere; and a row's result is the same bits alone or among others."""
+    out, ref = q4_model
+    forms = [False] + ([True] if native.gemm_library().pypto_pair_gemm_built() else [])
+    with LLM(str(out), enforce_eager=True) as llm:
+        assert llm.engine.plan.records_wide == ("pairs" if True in forms else "panels")
+        head = llm.engine.model.lm_head
+        qkv = llm.engine.model.model.layers[1].self_attn.qkv_proj
+        want = {
+            head: torch.from_numpy(ref["model.embed_tokens.weight"]),
+            qkv: torch.cat(
+                [torch.from_numpy(ref[f"model.layers.1.self_attn.{p}_proj.weight"]) for p in "qkv"]
+            ),
+        }
+        x = torch.randn(7, HIDDEN).bfloat16()
+        for layer, weight in want.items():
+            records, fmt = layer.native
+            n = layer.out_features
+            for pairs in forms:
+                eye = torch.eye(HIDDEN).bfloat16()
+                got = dequantized_linear(eye, records, fmt, n, pairs)
+                assert torch.equal(got.T.bfloat16(), weight.bfloat16()), (layer, pairs)
+                together = dequantized_linear(x, records, fmt, n, pairs)
+                for i in range(len(x)):
+                    alone = dequantized_linear(
+                        x[i : i + 1], records, fmt, layer.out_features, pairs
+                    )
+                    assert torch.equal(alone[0], together[i])
 
 
 def test_none_and_other_engines_keep_the_dtype(q4_model):

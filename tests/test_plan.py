@@ -12,6 +12,7 @@ import torch
 from checkpoints import build_checkpoint, build_tokenizer
 from live_server import tiny_llm
 
+from pypto_serving import native
 from pypto_serving.cli import build_parser
 from pypto_serving.config import EngineConfig, engine_config
 from pypto_serving.device import cpu_packs_bf16
@@ -56,6 +57,8 @@ def test_the_plan_takes_the_switches_where_the_machine_allows(monkeypatch):
         pack_linear=None,  # int4's records serve every matmul: no bf16 weight packed
         quantization="int4",
         records_only=True,
+        # the graphs' matmuls dequantize them into bf16: AVX512-BF16 pairs or float32 panels
+        records_wide="pairs" if native.gemm_library().pypto_pair_gemm_built() else "panels",
     )
     plan = plan_run(EngineConfig(device="cpu", dtype="bfloat16", quantization="int8"))
     assert plan.pack_linear == ("onednn" if cpu_packs_bf16() else "panels")

@@ -74,6 +74,12 @@ class RunPlan:
     gguf wherever the native GEMM builds (their product beats oneDNN's bf16 GEMM at every
     width on AVX-512 and the panels on AVX2, at a third of the bytes), and every quantization
     but w8a8 under --batch-invariant."""
+    records_wide: str = "records"
+    """How the graphs (prefill chunks) multiply by such records (`ops/linear.py`'s
+    `Linear.wide`): dequantized per call into bf16, "pairs" where the native GEMM has
+    AVX512-BF16 dot products, else "panels" (float32 FMAs), each output one chain over its
+    inputs whatever the rows; "records" (activations quantized per 32, as a decode's) under
+    --batch-invariant, whose decodes run on the graphs too."""
 
 
 def plan_attention(
@@ -120,6 +126,7 @@ def plan_attention(
         and kernels is not None
         and plan.native_decode
         and _native_step_runs(cfg, plan.quantization, plan.dtype, groups, cache.page_size),
+        native_rows=native_decode.MAX_ROWS if plan.records_only else native_decode.FEW_ROWS,
     )
 
 
@@ -160,6 +167,10 @@ def plan_run(config: EngineConfig, model_dir: Path | None = None) -> RunPlan:
         (config.batch_invariant and quantization != "w8a8")
         or (quantization in RECORDS_QUANTIZATIONS and native.gemm_library() is not None)
     )
+    wide = "records"
+    if records_only and not config.batch_invariant:
+        gemm = native.gemm_library()
+        wide = "pairs" if gemm is not None and gemm.pypto_pair_gemm_built() else "panels"
     return RunPlan(
         device=device,
         dtype=dtype,
@@ -170,6 +181,7 @@ def plan_run(config: EngineConfig, model_dir: Path | None = None) -> RunPlan:
         quantization=quantization,
         batch_invariant=config.batch_invariant,
         records_only=records_only,
+        records_wide=wide,
     )
 
 

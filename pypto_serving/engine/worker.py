@@ -77,6 +77,7 @@ def load_share(
         attention.native_decode,
         plan.pack_linear,
         records_only=plan.records_only,
+        records_wide=plan.records_wide,
     )
     if config.executor == "reference":
         return Share(model, ReferenceExecutor(model, plan.device), attention)

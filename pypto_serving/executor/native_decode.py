@@ -6,7 +6,8 @@ attention op's dispatch and Python around each, about as much as its matmuls; on
 for the whole forward (embedding, every layer, the final norm and the LM head) leaves only
 the reading of the weights, in llama.cpp's formats (Q4_1 layers, a Q8_0 head: `pack_q4`,
 `pack_q8`) with int8 dot products over activations quantized per 32 (Q8_1). Steps of more
-than MAX_ROWS tokens, or with a prefill chunk, run on the compiled graphs as before.
+decodes than the plan's `native_rows` (all of them when the records are a model's only
+weights, else FEW_ROWS), or with a prefill chunk, run on the compiled graphs as before.
 
 It applies (`applies`) to bf16 models on the CPU, unquantized or int4 / int4-w8a8, one rank
 or tensor-parallel ranks on one machine (each runs its share and calls the shared-memory
@@ -37,9 +38,14 @@ from pypto_serving.ops.linear import INT4_GROUP, NATIVE_BF16, Linear
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 8
-"""Sequences a native step takes (decode.cpp's MAX_ROWS): up to here the weights' bytes
-dominate; wider steps are compute-bound and run on the compiled w8a8 or bf16 graphs."""
+MAX_ROWS = 256
+"""Sequences a native step takes at most (decode.cpp's MAX_ROWS): a model whose records are
+its only weights (the run plan's `records_only`) runs every step of decodes alone here, as
+wide as the records' product goes on the graphs, without the graphs' per-layer dispatch."""
+FEW_ROWS = 8
+"""Sequences a native step takes of a model with another form for wide steps (bf16 weights,
+whose rows the step reads one dot product at a time; int4-w8a8's int8 GEMM): up to here the
+weights' bytes dominate; wider steps are compute-bound and run on the compiled graphs."""
 QUANTIZATIONS = (None, "int4", "int4-w8a8", "gguf")
 
 

@@ -44,7 +44,7 @@ from pypto_serving.executor.compiled import (
     trust_cpu_vector_isa,
 )
 from pypto_serving.executor.kv_stores import build_kv_store
-from pypto_serving.executor.native_decode import MAX_ROWS as NATIVE_MAX_ROWS
+from pypto_serving.executor.native_decode import FEW_ROWS as NATIVE_FEW_ROWS
 from pypto_serving.executor.native_decode import NativeDecoder
 from pypto_serving.executor.prompt_logprobs import prompt_scoring, score_prompts
 from pypto_serving.grammar import Grammars
@@ -82,8 +82,33 @@ class AttentionPlan:
     """Its decoder layers run compiled (warm-up compiles them); else eagerly."""
     native_decode: bool
     """Its steps of a few decodes run as one call of the native decode step."""
+    native_rows: int = NATIVE_FEW_ROWS
+    """The most decodes a native step takes (native_decode.py's FEW_ROWS, or MAX_ROWS where
+    the records are the model's only weights)."""
     own_kernels: bool = False
     """Its kind's operator runs its own native kernels (`AttentionKind.OWN_KERNELS`)."""
+
+
+def part_of(step: StepInputs, first: int, end: int) -> StepInputs:
+    """The step's sequences first .. end - 1 as a step of their own (no page moves): their
+    tokens, pages and lengths, the rows of `logits_index` among their tokens (or row 0, as a
+    step always has one, when none is)."""
+    token_ends = torch.cumsum(step.q_lens, 0).tolist()
+    lo = token_ends[first - 1] if first else 0
+    hi = token_ends[end - 1]
+    rows = step.logits_index
+    wanted = rows[(rows >= lo) & (rows < hi)] - lo
+    q_lens = step.q_lens[first:end]
+    return StepInputs(
+        step.input_ids[lo:hi],
+        step.positions[lo:hi],
+        [group[first:end] for group in step.pages],
+        q_lens,
+        step.ctx_lens[first:end],
+        wanted if len(wanted) else torch.zeros(1, dtype=rows.dtype, device=rows.device),
+        max(0, min(step.num_decodes, end) - first),
+        int(q_lens.max()),
+    )
 
 
 def build_paged_executor(
@@ -164,8 +189,9 @@ class PagedExecutor:
         self.progress = StepProgress()
         """Layers attended so far, and what a layer costs here (read by the watchdogs)."""
         self.native: NativeDecoder | None = None
-        """Runs steps of up to NATIVE_MAX_ROWS decodes in one native call; other steps run on
+        """Runs steps of up to `native_rows` decodes in one native call; other steps run on
         the graphs."""
+        self.native_rows = attention.native_rows
         if attention.native_decode and self.attention_kernel is not None:
             self.native = NativeDecoder(model, self.kv.pool.cache, self.attention_kernel)
         self.run_layer = CompiledLayers() if attention.compiled else None
@@ -264,9 +290,42 @@ class PagedExecutor:
     def run(self, step: StepInputs) -> torch.Tensor:
         """The forward of one step: rank 0 broadcasts it first to the other ranks; a pipeline
         stage receives the previous stage's hidden states and sends its own to the next, and
-        the last stage's logits go back to rank 0, which samples."""
+        the last stage's logits go back to rank 0, which samples. Where the native decode
+        step runs, it takes the step's decodes (up to `native_rows`), and a prefill chunk
+        beside them runs on the graphs alone: a decode is computed the same way whatever
+        shares its step."""
         g = self.groups
-        batch = StepBatch(
+        if g.world_size > 1 and g.rank == 0:
+            broadcast_step(step, self.device)
+        if step.moves:  # rank 0's page moves, mirrored on every rank's share
+            self._follow_moves(step.moves)
+        nd = step.num_decodes
+        if self.native is None or not 0 < nd <= self.native_rows:
+            return self._forward(step)
+        if step.max_q == 1:  # decodes alone (a 1-token prefill chunk counts among them)
+            return self._native_logits(step, step.logits_index)
+        wanted = step.logits_index
+        decodes = self._native_logits(part_of(step, 0, nd), wanted[wanted < nd])
+        rest = self._forward(part_of(step, nd, len(step.q_lens)))
+        return torch.cat([decodes, rest]) if bool((wanted >= nd).any()) else decodes
+
+    def _native_logits(self, step: StepInputs, wanted: torch.Tensor) -> torch.Tensor:
+        """The logits of the rows `wanted` of a step of decodes, through the native step
+        (under TP: every rank, each its share)."""
+        assert self.native is not None
+        attention = self.model.attention_kind.step(self.kv, self.model.cfg, self._batch(step))
+        logits = self.native.logits(
+            step.input_ids,
+            step.positions,
+            attention.slot_mapping,
+            attention.block_table,
+            step.ctx_lens,
+        )  # every row's; the step samples those that caught up (all, unless a 1-token chunk)
+        return logits if len(wanted) == len(logits) else logits[wanted]
+
+    def _batch(self, step: StepInputs) -> StepBatch:
+        """What the kind's operator maps the step's slots from."""
+        return StepBatch(
             {m.name: pages for m, pages in zip(self.kv.managers, step.pages, strict=True)},
             step.positions,
             step.q_lens,
@@ -278,21 +337,12 @@ class PagedExecutor:
             self.batch_invariant,
             self.model.local_layers,
             self.own_kernels,
-        )  # the kind's operator maps its slots from the page lists
-        attention = self.model.attention_kind.step(self.kv, self.model.cfg, batch)
-        if g.world_size > 1 and g.rank == 0:
-            broadcast_step(step, self.device)
-        if step.moves:  # rank 0's page moves, mirrored on every rank's share
-            self._follow_moves(step.moves)
-        if self.native is not None and step.max_q == 1 and len(step.q_lens) <= NATIVE_MAX_ROWS:
-            logits = self.native.logits(  # under TP: every rank, each its share
-                step.input_ids,
-                step.positions,
-                attention.slot_mapping,
-                attention.block_table,
-                step.ctx_lens,
-            )  # every row's; the step samples those that caught up (all, unless a 1-token chunk)
-            return logits if len(step.logits_index) == len(logits) else logits[step.logits_index]
+        )
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """The step's forward on the graphs (rank 0's logits of its `logits_index` rows)."""
+        g = self.groups
+        attention = self.model.attention_kind.step(self.kv, self.model.cfg, self._batch(step))
         hidden = None
         if g.pp.rank > 0:
             shape = self.model.stage_output_shape(len(step.input_ids))

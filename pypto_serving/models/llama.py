@@ -266,6 +266,7 @@ class CausalLM(nn.Module):
             shard = -(-cfg.vocab_size // groups.tp.size)
             self.lm_head = Linear(cfg.hidden_size, shard, bias=False)
             self.lm_head.exact_int8 = True  # the logits: 8 bits both under w8a8
+            self.lm_head.float_out = True
             if cfg.tie_word_embeddings and self.model.embed_tokens is not None:
                 self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", torch.tensor(cfg.rope_inv_freq), persistent=False)

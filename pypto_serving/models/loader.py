@@ -411,6 +411,7 @@ def load_model(
     native: bool = False,
     pack: str | None = None,
     records_only: bool = False,
+    records_wide: str = "records",
 ) -> CausalLM:
     """Build our model for `model_dir` (this rank's share of it under tensor and pipeline
     parallelism) and fill it with the checkpoint's weights, quantized if asked (int8, int4,
@@ -419,7 +420,8 @@ def load_model(
     weights are repacked for wide matmuls ("onednn", "panels", or None: the run plan's
     `pack_linear`). records_only (the run plan's): a quantized model's weights are the
     native step's records alone, which serve every matmul (`pack_linears`); a GGUF file's
-    stored matrices are then never loaded in bf16."""
+    stored matrices are then never loaded in bf16; records_wide: how the graphs multiply by
+    them (`Linear.wide`)."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory not found: {model_dir}")
     if quantization is not None and (device.type != "cpu" or dtype != torch.bfloat16):
@@ -473,10 +475,21 @@ def load_model(
             native=native,
             pack=pack,
             records_only=records_only,
+            wide=records_wide,
         )
     elif quantization is not None:
         digest, tokenizer = checkpoint_digest(model_dir), lambda: load_tokenizer(model_dir)
-        quantize_cached(model, digest, quantization, groups, tokenizer, native, pack, records_only)
+        quantize_cached(
+            model,
+            digest,
+            quantization,
+            groups,
+            tokenizer,
+            native,
+            pack,
+            records_only,
+            records_wide,
+        )
     elif pack is not None:
         pack_linears(model, pack=pack)
     return model

@@ -69,6 +69,7 @@ def quantize_cached(
     native: bool = False,
     pack: str | None = None,
     records_only: bool = False,
+    records_wide: str = "records",
 ) -> None:
     """Quantize the model's linear layers (`pack_linears`, after w8a8's calibration), or take
     the result of an earlier start from `cache_dir()/quantized`: reading it back is ~0.2 s
@@ -77,7 +78,8 @@ def quantize_cached(
     neither read nor written (`trusted_cache_dir`). digest: the checkpoint's
     (`loader.checkpoint_digest`); tokenizer: loads its tokenizer (for w8a8's calibration);
     pack: the run plan's choice of packing for the bf16 weights (`pack_linears`); records_only:
-    the native step's records serve every matmul (`pack_linears`; no calibration then)."""
+    the native step's records serve every matmul (`pack_linears`; no calibration then), the
+    graphs multiplying by them as records_wide says (`Linear.wide`)."""
     path = quantized_cache_path(model, digest, quantization, groups, native, records_only)
     trusted = trusted_cache_dir(path.parent.name) == path.parent
     layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
@@ -97,6 +99,7 @@ def quantize_cached(
                     native=native,
                     pack=pack,
                     records_only=records_only,
+                    wide=records_wide,
                 )
                 return
             log.warning("the quantized weights in %s do not fit the model: quantizing", path)
@@ -106,7 +109,15 @@ def quantize_cached(
     if quantization in CALIBRATED_QUANTIZATIONS and not records_only:  # one rank (validate)
         tokens = calibration.calibration_tokens(tokenizer())
         smooth = calibration.smoothing_factors(model, tokens)
-    pack_linears(model, quantization, smooth, native=native, pack=pack, records_only=records_only)
+    pack_linears(
+        model,
+        quantization,
+        smooth,
+        native=native,
+        pack=pack,
+        records_only=records_only,
+        wide=records_wide,
+    )
     if smooth is not None and not int8_gemm_full_range():
         kept = calibration.choose_w8a8_inputs(model, tokens)
         log.info(

@@ -250,6 +250,10 @@ def load_gemm(path: Path) -> ctypes.CDLL | None:
         fn.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, ctypes.c_int64, *[c_int] * 4]
     lib.pypto_packed_product.restype = c_int
     lib.pypto_packed_product.argtypes = [ptr, ptr, c_int, ptr, c_int]
+    lib.pypto_records_gemm.restype = c_int
+    lib.pypto_records_gemm.argtypes = [ptr, ptr, c_int, ptr, c_int, c_int]
+    lib.pypto_pair_gemm_built.restype = c_int
+    lib.pypto_pair_gemm_built.argtypes = []
     return lib
 
 

@@ -135,9 +135,12 @@ struct Row<int8_t> {  // int8 values, then their float32 scale
 };
 
 // e^x for x <= 0 (softmax after subtracting the max): 2^n * e^r with |r| <= ln2 / 2 and a
-// degree-6 Taylor polynomial for e^r (relative error < 2e-7); below -87 it flushes to ~0.
+// degree-6 Taylor polynomial for e^r (relative error < 2e-7); below -87 it is 0, exactly, so
+// that a masked key (or a page's padding) adds nothing at all to a row's sums: a prefill row
+// then gets the same bits whichever later rows share its tile.
 inline vf vexp(vf x) {
-    x = x < -87.0f ? vf{} - 87.0f : x;
+    const auto under = x < -87.0f;
+    x = under ? vf{} - 87.0f : x;
     vi n = __builtin_convertvector(x * 1.44269504f - 0.5f, vi);  // round(x / ln2), x <= 0
     vf r = x - __builtin_convertvector(n, vf) * 0.693147181f;
     vf p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 +
@@ -145,7 +148,7 @@ inline vf vexp(vf x) {
     vi bits = (n + 127) << 23;
     vf scale;
     std::memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return under ? vf{} : p * scale;
 }
 
 // Attention of G query heads (one KV head's group) of one sequence; NV = head_dim / VW.

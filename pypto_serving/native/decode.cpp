@@ -25,7 +25,7 @@ extern "C" void pypto_decode_attention_head(int kv_int8, const float* q, const v
 
 namespace {
 
-constexpr int MAX_ROWS = BLOCK_ROWS;  // sequences in a step
+constexpr int MAX_ROWS = 256;  // sequences in a step
 
 // shm.cpp's pypto_shm_all_reduce and pypto_shm_all_gather.
 using AllReduce = int (*)(void*, const float*, float*, int64_t, double, int*);
@@ -82,7 +82,7 @@ void rope(float* x, const float* cos, const float* sin, int half) {
 
 struct Scratch {
     std::vector<float> x, h, qkv, attn, gate_up, cos, sin, part, sum;
-    Activations qx;
+    Activations qx, qa, qm;  // the rows as the matmuls read them: normed, attention's, MLP's
     int status = 0;                // the first failed collective's
 };
 
@@ -98,22 +98,32 @@ void reduce_into_x(const Model& md, const Step& s, int rows, Scratch& w) {
 
 // out (=|+=) the row-parallel `m` over qx: straight into the residual stream on one rank,
 // else each rank's partial product summed over the ranks first.
-void row_parallel(const Model& md, const Step& s, const Matrix& m, Scratch& w) {
+void row_parallel(const Model& md, const Step& s, const Matrix& m, const Activations& qx,
+                  Scratch& w) {
     if (md.world == 1) {
-        product(m, w.qx, s.rows, w.x.data(), md.hidden, true);
+        product(m, qx, s.rows, w.x.data(), md.hidden, true);
         return;
     }
-    product(m, w.qx, s.rows, w.part.data(), md.hidden, false);
+    product(m, qx, s.rows, w.part.data(), md.hidden, false);
 #pragma omp single
     reduce_into_x(md, s, s.rows, w);
 }
 
 // qx = the rows of the residual stream x, RMS-normed by `weight` (into h), as a matmul over
-// weights of `format` reads them (on one thread of the team).
+// weights of `format` reads them (the rows shared by the team; qx sized for them).
 void norm_rows(const Model& md, const uint16_t* weight, int rows, int format, Scratch& w) {
-    for (int m = 0; m < rows; ++m)
+#pragma omp for schedule(static)
+    for (int m = 0; m < rows; ++m) {
         rms_norm(&w.x[m * md.hidden], weight, md.hidden, md.eps, &w.h[m * md.hidden]);
-    quantize(w.h.data(), rows, md.hidden, format, w.qx);
+        quantize_row(w.h.data(), m, format, w.qx);
+    }
+}
+
+// qx = rows of `x` as a matmul over weights of `format` reads them (the rows shared by the
+// team; qx sized for them and their width).
+void quantize_rows(const float* x, int rows, int format, Activations& qx) {
+#pragma omp for schedule(static)
+    for (int m = 0; m < rows; ++m) quantize_row(x, m, format, qx);
 }
 
 // One decoder layer over s.rows rows of the residual stream x (called by every thread).
@@ -122,7 +132,6 @@ void layer(const Model& md, const Layer& ly, const Step& s, Scratch& w) {
     const int group = md.heads / md.kv_heads, inter = md.intermediate;
     const int q_size = md.heads * dim, kv_size = md.kv_heads * dim;
     const int qkv_size = q_size + 2 * kv_size;
-#pragma omp single
     norm_rows(md, ly.input_norm, rows, ly.qkv.format, w);
     product(ly.qkv, w.qx, rows, w.qkv.data(), qkv_size, false);
     const float scale = 1.0f / std::sqrt(float(dim));
@@ -148,22 +157,18 @@ void layer(const Model& md, const Layer& ly, const Step& s, Scratch& w) {
                                     s.ctx_lens[m], &w.attn[(int64_t(m) * md.heads + kvh * group) * dim],
                                     md.page_size, scale);
     }
-#pragma omp single
-    quantize(w.attn.data(), rows, q_size, ly.o.format, w.qx);
-    row_parallel(md, s, ly.o, w);
-#pragma omp single
+    quantize_rows(w.attn.data(), rows, ly.o.format, w.qa);
+    row_parallel(md, s, ly.o, w.qa, w);
     norm_rows(md, ly.post_norm, rows, ly.gate_up.format, w);
     product(ly.gate_up, w.qx, rows, w.gate_up.data(), 2 * inter, false);
-#pragma omp single
-    {
-        for (int m = 0; m < rows; ++m) {  // SwiGLU: silu(gate) * up
-            const float* gu = &w.gate_up[int64_t(m) * 2 * inter];
-            float* a = &w.h[int64_t(m) * inter];
-            for (int i = 0; i < inter; ++i) a[i] = gu[i] / (1.0f + std::exp(-gu[i])) * gu[inter + i];
-        }
-        quantize(w.h.data(), rows, inter, ly.down.format, w.qx);
+#pragma omp for schedule(static)
+    for (int m = 0; m < rows; ++m) {  // SwiGLU: silu(gate) * up
+        const float* gu = &w.gate_up[int64_t(m) * 2 * inter];
+        float* a = &w.h[int64_t(m) * inter];
+        for (int i = 0; i < inter; ++i) a[i] = gu[i] / (1.0f + std::exp(-gu[i])) * gu[inter + i];
+        quantize_row(w.h.data(), m, ly.down.format, w.qm);
     }
-    row_parallel(md, s, ly.down, w);
+    row_parallel(md, s, ly.down, w.qm, w);
 }
 
 }  // namespace
@@ -221,10 +226,12 @@ extern "C" int pypto_decode_step(const Model* model, const Step* step) {
         }
     }
     if (md.world > 1) reduce_into_x(md, s, rows, w);  // x is zero: the summed embedding
+    w.qx.resize(rows, hidden);
+    w.qa.resize(rows, md.heads * md.head_dim);
+    w.qm.resize(rows, md.intermediate);
 #pragma omp parallel num_threads(s.threads)
     {
         for (int l = 0; l < md.num_layers; ++l) layer(md, md.layers[l], s, w);
-#pragma omp single
         norm_rows(md, md.final_norm, rows, md.lm_head.format, w);
         lm_head(md, s, w);
     }

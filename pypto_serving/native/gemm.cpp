@@ -125,7 +125,175 @@ int gemm(const float* x, int64_t ldx, const W* panels, const W* bias, float* out
     return 0;
 }
 
+// ---- a quantized model's weights for the graphs' wide matmuls ----
+//
+// An int4 or GGUF model keeps its weights in records alone; a prefill chunk's matmuls take
+// them dequantized (`pypto_records_gemm`): each weight is what gguf's dequantization computes
+// in float32 (q * scale + minimum for Q4_1, q * scale for Q8_0, each operation rounded on its
+// own: no fused multiply-add), rounded to bf16, the HF conversion's very weights. A thread
+// dequantizes a group of panels of 16 output rows into its own buffer (L2), then runs every
+// row of x over them: with AVX512-BF16 as bf16 pairs and pair dot products, else as float32
+// and the panels' FMA tiles above. Each output is one chain over the inputs in order, from
+// zero, whatever the rows.
+
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+
+// A weight row's value from its byte field: q * scale + minimum, each operation rounded (the
+// function is built without contraction into a fused multiply-add), then its bf16 bits
+// (rounding to nearest even) in the low half of each lane.
+__attribute__((optimize("fp-contract=off"))) inline vu bf16_bits(vi q, vf scale, vf minimum) {
+    const vf value = __builtin_convertvector(q, vf) * scale + minimum;
+    vu u;
+    std::memcpy(&u, &value, sizeof u);
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+// Panel b (output rows 16b .. 16b + 15) of records w, dequantized: pairs, [K / 2][16][2] bf16
+// (one 32-bit word per row and pair of inputs); else [K][16] float32 (the bf16 values
+// widened). The record's rows lie across the lanes, VW at a time.
+void dequantize_panel(const Matrix& w, int64_t b, void* out, bool pairs) {
+    const int64_t groups = w.cols / GROUP_K;
+    const bool q4 = w.format == Q4;
+    const uint8_t* rec = w.data + b * groups * RECORD[w.format];
+    for (int64_t g = 0; g < groups; ++g, rec += RECORD[w.format]) {
+        const uint16_t* scales = reinterpret_cast<const uint16_t*>(rec + (q4 ? 256 : 512));
+        alignas(64) float d[16], mn[16];
+        for (int r = 0; r < 16; ++r) {
+            d[r] = fp16(scales[r]);
+            mn[r] = q4 ? fp16(scales[16 + r]) : 0.0f;
+        }
+        for (int h = 0; h < 16 / VW; ++h) {  // rows VW h .. VW h + VW - 1
+            const vf dv = load(d + h * VW), mv = load(mn + h * VW);
+            vu bits[GROUP_K];  // input i's bf16 bits, a lane per row
+            for (int c = 0; c < (q4 ? 4 : 8); ++c) {
+                vu v;
+                std::memcpy(&v, rec + 64 * c + 4 * VW * h, sizeof v);
+                for (int j = 0; j < 4; ++j) {
+                    if (q4) {
+                        bits[8 * c + j] = bf16_bits(vi((v >> (8 * j)) & 0x0Fu), dv, mv);
+                        bits[8 * c + 4 + j] = bf16_bits(vi((v >> (8 * j + 4)) & 0x0Fu), dv, mv);
+                    } else {
+                        bits[4 * c + j] = bf16_bits(vi((v >> (8 * j)) & 0xFFu) - 128, dv, mv);
+                    }
+                }
+            }
+            if (pairs) {
+                uint32_t* dst = static_cast<uint32_t*>(out) + g * (GROUP_K / 2) * 16 + h * VW;
+                for (int i = 0; i < GROUP_K; i += 2) {
+                    const vu word = bits[i] | (bits[i + 1] << 16);
+                    std::memcpy(dst + (i / 2) * 16, &word, sizeof word);
+                }
+            } else {
+                float* dst = static_cast<float*>(out) + g * GROUP_K * 16 + h * VW;
+                for (int i = 0; i < GROUP_K; ++i) {
+                    const vu wide = bits[i] << 16;
+                    std::memcpy(dst + i * 16, &wide, sizeof wide);
+                }
+            }
+        }
+    }
+}
+
+#if defined(__AVX512BF16__)
+constexpr int PR = 12;  // rows of x a tile: PR x 2 accumulators, two panels' loads, a broadcast
+
+// c[0..R) (32 outputs of two pair panels, or 16 of one) = x[0..R) . the panels, each output
+// one chain of bf16 pair dot products over the inputs in order, from zero.
+template <int R, int NP>
+void pair_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t panel_stride, int k,
+               float* c, int64_t ldc) {
+    __m512 acc[R][NP];
+    for (int m = 0; m < R; ++m)
+        for (int q = 0; q < NP; ++q) acc[m][q] = _mm512_setzero_ps();
+    for (int j = 0; j < k / 2; ++j) {
+        __m512bh b[NP];
+        for (int q = 0; q < NP; ++q)
+            b[q] = (__m512bh)_mm512_loadu_si512(w + q * panel_stride + int64_t(j) * 32);
+        for (int m = 0; m < R; ++m) {
+            int32_t pair;
+            std::memcpy(&pair, x + m * ldx + 2 * j, sizeof pair);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            for (int q = 0; q < NP; ++q) acc[m][q] = _mm512_dpbf16_ps(acc[m][q], a, b[q]);
+        }
+    }
+    for (int m = 0; m < R; ++m)
+        for (int q = 0; q < NP; ++q) _mm512_storeu_ps(c + m * ldc + q * 16, acc[m][q]);
+}
+
+template <int NP>
+void pair_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t panel_stride, int k,
+               float* c, int64_t ldc, int rows) {
+    int m = 0;
+    for (; m + PR <= rows; m += PR)
+        pair_tile<PR, NP>(x + m * ldx, ldx, w, panel_stride, k, c + m * ldc, ldc);
+    x += m * ldx;
+    c += m * ldc;
+    switch (rows - m) {
+#define REST(r) case r: pair_tile<r, NP>(x, ldx, w, panel_stride, k, c, ldc); break;
+        REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7) REST(8) REST(9) REST(10)
+        REST(11)
+#undef REST
+        default: break;
+    }
+}
+#endif
+
 }  // namespace
+
+// Whether this build multiplies records by bf16 pairs (AVX512-BF16) in `pypto_records_gemm`.
+extern "C" int pypto_pair_gemm_built() {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// out [rows][16 ceil(w.rows / 16)] = x [rows][w.cols] @ w.T over a weight in records (Q4, Q8),
+// dequantized as above; x bf16 with pairs (AVX512-BF16 builds only), else float32; float32
+// out. The team shares groups of panels (GROUP_PANELS of them: a thread's buffer stays in
+// L2); a thread dequantizes its group once and runs every row over it. Returns 0, or 1 for a
+// shape (or a build) it does not take.
+extern "C" int pypto_records_gemm(const Matrix* w, const void* x, int rows, float* out,
+                                  int pairs, int threads) {
+    if (rows < 1 || w->cols % GROUP_K || (w->format != Q4 && w->format != Q8)) return 1;
+#if !defined(__AVX512BF16__)
+    if (pairs) return 1;
+#endif
+    const int64_t k = w->cols, count = (w->rows + 15) / 16, ldo = count * 16;
+    const int64_t panel_bytes = k * 16 * (pairs ? 2 : 4);
+    const int64_t group = std::max<int64_t>(1, (int64_t(1) << 19) / panel_bytes);
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<uint8_t> buffer(size_t(group * panel_bytes) + 64);
+        void* local = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64;
+#pragma omp for schedule(static)
+        for (int64_t p0 = 0; p0 < count; p0 += group) {
+            const int64_t n = std::min(group, count - p0);
+            for (int64_t p = 0; p < n; ++p)
+                dequantize_panel(*w, p0 + p, static_cast<uint8_t*>(local) + p * panel_bytes, pairs);
+            for (int64_t p = 0; p < n; ++p) {
+                float* c = out + (p0 + p) * 16;
+                if (pairs) {
+#if defined(__AVX512BF16__)
+                    const uint16_t* panel = static_cast<const uint16_t*>(local) + p * k * 16;
+                    if (p + 1 < n) {
+                        pair_rows<2>(static_cast<const uint16_t*>(x), k, panel, k * 16, int(k), c, ldo, rows);
+                        ++p;
+                    } else {
+                        pair_rows<1>(static_cast<const uint16_t*>(x), k, panel, k * 16, int(k), c, ldo, rows);
+                    }
+#endif
+                } else {
+                    const float* panel = static_cast<const float*>(local) + p * k * 16;
+                    rows_over(static_cast<const float*>(x), k, panel, int(k), c, ldo, true, rows);
+                }
+            }
+        }
+    }
+    return 0;
+}
 
 // Panels of bf16 (the weights of bf16 models) and of float32 (float32 models under
 // --batch-invariant); the arguments as `gemm`'s.

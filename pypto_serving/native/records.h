@@ -32,6 +32,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -408,27 +409,40 @@ void block_product(const Matrix& w, int64_t b, const Activations& x, int m0, flo
         }
 }
 
+// Bytes of activations a pass over the weight takes (`product`): they stay in L2 while every
+// block of the thread's share runs over them.
+constexpr int64_t PANEL_BYTES = 1 << 18;
+
 // out [rows][w.rows] (=|+=) x @ w.T (+ bias), sharing the blocks among the calling team (an
-// orphaned worksharing loop: call it from every thread of a parallel region). A thread runs
-// every row over its block, BLOCK_ROWS at a time, while the block is in its cache.
+// orphaned worksharing loop: call it from every thread of a parallel region). The rows go in
+// panels of PANEL_BYTES of activations (a prefill chunk's thousands of rows would otherwise
+// stream from memory once per block); within a panel a thread runs its rows over each of its
+// blocks, BLOCK_ROWS at a time, while the block is in its cache. A row's arithmetic is the
+// same whatever the panels and groups: only the order in which rows are computed changes.
 void product(const Matrix& w, const Activations& x, int rows, float* out, int64_t ldo, bool add) {
     const int64_t blocks = (w.rows + 15) / 16;
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
-        for (int m0 = 0; m0 < rows; m0 += BLOCK_ROWS) {
-            float* o = out + m0 * ldo;
-            switch (rows - m0) {
-                case 1: block_product<1>(w, b, x, m0, o, ldo, add); break;
-                case 2: block_product<2>(w, b, x, m0, o, ldo, add); break;
-                case 3: block_product<3>(w, b, x, m0, o, ldo, add); break;
-                case 4: block_product<4>(w, b, x, m0, o, ldo, add); break;
-                case 5: block_product<5>(w, b, x, m0, o, ldo, add); break;
-                case 6: block_product<6>(w, b, x, m0, o, ldo, add); break;
-                case 7: block_product<7>(w, b, x, m0, o, ldo, add); break;
-                default: block_product<BLOCK_ROWS>(w, b, x, m0, o, ldo, add); break;
+    const int64_t row_bytes = w.format == BF16 ? 6 * w.cols : w.cols;
+    const int panel = int(std::max<int64_t>(1, PANEL_BYTES / row_bytes / BLOCK_ROWS)) * BLOCK_ROWS;
+    for (int p0 = 0; p0 < rows; p0 += panel) {
+        const int p1 = std::min(rows, p0 + panel);
+#pragma omp for schedule(static) nowait
+        for (int64_t b = 0; b < blocks; ++b) {
+            for (int m0 = p0; m0 < p1; m0 += BLOCK_ROWS) {
+                float* o = out + m0 * ldo;
+                switch (p1 - m0) {
+                    case 1: block_product<1>(w, b, x, m0, o, ldo, add); break;
+                    case 2: block_product<2>(w, b, x, m0, o, ldo, add); break;
+                    case 3: block_product<3>(w, b, x, m0, o, ldo, add); break;
+                    case 4: block_product<4>(w, b, x, m0, o, ldo, add); break;
+                    case 5: block_product<5>(w, b, x, m0, o, ldo, add); break;
+                    case 6: block_product<6>(w, b, x, m0, o, ldo, add); break;
+                    case 7: block_product<7>(w, b, x, m0, o, ldo, add); break;
+                    default: block_product<BLOCK_ROWS>(w, b, x, m0, o, ldo, add); break;
+                }
             }
         }
     }
+#pragma omp barrier
 }
 
 }  // namespace

@@ -134,7 +134,7 @@ def records_linear(
     """x @ weight.T through native/records.h's product over the weight's records (`pack_q4`,
     `pack_q8`: fmt NATIVE_Q4 or NATIVE_Q8), x quantized to int8 per group of 32 inputs as the
     native decode step quantizes it; any number of rows, each row's result the same bits
-    whatever rows come with it (--batch-invariant's quantized matmuls). In x's dtype."""
+    whatever rows come with it (--batch-invariant's quantized matmuls). In float32."""
     lib = native_kernels.gemm_library()
     assert lib is not None, "records serve every matmul only where the native GEMM is built"
     xf = x.float().contiguous()
@@ -145,12 +145,43 @@ def records_linear(
         ctypes.byref(w), xf.data_ptr(), rows, out.data_ptr(), torch.get_num_threads()
     )
     assert not failed, (rows, out_features, cols, fmt)
-    return out.to(x.dtype)
+    return out
 
 
 @records_linear.register_fake
 def _(x: torch.Tensor, records: torch.Tensor, fmt: int, out_features: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
+    return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
+
+
+@torch.library.custom_op("pypto::dequantized_linear", mutates_args=())
+def dequantized_linear(
+    x: torch.Tensor, records: torch.Tensor, fmt: int, out_features: int, pairs: bool
+) -> torch.Tensor:
+    """x @ weight.T for a weight kept in records alone (`pack_q4`, `pack_q8`), dequantized
+    panel by panel as the product runs (native/gemm.cpp's `pypto_records_gemm`: the values
+    gguf's dequantization gives, the HF conversion's weights; no copy of the weight is held)
+    and multiplied with bf16 activations: pairs, AVX512-BF16 dot products; else float32 FMAs.
+    Either way each output is one chain over the inputs whatever the rows, so a row's result
+    does not depend on its batch. In float32."""
+    lib = native_kernels.gemm_library()
+    assert lib is not None, "records serve every matmul only where the native GEMM is built"
+    rows, cols = x.shape
+    width = -(-out_features // 16) * 16
+    xs = x.to(torch.bfloat16 if pairs else torch.float32).contiguous()
+    out = torch.empty(rows, width)
+    w = native_kernels.Matrix(records.data_ptr(), None, out_features, cols, fmt)
+    failed = lib.pypto_records_gemm(
+        ctypes.byref(w), xs.data_ptr(), rows, out.data_ptr(), pairs, torch.get_num_threads()
+    )
+    assert not failed, (rows, out_features, cols, pairs)
+    return out if width == out_features else out[:, :out_features].contiguous()
+
+
+@dequantized_linear.register_fake
+def _(
+    x: torch.Tensor, records: torch.Tensor, fmt: int, out_features: int, pairs: bool
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -315,6 +346,8 @@ def quantize_int4(
 
 
 NATIVE_Q4, NATIVE_Q8, NATIVE_BF16 = 1, 2, 3
+RECORDS_WIDE = ("records", "pairs", "panels")
+"""How the graphs may multiply by a layer's records (`Linear.wide`)."""
 """The native decode step's weight formats (native/decode.cpp): 4-bit values with a scale and
 a minimum per 32 inputs (llama.cpp's Q4_1), 8-bit values with a scale per 32 (Q8_0), or the
 plain bf16 weight, read where it lies."""
@@ -402,7 +435,14 @@ class Linear(nn.Linear):
     float32 with 7 bits in every layer, +1.09 % with these exact; AVX-512's w8a8 +1.25 %)."""
     native: tuple[torch.Tensor, int] | None = None
     """(records, NATIVE_Q4 or NATIVE_Q8): the weight packed for the native decode step
-    (`pack_q4`, `pack_q8`), which alone reads it."""
+    (`pack_q4`, `pack_q8`), which alone reads it unless they are the layer's only form."""
+    float_out: bool = False
+    """Set by the model on the LM head: where its records are its only form, the logits keep
+    their float32 sums (not rounded to bf16 first, where two close logits would often tie)."""
+    wide: str = "records"
+    """How the graphs multiply by records that are the layer's only form (`RECORDS_WIDE`):
+    "records", over the records themselves with activations quantized per 32 (`records_linear`);
+    "pairs" or "panels", over the records dequantized per call into bf16 (`dequantized_linear`)."""
 
     def pack(self, form: str = "onednn") -> None:
         """Repack the (loaded) weight for oneDNN, or in panels for the native GEMM (`form`
@@ -507,7 +547,8 @@ class Linear(nn.Linear):
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ weight.T (+ bias), through the quantized or packed weight when there is one."""
+        """x @ weight.T (+ bias), through the quantized or packed weight when there is one;
+        in x's dtype (float32 for `float_out` records)."""
         # int4-w8a8 picks by rows: under torch.compile a trace-time branch (and a guard, so
         # only where both forms exist: a w8a8 layer must not get a graph per side)
         if self.int8 is not None and (self.quantized is None or x.shape[0] > QUANTIZED_MAX_ROWS):
@@ -521,8 +562,12 @@ class Linear(nn.Linear):
             return out if bias is None else out + bias
         if self.packed is not None:
             return dense_linear(x, self.packed, bias, self.out_features, self.packed_form)
-        if self.native is not None:  # its records alone (--batch-invariant): every matmul
-            out = records_linear(x, *self.native, self.out_features)
+        if self.native is not None:  # its records alone: every matmul
+            if self.wide == "records":
+                out = records_linear(x, *self.native, self.out_features)
+            else:
+                out = dequantized_linear(x, *self.native, self.out_features, self.wide == "pairs")
+            out = out.to(torch.float32 if self.float_out else x.dtype)
             return out if bias is None else out + bias
         return F.linear(x, self.weight, bias)
 
@@ -572,6 +617,7 @@ def pack_linears(
     native: bool = False,
     pack: str | None = None,
     records_only: bool = False,
+    wide: str = "records",
 ) -> int:
     """Pack in the form `pack` names (the run plan's choice, `device.linear_packing`: "onednn"
     or "panels"; None: wide matmuls run on the plain or quantized weights) and quantize every
@@ -588,7 +634,8 @@ def pack_linears(
     run. records_only (--batch-invariant with int8, int4 or int4-w8a8): each weight is kept
     in the native step's records alone (int4's and int4-w8a8's Q4, int8's and every head's
     Q8) and they serve every matmul, whatever its rows (`records_linear`): one product, so a
-    row's result does not depend on its batch."""
+    row's result does not depend on its batch. wide: how the graphs multiply by such
+    records (`Linear.wide`, the run plan's `records_wide`)."""
     head = getattr(model, "lm_head", None)
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
     int8_wide = quantization is not None and quantization.endswith("w8a8")
@@ -616,4 +663,5 @@ def pack_linears(
     if records_only:  # the records are the weight now: no bf16 copy beside them
         for _, layer in layers:
             layer.register_parameter("weight", None)
+            layer.wide = wide
     return len(layers)
