@@ -196,7 +196,13 @@ void dequantize_panel(const Matrix& w, int64_t b, void* out, bool pairs) {
 }
 
 #if defined(__AVX512BF16__)
-constexpr int PR = 12;  // rows of x a tile: PR x 2 accumulators, two panels' loads, a broadcast
+// Rows of x a tile over NP panels: NP x rows accumulators of the 32 registers, NP panels'
+// loads and a broadcast.
+template <int NP>
+constexpr int pair_tile_rows() { return NP >= 4 ? 6 : 12; }
+#ifndef PAIR_PANELS
+#define PAIR_PANELS 4  // panels a tile takes at once where a thread's group has them
+#endif
 
 // c[0..R) (32 outputs of two pair panels, or 16 of one) = x[0..R) . the panels, each output
 // one chain of bf16 pair dot products over the inputs in order, from zero.
@@ -224,13 +230,17 @@ void pair_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t panel_
 template <int NP>
 void pair_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t panel_stride, int k,
                float* c, int64_t ldc, int rows) {
+    constexpr int RT = pair_tile_rows<NP>();
     int m = 0;
-    for (; m + PR <= rows; m += PR)
-        pair_tile<PR, NP>(x + m * ldx, ldx, w, panel_stride, k, c + m * ldc, ldc);
+    for (; m + RT <= rows; m += RT)
+        pair_tile<RT, NP>(x + m * ldx, ldx, w, panel_stride, k, c + m * ldc, ldc);
     x += m * ldx;
     c += m * ldc;
     switch (rows - m) {
-#define REST(r) case r: pair_tile<r, NP>(x, ldx, w, panel_stride, k, c, ldc); break;
+#define REST(r) \
+    case r:     \
+        if constexpr (r < RT) pair_tile<r, NP>(x, ldx, w, panel_stride, k, c, ldc); \
+        break;
         REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7) REST(8) REST(9) REST(10)
         REST(11)
 #undef REST
@@ -252,8 +262,8 @@ extern "C" int pypto_pair_gemm_built() {
 
 // out [rows][16 ceil(w.rows / 16)] = x [rows][w.cols] @ w.T over a weight in records (Q4, Q8),
 // dequantized as above; x bf16 with pairs (AVX512-BF16 builds only), else float32; float32
-// out. The team shares groups of panels (GROUP_PANELS of them: a thread's buffer stays in
-// L2); a thread dequantizes its group once and runs every row over it. Returns 0, or 1 for a
+// out. The team shares groups of panels (a thread's buffer of at most 512 KB stays in L2, and
+// each thread gets as many); a thread dequantizes its group once and runs every row over it. Returns 0, or 1 for a
 // shape (or a build) it does not take.
 extern "C" int pypto_records_gemm(const Matrix* w, const void* x, int rows, float* out,
                                   int pairs, int threads) {
@@ -263,7 +273,11 @@ extern "C" int pypto_records_gemm(const Matrix* w, const void* x, int rows, floa
 #endif
     const int64_t k = w->cols, count = (w->rows + 15) / 16, ldo = count * 16;
     const int64_t panel_bytes = k * 16 * (pairs ? 2 : 4);
-    const int64_t group = std::max<int64_t>(1, (int64_t(1) << 19) / panel_bytes);
+    // groups of at most 512 KB, as many as make an equal share for every thread
+    const int64_t most = std::max<int64_t>(1, (int64_t(1) << 19) / panel_bytes);
+    const int64_t shares = (std::max<int64_t>(threads, (count + most - 1) / most) + threads - 1) /
+                           threads * threads;
+    const int64_t group = (count + shares - 1) / shares;
 #pragma omp parallel num_threads(threads)
     {
         std::vector<uint8_t> buffer(size_t(group * panel_bytes) + 64);
@@ -278,11 +292,15 @@ extern "C" int pypto_records_gemm(const Matrix* w, const void* x, int rows, floa
                 if (pairs) {
 #if defined(__AVX512BF16__)
                     const uint16_t* panel = static_cast<const uint16_t*>(local) + p * k * 16;
-                    if (p + 1 < n) {
-                        pair_rows<2>(static_cast<const uint16_t*>(x), k, panel, k * 16, int(k), c, ldo, rows);
+                    const uint16_t* xb = static_cast<const uint16_t*>(x);
+                    if (p + PAIR_PANELS <= n) {
+                        pair_rows<PAIR_PANELS>(xb, k, panel, k * 16, int(k), c, ldo, rows);
+                        p += PAIR_PANELS - 1;
+                    } else if (p + 2 <= n) {
+                        pair_rows<2>(xb, k, panel, k * 16, int(k), c, ldo, rows);
                         ++p;
                     } else {
-                        pair_rows<1>(static_cast<const uint16_t*>(x), k, panel, k * 16, int(k), c, ldo, rows);
+                        pair_rows<1>(xb, k, panel, k * 16, int(k), c, ldo, rows);
                     }
 #endif
                 } else {
