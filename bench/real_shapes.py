@@ -236,6 +236,7 @@ def write_gguf(shape: Shape, kind: str, out: Path) -> Path:
     if out.exists():
         return out
     qtype = gguf.GGMLQuantizationType[kind]
+    out.parent.mkdir(parents=True, exist_ok=True)  # a GGUF may be written without the HF folder
     tmp = out.with_name(out.name + ".partial")
     writer = gguf.GGUFWriter(str(tmp), "llama")
     writer.add_block_count(shape.layers)
