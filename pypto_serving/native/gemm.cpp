@@ -261,16 +261,19 @@ extern "C" int pypto_pair_gemm_built() {
 }
 
 // out [rows][16 ceil(w.rows / 16)] = x [rows][w.cols] @ w.T over a weight in records (Q4, Q8),
-// dequantized as above; x bf16 with pairs (AVX512-BF16 builds only), else float32; float32
-// out. The team shares groups of panels (a thread's buffer of at most 512 KB stays in L2, and
-// each thread gets as many); a thread dequantizes its group once and runs every row over it. Returns 0, or 1 for a
-// shape (or a build) it does not take.
-extern "C" int pypto_records_gemm(const Matrix* w, const void* x, int rows, float* out,
-                                  int pairs, int threads) {
+// dequantized as above; x bf16 with pairs (AVX512-BF16 builds only), else float32; out
+// float32, or bf16 (out_bf16: each sum rounded to nearest even, as torch rounds). The team
+// shares groups of panels (a thread's buffer of at most 512 KB stays in L2, and each thread
+// gets as many); a thread dequantizes its group once and runs every row over it, ROW_BLOCK
+// rows at a time (their sums kept in float32 until then). Returns 0, or 1 for a shape (or a
+// build) it does not take.
+extern "C" int pypto_records_gemm(const Matrix* w, const void* x, int rows, void* out,
+                                  int out_bf16, int pairs, int threads) {
     if (rows < 1 || w->cols % GROUP_K || (w->format != Q4 && w->format != Q8)) return 1;
 #if !defined(__AVX512BF16__)
     if (pairs) return 1;
 #endif
+    constexpr int ROW_BLOCK = 256;
     const int64_t k = w->cols, count = (w->rows + 15) / 16, ldo = count * 16;
     const int64_t panel_bytes = k * 16 * (pairs ? 2 : 4);
     // groups of at most 512 KB, as many as make an equal share for every thread
@@ -282,31 +285,43 @@ extern "C" int pypto_records_gemm(const Matrix* w, const void* x, int rows, floa
     {
         std::vector<uint8_t> buffer(size_t(group * panel_bytes) + 64);
         void* local = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64;
+        std::vector<float> sums(out_bf16 ? size_t(ROW_BLOCK) * group * 16 : 0);
 #pragma omp for schedule(static)
         for (int64_t p0 = 0; p0 < count; p0 += group) {
             const int64_t n = std::min(group, count - p0);
             for (int64_t p = 0; p < n; ++p)
                 dequantize_panel(*w, p0 + p, static_cast<uint8_t*>(local) + p * panel_bytes, pairs);
-            for (int64_t p = 0; p < n; ++p) {
-                float* c = out + (p0 + p) * 16;
-                if (pairs) {
+            for (int r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+                const int rb = std::min(ROW_BLOCK, rows - r0);
+                float* block = out_bf16 ? sums.data() : static_cast<float*>(out) + r0 * ldo + p0 * 16;
+                const int64_t ldc = out_bf16 ? n * 16 : ldo;
+                for (int64_t p = 0; p < n; ++p) {
+                    float* c = block + p * 16;
+                    if (pairs) {
 #if defined(__AVX512BF16__)
-                    const uint16_t* panel = static_cast<const uint16_t*>(local) + p * k * 16;
-                    const uint16_t* xb = static_cast<const uint16_t*>(x);
-                    if (p + PAIR_PANELS <= n) {
-                        pair_rows<PAIR_PANELS>(xb, k, panel, k * 16, int(k), c, ldo, rows);
-                        p += PAIR_PANELS - 1;
-                    } else if (p + 2 <= n) {
-                        pair_rows<2>(xb, k, panel, k * 16, int(k), c, ldo, rows);
-                        ++p;
-                    } else {
-                        pair_rows<1>(xb, k, panel, k * 16, int(k), c, ldo, rows);
-                    }
+                        const uint16_t* panel = static_cast<const uint16_t*>(local) + p * k * 16;
+                        const uint16_t* xb = static_cast<const uint16_t*>(x) + r0 * k;
+                        if (p + PAIR_PANELS <= n) {
+                            pair_rows<PAIR_PANELS>(xb, k, panel, k * 16, int(k), c, ldc, rb);
+                            p += PAIR_PANELS - 1;
+                        } else if (p + 2 <= n) {
+                            pair_rows<2>(xb, k, panel, k * 16, int(k), c, ldc, rb);
+                            ++p;
+                        } else {
+                            pair_rows<1>(xb, k, panel, k * 16, int(k), c, ldc, rb);
+                        }
 #endif
-                } else {
-                    const float* panel = static_cast<const float*>(local) + p * k * 16;
-                    rows_over(static_cast<const float*>(x), k, panel, int(k), c, ldo, true, rows);
+                    } else {
+                        const float* panel = static_cast<const float*>(local) + p * k * 16;
+                        const float* xf = static_cast<const float*>(x) + r0 * k;
+                        rows_over(xf, k, panel, int(k), c, ldc, true, rb);
+                    }
                 }
+                if (out_bf16)
+                    for (int m = 0; m < rb; ++m) {
+                        uint16_t* dst = static_cast<uint16_t*>(out) + (r0 + m) * ldo + p0 * 16;
+                        for (int64_t j = 0; j < n * 16; ++j) dst[j] = to_bf16(block[m * ldc + j]);
+                    }
             }
         }
     }

@@ -155,33 +155,51 @@ def _(x: torch.Tensor, records: torch.Tensor, fmt: int, out_features: int) -> to
 
 @torch.library.custom_op("pypto::dequantized_linear", mutates_args=())
 def dequantized_linear(
-    x: torch.Tensor, records: torch.Tensor, fmt: int, out_features: int, pairs: bool
+    x: torch.Tensor,
+    records: torch.Tensor,
+    fmt: int,
+    out_features: int,
+    pairs: bool,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """x @ weight.T for a weight kept in records alone (`pack_q4`, `pack_q8`), dequantized
     panel by panel as the product runs (native/gemm.cpp's `pypto_records_gemm`: the values
     gguf's dequantization gives, the HF conversion's weights; no copy of the weight is held)
     and multiplied with bf16 activations: pairs, AVX512-BF16 dot products; else float32 FMAs.
     Either way each output is one chain over the inputs whatever the rows, so a row's result
-    does not depend on its batch. In float32."""
+    does not depend on its batch. In `dtype`: float32, or bf16 (each sum rounded as it is
+    stored: no float32 copy of a wide step's output)."""
     lib = native_kernels.gemm_library()
     assert lib is not None, "records serve every matmul only where the native GEMM is built"
     rows, cols = x.shape
     width = -(-out_features // 16) * 16
     xs = x.to(torch.bfloat16 if pairs else torch.float32).contiguous()
-    out = torch.empty(rows, width)
+    out = torch.empty(rows, width, dtype=dtype)
     w = native_kernels.Matrix(records.data_ptr(), None, out_features, cols, fmt)
+    bf16_out = dtype == torch.bfloat16
     failed = lib.pypto_records_gemm(
-        ctypes.byref(w), xs.data_ptr(), rows, out.data_ptr(), pairs, torch.get_num_threads()
+        ctypes.byref(w),
+        xs.data_ptr(),
+        rows,
+        out.data_ptr(),
+        bf16_out,
+        pairs,
+        torch.get_num_threads(),
     )
-    assert not failed, (rows, out_features, cols, pairs)
+    assert not failed and dtype in (torch.float32, torch.bfloat16), (rows, out_features, cols)
     return out if width == out_features else out[:, :out_features].contiguous()
 
 
 @dequantized_linear.register_fake
 def _(
-    x: torch.Tensor, records: torch.Tensor, fmt: int, out_features: int, pairs: bool
+    x: torch.Tensor,
+    records: torch.Tensor,
+    fmt: int,
+    out_features: int,
+    pairs: bool,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
+    return x.new_empty(x.shape[0], out_features, dtype=dtype)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -563,11 +581,12 @@ class Linear(nn.Linear):
         if self.packed is not None:
             return dense_linear(x, self.packed, bias, self.out_features, self.packed_form)
         if self.native is not None:  # its records alone: every matmul
+            dtype = torch.float32 if self.float_out else x.dtype
             if self.wide == "records":
-                out = records_linear(x, *self.native, self.out_features)
+                out = records_linear(x, *self.native, self.out_features).to(dtype)
             else:
-                out = dequantized_linear(x, *self.native, self.out_features, self.wide == "pairs")
-            out = out.to(torch.float32 if self.float_out else x.dtype)
+                pairs = self.wide == "pairs"
+                out = dequantized_linear(x, *self.native, self.out_features, pairs, dtype)
             return out if bias is None else out + bias
         return F.linear(x, self.weight, bias)
 
