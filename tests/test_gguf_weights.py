@@ -22,8 +22,10 @@ from pypto_serving import LLM, SamplingParams, native
 from pypto_serving.config import EngineConfig
 from pypto_serving.engine.plan import plan_run
 from pypto_serving.errors import PyptoError
-from pypto_serving.models.gguf_convert import BLOCKS_FILE, convert_gguf_to_hf
+from pypto_serving.models import gguf_convert
+from pypto_serving.models.gguf_convert import BLOCKS_FILE, blocks_files, convert_gguf_to_hf
 from pypto_serving.models.gguf_weights import has_blocks
+from pypto_serving.models.loader import safetensors_files
 from pypto_serving.ops.linear import NATIVE_Q4, NATIVE_Q8, Linear, dequantized_linear
 
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
@@ -54,6 +56,32 @@ def test_the_stored_parts_are_the_files_weights_exactly(q4_model):
             assert stored[f"{name}.q"].dtype == torch.uint8 and q.max() <= 15
             got = q * scale + low
         assert torch.equal(got.float(), torch.from_numpy(weight)), name  # q/k un-permuted too
+
+
+def test_a_file_too_big_for_one_file_converts_in_shards(tmp_path, monkeypatch):
+    """Past SHARD_BYTES a conversion writes shards as it goes (an 8B file's 23 GB would not
+    fit a 24 GiB machine's memory at once), with HF's index for the weights and its own for
+    the stored parts: the same tensors, the same records, the same tokens."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", hidden=HIDDEN, proj_qtype=Q4_1)
+    whole = convert_gguf_to_hf(tmp_path / "tiny.gguf", tmp_path / "whole")
+    monkeypatch.setattr(gguf_convert, "SHARD_BYTES", 4096)
+    sharded = convert_gguf_to_hf(tmp_path / "tiny.gguf", tmp_path / "sharded")
+    assert not (sharded / "model.safetensors").exists()
+    assert len(safetensors_files(sharded)) > 1 and len(blocks_files(sharded)) > 1
+    assert blocks_files(whole) == [whole / BLOCKS_FILE]
+    for read in (safetensors_files, blocks_files):
+        got = {k: v for f in read(sharded) for k, v in load_file(f).items()}
+        want = {k: v for f in read(whole) for k, v in load_file(f).items()}
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = []
+    for out in (whole, sharded):
+        with LLM(str(out), enforce_eager=True) as llm:
+            assert llm.engine.plan.quantization == "gguf"
+            [first] = llm.generate([[5, 9, 40, 41]], params, use_tqdm=False)
+            tokens.append(first.outputs[0].token_ids)
+    assert tokens[0] == tokens[1]
 
 
 def test_a_file_with_other_types_keeps_none(tmp_path):

@@ -36,8 +36,14 @@ MARKER_FILE = "pypto_conversion.json"
 BLOCKS_FILE = "gguf/blocks.safetensors"
 """The file's Q4_1 / Q8_0 matrices as stored (values, scales, minimums), by HF tensor name: in
 a folder of its own, out of the checkpoint's `*.safetensors`."""
+BLOCKS_INDEX = "gguf/blocks.safetensors.index.json"
+"""Where the stored parts outgrow one file (SHARD_BYTES): their shards' weight map, HF's way."""
 CONVERSION_VERSION = 2
 """In the marker: a conversion older than this (no BLOCKS_FILE) is made again."""
+SHARD_BYTES = 2 << 30
+"""The most a conversion holds in memory before writing it out: tensors go into one file
+where they fit, else into shards of about this size with HF's index (`_Shards`), so that an
+8B file (15 GB of bf16 and 8 GB of stored parts) converts on a 24 GiB machine."""
 
 _SUPPORTED_ARCHITECTURES = ("llama",)
 _GLOBAL_NAMES = {
@@ -65,9 +71,65 @@ _LOAD_ARGS = ("is_local", "local_files_only")  # saved into tokenizer_config.jso
 
 def is_converted_dir(path: Path) -> bool:
     """True when `path` holds a complete conversion written by `convert_gguf_to_hf`."""
-    return all(
-        (path / name).is_file() for name in (MARKER_FILE, "config.json", "model.safetensors")
+    weights = ("model.safetensors", "model.safetensors.index.json")
+    return all((path / name).is_file() for name in (MARKER_FILE, "config.json")) and any(
+        (path / name).is_file() for name in weights
     )
+
+
+def blocks_files(model_dir: Path) -> list[Path]:
+    """The files of a conversion's stored parts: BLOCKS_FILE, or the shards BLOCKS_INDEX names
+    ([] where none were kept)."""
+    model_dir = Path(model_dir)
+    if (model_dir / BLOCKS_FILE).is_file():
+        return [model_dir / BLOCKS_FILE]
+    index = model_dir / BLOCKS_INDEX
+    if not index.is_file():
+        return []
+    names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return [index.parent / name for name in names]
+
+
+class _Shards:
+    """Tensors written as they come: into `stem`.safetensors where `total` bytes fit one file,
+    else into `stem`-00001.safetensors, ... of about SHARD_BYTES each and `stem`.safetensors.
+    index.json, HF's weight map of a sharded checkpoint. Holds one file's tensors at most."""
+
+    def __init__(self, folder: Path, stem: str, total: int) -> None:
+        self.folder, self.stem, self.single = folder, stem, total <= SHARD_BYTES
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size, self.files, self.total = 0, 0, 0
+        self.weight_map: dict[str, str] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.pending[name] = tensor
+        self.size += tensor.numel() * tensor.element_size()
+        if not self.single and self.size >= SHARD_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        self.files += 1
+        name = f"{self.stem}-{self.files:05d}.safetensors"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        save_file(self.pending, str(self.folder / name), metadata={"format": "pt"})
+        self.weight_map |= dict.fromkeys(self.pending, name)
+        self.total += self.size
+        self.pending, self.size = {}, 0
+
+    def close(self) -> None:
+        if self.single:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            path = self.folder / f"{self.stem}.safetensors"
+            save_file(self.pending, str(path), metadata={"format": "pt"})
+            self.pending = {}
+            return
+        self._flush()
+        index = {"metadata": {"total_size": self.total}, "weight_map": self.weight_map}
+        (self.folder / f"{self.stem}.safetensors.index.json").write_text(
+            json.dumps(index, indent=2) + "\n"
+        )
 
 
 def is_current_conversion(path: Path) -> bool:
@@ -103,12 +165,9 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype | None
     try:
         n_head = _int_field(reader, f"{arch}.attention.head_count")
         n_kv = _int_field(reader, f"{arch}.attention.head_count_kv", default=n_head)
-        tensors, blocks = _convert_tensors(reader, gguf_path.name, n_head, n_kv, dtype)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / BLOCKS_FILE).parent.mkdir()
-        save_file(blocks, str(tmp / BLOCKS_FILE), metadata={"format": "pt"})
+        names = _convert_tensors(reader, gguf_path.name, n_head, n_kv, dtype, tmp)
         with _offline():
-            _save_config(gguf_path, tmp, dtype, tensors)
+            _save_config(gguf_path, tmp, dtype, names)
             _save_tokenizer(gguf_path, tmp, reader, arch)
         marker = {
             "source": str(gguf_path.resolve()),
@@ -173,11 +232,21 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _convert_tensors(
-    reader: gguf.GGUFReader, label: str, n_head: int, n_kv: int, dtype: torch.dtype
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The dequantized tensors by HF name, and the Q4_1 / Q8_0 matrices' stored parts."""
-    out: dict[str, torch.Tensor] = {}
-    blocks: dict[str, torch.Tensor] = {}
+    reader: gguf.GGUFReader, label: str, n_head: int, n_kv: int, dtype: torch.dtype, out: Path
+) -> set[str]:
+    """Write the dequantized tensors by HF name into `out` (model.safetensors, or shards), and
+    the Q4_1 / Q8_0 matrices' stored parts into its BLOCKS_FILE (or shards) where they serve
+    the whole model (`_served_whole`), a file's worth at a time; returns the HF names."""
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    numel = [int(np.prod([int(d) for d in t.shape])) for t in reader.tensors]
+    stored = [
+        n * (1 + 4 / 32) if t.tensor_type in _STORED_TYPES else 0
+        for t, n in zip(reader.tensors, numel, strict=True)
+    ]
+    weights = _Shards(out, "model", sum(numel) * itemsize)
+    blocks = _Shards((out / BLOCKS_FILE).parent, Path(BLOCKS_FILE).stem, int(sum(stored)))
+    names: set[str] = set()
+    keys: set[str] = set()
     for t in tqdm(reader.tensors, desc=f"converting {label}", unit="tensor"):
         name = _hf_name(t.name)
         try:
@@ -192,16 +261,25 @@ def _convert_tensors(
         if heads is not None:
             w = _unpermute(w, heads)
             parts = None if parts is None else {k: _unpermute(v, heads) for k, v in parts.items()}
-        out[name] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype).contiguous()
+        weights.add(name, torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype).contiguous())
+        names.add(name)
         for part, values in (parts or {}).items():
-            blocks[f"{name}.{part}"] = torch.from_numpy(np.ascontiguousarray(values))
-    return out, (blocks if _served_whole(out, blocks) else {})
+            blocks.add(f"{name}.{part}", torch.from_numpy(np.ascontiguousarray(values)))
+            keys.add(f"{name}.{part}")
+    weights.close()
+    blocks.close()
+    if not _served_whole(names, keys):
+        shutil.rmtree((out / BLOCKS_FILE).parent)
+    return names
 
+
+_STORED_TYPES = (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0)
+"""The tensor types whose parts a conversion keeps as stored."""
 
 _FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _served_whole(tensors: dict[str, torch.Tensor], blocks: dict[str, torch.Tensor]) -> bool:
+def _served_whole(tensors: set[str], blocks: set[str]) -> bool:
     """Whether every matrix the model multiplies by (each layer's projections, the head: the
     embedding where it is tied) has stored parts, the projections fused into one matmul all of
     one type: else none is kept (the model then runs in its dtype)."""
@@ -226,7 +304,7 @@ def _stored_parts(t: gguf.ReaderTensor) -> dict[str, np.ndarray] | None:
     """A Q4_1 or Q8_0 matrix's values [rows, cols] (uint8 0..15, or int8), scales and (Q4_1)
     minimums [rows, cols / 32] (fp16), as the file stores them; None for other types."""
     kind = t.tensor_type
-    if kind not in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0):
+    if kind not in _STORED_TYPES:
         return None
     rows = int(t.shape[1])
     size = Q4_1_BYTES if kind == gguf.GGMLQuantizationType.Q4_1 else Q8_0_BYTES
@@ -250,7 +328,7 @@ def _rewrite_json(path: Path, edit: Callable[[dict], object]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
-def _save_config(gguf_path: Path, out: Path, dtype: torch.dtype, tensors: dict) -> None:
+def _save_config(gguf_path: Path, out: Path, dtype: torch.dtype, tensors: set[str]) -> None:
     from transformers import AutoConfig, GenerationConfig
 
     cfg = AutoConfig.from_pretrained(

@@ -15,6 +15,8 @@ are never loaded in bf16. `auto`, the default, takes this wherever the native st
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pypto_serving.errors import ModelLoadError
-from pypto_serving.models.gguf_convert import BLOCKS_FILE
+from pypto_serving.models.gguf_convert import BLOCKS_FILE, blocks_files
 from pypto_serving.ops.linear import (
     INT4_GROUP,
     NATIVE_Q4,
@@ -35,17 +37,23 @@ from pypto_serving.ops.linear import (
 )
 
 
+def stored_keys(model_dir: Path) -> dict[str, Path]:
+    """The stored parts' names (`<HF name>.q`, `.scale`, `.min`) and the file holding each
+    (`gguf_convert.blocks_files`); {} where none were kept or they cannot be read."""
+    found: dict[str, Path] = {}
+    try:
+        for path in blocks_files(Path(model_dir)):
+            with safe_open(str(path), "pt") as f:
+                found |= dict.fromkeys(f.keys(), path)
+    except (OSError, ValueError, KeyError):
+        return {}
+    return found
+
+
 def has_blocks(model_dir: Path) -> bool:
     """Whether `model_dir` is a GGUF conversion whose every multiplied matrix was kept as
     stored (Q4_1 or Q8_0)."""
-    path = Path(model_dir) / BLOCKS_FILE
-    if not path.is_file():
-        return False
-    try:
-        with safe_open(str(path), "pt") as f:
-            return any(True for _ in f.keys())  # noqa: SIM118 (a safe_open has no __iter__)
-    except (OSError, ValueError):
-        return False
+    return bool(stored_keys(model_dir))
 
 
 def record_sources(
@@ -55,8 +63,7 @@ def record_sources(
     (`fused`: the loader's map of HF projections onto fused Linears; a tied head takes the
     embedding's), each one stored in one form. Needs only the model's structure (a model on
     the meta device will do)."""
-    with safe_open(str(Path(model_dir) / BLOCKS_FILE), "pt") as f:
-        keys = set(f.keys())
+    keys = stored_keys(model_dir)
     parts_of: dict[str, list[tuple[int, str]]] = {}
     for hf, (target, index) in fused.items():
         parts_of.setdefault(target, []).append((index, hf))
@@ -85,32 +92,44 @@ def stored_records(
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Each Linear's records by module name, in `Linear.quantized_tensors` form ({"native.F":
     records}), from the stored matrices of its checkpoint tensors (`record_sources`). Made
-    CHUNK_ROWS rows at a time into the layer's records, the file mapped only meanwhile, so
+    CHUNK_ROWS rows at a time into the layer's records, the files mapped only meanwhile, so
     that loading holds little more than the records themselves."""
-    path = str(Path(model_dir) / BLOCKS_FILE)
+    keys = stored_keys(model_dir)
     out: dict[str, dict[str, torch.Tensor]] = {}
     for name, parts in sources.items():
         layer = model.get_submodule(name)
         assert isinstance(layer, Linear)
         n, k = layer.out_features, layer.in_features
-        with safe_open(path, "pt") as f:
-            shapes = [f.get_slice(f"{s}.q").get_shape() for s in parts]
+        with contextlib.ExitStack() as stack:
+            files = {
+                path: stack.enter_context(safe_open(str(path), "pt"))
+                for path in {
+                    keys[f"{s}.{kind}"]
+                    for s in parts
+                    for kind in ("q", "scale", "min")
+                    if f"{s}.{kind}" in keys
+                }
+            }
+
+            def part(key: str, files: dict[Path, Any] = files) -> Any:
+                return files[keys[key]].get_slice(key)
+
+            shapes = [part(f"{s}.q").get_shape() for s in parts]
             if sum(r for r, _ in shapes) != n or {c for _, c in shapes} != {k}:
                 raise ModelLoadError(
                     f"{BLOCKS_FILE} in {model_dir}: {name} is {[tuple(t) for t in shapes]}, the "
                     f"model's {(n, k)}"
                 )
-            q4 = f"{parts[0]}.min" in f.keys()  # noqa: SIM118 (a safe_open has no __contains__)
+            q4 = f"{parts[0]}.min" in keys
             fmt = NATIVE_Q4 if q4 else NATIVE_Q8
-            records = torch.empty(
-                -(-n // 16) * (k // INT4_GROUP) * RECORD_BYTES[fmt], dtype=torch.uint8
-            )
+            size = -(-n // 16) * (k // INT4_GROUP) * RECORD_BYTES[fmt]
+            records = torch.empty(size, dtype=torch.uint8)
             at = 0
             for first in range(0, n, CHUNK_ROWS):
                 rows = range(first, min(first + CHUNK_ROWS, n))
-                q, scale = (_rows(f, parts, shapes, rows, part) for part in ("q", "scale"))
+                q, scale = (_rows(part, parts, shapes, rows, kind) for kind in ("q", "scale"))
                 if q4:
-                    chunk = q4_records(q, scale, _rows(f, parts, shapes, rows, "min"))
+                    chunk = q4_records(q, scale, _rows(part, parts, shapes, rows, "min"))
                 else:
                     chunk = q8_records(q, scale)
                 records[at : at + chunk.numel()] = chunk
@@ -125,13 +144,14 @@ the previous chunk's)."""
 
 
 def _rows(
-    f: Any, parts: list[str], shapes: list[list[int]], rows: range, part: str
+    part: Callable[[str], Any], parts: list[str], shapes: list[list[int]], rows: range, kind: str
 ) -> torch.Tensor:
-    """Rows `rows` of the matrices `parts` stacked, from their stored `part` (q, scale, min)."""
+    """Rows `rows` of the matrices `parts` stacked, from their stored `kind` (q, scale, min);
+    part(key): the stored tensor's slice."""
     pieces, start = [], 0
     for source, (count, _) in zip(parts, shapes, strict=True):
         lo, hi = max(rows.start - start, 0), min(rows.stop - start, count)
         if lo < hi:
-            pieces.append(f.get_slice(f"{source}.{part}")[lo:hi])
+            pieces.append(part(f"{source}.{kind}")[lo:hi])
         start += count
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
