@@ -1,5 +1,6 @@
-// The fused decode step for the CPU: the whole forward of a step of a few decodes (one new
-// token per sequence, up to MAX_ROWS sequences) in one call, the way llama.cpp runs a token:
+// The fused decode step for the CPU: the whole forward of a step of decodes (one new token
+// per sequence, up to MAX_ROWS sequences; the executor sends a few, or every step's where a
+// model's records are its only weights) in one call, the way llama.cpp runs a token:
 // the embedding, every decoder layer (RMSNorm, q/k/v, q/k norm, RoPE, the KV write, paged
 // attention, the output projection, RMSNorm, SwiGLU) and the final norm and LM head.
 //
@@ -8,7 +9,8 @@
 // Everything else is float32: the residual stream, norms, RoPE and the attention's queries;
 // keys and values go into the bfloat16 or int8 KV cache through attention.cpp. The work is
 // shared by one OpenMP team for the whole step: matmuls split their 16-row blocks, attention
-// its (sequence, KV head) pairs, and the small per-row work runs on one thread.
+// its (sequence, KV head) pairs, and the norms, SwiGLU and the activations' quantization
+// their rows.
 //
 // Under tensor parallelism (ranks on one machine) each rank runs its share: its vocabulary
 // rows of the embedding, its heads, its MLP columns and its LM head rows; the partial sums

@@ -171,6 +171,7 @@ def dequantized_linear(
     stored: no float32 copy of a wide step's output)."""
     lib = native_kernels.gemm_library()
     assert lib is not None, "records serve every matmul only where the native GEMM is built"
+    assert dtype in (torch.float32, torch.bfloat16), dtype  # what the kernel writes
     rows, cols = x.shape
     width = -(-out_features // 16) * 16
     xs = x.to(torch.bfloat16 if pairs else torch.float32).contiguous()
@@ -186,7 +187,7 @@ def dequantized_linear(
         pairs,
         torch.get_num_threads(),
     )
-    assert not failed and dtype in (torch.float32, torch.bfloat16), (rows, out_features, cols)
+    assert not failed, (rows, out_features, cols, pairs)
     return out if width == out_features else out[:, :out_features].contiguous()
 
 
