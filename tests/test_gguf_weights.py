@@ -131,7 +131,7 @@ def test_the_graphs_multiply_by_the_files_weights_in_bf16(q4_model):
     gives them back), with bf16 pair dot products where the build has them and float32
     panels everywhere; and a row's result is the same bits alone or among others."""
     out, ref = q4_model
-    forms = [False] + ([True] if native.gemm_library().pypto_pair_gemm_built() else [])
+    forms = [False] + ([True] if native.gemm_library().pypto_records_pairs_built() else [])
     with LLM(str(out), enforce_eager=True) as llm:
         assert llm.engine.plan.records_wide == ("pairs" if True in forms else "panels")
         head = llm.engine.model.lm_head

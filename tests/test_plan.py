@@ -58,7 +58,7 @@ def test_the_plan_takes_the_switches_where_the_machine_allows(monkeypatch):
         quantization="int4",
         records_only=True,
         # the graphs' matmuls dequantize them into bf16: AVX512-BF16 pairs or float32 panels
-        records_wide="pairs" if native.gemm_library().pypto_pair_gemm_built() else "panels",
+        records_wide="pairs" if native.gemm_library().pypto_records_pairs_built() else "panels",
     )
     plan = plan_run(EngineConfig(device="cpu", dtype="bfloat16", quantization="int8"))
     assert plan.pack_linear == ("onednn" if cpu_packs_bf16() else "panels")

@@ -170,7 +170,7 @@ def plan_run(config: EngineConfig, model_dir: Path | None = None) -> RunPlan:
     wide = "records"
     if records_only and not config.batch_invariant:
         gemm = native.gemm_library()
-        wide = "pairs" if gemm is not None and gemm.pypto_pair_gemm_built() else "panels"
+        wide = "pairs" if gemm is not None and gemm.pypto_records_pairs_built() else "panels"
     return RunPlan(
         device=device,
         dtype=dtype,

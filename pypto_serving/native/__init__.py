@@ -252,8 +252,8 @@ def load_gemm(path: Path) -> ctypes.CDLL | None:
     lib.pypto_packed_product.argtypes = [ptr, ptr, c_int, ptr, c_int]
     lib.pypto_records_gemm.restype = c_int
     lib.pypto_records_gemm.argtypes = [ptr, ptr, c_int, ptr, c_int, c_int, c_int]
-    lib.pypto_pair_gemm_built.restype = c_int
-    lib.pypto_pair_gemm_built.argtypes = []
+    lib.pypto_records_pairs_built.restype = c_int
+    lib.pypto_records_pairs_built.argtypes = []
     return lib
 
 

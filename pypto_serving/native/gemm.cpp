@@ -252,7 +252,7 @@ void pair_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t panel_
 }  // namespace
 
 // Whether this build multiplies records by bf16 pairs (AVX512-BF16) in `pypto_records_gemm`.
-extern "C" int pypto_pair_gemm_built() {
+extern "C" int pypto_records_pairs_built() {
 #if defined(__AVX512BF16__)
     return 1;
 #else

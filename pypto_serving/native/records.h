@@ -149,12 +149,6 @@ void quantize_row(const float* x, int m, int format, Activations& out) {
     }
 }
 
-// x [rows][cols] as a matmul over weights of `format` reads it (on one thread).
-void quantize(const float* x, int rows, int cols, int format, Activations& out) {
-    out.resize(rows, cols);
-    for (int m = 0; m < rows; ++m) quantize_row(x, m, format, out);
-}
-
 // acc[m][r] = x[m] . weight[n0 + r] for the n rows from n0 of a bf16 weight, row by row
 // (bf16 dot products over 32 inputs at a time where the CPU has them).
 template <int M>
