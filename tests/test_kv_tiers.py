@@ -17,6 +17,7 @@ from checkpoints import fake_kv_store, hash_chain
 from pypto_serving.kv.disk_tier import MAGIC, SUFFIX, DiskTier
 from pypto_serving.kv.groups import KVGroups
 from pypto_serving.kv.host_tier import HostTier
+from pypto_serving.kv.pool import RECENT, REMEASURE_AFTER, Costs
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 
@@ -428,6 +429,33 @@ def test_loading_slower_than_recompute_is_skipped() -> None:
     assert_kv(store, again)  # recomputed; its pages are the canonical copies now
     assert set(hash_chain(A, PS)) <= set(store.pool.device.cached_hashes())
     assert store.pool.cpu is not None and not set(hash_chain(A, PS)) & set(store.pool.cpu.hashes())
+
+
+def test_one_stalled_load_moves_no_decision() -> None:
+    """A load the machine's other work stalled (a descheduled thread) is one measurement of
+    the last RECENT: the estimate is their median, and loads keep paying."""
+    costs = Costs(recompute_s_per_token=1e-4, load_s_per_page={"cpu": 4e-6})
+    costs.observe_load("cpu", 2, 2e-5)
+    costs.observe_load("cpu", 2, 2.0)  # a second per page
+    assert costs.load_s_per_page["cpu"] == pytest.approx((1e-5 + 1.0) / 2)
+    for _ in range(RECENT // 2):
+        costs.observe_load("cpu", 2, 2e-5)
+    assert costs.load_s_per_page["cpu"] == pytest.approx(1e-5)
+    assert costs.loads_pay(["cpu"], 16)
+
+
+def test_loads_skipped_for_a_slow_spell_are_measured_again() -> None:
+    """The load estimate moves only when loads run: after REMEASURE_AFTER refusals in a row
+    one runs anyway, and a load that pays again starts the count over."""
+    costs = Costs(recompute_s_per_token=1e-4, load_s_per_page={"cpu": 1.0})
+    answers = [costs.loads_pay(["cpu"], 16) for _ in range(2 * REMEASURE_AFTER)]
+    assert [i for i, yes in enumerate(answers) if yes] == [
+        REMEASURE_AFTER - 1,
+        2 * REMEASURE_AFTER - 1,
+    ]
+    costs.loads_pay(["cpu"], 16)
+    costs.load_s_per_page["cpu"] = 1e-6
+    assert costs.loads_pay(["cpu"], 16) and costs.skipped == 0
 
 
 def test_describe_reports_every_tier_budget(tmp_path: Path) -> None:

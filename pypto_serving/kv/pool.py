@@ -45,8 +45,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -66,8 +67,12 @@ from pypto_serving.kv.tier import PageKV, PageTier, TierStats, background_priori
 log = logging.getLogger(__name__)
 
 PRESSURE_LOG_INTERVAL_S = 10.0
-EMA = 0.2
-"""Weight of the newest measurement in the running cost estimates."""
+RECENT = 9
+"""Measurements each running cost estimate is the median of: one step or load stalled by the
+machine's other work (a descheduled thread: tens of ms) moves no decision."""
+REMEASURE_AFTER = 64
+"""Lower-tier loads skipped as too slow in a row, after which one runs anyway: the load
+estimate moves only when loads happen, so without it a slow spell would stop them for good."""
 FORMAT_VERSION = "2"
 """Bumped when the KV layout of a page changes (old SSD pages then become foreign)."""
 
@@ -90,18 +95,38 @@ class Hit:
 @dataclass(slots=True)
 class Costs:
     """Running estimates to decide with: recompute time per token (measured by the executor
-    on prefill-heavy steps) and load time per page from each lower tier."""
+    on prefill-heavy steps) and load time per page from each lower tier, each the median of
+    its last `RECENT` measurements (the first guesses until measured)."""
 
     recompute_s_per_token: float = 1e-3
     load_s_per_page: dict[str, float] = field(default_factory=dict)
+    skipped: int = 0
+    """Loads skipped in a row (`loads_pay`)."""
+    _recent: dict[str, deque[float]] = field(default_factory=dict)
+
+    def _median(self, key: str, rate: float) -> float:
+        recent = self._recent.setdefault(key, deque(maxlen=RECENT))
+        recent.append(rate)
+        return statistics.median(recent)
 
     def observe_compute(self, num_tokens: int, seconds: float) -> None:
-        rate = seconds / max(num_tokens, 1)
-        self.recompute_s_per_token += EMA * (rate - self.recompute_s_per_token)
+        self.recompute_s_per_token = self._median("compute", seconds / max(num_tokens, 1))
 
     def observe_load(self, tier: str, num_pages: int, seconds: float) -> None:
-        rate, old = seconds / max(num_pages, 1), self.load_s_per_page[tier]
-        self.load_s_per_page[tier] = old + EMA * (rate - old)
+        self.load_s_per_page[tier] = self._median(tier, seconds / max(num_pages, 1))
+
+    def loads_pay(self, tiers: list[str], tokens_per_page: int) -> bool:
+        """Whether loading one page from each of `tiers` costs less than recomputing their
+        tokens; every `REMEASURE_AFTER`-th refusal in a row says yes, to measure again."""
+        load_s = sum(self.load_s_per_page[name] for name in tiers)
+        if load_s <= len(tiers) * tokens_per_page * self.recompute_s_per_token:
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        if self.skipped < REMEASURE_AFTER:
+            return False
+        self.skipped = 0
+        return True
 
 
 @dataclass(slots=True)
@@ -379,8 +404,7 @@ class KVPool:
         """Whether reading the lower-tier hits back costs less than recomputing their tokens
         (`tokens_per_page` each) at the measured rates."""
         lower = [h.tier.name for h in hits if h.tier is not None]
-        load_s = sum(self.costs.load_s_per_page[name] for name in lower)
-        return load_s <= len(lower) * tokens_per_page * self.costs.recompute_s_per_token
+        return not lower or self.costs.loads_pay(lower, tokens_per_page)
 
     def read(self, hits: list[Hit]) -> Read:
         """Read the lower-tier hits back, in order, up to the first unreadable one (e.g. a
