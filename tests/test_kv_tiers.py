@@ -435,12 +435,15 @@ def test_one_stalled_load_moves_no_decision() -> None:
     """A load the machine's other work stalled (a descheduled thread) is one measurement of
     the last RECENT: the estimate is their median, and loads keep paying."""
     costs = Costs(recompute_s_per_token=1e-4, load_s_per_page={"cpu": 4e-6})
-    costs.observe_load("cpu", 2, 2e-5)
     costs.observe_load("cpu", 2, 2.0)  # a second per page
-    assert costs.load_s_per_page["cpu"] == pytest.approx((1e-5 + 1.0) / 2)
-    for _ in range(RECENT // 2):
-        costs.observe_load("cpu", 2, 2e-5)
-    assert costs.load_s_per_page["cpu"] == pytest.approx(1e-5)
+    assert costs.load_s_per_page["cpu"] == 4e-6  # the first guess and it: the lower
+    assert costs.loads_pay(["cpu"], 16)
+    costs.observe_load("cpu", 2, 2e-5)
+    assert costs.load_s_per_page["cpu"] == 1e-5
+    for _ in range(RECENT):
+        costs.observe_load("cpu", 2, 4e-5)
+    costs.observe_load("cpu", 2, 2.0)
+    assert costs.load_s_per_page["cpu"] == 2e-5
     assert costs.loads_pay(["cpu"], 16)
 
 

@@ -95,8 +95,9 @@ class Hit:
 @dataclass(slots=True)
 class Costs:
     """Running estimates to decide with: recompute time per token (measured by the executor
-    on prefill-heavy steps) and load time per page from each lower tier, each the median of
-    its last `RECENT` measurements (the first guesses until measured)."""
+    on prefill-heavy steps) and load time per page from each lower tier, each the (lower)
+    median of its last `RECENT` measurements, the first guess counted as one until pushed
+    out."""
 
     recompute_s_per_token: float = 1e-3
     load_s_per_page: dict[str, float] = field(default_factory=dict)
@@ -104,16 +105,18 @@ class Costs:
     """Loads skipped in a row (`loads_pay`)."""
     _recent: dict[str, deque[float]] = field(default_factory=dict)
 
-    def _median(self, key: str, rate: float) -> float:
-        recent = self._recent.setdefault(key, deque(maxlen=RECENT))
+    def _median(self, key: str, first_guess: float, rate: float) -> float:
+        recent = self._recent.setdefault(key, deque([first_guess], maxlen=RECENT))
         recent.append(rate)
-        return statistics.median(recent)
+        return statistics.median_low(recent)
 
     def observe_compute(self, num_tokens: int, seconds: float) -> None:
-        self.recompute_s_per_token = self._median("compute", seconds / max(num_tokens, 1))
+        rate = seconds / max(num_tokens, 1)
+        self.recompute_s_per_token = self._median("compute", self.recompute_s_per_token, rate)
 
     def observe_load(self, tier: str, num_pages: int, seconds: float) -> None:
-        self.load_s_per_page[tier] = self._median(tier, seconds / max(num_pages, 1))
+        rate = seconds / max(num_pages, 1)
+        self.load_s_per_page[tier] = self._median(tier, self.load_s_per_page[tier], rate)
 
     def loads_pay(self, tiers: list[str], tokens_per_page: int) -> bool:
         """Whether loading one page from each of `tiers` costs less than recomputing their
