@@ -22,7 +22,7 @@ from pypto_serving import LLM, SamplingParams, native
 from pypto_serving.config import EngineConfig
 from pypto_serving.engine.plan import plan_run
 from pypto_serving.errors import PyptoError
-from pypto_serving.models import gguf_convert
+from pypto_serving.models import gguf_convert, loader
 from pypto_serving.models.gguf_convert import BLOCKS_FILE, blocks_files, convert_gguf_to_hf
 from pypto_serving.models.gguf_weights import has_blocks
 from pypto_serving.models.loader import safetensors_files
@@ -118,11 +118,38 @@ def test_the_engine_takes_the_files_records_without_requantizing(q4_model):
                 want = torch.cat([torch.from_numpy(ref[f"{prefix}.{p}.weight"]) for p in parts])
             got = dequantize(records, fmt, layer.out_features, layer.in_features)
             assert torch.equal(got.float(), want), name
-        embedding = torch.from_numpy(ref["model.embed_tokens.weight"])  # the lookup's, loaded
-        assert torch.equal(model.model.embed_tokens.weight, embedding.bfloat16())
+        embed = model.model.embed_tokens  # tied: looked up in the head's records, not loaded
+        assert embed.weight is None and embed.q8 is model.lm_head.native[0]
+        embedding = torch.from_numpy(ref["model.embed_tokens.weight"])
+        rows = torch.arange(embedding.shape[0]).flip(0)
+        assert torch.equal(embed(rows), embedding.bfloat16()[rows])  # the bf16 rows exactly
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         [first] = llm.generate([[5, 9, 40, 41]], params, use_tqdm=False)
         assert len(first.outputs[0].token_ids) == 8
+
+
+def test_the_embedding_from_the_heads_records_gives_the_same_bits(q4_model, monkeypatch):
+    """Greedy tokens and logprobs, prefill on the graphs and decodes on the native step, are
+    the same bits with the tied embedding looked up in the head's Q8 records as with the bf16
+    embedding loaded beside them (as before)."""
+    out, _ = q4_model
+    prompts = [[5, 9, 40, 41], [7, 1, 2, 3, 100, 120, 3, 60, 61, 62]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+    def run() -> tuple[bool, list]:
+        with LLM(str(out), enforce_eager=True) as llm:
+            assert llm.engine.attention.native_decode
+            got = llm.generate(prompts, params, use_tqdm=False)
+            in_head = llm.engine.model.model.embed_tokens.weight is None
+        return in_head, [
+            (o.outputs[0].token_ids, [s.logprob for s in o.outputs[0].logprobs or []]) for o in got
+        ]
+
+    in_head, found = run()
+    monkeypatch.setattr(loader, "embedding_in_head", lambda *_: False)
+    loaded, want = run()
+    assert in_head and not loaded
+    assert found == want
 
 
 def test_the_graphs_multiply_by_the_files_weights_in_bf16(q4_model):

@@ -192,7 +192,7 @@ class NativeDecoder:
             cfg.rope_scaling,
             slots * row,
             self._inv_freq.data_ptr(),
-            decoder.embed_tokens.weight.data_ptr(),
+            _ptr(decoder.embed_tokens.weight),  # None: the LM head's Q8 records (tied)
             decoder.norm.weight.data_ptr(),
             matrix(model.lm_head),
             self._layers,

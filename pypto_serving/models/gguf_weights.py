@@ -87,6 +87,15 @@ def record_sources(
     return out
 
 
+def embedding_in_head(model_dir: Path, sources: dict[str, list[str]]) -> bool:
+    """Whether the LM head's records are made from the embedding's stored Q8_0 matrix (a tied
+    model, `record_sources`): the lookup can then read its rows there (`q8_rows`), exactly
+    the values of the bf16 embedding, which need not be loaded at all."""
+    return sources.get("lm_head") == [
+        "model.embed_tokens.weight"
+    ] and "model.embed_tokens.weight.min" not in stored_keys(model_dir)
+
+
 def stored_records(
     model: nn.Module, model_dir: Path, sources: dict[str, list[str]]
 ) -> dict[str, dict[str, torch.Tensor]]:

@@ -28,12 +28,12 @@ from pypto_serving.models.config import DEEPSEEK, DEEPSEEK_V4, ModelConfig, load
 from pypto_serving.models.deepseek import DeepseekForCausalLM, DeepseekMoE
 from pypto_serving.models.deepseek_v4 import DeepseekV4ForCausalLM, V4MoE
 from pypto_serving.models.gemma3 import Gemma3ForCausalLM
-from pypto_serving.models.gguf_weights import record_sources, stored_records
+from pypto_serving.models.gguf_weights import embedding_in_head, record_sources, stored_records
 from pypto_serving.models.gpt_oss import GptOssForCausalLM, GptOssMoE
 from pypto_serving.models.llama import CausalLM, MoE
 from pypto_serving.models.quantized_cache import quantize_cached
 from pypto_serving.models.windowed import WindowedCausalLM
-from pypto_serving.ops.linear import pack_linears
+from pypto_serving.ops.linear import NATIVE_Q8, pack_linears
 
 # HF projection name -> (our fused parameter, index of the slice it fills)
 FUSED = {
@@ -440,11 +440,17 @@ def load_model(
     with torch.device("meta"):
         model = model_class(cfg)(cfg, groups)
     sources = None
+    embed = model.model.embed_tokens
+    in_head = False  # the tied embedding read from the LM head's records
     if quantization == "gguf":  # the file's own matrices: nothing to quantize or cache
         sources = record_sources(model, model_dir, FUSED)
         if records_only:  # they are the layers' only form: never load those in bf16
             for name in sources:
                 model.get_submodule(name).register_parameter("weight", None)
+            in_head = embed is not None and embedding_in_head(model_dir, sources)
+            if in_head:
+                assert embed is not None
+                embed.register_parameter("weight", None)
     model = model.to(dtype).to_empty(device=device)
     embed, head = model.model.embed_tokens, model.lm_head
     if (
@@ -457,7 +463,8 @@ def load_model(
     weights = iter_checkpoint(files)
     if sources is not None and records_only:
         skipped = {s for parts in sources.values() for s in parts}
-        skipped.discard("model.embed_tokens.weight")  # the lookup's, though the head's records
+        if not in_head:
+            skipped.discard("model.embed_tokens.weight")  # the lookup's, beside the head's
         weights = (w for w in weights if w[0] not in skipped)
     if cfg.gpt_oss is not None and cfg.gpt_oss.mxfp4:
         weights = mxfp4.dequantized(weights)
@@ -477,6 +484,11 @@ def load_model(
             records_only=records_only,
             wide=records_wide,
         )
+        if in_head:
+            assert embed is not None and head is not None and head.native is not None
+            records, fmt = head.native
+            assert fmt == NATIVE_Q8, "the embedding's stored matrix is Q8_0"
+            embed.q8 = records
     elif quantization is not None:
         digest, tokenizer = checkpoint_digest(model_dir), lambda: load_tokenizer(model_dir)
         quantize_cached(

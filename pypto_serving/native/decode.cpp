@@ -46,7 +46,7 @@ struct Model {
     float eps, rope_scaling;
     int64_t head_stride;           // cache elements from one KV head to the next
     const float* inv_freq;         // [head_dim / 2]
-    const uint16_t* embed;         // bfloat16 [vocab, hidden]
+    const uint16_t* embed;         // bfloat16 [vocab, hidden]; null: lm_head's Q8 rows
     const uint16_t* final_norm;    // bfloat16 [hidden]
     Matrix lm_head;
     const Layer* layers;
@@ -219,8 +219,14 @@ extern "C" int pypto_decode_step(const Model* model, const Step* step) {
         const int64_t token = s.tokens[m] - md.vocab_start;  // zeros unless this rank's row
         const bool here = token >= 0 && token < md.embed_rows;
         float* x = md.world > 1 ? &w.part[m * hidden] : &w.x[m * hidden];
-        const uint16_t* e = md.embed + (here ? token : 0) * hidden;
-        for (int i = 0; i < hidden; ++i) x[i] = here ? bf16(e[i]) : 0.0f;
+        if (!here) {
+            std::fill(x, x + hidden, 0.0f);
+        } else if (md.embed == nullptr) {  // a tied embedding: the LM head's Q8 records
+            q8_row(md.lm_head, token, x);
+        } else {
+            const uint16_t* e = md.embed + token * hidden;
+            for (int i = 0; i < hidden; ++i) x[i] = bf16(e[i]);
+        }
         for (int i = 0; i < half; ++i) {
             const float angle = float(s.positions[m]) * md.inv_freq[i];
             w.cos[m * half + i] = std::cos(angle) * md.rope_scaling;

@@ -121,6 +121,24 @@ inline uint16_t to_bf16(float f) {  // rounding to nearest even
     return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+// Row `row` of a Q8 matrix's weights into out [cols]: each (u - 128) * scale in float32 (one
+// product, as a GGUF's Q8_0 dequantizes) rounded to bf16, the HF conversion's very values (a
+// tied model's embedding, looked up in its LM head's records).
+inline void q8_row(const Matrix& m, int64_t row, float* out) {
+    const int64_t groups = m.cols / 32, lane = row % 16;
+    const uint8_t* rec = m.data + (row / 16) * groups * 544;
+    for (int64_t g = 0; g < groups; ++g, rec += 544) {
+        uint16_t h;
+        std::memcpy(&h, rec + 512 + 2 * lane, sizeof h);
+        const float scale = fp16(h);
+        for (int c = 0; c < 8; ++c)
+            for (int j = 0; j < 4; ++j) {
+                const float q = float(int(rec[c * 64 + lane * 4 + j]) - 128);
+                out[g * 32 + c * 4 + j] = bf16(to_bf16(q * scale));
+            }
+    }
+}
+
 // Row m of x [rows][cols] into `out` (sized for it) as a matmul over weights of `format`
 // reads it: a row's values depend on that row alone.
 void quantize_row(const float* x, int m, int format, Activations& out) {

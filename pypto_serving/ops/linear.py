@@ -409,6 +409,20 @@ def q8_records(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.cat([u.reshape(u.shape[0], groups, 512), _fp16_bytes(scale)], -1).flatten()
 
 
+def q8_rows(records: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows `rows` [T] of the [N, k] matrix whose Q8 records (`q8_records`' layout) are
+    `records`, as bf16 [T, k]: each weight (u - 128) * scale, one float32 product (as a GGUF's
+    Q8_0 dequantizes) rounded to bf16, the HF conversion's very values. A tied model's
+    embedding is looked up so in its LM head's records (`VocabParallelEmbedding.q8`)."""
+    groups = k // INT4_GROUP
+    record = records.view(-1, groups, RECORD_BYTES[NATIVE_Q8])
+    block, lane = rows // 16, rows % 16
+    values = record[..., :512].unflatten(-1, (8, 16, 4))[block, :, :, lane]  # [T, G, 8, 4]
+    scales = record[..., 512:].view(torch.float16)[block, :, lane]  # [T, G]
+    weights = (values.int() - 128).float() * scales.float()[..., None, None]
+    return weights.reshape(len(rows), k).to(torch.bfloat16)
+
+
 def pack_q4(weight: torch.Tensor) -> torch.Tensor:
     """The weight [N, K] (K a multiple of 32) as the native step's Q4 records: per block of 16
     rows and group of 32 inputs, 4 x 64 bytes of 4-bit values (lane r, byte j: inputs 8c + j
@@ -613,19 +627,31 @@ class VocabParallelEmbedding(nn.Module):
     (padded to a multiple of its size): a rank looks up the ids in its range, zeros for the
     others, and an all-reduce completes every row. The parameter keeps nn.Embedding's name."""
 
+    q8: torch.Tensor | None = None
+    """Where the weight is None: the Q8 records (`q8_records`) of the tied LM head, which hold
+    the same matrix (a GGUF's Q8_0 token embedding, served from its records alone): rows are
+    looked up there (`q8_rows`)."""
+
     def __init__(self, vocab_size: int, hidden_size: int, tp: Group) -> None:
         super().__init__()
         self.tp_size = tp.size
         self.shard = -(-vocab_size // tp.size)
         self.start = tp.rank * self.shard
+        self.hidden_size = hidden_size
         self.weight = nn.Parameter(torch.empty(self.shard, hidden_size))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's rows `ids` (each within its shard)."""
+        if self.q8 is None:
+            return F.embedding(ids, self.weight)
+        return q8_rows(self.q8, ids, self.hidden_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return self.rows(ids)
         local = ids - self.start
         inside = (local >= 0) & (local < self.shard)
-        rows = F.embedding(local.clamp(0, self.shard - 1), self.weight)
+        rows = self.rows(local.clamp(0, self.shard - 1))
         return tp_all_reduce(rows * inside[:, None])
 
 
