@@ -4,12 +4,12 @@
 Each shape is written once, cached under ~/.cache/pypto-serving/shapes/<shape>/, as
 - `hf/`: a Hugging Face directory (config.json, bfloat16 safetensors in shards, the default
   model's tokenizer), for us and vLLM;
-- `model-<TYPE>.gguf` (TYPE: F32, F16, Q8_0 or Q4_1; llama shapes): the same weights as a GGUF
-  file written by the `gguf` package (q/k rows permuted as llama.cpp's converter does, the
-  tokenizer copied from the default model's GGUF), for llama.cpp and for us: the very same
-  file. Q4_1 files keep the embedding in Q8_0 and the norms in F32, as llama.cpp's own Q4_1
-  conversion of SmolLM2 does. The `gguf` package quantizes Q4_0/Q4_1/Q5_x/Q8_0 itself; K-quants
-  (Q4_K) it cannot write.
+- `model-<TYPE>.gguf` (TYPE: F32, F16, Q8_0 or Q4_1): the same weights as a GGUF file written
+  by the `gguf` package (a llama's q/k rows permuted as llama.cpp's converter does, a MoE's
+  experts stacked, the tokenizer copied from the default model's GGUF), for llama.cpp and for
+  us: the very same file. Q4_1 files keep the embedding in Q8_0, the norms and a MoE's router
+  in F32, as llama.cpp's own Q4_1 conversions do. The `gguf` package quantizes
+  Q4_0/Q4_1/Q5_x/Q8_0 itself; K-quants (Q4_K) it cannot write.
 
 Every shape uses SmolLM2's vocabulary (49,152 tokens) so that one tokenizer serves all engines
 and llama.cpp reads the file (it wants the token list and the embedding to agree): the
@@ -31,6 +31,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 CACHE = Path.home() / ".cache" / "pypto-serving" / "shapes"
 VOCAB = 49152
@@ -44,7 +45,7 @@ class Shape:
     """A decoder's published dimensions (the vocabulary aside: VOCAB)."""
 
     arch: str
-    """llama or qwen3 (transformers' model_type)."""
+    """llama, qwen3 or qwen3_moe (transformers' model_type)."""
     hidden: int
     layers: int
     heads: int
@@ -58,6 +59,10 @@ class Shape:
     std: float = 0.02
     """Of the random weights (the tiny test shape's are larger, so that its outputs depend
     sharply on every weight)."""
+    experts: int = 0
+    """A MoE's experts per layer (qwen3_moe; 0: a dense MLP of `ffn`)."""
+    experts_used: int = 0
+    expert_ffn: int = 0
 
     @property
     def dim(self) -> int:
@@ -66,6 +71,8 @@ class Shape:
     def parameters(self) -> int:
         attn = self.hidden * self.dim * (2 * self.heads + 2 * self.kv_heads)
         mlp = 3 * self.hidden * self.ffn
+        if self.experts:
+            mlp = self.experts * (3 * self.hidden * self.expert_ffn + self.hidden)
         head = 0 if self.tie else VOCAB * self.hidden
         return self.layers * (attn + mlp) + VOCAB * self.hidden + head
 
@@ -77,8 +84,39 @@ SHAPES = {
     "llama-8b": Shape("llama", 4096, 32, 32, 8, 14336, tie=False, rope_theta=500000.0),
     # Qwen3-4B's layers (q/k norms; head_dim 128)
     "qwen3-4b": Shape("qwen3", 2560, 36, 32, 8, 9728, head_dim=128, rope_theta=1000000.0),
-    # a tiny llama, for tests of this script
+    # Qwen3-30B-A3B's layers (128 experts of FFN 768, 8 used a token), 8 of its 48: 5.1 B
+    # parameters, 0.44 B of them used a token
+    "qwen3-moe-small": Shape(
+        "qwen3_moe",
+        2048,
+        8,
+        32,
+        4,
+        6144,
+        head_dim=128,
+        tie=False,
+        rope_theta=1000000.0,
+        experts=128,
+        experts_used=8,
+        expert_ffn=768,
+    ),
+    # tiny ones, for tests of this script
     "llama-tiny": Shape("llama", 64, 2, 4, 2, 128, tie=False, std=0.3),
+    "qwen3-tiny": Shape("qwen3", 64, 2, 4, 2, 128, head_dim=32, std=0.3),
+    "qwen3-moe-tiny": Shape(
+        "qwen3_moe",
+        64,
+        2,
+        4,
+        2,
+        128,
+        head_dim=32,
+        tie=False,
+        std=0.3,
+        experts=4,
+        experts_used=2,
+        expert_ffn=32,
+    ),
 }
 
 
@@ -93,10 +131,17 @@ def tensor_names(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield p + "self_attn.k_proj.weight", (shape.kv_heads * d, h)
         yield p + "self_attn.v_proj.weight", (shape.kv_heads * d, h)
         yield p + "self_attn.o_proj.weight", (h, shape.heads * d)
-        if shape.arch == "qwen3":
+        if shape.arch != "llama":
             yield p + "self_attn.q_norm.weight", (d,)
             yield p + "self_attn.k_norm.weight", (d,)
         yield p + "post_attention_layernorm.weight", (h,)
+        if shape.experts:
+            yield p + "mlp.gate.weight", (shape.experts, h)
+            for e in range(shape.experts):
+                yield p + f"mlp.experts.{e}.gate_proj.weight", (shape.expert_ffn, h)
+                yield p + f"mlp.experts.{e}.up_proj.weight", (shape.expert_ffn, h)
+                yield p + f"mlp.experts.{e}.down_proj.weight", (h, shape.expert_ffn)
+            continue
         yield p + "mlp.gate_proj.weight", (shape.ffn, h)
         yield p + "mlp.up_proj.weight", (shape.ffn, h)
         yield p + "mlp.down_proj.weight", (h, shape.ffn)
@@ -117,7 +162,7 @@ def weight(name: str, dims: tuple[int, ...], std: float):  # -> torch.Tensor (bf
 
 
 def hf_config(shape: Shape) -> dict[str, object]:
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     common = {
         "vocab_size": VOCAB,
@@ -135,9 +180,18 @@ def hf_config(shape: Shape) -> dict[str, object]:
         "eos_token_id": 2,
         "torch_dtype": "bfloat16",
     }
-    config = (Qwen3Config if shape.arch == "qwen3" else LlamaConfig)(**common)
-    out = config.to_dict()
-    out["architectures"] = ["Qwen3ForCausalLM" if shape.arch == "qwen3" else "LlamaForCausalLM"]
+    if shape.experts:
+        common |= {
+            "num_experts": shape.experts,
+            "num_experts_per_tok": shape.experts_used,
+            "moe_intermediate_size": shape.expert_ffn,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+    kind = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[shape.arch]
+    out = kind(**common).to_dict()
+    out["architectures"] = [ARCHITECTURES[shape.arch][1]]
     return out
 
 
@@ -191,7 +245,16 @@ def write_hf(shape: Shape, out: Path) -> Path:
     return out
 
 
+ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("qwen3moe", "Qwen3MoeForCausalLM"),
+}
+"""Each shape's arch: its GGUF architecture and its HF class."""
 GGUF_NAMES = {
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -201,6 +264,11 @@ GGUF_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+}
+EXPERT_NAMES = {
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
 }
 
 
@@ -224,21 +292,42 @@ def permute(w, n_head: int):  # np.ndarray -> np.ndarray
     )
 
 
+def gguf_tensors(shape: Shape) -> Iterator[tuple[str, str, Any]]:
+    """Every GGUF tensor of the shape: (GGUF name, the HF name it stands for, float32 values
+    as the file holds them, an np.ndarray): a llama's q/k rows permuted, a MoE layer's
+    experts stacked [experts, rows, cols] per projection."""
+    import numpy as np
+
+    stacks: dict[str, list[Any]] = {}
+    for name, dims in tensor_names(shape):
+        w = weight(name, dims, shape.std).float().numpy()
+        if ".mlp.experts." in name:  # model.layers.L.mlp.experts.E.P.weight
+            _, _, layer, _, _, expert, proj, _ = name.split(".")
+            stacks.setdefault(proj, []).append(w)
+            if int(expert) == shape.experts - 1 and proj == "down_proj":  # the layer's last
+                for part, matrices in stacks.items():
+                    yield f"blk.{layer}.{EXPERT_NAMES[part]}.weight", name, np.stack(matrices)
+                stacks = {}
+            continue
+        if shape.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = permute(w, shape.heads if "q_proj" in name else shape.kv_heads)
+        yield gguf_name(name), name, w
+
+
 def write_gguf(shape: Shape, kind: str, out: Path) -> Path:
-    """The shape (llama only) as a GGUF file of `kind` at `out` (written beside, renamed)."""
+    """The shape as a GGUF file of `kind` at `out` (written beside, renamed)."""
     import gguf
     import numpy as np
 
     from pypto_serving.models.default_model import find_default_gguf
 
-    if shape.arch != "llama":
-        raise SystemExit(f"GGUF files are written for llama shapes only, not {shape.arch}")
     if out.exists():
         return out
     qtype = gguf.GGMLQuantizationType[kind]
+    arch = ARCHITECTURES[shape.arch][0]
     out.parent.mkdir(parents=True, exist_ok=True)  # a GGUF may be written without the HF folder
     tmp = out.with_name(out.name + ".partial")
-    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer = gguf.GGUFWriter(str(tmp), arch)
     writer.add_block_count(shape.layers)
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.hidden)
@@ -247,6 +336,13 @@ def write_gguf(shape: Shape, kind: str, out: Path) -> Path:
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_rope_dimension_count(shape.dim)
+    if arch != "llama":
+        writer.add_key_length(shape.dim)
+        writer.add_value_length(shape.dim)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_ffn)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(VOCAB)
     file_types = {"F32": 0, "F16": 1, "Q4_1": 3, "Q8_0": 7}
@@ -260,21 +356,17 @@ def write_gguf(shape: Shape, kind: str, out: Path) -> Path:
                 writer.add_array(key, value)
             else:
                 writer.add_key_value(key, value, kinds[0])
-    for name, dims in tensor_names(shape):
-        w = weight(name, dims, shape.std).float().numpy()
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = shape.heads if "q_proj" in name else shape.kv_heads
-            w = permute(w, heads)
-        if w.ndim == 1 or kind == "F32":
+    for name, hf, w in gguf_tensors(shape):
+        if w.ndim == 1 or kind == "F32" or hf.endswith("mlp.gate.weight"):  # as llama.cpp's
             tensor_type, data = gguf.GGMLQuantizationType.F32, w.astype(np.float32)
         elif kind == "F16":
             tensor_type, data = gguf.GGMLQuantizationType.F16, w.astype(np.float16)
         else:
             tensor_type = qtype
-            if kind == "Q4_1" and name == "model.embed_tokens.weight":
+            if kind == "Q4_1" and hf == "model.embed_tokens.weight":
                 tensor_type = gguf.GGMLQuantizationType.Q8_0
             data = gguf.quants.quantize(w, tensor_type)
-        writer.add_tensor(gguf_name(name), data, raw_dtype=tensor_type)
+        writer.add_tensor(name, data, raw_dtype=tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)

@@ -279,10 +279,9 @@ def model_files(args: argparse.Namespace) -> tuple[Path, Path | None]:
 
     if args.shape:
         sys.path.insert(0, str(Path(__file__).parent))
-        from real_shapes import SHAPES, checkpoint
+        from real_shapes import checkpoint
 
-        llama = SHAPES[args.shape].arch == "llama"
-        return checkpoint(args.shape, args.gguf_type if llama else None)
+        return checkpoint(args.shape, args.gguf_type)
     if args.model is not None:
         if args.model.suffix == ".gguf":
             return resolve_model_path(str(args.model)), args.model
@@ -541,7 +540,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--shape",
         help="a random-weight checkpoint at a published shape (bench/real_shapes.py: "
-        "llama-1b, llama-8b, qwen3-4b)",
+        "llama-1b, llama-8b, qwen3-4b, qwen3-moe-small)",
     )
     p.add_argument("--gguf-type", default="Q4_1", help="the --shape's GGUF file type")
     p.add_argument("--model", type=Path, help="a model directory or GGUF file to measure")

@@ -25,11 +25,16 @@ def write_tiny_gguf(
     untied: bool = False,
     hidden: int = HIDDEN,
     proj_qtype: gguf.GGMLQuantizationType | None = None,
+    head_dim: int | None = None,
+    experts: tuple[int, int, int] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Write a 2-layer llama GGUF; return the float32 HF-layout weights it should convert to.
-    ffn_qtype: ffn_up's type, its data zeros; proj_qtype: every projection's, quantized."""
+    """Write a 2-layer GGUF of `arch` (llama; qwen3: q/k norms, q/k rows not permuted;
+    qwen3moe: with experts); return the float32 HF-layout weights it should convert to.
+    ffn_qtype: ffn_up's type, its data zeros; proj_qtype: every projection's, quantized;
+    head_dim: where not hidden / heads (qwen3's); experts: (count, used, FFN of each)."""
     rng = np.random.default_rng(0)
     tokens = SPECIALS + list(bytes_to_unicode().values()) + ["Ġt"]
+    dim = head_dim or hidden // HEADS
     ref: dict[str, np.ndarray] = {}
     w = gguf.GGUFWriter(path, arch=arch)
     w.add_name("tiny")
@@ -40,7 +45,7 @@ def write_tiny_gguf(
         (w.add_feed_forward_length, FFN),
         (w.add_head_count, HEADS),
         (w.add_head_count_kv, KV_HEADS),
-        (w.add_rope_dimension_count, hidden // HEADS),
+        (w.add_rope_dimension_count, dim),
         (w.add_vocab_size, len(tokens)),
         (w.add_bos_token_id, 1),
         (w.add_eos_token_id, 2),
@@ -48,6 +53,13 @@ def write_tiny_gguf(
         (w.add_unk_token_id, 0),
     ]:
         add(value)
+    if arch != "llama":
+        w.add_key_length(dim)
+        w.add_value_length(dim)
+    if experts is not None:
+        w.add_expert_count(experts[0])
+        w.add_expert_used_count(experts[1])
+        w.add_expert_feed_forward_length(experts[2])
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_tokenizer_model("gpt2")
@@ -62,34 +74,48 @@ def write_tiny_gguf(
     q8 = gguf.quants.quantize(embed, gguf.GGMLQuantizationType.Q8_0)
     w.add_tensor("token_embd.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     ref["model.embed_tokens.weight"] = gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)
-    shapes = {
-        "attn_q": ("self_attn.q_proj", (hidden, hidden)),
-        "attn_k": ("self_attn.k_proj", (hidden // HEADS * KV_HEADS, hidden)),
-        "attn_v": ("self_attn.v_proj", (hidden // HEADS * KV_HEADS, hidden)),
-        "attn_output": ("self_attn.o_proj", (hidden, hidden)),
-        "ffn_gate": ("mlp.gate_proj", (FFN, hidden)),
-        "ffn_up": ("mlp.up_proj", (FFN, hidden)),
-        "ffn_down": ("mlp.down_proj", (hidden, FFN)),
+    shapes: dict[str, tuple[str, tuple[int, ...]]] = {
+        "attn_q": ("self_attn.q_proj", (HEADS * dim, hidden)),
+        "attn_k": ("self_attn.k_proj", (KV_HEADS * dim, hidden)),
+        "attn_v": ("self_attn.v_proj", (KV_HEADS * dim, hidden)),
+        "attn_output": ("self_attn.o_proj", (hidden, HEADS * dim)),
         "attn_norm": ("input_layernorm", (hidden,)),
         "ffn_norm": ("post_attention_layernorm", (hidden,)),
     }
+    if arch != "llama":
+        shapes["attn_q_norm"] = ("self_attn.q_norm", (dim,))
+        shapes["attn_k_norm"] = ("self_attn.k_norm", (dim,))
+    if experts is None:
+        shapes["ffn_gate"] = ("mlp.gate_proj", (FFN, hidden))
+        shapes["ffn_up"] = ("mlp.up_proj", (FFN, hidden))
+        shapes["ffn_down"] = ("mlp.down_proj", (hidden, FFN))
+    else:
+        count, _, each = experts
+        shapes["ffn_gate_inp"] = ("mlp.gate", (count, hidden))
+        shapes["ffn_gate_exps"] = ("gate_proj", (count, each, hidden))
+        shapes["ffn_up_exps"] = ("up_proj", (count, each, hidden))
+        shapes["ffn_down_exps"] = ("down_proj", (count, hidden, each))
     for layer in range(LAYERS):
         for gguf_name, (hf_name, shape) in shapes.items():
             x = rng.standard_normal(shape, dtype=np.float32)
-            ref[f"model.layers.{layer}.{hf_name}.weight"] = x
-            heads = {"attn_q": HEADS, "attn_k": KV_HEADS}.get(gguf_name)
+            heads = (
+                {"attn_q": HEADS, "attn_k": KV_HEADS}.get(gguf_name) if arch == "llama" else None
+            )
             stored = x if heads is None else _permute(x, heads)
-            if proj_qtype is not None and len(shape) == 2:
+            if proj_qtype is not None and len(shape) >= 2 and gguf_name != "ffn_gate_inp":
                 data = gguf.quants.quantize(stored, proj_qtype)
-                ref[f"model.layers.{layer}.{hf_name}.weight"] = gguf.quants.dequantize(
-                    gguf.quants.quantize(x, proj_qtype), proj_qtype
-                )
+                x = gguf.quants.dequantize(gguf.quants.quantize(x, proj_qtype), proj_qtype)
                 w.add_tensor(f"blk.{layer}.{gguf_name}.weight", data, raw_dtype=proj_qtype)
             elif gguf_name == "ffn_up" and ffn_qtype is not None:
                 raw = np.zeros(gguf.quants.quant_shape_to_byte_shape(shape, ffn_qtype), np.uint8)
                 w.add_tensor(f"blk.{layer}.{gguf_name}.weight", raw, raw_dtype=ffn_qtype)
             else:
                 w.add_tensor(f"blk.{layer}.{gguf_name}.weight", np.ascontiguousarray(stored))
+            if len(shape) == 3:  # an expert's matrix each
+                for e in range(shape[0]):
+                    ref[f"model.layers.{layer}.mlp.experts.{e}.{hf_name}.weight"] = x[e]
+            else:
+                ref[f"model.layers.{layer}.{hf_name}.weight"] = x
     ref["model.norm.weight"] = rng.standard_normal((hidden,), dtype=np.float32)
     w.add_tensor("output_norm.weight", ref["model.norm.weight"])
     if untied:

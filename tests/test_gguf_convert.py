@@ -15,9 +15,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from checkpoints import hf_greedy, hf_model, token_ids
 from gguf_files import HEADS, KV_HEADS, TEMPLATE, write_tiny_gguf
 from safetensors.torch import load_file
 
+from pypto_serving import LLM, SamplingParams
 from pypto_serving.errors import ModelLoadError
 from pypto_serving.models import default_model
 from pypto_serving.models.default_model import (
@@ -150,6 +152,55 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
     other.write_bytes(b"x")
     with pytest.raises(ModelLoadError, match=r"expected a model directory or a \.gguf file"):
         resolve_model_path(str(other), cache=tmp_path)
+
+
+QWEN3 = {
+    "qwen3": {"head_dim": 16},  # wider heads than hidden / heads (8), as Qwen3-4B's
+    "qwen3moe": {"head_dim": 16, "experts": (4, 2, 16)},
+}
+PROMPTS = [[5, 9, 40, 41], [7, 1, 2, 3, 100, 120, 33, 34]]
+
+
+@pytest.mark.parametrize("arch", sorted(QWEN3))
+def test_a_qwen3_gguf_converts_and_serves_hf_s_greedy_tokens(tmp_path: Path, arch: str) -> None:
+    """qwen3 (q/k norms, rows not permuted) and qwen3moe (each expert's matrices apart): the
+    file's weights exactly, the config transformers' GGUF reading leaves out (head_dim, the
+    experts' FFN, their weights normalized as llama.cpp does), and our engine's greedy tokens
+    are HF transformers' on the converted directory."""
+    path = tmp_path / f"{arch}.gguf"
+    ref = write_tiny_gguf(path, arch=arch, **QWEN3[arch])
+    out = convert_gguf_to_hf(path, tmp_path / "out", dtype=torch.float32)
+    weights = load_file(out / "model.safetensors")
+    assert set(weights) == set(ref)
+    for name, expected in ref.items():
+        assert torch.equal(weights[name], torch.from_numpy(expected)), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["head_dim"] == 16
+    if arch == "qwen3moe":
+        assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+        assert (config["num_local_experts"], config["num_experts_per_tok"]) == (4, 2)
+        assert config["moe_intermediate_size"] == 16 and config["norm_topk_prob"] is True
+    else:
+        assert config["architectures"] == ["Qwen3ForCausalLM"]
+    hf = hf_model(out)
+    want = [hf_greedy(hf, p, 8) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(out), dtype="float32", enforce_eager=True) as llm:
+        assert token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == want
+
+
+def test_a_qwen3_q4_1_gguf_is_served_from_its_own_matrices(tmp_path: Path) -> None:
+    """A qwen3 GGUF whose projections are Q4_1 keeps them as stored (the q/k norms beside),
+    and the engine serves them as the native step's records, as a llama's."""
+    path = tmp_path / "qwen3.gguf"
+    write_tiny_gguf(path, arch="qwen3", proj_qtype=gguf.GGMLQuantizationType.Q4_1, hidden=64)
+    out = convert_gguf_to_hf(path, tmp_path / "out")
+    assert (out / "gguf" / "blocks.safetensors").is_file()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(out), enforce_eager=True) as llm:
+        assert llm.engine.plan.quantization == "gguf" and llm.engine.plan.records_only
+        [got] = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    assert len(got.outputs[0].token_ids) == 8
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:

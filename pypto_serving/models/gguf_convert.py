@@ -1,13 +1,15 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face model directory.
+"""Convert a llama, qwen3 or qwen3moe GGUF file into a Hugging Face model directory.
 
-The output is what `transformers` writes for a `LlamaForCausalLM`: `config.json`,
+The output is what `transformers` writes for a `LlamaForCausalLM` (`Qwen3ForCausalLM`,
+`Qwen3MoeForCausalLM`, each expert's matrices apart as their checkpoints hold them): `config.json`,
 `generation_config.json`, `model.safetensors` (dequantized, bfloat16 by default) and the tokenizer
 files; and beside them `gguf/blocks.safetensors`, the file's Q4_1 and Q8_0 matrices as they are
 stored (per HF tensor name: its values `.q`, one fp16 `.scale` per row and 32 inputs, and for
 Q4_1 a `.min`: weight = q * scale + min), kept when every matrix the model multiplies by is one
 of the two, which `--quantization gguf` serves without quantizing them again
-(models/gguf_weights.py). llama.cpp stores the q/k projections with their rows permuted (it
-pairs rotary dimensions differently); that permutation is undone here, in both. The directory
+(models/gguf_weights.py). llama.cpp stores a llama's q/k projections with their rows permuted
+(it pairs rotary dimensions differently); that permutation is undone here, in both (qwen3's
+are stored as they are: llama.cpp rotates them as HF does). The directory
 is built next to its destination and moved into place in one rename, so an interrupted
 conversion never leaves a half-written one.
 """
@@ -45,7 +47,14 @@ SHARD_BYTES = 2 << 30
 where they fit, else into shards of about this size with HF's index (`_Shards`), so that an
 8B file (15 GB of bf16 and 8 GB of stored parts) converts on a 24 GiB machine."""
 
-_SUPPORTED_ARCHITECTURES = ("llama",)
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
+"""GGUF architectures converted, and the HF class each becomes."""
+_PERMUTED = ("llama",)
+"""Architectures whose q/k rows llama.cpp's converter permutes."""
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -61,7 +70,17 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
 }
+_EXPERT_NAMES = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
+"""A MoE layer's experts' matrices, stacked [experts, rows, cols] in a GGUF, each expert's
+apart in HF's checkpoints (`model.layers.L.mlp.experts.E.<name>.weight`)."""
 _TENSOR_NAME = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<name>\w+)\.(?P<kind>weight|bias)")
 # llama.cpp pre-tokenizers that split every digit off before the GPT-2 regex; transformers' GGUF
 # tokenizer does not know them and would fall back to the plain GPT-2 split.
@@ -153,11 +172,11 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype | None
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     dtype = dtype or torch.bfloat16
     reader = _open_gguf(gguf_path)
-    arch = _field(reader, "general.architecture")
-    if arch not in _SUPPORTED_ARCHITECTURES:
+    arch = str(_field(reader, "general.architecture"))
+    if arch not in _ARCHITECTURES:
         raise ModelLoadError(
-            f"unsupported GGUF architecture {arch!r} in {gguf_path}: only "
-            f"{', '.join(_SUPPORTED_ARCHITECTURES)} is supported"
+            f"unsupported GGUF architecture {arch!r} in {gguf_path}: "
+            f"{', '.join(_ARCHITECTURES)} are supported"
         )
     _check_replaceable(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -165,9 +184,10 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype | None
     try:
         n_head = _int_field(reader, f"{arch}.attention.head_count")
         n_kv = _int_field(reader, f"{arch}.attention.head_count_kv", default=n_head)
-        names = _convert_tensors(reader, gguf_path.name, n_head, n_kv, dtype, tmp)
+        heads = (n_head, n_kv) if arch in _PERMUTED else None
+        names = _convert_tensors(reader, gguf_path.name, heads, dtype, tmp)
         with _offline():
-            _save_config(gguf_path, tmp, dtype, names)
+            _save_config(gguf_path, tmp, dtype, names, reader, arch)
             _save_tokenizer(gguf_path, tmp, reader, arch)
         marker = {
             "source": str(gguf_path.resolve()),
@@ -213,13 +233,17 @@ def _check_replaceable(out_dir: Path) -> None:
         raise ModelLoadError(f"refusing to overwrite {out_dir}: not a previous GGUF conversion")
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_names(gguf_name: str, experts: int) -> list[str]:
+    """The HF names of a GGUF tensor: one, or an expert's each for a stack of `experts`."""
     m = _TENSOR_NAME.fullmatch(gguf_name)
     if m and m["layer"] is None and m["name"] in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[m['name']]}.{m['kind']}"
+        return [f"{_GLOBAL_NAMES[m['name']]}.{m['kind']}"]
     if m and m["layer"] is not None and m["name"] in _LAYER_NAMES:
-        return f"model.layers.{m['layer']}.{_LAYER_NAMES[m['name']]}.{m['kind']}"
-    raise ModelLoadError(f"unsupported tensor {gguf_name!r} in llama GGUF")
+        return [f"model.layers.{m['layer']}.{_LAYER_NAMES[m['name']]}.{m['kind']}"]
+    if m and m["layer"] is not None and m["name"] in _EXPERT_NAMES:
+        prefix, leaf = f"model.layers.{m['layer']}.mlp.experts", _EXPERT_NAMES[m["name"]]
+        return [f"{prefix}.{e}.{leaf}.{m['kind']}" for e in range(experts)]
+    raise ModelLoadError(f"unsupported tensor {gguf_name!r} in the GGUF")
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -232,11 +256,18 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _convert_tensors(
-    reader: gguf.GGUFReader, label: str, n_head: int, n_kv: int, dtype: torch.dtype, out: Path
+    reader: gguf.GGUFReader,
+    label: str,
+    heads: tuple[int, int] | None,
+    dtype: torch.dtype,
+    out: Path,
 ) -> set[str]:
     """Write the dequantized tensors by HF name into `out` (model.safetensors, or shards), and
     the Q4_1 / Q8_0 matrices' stored parts into its BLOCKS_FILE (or shards) where they serve
-    the whole model (`_served_whole`), a file's worth at a time; returns the HF names."""
+    the whole model (`_served_whole`), a file's worth at a time; returns the HF names. heads:
+    (query, KV) heads whose q/k rows llama.cpp permuted (None: not permuted). A stack of
+    experts becomes each expert's matrix (their parts are not kept: such a model runs in its
+    dtype)."""
     itemsize = torch.tensor([], dtype=dtype).element_size()
     numel = [int(np.prod([int(d) for d in t.shape])) for t in reader.tensors]
     stored = [
@@ -248,7 +279,6 @@ def _convert_tensors(
     names: set[str] = set()
     keys: set[str] = set()
     for t in tqdm(reader.tensors, desc=f"converting {label}", unit="tensor"):
-        name = _hf_name(t.name)
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
@@ -256,16 +286,21 @@ def _convert_tensors(
                 f"unsupported GGUF tensor type {t.tensor_type.name} for tensor {t.name!r}"
             ) from e
         w = np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        hf = _hf_names(t.name, w.shape[0] if w.ndim == 3 else 1)
         parts = _stored_parts(t) if w.ndim == 2 else None
-        heads = n_head if ".attn_q." in t.name else n_kv if ".attn_k." in t.name else None
-        if heads is not None:
-            w = _unpermute(w, heads)
-            parts = None if parts is None else {k: _unpermute(v, heads) for k, v in parts.items()}
-        weights.add(name, torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype).contiguous())
-        names.add(name)
+        n = None  # the heads of a permuted q or k
+        if heads is not None and (".attn_q." in t.name or ".attn_k." in t.name):
+            n = heads[0] if ".attn_q." in t.name else heads[1]
+        if n is not None:
+            w = _unpermute(w, n)
+            parts = None if parts is None else {k: _unpermute(v, n) for k, v in parts.items()}
+        for name, matrix in zip(hf, w if w.ndim == 3 else [w], strict=True):
+            tensor = torch.from_numpy(np.array(matrix, dtype=np.float32)).to(dtype).contiguous()
+            weights.add(name, tensor)
+            names.add(name)
         for part, values in (parts or {}).items():
-            blocks.add(f"{name}.{part}", torch.from_numpy(np.ascontiguousarray(values)))
-            keys.add(f"{name}.{part}")
+            blocks.add(f"{hf[0]}.{part}", torch.from_numpy(np.ascontiguousarray(values)))
+            keys.add(f"{hf[0]}.{part}")
     weights.close()
     blocks.close()
     if not _served_whole(names, keys):
@@ -328,15 +363,28 @@ def _rewrite_json(path: Path, edit: Callable[[dict], object]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
-def _save_config(gguf_path: Path, out: Path, dtype: torch.dtype, tensors: set[str]) -> None:
+def _save_config(
+    gguf_path: Path,
+    out: Path,
+    dtype: torch.dtype,
+    tensors: set[str],
+    reader: gguf.GGUFReader,
+    arch: str,
+) -> None:
     from transformers import AutoConfig, GenerationConfig
 
     cfg = AutoConfig.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
     )
-    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.architectures = [_ARCHITECTURES[arch]]
     cfg.tie_word_embeddings = "lm_head.weight" not in tensors
     cfg.attention_bias = "model.layers.0.self_attn.q_proj.bias" in tensors
+    if arch != "llama":  # qwen3's heads may be wider than hidden / heads
+        cfg.head_dim = _int_field(reader, f"{arch}.attention.key_length", cfg.head_dim)
+    if arch == "qwen3moe":  # what transformers' GGUF reading leaves out; llama.cpp's rules
+        cfg.moe_intermediate_size = _int_field(reader, f"{arch}.expert_feed_forward_length")
+        cfg.norm_topk_prob = True  # llama.cpp normalizes the chosen experts' weights
+        cfg.decoder_sparse_step, cfg.mlp_only_layers = 1, []
     cfg.dtype = dtype
     cfg.save_pretrained(out)
 
