@@ -24,6 +24,7 @@ model directory or a GGUF file instead of the default model.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -391,7 +392,7 @@ def peer_python(name: str) -> tuple[Path | None, str]:
 
 def run_peer(name: str, args: argparse.Namespace, spec_path: Path, tmp: Path) -> dict[str, Any]:
     if name == "llamacpp" and json.loads(spec_path.read_text())["gguf"] is None:
-        why = "no GGUF file of this model (the qwen3 shapes are written for HF loaders only)"
+        why = "no GGUF file of this model"
         print(f"note: skipping {name}: {why}", file=sys.stderr)
         return {"skipped": why}
     python, why = peer_python(name)
@@ -454,6 +455,55 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def roofline_lines(report: dict[str, Any], files: tuple[Path, Path | None]) -> list[str]:
+    """Markdown: each engine's figures as fractions of this machine's limits (bench/roofline.py):
+    the single stream's weight and KV reads against the read bandwidth, W1's and each TTFT's
+    FLOPs against the GEMM limit of what the engine computes in (bf16; float32 for HF's
+    float32; int8 for llama.cpp's quantized dot products where torch measures an int8 GEMM)."""
+    import roofline
+
+    machine = roofline.Limits(**report["machine"]["limits"])
+    w = report["workload"]
+    hf_dir, gguf_file = files
+    context = w["single_input_len"] + w["single_len"] // 2
+    lens = tuple(w.get("ttft_lens") or ())
+    head = "| engine | weights a token | single stream, of bandwidth | W1, of GEMM |"
+    head += "".join(f" TTFT {n}, of GEMM |" for n in lens)
+    lines = [head, "|---" * (4 + len(lens)) + "|"]
+    for name, result in report["results"].items():
+        if "w1" not in result:
+            continue
+        model = gguf_file if name in ("ours", "llamacpp") and gguf_file else hf_dir
+        need = roofline.demand(model)
+        peak = machine.bf16_gflop_s
+        if "float32" in str(result.get("dtype")):
+            peak = machine.fp32_gflop_s
+        elif name == "llamacpp" and machine.int8_gop_s:
+            peak = machine.int8_gop_s
+        single = result["single"]["decode_tok_per_s"]
+        w1 = result["w1"]
+        tokens = w1["prompt_tokens"] + w1["output_tokens"]
+        cells = [
+            f"{need.weight_bytes / 1e6:,.0f} MB",
+            f"{roofline.decode_fraction(single, need, machine, context):.0%}",
+            f"{tokens * need.flops / w1['elapsed_s'] / 1e9 / peak:.0%}",
+        ]
+        for n in lens:
+            ms = result.get("ttft_at_ms", {}).get(str(n))
+            share = None if ms is None else roofline.prefill_fraction(n, ms / 1000, need, peak)
+            cells.append("—" if share is None else f"{share:.0%}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return [
+        f"Of this machine's limits ({machine.isa}; {machine.threads} threads): read bandwidth "
+        f"{machine.read_gb_s:.1f} GB/s, GEMM bf16 {machine.bf16_gflop_s:.0f} GFLOP/s, float32 "
+        f"{machine.fp32_gflop_s:.0f}"
+        + (f", int8 {machine.int8_gop_s:.0f} GOP/s" if machine.int8_gop_s else "")
+        + " (bench/roofline.py):",
+        "",
+        *lines,
+    ]
+
+
 def machine() -> dict[str, Any]:
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
@@ -477,9 +527,12 @@ def markdown(report: dict[str, Any]) -> str:
     commands = [c for r in report["results"].values() for c in r.get("commands", [])]
     missing = {k: v for k, v in report["results"].items() if "w1" not in v}
     lens = tuple(w.get("ttft_lens") or ())
-    return markdown_report(
-        "Side by side", report, about, tables(report["results"], lens), commands, missing
-    )
+    table_lines = tables(report["results"], lens)
+    if report["machine"].get("limits") and report.get("files"):
+        files = report["files"]
+        hf_dir, gguf_file = Path(files[0]), files[1] and Path(files[1])
+        table_lines += ["", *roofline_lines(report, (hf_dir, gguf_file))]
+    return markdown_report("Side by side", report, about, table_lines, commands, missing)
 
 
 def markdown_report(
@@ -572,6 +625,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from pypto_serving.errors import PyptoError
 
+    sys.path.insert(0, str(Path(__file__).parent))
+    import roofline
+
+    limits = roofline.limits()  # measured before any engine runs (cached per machine)
     with tempfile.TemporaryDirectory(prefix="side_by_side_") as tmp_name:
         tmp = Path(tmp_name)
         spec_path = tmp / "spec.json"
@@ -587,7 +644,8 @@ def main(argv: list[str] | None = None) -> int:
         }
     report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": machine() | {"limits": dataclasses.asdict(limits)},
+        "files": [str(f) if f is not None else None for f in args.files],
         "command": shlex.join(["python", *sys.argv]),
         "workload": {k: getattr(args, k) for k in WORKLOAD} | {"model": model_label(args)},
         "results": results,
