@@ -4,7 +4,9 @@ the limit a figure reaches (issue 47, item 2).
 
 Limits (`measure_limits`, cached per CPU, its flags and the thread count in limits.json of
 the cache folder, `$PYPTO_CACHE_DIR` or ~/.cache/pypto-serving):
-- read bandwidth: GB/s at which the threads sum a 1 GiB float32 array (best of 5);
+- read bandwidth: GB/s at which the threads find the largest value of a 1 GiB float32 array
+  (torch's amax or NumPy's max on a share each, whichever is faster, best of 5: a lower bound;
+  this machine's own decode step has read faster than either);
 - GEMM peaks: GFLOP/s of a 4,096-cube matmul in bfloat16 (oneDNN: AMX tiles where the CPU has
   them, AVX512-BF16 or AVX2 where not) and float32, and GOP/s of an int8 one
   (`torch._int_mm`), best of 3.
@@ -27,6 +29,7 @@ import math
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +78,16 @@ def _timed(fn: Any, repeats: int) -> float:
     return _best(times)
 
 
+def _numpy_max_s(data: Any, threads: int) -> float:
+    """Best of 5 seconds for `threads` threads to take NumPy's max of a share of `data` each
+    (its max releases the GIL)."""
+    import numpy as np
+
+    parts = np.array_split(data, threads)
+    with ThreadPoolExecutor(threads) as pool:
+        return _timed(lambda: list(pool.map(np.max, parts)), 5)
+
+
 def measure_limits(threads: int, size_mib: int = 1024, gemm: int = 4096) -> Limits:
     """Measure the limits with `threads` threads (`size_mib`, `gemm`: smaller for a quick
     look, as the tests take)."""
@@ -82,8 +95,9 @@ def measure_limits(threads: int, size_mib: int = 1024, gemm: int = 4096) -> Limi
 
     torch.set_num_threads(threads)
     data = torch.ones(size_mib << 18, dtype=torch.float32)  # MiB of float32
-    data.sum()  # touched
-    read = data.numel() * 4 / _timed(data.sum, 5) / 1e9
+    data.amax()  # touched
+    read = data.numel() * 4 / min(_timed(data.amax, 5), _numpy_max_s(data.numpy(), threads))
+    read /= 1e9
     del data
 
     def peak(dtype: torch.dtype) -> float:

@@ -628,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     import roofline
 
-    limits = roofline.limits()  # measured before any engine runs (cached per machine)
+    limits = roofline.limits(fresh=True)  # measured now, before any engine runs
     with tempfile.TemporaryDirectory(prefix="side_by_side_") as tmp_name:
         tmp = Path(tmp_name)
         spec_path = tmp / "spec.json"
