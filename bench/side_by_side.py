@@ -628,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     import roofline
 
-    limits = roofline.limits(fresh=True)  # measured now, before any engine runs
+    before = roofline.limits(fresh=True)  # measured before the engines run, and after
     with tempfile.TemporaryDirectory(prefix="side_by_side_") as tmp_name:
         tmp = Path(tmp_name)
         spec_path = tmp / "spec.json"
@@ -642,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
             name: run_ours(args, tmp) if name == "ours" else run_peer(name, args, spec_path, tmp)
             for name in args.engines
         }
+    limits = roofline.best(before, roofline.limits(fresh=True))
     report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine() | {"limits": dataclasses.asdict(limits)},

@@ -51,6 +51,10 @@ def test_the_fractions_of_the_limits() -> None:
     assert roofline.decode_fraction(25.0, need, machine, context=10_000) == pytest.approx(1.0)
     flops = 100 * 2e9 + 1e3 * 100 * 101 / 2
     assert roofline.prefill_fraction(100, flops / 200e9, need, 400.0) == pytest.approx(0.5)
+    later = roofline.Limits("cpu", "avx2", 2, 30.0, 420.0, 190.0, 700.0)
+    assert roofline.best(machine, later) == roofline.Limits(
+        "cpu", "avx2", 2, 50.0, 420.0, 200.0, 700.0
+    )
 
 
 def test_the_limits_are_measured_once_per_machine(tmp_path: Path, monkeypatch) -> None:
