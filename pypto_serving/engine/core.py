@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -266,6 +267,12 @@ class EngineCore:
         self.kv_events = self._kv_events()
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        # what start-up made (the model's modules and tensors, compiled graphs, the tokenizer)
+        # lives as long as the engine: out of the collector's sight, its full collections no
+        # longer walk it between steps (they took 2-3 % of a 1B model's decode, profiled);
+        # `close` gives it back to the collector
+        gc.collect()
+        gc.freeze()
         log.info(
             "engine ready: %s (%s layers, %s) on %s, %s executor%s",
             cfg.architecture,
@@ -491,6 +498,7 @@ class EngineCore:
             torch.set_num_threads(self._num_threads)
         elif self.lockstep:
             shutdown_distributed()
+        gc.unfreeze()  # what the engine held may be collected again (its cycles too)
 
     def step(self) -> list[Request]:
         """One engine step; returns the requests that got a new token or finished."""

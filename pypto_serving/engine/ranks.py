@@ -13,6 +13,7 @@ until rank 0 says stop or goes away.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -225,6 +226,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         shutdown_distributed()
         sys.exit(1)
     conn.send(Loaded(os.getpid()))
+    gc.freeze()  # start-up's objects live as long as the rank (as rank 0's engine does)
     try:
         engine_gather(executor.model.held_experts)  # rank 0 reports every rank's experts
         set_collective_timeout(WAIT_FOREVER_S)  # an idle engine sends no step for so long
