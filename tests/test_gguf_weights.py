@@ -23,8 +23,13 @@ from pypto_serving.config import EngineConfig
 from pypto_serving.engine.plan import plan_run
 from pypto_serving.errors import PyptoError
 from pypto_serving.models import gguf_convert, loader
-from pypto_serving.models.gguf_convert import BLOCKS_FILE, blocks_files, convert_gguf_to_hf
-from pypto_serving.models.gguf_weights import has_blocks
+from pypto_serving.models.gguf_convert import (
+    BLOCKS_FILE,
+    BLOCKS_INDEX,
+    blocks_files,
+    convert_gguf_to_hf,
+)
+from pypto_serving.models.gguf_weights import has_blocks, parts_file
 from pypto_serving.models.loader import safetensors_files
 from pypto_serving.ops.linear import NATIVE_Q4, NATIVE_Q8, Linear, dequantized_linear
 
@@ -69,6 +74,7 @@ def test_a_file_too_big_for_one_file_converts_in_shards(tmp_path, monkeypatch):
     assert not (sharded / "model.safetensors").exists()
     assert len(safetensors_files(sharded)) > 1 and len(blocks_files(sharded)) > 1
     assert blocks_files(whole) == [whole / BLOCKS_FILE]
+    assert (parts_file(whole), parts_file(sharded)) == (BLOCKS_FILE, BLOCKS_INDEX)  # messages
     for read in (safetensors_files, blocks_files):
         got = {k: v for f in read(sharded) for k, v in load_file(f).items()}
         want = {k: v for f in read(whole) for k, v in load_file(f).items()}

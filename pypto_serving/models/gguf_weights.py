@@ -25,7 +25,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pypto_serving.errors import ModelLoadError
-from pypto_serving.models.gguf_convert import BLOCKS_FILE, blocks_files
+from pypto_serving.models.gguf_convert import BLOCKS_FILE, BLOCKS_INDEX, blocks_files
 from pypto_serving.ops.linear import (
     INT4_GROUP,
     NATIVE_Q4,
@@ -48,6 +48,11 @@ def stored_keys(model_dir: Path) -> dict[str, Path]:
     except (OSError, ValueError, KeyError):
         return {}
     return found
+
+
+def parts_file(model_dir: Path) -> str:
+    """The stored parts' file as messages name it: BLOCKS_FILE, or the index of its shards."""
+    return BLOCKS_FILE if (Path(model_dir) / BLOCKS_FILE).is_file() else BLOCKS_INDEX
 
 
 def has_blocks(model_dir: Path) -> bool:
@@ -80,7 +85,7 @@ def record_sources(
         missing = [s for s in sources if f"{s}.q" not in keys]
         if missing or len({f"{s}.min" in keys for s in sources}) != 1:
             raise ModelLoadError(
-                f"{BLOCKS_FILE} in {model_dir} has no single stored form for {name} "
+                f"{parts_file(model_dir)} in {model_dir} has no single stored form for {name} "
                 f"({', '.join(missing) or 'Q4_1 and Q8_0 parts'}): drop --quantization gguf"
             )
         out[name] = sources
@@ -126,8 +131,8 @@ def stored_records(
             shapes = [part(f"{s}.q").get_shape() for s in parts]
             if sum(r for r, _ in shapes) != n or {c for _, c in shapes} != {k}:
                 raise ModelLoadError(
-                    f"{BLOCKS_FILE} in {model_dir}: {name} is {[tuple(t) for t in shapes]}, the "
-                    f"model's {(n, k)}"
+                    f"{parts_file(model_dir)} in {model_dir}: {name} is "
+                    f"{[tuple(t) for t in shapes]}, the model's {(n, k)}"
                 )
             q4 = f"{parts[0]}.min" in keys
             fmt = NATIVE_Q4 if q4 else NATIVE_Q8
