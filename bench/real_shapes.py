@@ -102,7 +102,6 @@ SHAPES = {
     ),
     # tiny ones, for tests of this script
     "llama-tiny": Shape("llama", 64, 2, 4, 2, 128, tie=False, std=0.3),
-    "qwen3-tiny": Shape("qwen3", 64, 2, 4, 2, 128, head_dim=32, std=0.3),
     "qwen3-moe-tiny": Shape(
         "qwen3_moe",
         64,

@@ -25,9 +25,8 @@ def matrices(shape: real_shapes.Shape) -> tuple[int, int]:
     return int(elements), real_shapes.VOCAB * shape.hidden
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-moe-tiny"])
-def test_a_token_reads_each_matrix_once_as_stored(tmp_path: Path, name: str) -> None:
-    shape = real_shapes.SHAPES[name]  # untied: the embedding's one row is read
+def test_a_token_reads_each_matrix_once_as_stored(tmp_path: Path) -> None:
+    shape = real_shapes.SHAPES["qwen3-moe-tiny"]  # untied: the embedding's one row is read
     elements, _ = matrices(shape)
     f32 = roofline.demand(real_shapes.write_gguf(shape, "F32", tmp_path / "f32.gguf"))
     assert f32.weight_bytes == 4 * elements + 4 * shape.hidden
