@@ -65,17 +65,13 @@ def cpu_name_and_isa() -> tuple[str, str]:
     return name, " ".join(f for f in ISA_FLAGS if f in flags)
 
 
-def _best(seconds: list[float]) -> float:
-    return min(seconds)
-
-
 def _timed(fn: Any, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return _best(times)
+    return min(times)
 
 
 def _numpy_max_s(data: Any, threads: int) -> float:

@@ -16,3 +16,7 @@ AVX2_IS_THIS_BUILD = (
 )
 """An AVX2 CPU without AVX-VNNI (AMD Zen 3): its own build is the AVX2 build (the same native
 kernels, torch on the same code), which the native tests run."""
+
+AVX2_ENV = {"PYPTO_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+"""A child process's environment for the AVX2 build: set before torch loads, torch's own
+kernels run their AVX2 code too."""

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from checkpoints import build_checkpoint, build_tokenizer
-from cpu_builds import AVX2_IS_THIS_BUILD
+from cpu_builds import AVX2_ENV, AVX2_IS_THIS_BUILD
 
 from pypto_serving import LLM, native
 from pypto_serving.device import cpu_flags
@@ -59,9 +59,6 @@ def assert_all_equal(found: dict[str, Any]) -> None:
     for name, got in found.items():
         assert got[0] == alone[0], f"{name}: tokens {got[0]} != {alone[0]}"
         assert got[1] == alone[1], f"{name}: logprobs differ from alone's"  # exact floats
-
-
-AVX2_ENV = {"PYPTO_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def situations_apart(model: Path, knobs: dict[str, Any], tmp: Path, env: dict[str, str]):

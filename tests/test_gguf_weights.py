@@ -9,20 +9,25 @@ the model fuses them); auto picks gguf there and none elsewhere; the default mod
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
 import pytest
 import torch
 from checkpoints import build_checkpoint, build_tokenizer, dequantize
+from cpu_builds import AVX2_ENV, AVX2_IS_THIS_BUILD
 from gguf_files import write_tiny_gguf
 from safetensors.torch import load_file
 
 from pypto_serving import LLM, SamplingParams, native
 from pypto_serving.config import EngineConfig
+from pypto_serving.device import cpu_flags
 from pypto_serving.engine.plan import plan_run
 from pypto_serving.errors import PyptoError
-from pypto_serving.models import gguf_convert, loader
+from pypto_serving.models import gguf_convert
 from pypto_serving.models.gguf_convert import (
     BLOCKS_FILE,
     BLOCKS_INDEX,
@@ -134,28 +139,47 @@ def test_the_engine_takes_the_files_records_without_requantizing(q4_model):
         assert len(first.outputs[0].token_ids) == 8
 
 
-def test_the_embedding_from_the_heads_records_gives_the_same_bits(q4_model, monkeypatch):
+EMBEDDING_CHECK = """
+import sys
+from pypto_serving import LLM, SamplingParams
+from pypto_serving.models import loader
+
+PROMPTS = [[5, 9, 40, 41], [7, 1, 2, 3, 100, 120, 3, 60, 61, 62]]
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+def run():
+    with LLM(sys.argv[1], enforce_eager=True) as llm:
+        assert llm.engine.attention.native_decode
+        got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        in_head = llm.engine.model.model.embed_tokens.weight is None
+    samples = [o.outputs[0] for o in got]
+    return in_head, [(c.token_ids, [s.logprob for s in c.logprobs]) for c in samples]
+
+in_head, found = run()
+loader.embedding_in_head = lambda *_: False  # the bf16 embedding loaded, as before
+loaded, want = run()
+assert in_head and not loaded, (in_head, loaded)
+assert found == want, (found, want)
+print("the same bits")
+"""
+
+
+@pytest.mark.parametrize("build", ["own", "avx2"])
+def test_the_embedding_from_the_heads_records_gives_the_same_bits(q4_model, build):
     """Greedy tokens and logprobs, prefill on the graphs and decodes on the native step, are
     the same bits with the tied embedding looked up in the head's Q8 records as with the bf16
-    embedding loaded beside them (as before)."""
+    embedding loaded beside them (as before), on this CPU's build and the AVX2 build (a
+    child process each: torch's ISA is chosen as it loads)."""
+    if build == "avx2" and (AVX2_IS_THIS_BUILD or not {"avx2", "fma", "f16c"} <= cpu_flags()):
+        pytest.skip("this CPU's own build is the AVX2 build, or it has no AVX2")
     out, _ = q4_model
-    prompts = [[5, 9, 40, 41], [7, 1, 2, 3, 100, 120, 3, 60, 61, 62]]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
-
-    def run() -> tuple[bool, list]:
-        with LLM(str(out), enforce_eager=True) as llm:
-            assert llm.engine.attention.native_decode
-            got = llm.generate(prompts, params, use_tqdm=False)
-            in_head = llm.engine.model.model.embed_tokens.weight is None
-        return in_head, [
-            (o.outputs[0].token_ids, [s.logprob for s in o.outputs[0].logprobs or []]) for o in got
-        ]
-
-    in_head, found = run()
-    monkeypatch.setattr(loader, "embedding_in_head", lambda *_: False)
-    loaded, want = run()
-    assert in_head and not loaded
-    assert found == want
+    run = subprocess.run(
+        [sys.executable, "-c", EMBEDDING_CHECK, str(out)],
+        env=os.environ | (AVX2_ENV if build == "avx2" else {}),
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0 and "the same bits" in run.stdout, run.stderr[-4000:]
 
 
 def test_the_graphs_multiply_by_the_files_weights_in_bf16(q4_model):

@@ -288,10 +288,8 @@ def _convert_tensors(
         w = np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
         hf = _hf_names(t.name, w.shape[0] if w.ndim == 3 else 1)
         parts = _stored_parts(t) if w.ndim == 2 else None
-        n = None  # the heads of a permuted q or k
         if heads is not None and (".attn_q." in t.name or ".attn_k." in t.name):
-            n = heads[0] if ".attn_q." in t.name else heads[1]
-        if n is not None:
+            n = heads[0] if ".attn_q." in t.name else heads[1]  # a permuted q or k
             w = _unpermute(w, n)
             parts = None if parts is None else {k: _unpermute(v, n) for k, v in parts.items()}
         for name, matrix in zip(hf, w if w.ndim == 3 else [w], strict=True):
