@@ -437,6 +437,95 @@ class ParallelConfig:
         return self.enable_expert_parallel and self.data_parallel_size > 1
 
 
+SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_NOT_YET = {
+    "draft_model": "a draft model",
+    "mtp": "DeepSeek's multi-token prediction layers",
+    "deepseek_mtp": "DeepSeek's multi-token prediction layers",
+    "eagle": "EAGLE heads",
+    "eagle3": "EAGLE-3 heads",
+    "medusa": "Medusa heads",
+    "mlp_speculator": "MLP speculators",
+    "suffix": "suffix decoding",
+}
+"""vLLM's other methods: refused, each named."""
+SPECULATIVE_KEYS = {
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "model",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeSpec:
+    """An engine's speculative decoding, as --speculative-config gives it."""
+
+    method: str
+    num_speculative_tokens: int
+    """The most draft tokens a request verifies in one step (k)."""
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    """The n-grams looked up: the longest first, down to the shortest."""
+
+
+def parse_speculative_config(raw: str | dict[str, Any] | None) -> SpeculativeSpec | None:
+    """vLLM's --speculative-config (a JSON object, or the dict) as a spec; None: off.
+    A method other than ngram, a missing k or a bad lookup range is a PyptoError naming it."""
+    if raw is None:
+        return None
+    param = "speculative_config"
+    try:
+        spec = json.loads(raw) if isinstance(raw, str) else raw
+        if not isinstance(spec, dict):
+            raise ValueError(type(spec).__name__)
+    except ValueError as e:
+        raise PyptoError(f"speculative_config is not a JSON object: {e}", param) from None
+    unknown = sorted(set(spec) - SPECULATIVE_KEYS)
+    if unknown:
+        raise PyptoError(
+            f"speculative_config: {', '.join(unknown)} not understood here (keys: "
+            f"{', '.join(sorted(SPECULATIVE_KEYS))})",
+            param,
+        )
+    method = spec.get("method") or ("draft_model" if spec.get("model") else None)
+    if method == "[ngram]" or (method is None and spec.get("model") == "[ngram]"):
+        method = "ngram"  # vLLM's older spelling
+    if method in SPECULATIVE_NOT_YET:
+        raise PyptoError(
+            f"speculative_config: method {method!r} ({SPECULATIVE_NOT_YET[method]}) is not "
+            'available yet; use {"method": "ngram", ...}',
+            param,
+        )
+    if method not in SPECULATIVE_METHODS:
+        raise PyptoError(
+            "speculative_config: method must be one of "
+            f"{', '.join(SPECULATIVE_METHODS)}, got {method!r}",
+            param,
+        )
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
+        raise PyptoError(
+            f"speculative_config: num_speculative_tokens must be an integer in [1, 32], got {k!r}",
+            param,
+        )
+    given = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+    if given == (None, None):
+        given = (5, 5)  # as vLLM: neither given is 5; one given is both
+    lo = given[1] if given[0] is None else given[0]
+    hi = lo if given[1] is None else given[1]
+    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 64) or (
+        isinstance(lo, bool) or isinstance(hi, bool)
+    ):
+        raise PyptoError(
+            "speculative_config: prompt_lookup_min and prompt_lookup_max must be integers "
+            f"with 1 <= min <= max <= 64, got {lo!r} and {hi!r}",
+            param,
+        )
+    return SpeculativeSpec(method, k, lo, hi)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str = "default"
@@ -511,9 +600,20 @@ class EngineConfig:
     a directory holding a generation_config.json. Its temperature, top_p, top_k, min_p,
     repetition_penalty and max_new_tokens are the defaults of requests that leave them out
     (max_new_tokens: of max_tokens), as vLLM applies them."""
+    speculative_config: str | dict[str, Any] | None = None
+    """vLLM's --speculative-config, as JSON: {"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_min": a, "prompt_lookup_max": b}: a decoding request's next tokens guessed
+    from the longest of its recent a..b-grams that occurred before it (prompt lookup), up to
+    k of them verified in one step with its last token (speculative.py; fewer where its
+    guesses have been missing). The same greedy tokens, the same sampled distribution."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def speculation(self) -> SpeculativeSpec | None:
+        """The speculative decoding asked for (None: off); a PyptoError where the JSON is
+        not one this server runs."""
+        return parse_speculative_config(self.speculative_config)
 
     def validate(self) -> None:
         if self.executor not in EXECUTORS:
@@ -530,6 +630,12 @@ class EngineConfig:
             )
         if self.batch_invariant and self.executor != "paged":
             raise PyptoError("--batch-invariant needs the paged executor", "batch_invariant")
+        if self.speculation() is not None and self.executor != "paged":
+            raise PyptoError(
+                "speculative decoding needs the paged executor (the reference executor is "
+                "the plain oracle)",
+                "speculative_config",
+            )
         if not isinstance(self.step_timeout_s, int | float) or not self.step_timeout_s > 0:
             raise PyptoError(f"step_timeout_s must be > 0, got {self.step_timeout_s!r}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -66,6 +66,9 @@ class Request:
     handoff: Handoff | None = None
     """On a prefill server, what it hands off once its first token is sampled; on a decode
     server, what it was handed (the request goes on from there)."""
+    num_told: int = 0
+    """Output tokens a data-parallel replica has told its parent of (a step may append
+    several: speculative decoding)."""
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:

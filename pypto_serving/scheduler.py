@@ -19,6 +19,7 @@ from typing import Protocol
 from pypto_serving.config import SchedulerConfig
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.request import Request, RequestStatus
+from pypto_serving.speculative import Speculator
 
 
 class KVCapacity(Protocol):
@@ -52,6 +53,9 @@ class KVCapacity(Protocol):
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    draft: list[int] = field(default_factory=list)
+    """Speculative decoding: tokens guessed to follow the request's last one, computed in
+    this step after it (num_new_tokens counts them) and kept as far as its samples agree."""
 
 
 @dataclass(slots=True)
@@ -65,8 +69,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCapacity) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCapacity,
+        speculator: Speculator | None = None,
+        decode_rows: int | None = None,
+    ) -> None:
+        """speculator: drafts for decoding requests (speculative decoding), None: none;
+        decode_rows: the most rows a step's decodes may have, their drafts included, where
+        more would move them off the kernel plain decodes of that step run on (None: any)."""
         self.config, self.kv = config, kv
+        self.speculator, self.decode_rows = speculator, decode_rows
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -85,13 +99,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        spare = self._spare_rows()
         for req in list(self.running):
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = self._chunk(req, budget)
-            if self._allocate_or_preempt(req, n, out):
+            draft = self._draft(req, min(budget - n, spare))
+            if draft and self.kv.allocate(req, n + len(draft)):
+                out.scheduled.append(ScheduledRequest(req, n + len(draft), draft))
+                budget, spare = budget - n - len(draft), spare - len(draft)
+            elif self._allocate_or_preempt(req, n, out):
                 out.scheduled.append(ScheduledRequest(req, n))
                 budget -= n
         if not out.preempted:
@@ -127,6 +146,30 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _spare_rows(self) -> int:
+        """Rows this step's drafts may add: what `decode_rows` leaves beside one row per
+        decoding request (every row the budget leaves where there is no such limit, or the
+        decodes exceed it anyway)."""
+        if self.speculator is None:
+            return 0
+        decodes = sum(r.num_computed_tokens == r.num_tokens - 1 for r in self.running)
+        rows = self.decode_rows
+        return (
+            self.config.max_num_batched_tokens if rows is None or decodes > rows else rows - decodes
+        )
+
+    def _draft(self, req: Request, room: int) -> list[int]:
+        """The speculator's drafts for a decoding request: at most `room`, and none past its
+        max_tokens or context (the step may add one token more than it drafts)."""
+        if self.speculator is None or req.num_computed_tokens != req.num_tokens - 1:
+            return []
+        limit = room
+        if req.params.max_tokens is not None:
+            limit = min(limit, req.params.max_tokens - len(req.output_token_ids) - 1)
+        if req.max_model_len is not None:
+            limit = min(limit, req.max_model_len - req.num_tokens - 1)
+        return self.speculator.draft(req, limit)
+
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget)
         threshold = self.config.long_prefill_token_threshold
@@ -150,15 +193,24 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.insert(0, req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, Sampled]) -> list[Request]:
-        """Advance computed tokens after a step; returns the requests that finished."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[Sampled]]) -> list[Request]:
+        """Advance computed tokens after a step and append what it sampled (a request with
+        drafts: those kept, then the sample after them); returns the requests that finished."""
         finished = []
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            token = sampled.get(req.request_id)
-            if token is not None:
+            tokens = sampled.get(req.request_id, [])
+            if s.draft:  # its last token and the drafts kept are computed; the rest is not
+                kept = len(tokens) - 1
+                req.num_computed_tokens += 1 + kept
+                assert self.speculator is not None and kept >= 0
+                self.speculator.observe(req.request_id, len(s.draft), kept)
+            else:
+                req.num_computed_tokens += s.num_new_tokens
+            for token in tokens:
                 req.append(token)
+                if req.finished:  # a stop among the kept drafts: what follows is dropped
+                    break
             if req.finished:
                 finished.append(req)
         self._remove(finished)
@@ -175,6 +227,8 @@ class Scheduler:
     def _remove(self, requests: list[Request]) -> None:
         for req in requests:
             self.kv.free(req)
+            if self.speculator is not None:
+                self.speculator.forget(req.request_id)
             self.requests.pop(req.request_id, None)
             if req in self.running:
                 self.running.remove(req)

@@ -25,7 +25,6 @@ OUT_OF_SCOPE = {
     "merged (peft's merge_and_unload)",
     "max-lora-rank": "LoRA adapters are not supported",
     "max-cpu-loras": "LoRA adapters are not supported",
-    "speculative-config": "speculative decoding is not available yet",
     "reasoning-config": "reasoning budgets are not supported",
     "tool-server": "built-in tool servers (MCP, browsing, code) are not supported; give "
     "tools in the request and run them in the client",

@@ -161,6 +161,11 @@ def test_bad_model_gives_clear_error(tiny_model, tmp_path, capsys, breakage, mes
         (["--kv-ssd-dir", "/dev/null/x"], "cannot use kv_ssd_dir /dev/null/x"),
         (["--kv-ssd-dir", "/tmp", "--kv-ssd-bytes", "1KiB"], "kv_ssd_bytes (1024) is less"),
         (["--kv-remote", "localhost:50051"], "kv_remote must look like mooncake://HOST:PORT"),
+        (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens must be"),
+        (
+            ["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+            "method 'eagle' (EAGLE heads) is not available yet",
+        ),
     ],
 )
 def test_bad_flag_values_give_clear_error(tiny_model, capsys, flags, message):

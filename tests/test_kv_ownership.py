@@ -81,7 +81,7 @@ def run_requests(store: Any) -> list[Request]:
             for s in out.scheduled
             if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
         ]
-        scheduler.update(out, {s.request.request_id: _token(s.request) for s in done})
+        scheduler.update(out, {s.request.request_id: [_token(s.request)] for s in done})
     assert not scheduler.has_unfinished()
     return requests
 

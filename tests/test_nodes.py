@@ -306,7 +306,7 @@ def test_the_relay_moves_times_between_the_clocks_of_the_two_nodes():
     node0.send(NewRequest("r", [1, 2], greedy(), (), 0, 0, 5.0, None))
     got = replica.child.recv()
     assert isinstance(got, NewRequest) and got.arrival_time == 1005.0
-    delta = TokenDelta("r", Sampled(7, 0.0, None), None, 0, 1010.0)
+    delta = TokenDelta("r", [Sampled(7, 0.0, None)], None, 0, 1010.0)
     replica.child.send(StepResult([delta], None))  # type: ignore[arg-type]
     back = node0.recv()
     assert isinstance(back, StepResult) and back.deltas[0].scheduled_time == 10.0

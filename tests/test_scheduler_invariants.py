@@ -4,7 +4,9 @@ executor (no model).
 The fake executor does what PagedExecutor does with the KV store, minus the model: it writes
 each computed token's (token id, position) into the token's KV slot, checks that the context
 it would attend to holds exactly the request's tokens, indexes the pages that became full, and
-"samples" a token that is a deterministic function of the request's tokens. So prompts that
+"samples" a token that is a deterministic function of the request's tokens; with speculative
+drafts, a token for each row, kept while the drafts agree, the rest of the rows' pages given
+back. So prompts that
 share a prefix share cached pages, and a request's expected output is known in advance.
 """
 
@@ -22,13 +24,14 @@ from checkpoints import fake_kv_store, hash_chain
 from hypothesis import Phase, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pypto_serving.config import SchedulerConfig
+from pypto_serving.config import SchedulerConfig, SpeculativeSpec
 from pypto_serving.kv.groups import KVGroups
 from pypto_serving.kv.pool import Costs
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.request import Request, RequestStatus
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.scheduler import Scheduler, SchedulerOutput
+from pypto_serving.speculative import Speculator
 
 PS = 4  # tokens per page
 VOCAB = 64
@@ -111,20 +114,22 @@ class FakeExecutor:
     def _slots(self, pages: list[int], positions: range) -> torch.Tensor:
         return torch.tensor([pages[p // PS] * PS + p % PS for p in positions], dtype=torch.long)
 
-    def execute(self, out: SchedulerOutput) -> dict[str, Sampled]:
+    def execute(self, out: SchedulerOutput) -> dict[str, list[Sampled]]:
         store, pool = self.store, self.store.pool.device
-        sampled: dict[str, Sampled] = {}
+        sampled: dict[str, list[Sampled]] = {}
         for s in out.scheduled:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             assert req.status is RequestStatus.RUNNING
-            assert n >= 1 and start + n <= req.num_tokens
+            tokens = req.token_ids + s.draft  # the drafts follow its last token
+            assert n >= 1 and start + n <= len(tokens)
+            assert not s.draft or start + n - len(s.draft) == req.num_tokens
             pages = store.managers[0].tables[req.request_id].pages
             assert len(pages) * PS >= start + n, "scheduled tokens without KV slots"
             new = range(start, start + n)
             for page in {pages[p // PS] for p in new}:  # never overwrite shared or cached KV
                 assert pool.ref_count(page) == 1 and pool.page_hash(page) is None
             values = torch.tensor(
-                [[req.token_ids[p], p] for p in new], dtype=store.pool.cache.k_cache.dtype
+                [[tokens[p], p] for p in new], dtype=store.pool.cache.k_cache.dtype
             )
             store.pool.cache.k_cache[0, 0, self._slots(pages, new), :] = values
             context = range(start + n)  # what attention would read: exactly this request's KV
@@ -133,11 +138,21 @@ class FakeExecutor:
                 .to(torch.long)
                 .tolist()
             )
-            assert got == [[req.token_ids[p], p] for p in context], "wrong KV in the context"
-            store.cache_full_pages(req, start + n)
-            if start + n == req.num_tokens:
-                token = next_token(req.token_ids)
-                sampled[req.request_id] = Sampled(token_id=token, logprob=0.0, top_logprobs=None)
+            assert got == [[tokens[p], p] for p in context], "wrong KV in the context"
+            if start + n < req.num_tokens:
+                store.cache_full_pages(req, start + n)
+                continue
+            kept = []  # each row's "sample", kept while the drafts before it agreed
+            for row in range(req.num_tokens, start + n + 1):
+                kept.append(Sampled(next_token(tokens[:row]), 0.0, None))
+                if row == start + n or kept[-1].token_id != tokens[row]:
+                    break
+            if s.draft:
+                event(f"a step with drafts kept {len(kept) - 1} of {len(s.draft)}")
+            computed = req.num_tokens - 1 + len(kept)
+            store.cache_full_pages(req, computed, tokens[:computed])
+            store.trim(req, computed)
+            sampled[req.request_id] = kept
         return sampled
 
 
@@ -158,11 +173,15 @@ class Harness:
         cpu_pages: int = 0,
         ssd_pages: int = 0,
         ssd_dir: Path | None = None,
+        speculate: bool = False,
     ) -> Self:
-        """A harness over a store with `num_pages` device pages and optional lower tiers."""
+        """A harness over a store with `num_pages` device pages and optional lower tiers;
+        speculate: n-gram drafts (up to 3 after a repeated 1- or 2-gram)."""
         config.validate()
         store = make_store(num_pages, prefix_caching, cpu_pages, ssd_pages, ssd_dir)
-        return cls(Scheduler(config, store), store, FakeExecutor(store))
+        spec = SpeculativeSpec("ngram", 3, 1, 2)
+        speculator = Speculator(spec) if speculate else None
+        return cls(Scheduler(config, store, speculator), store, FakeExecutor(store))
 
     def step(self) -> SchedulerOutput:
         """One engine step (schedule, execute, update), checking what the scheduler handed out."""
@@ -177,7 +196,8 @@ class Harness:
         assert not {r.request_id for r in out.preempted} & set(ids)
         threshold = config.long_prefill_token_threshold
         if threshold:
-            assert all(s.num_new_tokens <= threshold for s in out.scheduled)
+            # (drafts are no prompt tokens: a verifying decode may pass it)
+            assert all(s.num_new_tokens - len(s.draft) <= threshold for s in out.scheduled)
         finished = scheduler.update(out, self.executor.execute(out))
         for req in finished:
             assert req.finish_reason == "length"
@@ -330,6 +350,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefix_caching=st.sampled_from([True, True, True, False]),
         cpu_pages=st.sampled_from([0, 0, 2, 4, 8]),
         ssd_pages=st.sampled_from([0, 0, 3, 6]),
+        speculate=st.booleans(),
     )
     def setup(
         self,
@@ -340,12 +361,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefix_caching: bool,
         cpu_pages: int,
         ssd_pages: int,
+        speculate: bool,
     ) -> None:
-        """A scheduler over device pages and, drawn too, a CPU tier and an SSD tier."""
+        """A scheduler over device pages and, drawn too, a CPU tier, an SSD tier and
+        speculative decoding's drafts."""
         config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold)
         self.ssd_dir = Path(tempfile.mkdtemp(prefix="pypto-ssd-")) if ssd_pages else None
         self.h = Harness.build(
-            config, num_pages, prefix_caching, cpu_pages, ssd_pages, self.ssd_dir
+            config, num_pages, prefix_caching, cpu_pages, ssd_pages, self.ssd_dir, speculate
         )
 
     def _step(self, count: int) -> None:

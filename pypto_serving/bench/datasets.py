@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pypto_serving.chat_prompt import ChatTemplateOptions, chat_token_ids
 from pypto_serving.errors import PyptoError
 from pypto_serving.flags import read_prompts
 
@@ -42,3 +43,58 @@ def file_prompts(path: Path, num_prompts: int | None) -> list[str]:
     if num_prompts > len(prompts):
         raise PyptoError(f"--num-prompts {num_prompts}: {path} has only {len(prompts)} prompts")
     return prompts[:num_prompts]
+
+
+_PARAGRAPH = (
+    "The river town wakes early. Before the sun clears the hills, the bakers have lit their "
+    "ovens and the ferry has made its first crossing, carrying milk, letters and two sleepy "
+    "teachers to the far bank. By eight the market square is full of voices: fishermen "
+    "arguing over the price of eel, children racing to school, and an old man who sells "
+    "umbrellas whatever the weather."
+)
+_CODE = '''def total_price(items, tax_rate, discount=0.0):
+    """The price of a basket of items after the discount and the tax."""
+    subtotal = 0.0
+    for item in items:
+        subtotal += item.price * item.quantity
+    subtotal -= subtotal * discount
+    tax = subtotal * tax_rate
+    return round(subtotal + tax, 2)
+'''
+_TYPOS = (
+    "Our team will meet on Tuesdy at ten in the morning to reveiw the budget for the next "
+    "quarter. Please bring your notes, the latest sales figures and any questions you have "
+    "about the new travel polcy. Coffee and pastries will be provided, and the meeting should "
+    "finish before lunch."
+)
+WORKLOADS: dict[str, list[str]] = {
+    "echo": [
+        f"Repeat the following text exactly, with no other words:\n\n{_PARAGRAPH}",
+        "Rename the variable subtotal to net_amount in this Python code. Reply with the whole "
+        f"code only.\n\n```python\n{_CODE}```",
+        f"Fix the spelling mistakes in this text and reply with the corrected text only:\n\n"
+        f"{_TYPOS}",
+        f"Add a comment above each line of this function. Reply with the code only.\n\n"
+        f"```python\n{_CODE}```",
+    ],
+    "open": [
+        "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        "Explain why the sky is blue to a ten-year-old.",
+        "Give me ten ideas for a child's birthday party.",
+        "Describe a walk through a forest in autumn.",
+    ],
+}
+"""Chat prompts (user messages) for single-stream benchmarks of speculative decoding: `echo`
+asks for a given text back, repeated or lightly edited (what n-gram drafts guess well),
+`open` for new text."""
+
+
+def chat_prompts(tokenizer: Any, workload: str) -> list[list[int]]:
+    """A workload's prompts as token ids, each a user message under the chat template."""
+    if workload not in WORKLOADS:
+        raise PyptoError(f"workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
+    options = ChatTemplateOptions()
+    return [
+        chat_token_ids(tokenizer, [{"role": "user", "content": text}], options)
+        for text in WORKLOADS[workload]
+    ]

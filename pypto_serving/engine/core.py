@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,7 @@ from pypto_serving.pooling import PoolingParams, pool
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.scheduler import Scheduler, SchedulerOutput
+from pypto_serving.speculative import SpecDecodeStats, Speculator
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +73,15 @@ class EngineStats:
     layer_costs: tuple[float, float] = (0.0, 0.0)
     """What a layer costs here (`StepProgress`: prefill attention seconds per query x context
     token, the rest per token), for refusing a prompt the step watchdog would kill."""
+    spec_decode: SpecDecodeStats | None = None
+    """Speculative decoding's drafts and how many were kept (None: not speculating)."""
 
 
 def combine_stats(parts: list[EngineStats]) -> EngineStats:
     """One snapshot of several engines (DP replicas): counts and totals add up, KV usage is
     the mean, tiers of the same name are merged."""
     tiers: dict[str, TierStats] = {}
+    spec = [p.spec_decode for p in parts if p.spec_decode is not None]
     for t in (t for p in parts for t in p.tiers):
         tiers[t.name] = merge_tier_stats(tiers[t.name], t) if t.name in tiers else t
     return EngineStats(
@@ -95,6 +101,7 @@ def combine_stats(parts: list[EngineStats]) -> EngineStats:
             max((p.layer_costs[0] for p in parts), default=0.0),
             max((p.layer_costs[1] for p in parts), default=0.0),
         ),
+        spec_decode=functools.reduce(operator.add, spec) if spec else None,
     )
 
 
@@ -260,7 +267,11 @@ class EngineCore:
                 config.max_model_len,
                 self.max_model_len,
             )
-        self.scheduler = Scheduler(config.scheduler, self.executor.kv)
+        self.speculator = self._speculator()
+        decode_rows = None
+        if isinstance(self.executor, PagedExecutor) and self.executor.native is not None:
+            decode_rows = self.executor.native_rows
+        self.scheduler = Scheduler(config.scheduler, self.executor.kv, self.speculator, decode_rows)
         self.grammars = self.executor.grammars = Grammars(self.model_dir, cfg.vocab_size)
         self.page_events: list[KVEvent] = []
         """A data-parallel replica's KV events since the router last took them."""
@@ -282,6 +293,23 @@ class EngineCore:
             config.executor,
             describe_ranks(p.tensor_parallel_size, p.pipeline_parallel_size),
         )
+
+    def _speculator(self) -> Speculator | None:
+        """Speculative decoding's drafter, where the config asks for it and the model's
+        attention kind can take a step's rejected drafts back."""
+        spec = self.config.speculation()
+        if spec is None:
+            return None
+        kind = self.model.attention_kind
+        if not kind.SPECULATES:
+            raise PyptoError(
+                f"speculative decoding: {self.model_config.architecture}'s attention "
+                f"({kind.NAME}) keeps state built from each token it writes, which a "
+                "rejected draft's could not be taken back from; serve it without "
+                "--speculative-config",
+                "speculative_config",
+            )
+        return Speculator(spec)
 
     def _event_store(self) -> KVGroups | None:
         """The paged KV, whose first group's page events say which prompt pages this engine
@@ -389,13 +417,14 @@ class EngineCore:
             kv.receive(request, handoff.groups)
         request.handoff = None  # its pages are the KV side's now
 
-    def _export(self, out: SchedulerOutput, sampled: dict[str, Sampled]) -> None:
+    def _export(self, out: SchedulerOutput, sampled: dict[str, list[Sampled]]) -> None:
         """A prefill server's requests whose first token was sampled in this step: their
         prompt's KV, that token and the sampler's state, handed off (`Request.handoff`)."""
         for s in out.scheduled:
-            r, first = s.request, sampled.get(s.request.request_id)
-            if not r.export_kv or first is None or first.error is not None:
+            r, tokens = s.request, sampled.get(s.request.request_id)
+            if not r.export_kv or not tokens or tokens[0].error is not None:
                 continue
+            first = tokens[0]
             kv = self._paged_kv()
             state = None if r.generator is None else bytes(r.generator.get_state().numpy())
             buffer, groups = packed(kv.export(r, len(r.prompt_token_ids)))  # before it is freed
@@ -462,6 +491,7 @@ class EngineCore:
             self.generation_tokens,
             tuple(kv.tier_stats()) if isinstance(kv := self.executor.kv, KVGroups) else (),
             layer_costs=self.layer_costs,
+            spec_decode=self.speculator.stats() if self.speculator is not None else None,
         )
 
     @property
@@ -519,7 +549,7 @@ class EngineCore:
             if lost := self._lost_ranks():  # a collective failed because a rank died
                 raise EngineDeadError(f"{lost} stopped") from e
             raise
-        self.generation_tokens += len(sampled)
+        self.generation_tokens += sum(map(len, sampled.values()))
         self._export(out, sampled)
         self.scheduler.update(out, sampled)
         kv = self._event_store()

@@ -372,14 +372,15 @@ class DPEngine:
         request = self._requests.get(delta.request_id)
         if request is None:
             return None  # aborted while the replica computed its step
-        if delta.token.error is not None:  # the replica's sampler found its logits unusable
-            request.fail(delta.token.error)
+        failed = next((t.error for t in delta.tokens if t.error is not None), None)
+        if failed is not None:  # the replica's sampler found its logits unusable
+            request.fail(failed)
             del self._requests[delta.request_id]
             self.router.finish(delta.request_id)
             return request
-        request.output_token_ids.append(delta.token.token_id)
+        request.output_token_ids += [t.token_id for t in delta.tokens]
         if request.params.logprobs is not None:
-            request.output_logprobs.append(delta.token)
+            request.output_logprobs += delta.tokens
         request.num_cached_tokens = delta.num_cached_tokens
         request.scheduled_time = delta.scheduled_time
         if delta.prompt_logprobs is not None:

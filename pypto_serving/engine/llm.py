@@ -358,6 +358,11 @@ class LLM:
             text = family.texts[i]
             for token in req.output_token_ids[text.num_tokens :]:  # a handoff's first too
                 text.add(token)
+                if text.stopped:
+                    break
+            if text.stopped:  # tokens one step kept past the stop string (drafts) go
+                del req.output_token_ids[text.num_tokens :]
+                del req.output_logprobs[text.num_tokens :]
             if text.stopped and not req.finished:
                 self.engine.abort([req.request_id], reason="stop")
             if req.finished:

@@ -33,6 +33,7 @@ from pypto_serving.config import EngineConfig
 from pypto_serving.engine.core import EngineStats
 from pypto_serving.engine.kv_transfer import READ_BUCKETS, TransferStats
 from pypto_serving.kv.tier import LOAD_BUCKETS, TierStats
+from pypto_serving.speculative import SpecDecodeStats
 
 PREFIX = "pypto_"
 VLLM = "vllm:"
@@ -156,6 +157,38 @@ class _EngineCollector(Collector):
         yield info
         if s.tiers:
             yield from self._tiers(s.tiers)
+        if s.spec_decode is not None:
+            yield from self._spec_decode(s.spec_decode)
+
+    def _spec_decode(self, spec: SpecDecodeStats) -> Iterator[Metric]:
+        """Speculative decoding's counters, under vLLM's names too (their `position` label:
+        a step's i-th draft token)."""
+        values = {
+            "spec_decode_num_drafts": ("Request steps that verified drafts", spec.num_drafts),
+            "spec_decode_num_draft_tokens": ("Draft tokens verified", spec.num_draft_tokens),
+            "spec_decode_num_accepted_tokens": ("Draft tokens kept", spec.num_accepted_tokens),
+        }
+        for name, (doc, value) in values.items():
+            for metric, labels, extra in (
+                (PREFIX + name, ["model_name"], []),
+                (VLLM + name, ["model_name", "engine"], [ENGINE]),
+            ):
+                c = CounterMetricFamily(metric, doc, labels=labels)
+                c.add_metric([self.model_name, *extra], value)
+                yield c
+        doc = "Draft tokens kept, by their position in the step's drafts"
+        for metric, labels, extra in (
+            (PREFIX + "spec_decode_num_accepted_tokens_per_pos", ["model_name", "position"], []),
+            (
+                VLLM + "spec_decode_num_accepted_tokens_per_pos",
+                ["model_name", "engine", "position"],
+                [ENGINE],
+            ),
+        ):
+            c = CounterMetricFamily(metric, doc, labels=labels)
+            for position, value in enumerate(spec.accepted_per_position):
+                c.add_metric([self.model_name, *extra, str(position)], value)
+            yield c
 
     def _tiers(self, tiers: tuple[TierStats, ...]) -> Iterator[Metric]:
         """Per KV tier (label tier = device, cpu, ssd): occupancy, lookups, pages moved."""

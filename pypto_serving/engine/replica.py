@@ -123,10 +123,11 @@ class Ready:
 
 @dataclass(slots=True)
 class TokenDelta:
-    """A request's new token (with its logprobs when asked for) after one replica step."""
+    """A request's new tokens (with their logprobs when asked for) after one replica step:
+    one, or more where speculative decoding kept drafts."""
 
     request_id: str
-    token: Sampled
+    tokens: list[Sampled]
     finish_reason: str | None
     num_cached_tokens: int
     scheduled_time: float | None
@@ -300,6 +301,14 @@ def _apply(engine: EngineCore, message: NewRequest | Abort) -> None:
         engine.abort(message.request_ids, message.reason)
 
 
+def _told(request: Request) -> list[Sampled]:
+    """The request's tokens the parent has not been told of yet (then counted as told)."""
+    told, request.num_told = request.num_told, len(request.output_token_ids)
+    if request.params.logprobs is not None:
+        return request.output_logprobs[told:]
+    return [Sampled(t, 0.0, None) for t in request.output_token_ids[told:]]
+
+
 def _step(engine: EngineCore, send: Callable[[object], None], report: bool = True) -> bool:
     """One engine step and its result to the parent (unless `report` is off: a replica with
     no requests); False if it failed (reported)."""
@@ -314,11 +323,7 @@ def _step(engine: EngineCore, send: Callable[[object], None], report: bool = Tru
     deltas = [
         TokenDelta(
             r.request_id,
-            Sampled(-1, 0.0, None, r.error)
-            if r.error is not None
-            else r.output_logprobs[-1]
-            if r.params.logprobs is not None
-            else Sampled(r.output_token_ids[-1], 0.0, None),
+            [Sampled(-1, 0.0, None, r.error)] if r.error is not None else _told(r),
             r.finish_reason if r.finished else None,
             r.num_cached_tokens,
             r.scheduled_time,

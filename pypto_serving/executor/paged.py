@@ -111,6 +111,14 @@ def part_of(step: StepInputs, first: int, end: int) -> StepInputs:
     )
 
 
+def _agrees(kept: list[Sampled], drafts: list[int]) -> bool:
+    """Whether a draft row's sample counts: every row before it sampled its draft (`kept`
+    holds those samples, the last of which is the draft this row follows)."""
+    return len(kept) == len(drafts) and all(
+        t.error is None and t.token_id == d for t, d in zip(kept, drafts, strict=True)
+    )
+
+
 def build_paged_executor(
     config: EngineConfig,
     model: CausalLM,
@@ -217,16 +225,30 @@ class PagedExecutor:
         return not self.compiling
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, Sampled]:
-        # decodes first, then prefill chunks: each kind gets its own attention
-        scheduled = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1)
-        reqs = [s.request for s in scheduled]
-        starts = [r.num_computed_tokens for r in reqs]
-        counts = [s.num_new_tokens for s in scheduled]
-        num_decodes = sum(n == 1 for n in counts)
+    def execute(self, out: SchedulerOutput) -> dict[str, list[Sampled]]:
+        """Run one step; what it samples for each request that caught up: one token, or for
+        a request with drafts (speculative decoding) the drafts its samples agree with and
+        the sample after them."""
+        # decodes first, then prefill chunks: each kind gets its own attention; a request's
+        # drafts are decodes too, one row each at its position after its last token
+        scheduled = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1 and not s.draft)
+        seqs: list[tuple[Request, int, int]] = []  # (request, first position, tokens)
         token_ids: list[int] = []
-        for r, start, n in zip(reqs, starts, counts, strict=True):
-            token_ids += r.tokens(start, start + n)
+        drafted: dict[int, list[int]] = {}  # a draft row's sequence -> the drafts before it
+        for s in scheduled:
+            r, start = s.request, s.request.num_computed_tokens
+            if not s.draft:
+                seqs.append((r, start, s.num_new_tokens))
+                token_ids += r.tokens(start, start + s.num_new_tokens)
+                continue
+            for i, token in enumerate([*r.tokens(start, start + 1), *s.draft]):
+                drafted[len(seqs)] = s.draft[:i]
+                seqs.append((r, start + i, 1))
+                token_ids.append(token)
+        reqs = [r for r, _, _ in seqs]
+        starts = [start for _, start, _ in seqs]
+        counts = [n for _, _, n in seqs]
+        num_decodes = sum(n == 1 for n in counts)
         dev = self.device
         q_lens = torch.tensor(counts, device=dev)
         ctx_lens = torch.tensor(starts, device=dev) + q_lens
@@ -234,7 +256,9 @@ class PagedExecutor:
         seq = torch.repeat_interleave(torch.arange(len(reqs), device=dev), q_lens)
         positions = ctx_lens[seq] - q_ends[seq] + torch.arange(len(token_ids), device=dev)
         started = time.perf_counter()
-        done = [b for b, r in enumerate(reqs) if starts[b] + counts[b] == r.num_tokens]
+        done = [
+            b for b, r in enumerate(reqs) if b in drafted or starts[b] + counts[b] == r.num_tokens
+        ]
         ends = list(itertools.accumulate(counts))
         scoring = prompt_scoring(reqs, starts, counts)
         score_rows = [
@@ -253,7 +277,7 @@ class PagedExecutor:
             max(counts),
             self._take_moves(),
         )
-        constrained = [b for b in done if reqs[b].matcher is not None]
+        constrained = [b for b in done if reqs[b].matcher is not None]  # never drafted
         masks = (  # filled in a thread while the forward runs (both release the GIL)
             self._mask_thread.submit(
                 self.grammars.fill_masks, [reqs[b].matcher for b in constrained]
@@ -267,25 +291,36 @@ class PagedExecutor:
             score_prompts(logits[[at[r] for r in score_rows]], reqs, scoring)
             logits = logits[[at[ends[b] - 1] for b in done]] if done else logits
         allowed = dict(zip(constrained, masks.result(), strict=True)) if masks else {}
-        for r, start, n in zip(reqs, starts, counts, strict=True):
-            self.kv.cache_full_pages(r, start + n)
         if len(token_ids) >= self.kv.page_size:  # prefill-heavy: the rate recompute would cost
             synchronize(dev)
             self.kv.observe_compute(len(token_ids), time.perf_counter() - started)
-        if not done:
-            return {}
         rows = [
             SamplingRow(
                 reqs[b].params,
                 reqs[b].prompt_token_ids,
-                reqs[b].output_token_ids,
+                [*reqs[b].output_token_ids, *drafted[b]]
+                if b in drafted
+                else reqs[b].output_token_ids,
                 reqs[b].generator,
                 reqs[b].eos_token_ids,
                 allowed.get(b),
             )
             for b in done
         ]
-        return dict(zip([reqs[b].request_id for b in done], sample(logits, rows), strict=True))
+        sampled: dict[str, list[Sampled]] = {}
+        for b, got in zip(done, sample(logits, rows) if done else [], strict=True):
+            kept = sampled.setdefault(reqs[b].request_id, [])
+            if b not in drafted or _agrees(kept, drafted[b]):
+                kept.append(got)
+        for s in scheduled:
+            r, start = s.request, s.request.num_computed_tokens
+            if not s.draft:
+                self.kv.cache_full_pages(r, start + s.num_new_tokens)
+                continue
+            drafts = [t.token_id for t in sampled[r.request_id][:-1]]  # kept: computed here
+            self.kv.cache_full_pages(r, r.num_tokens + len(drafts), r.token_ids + drafts)
+            self.kv.trim(r, r.num_tokens + len(drafts))  # the rejected drafts' KV goes
+        return sampled
 
     def run(self, step: StepInputs) -> torch.Tensor:
         """The forward of one step: rank 0 broadcasts it first to the other ranks; a pipeline
@@ -448,9 +483,9 @@ class PagedExecutor:
         for r, n in plan:
             if not self.kv.allocate(r, n):
                 raise PyptoError(f"the KV cache ({self.kv.num_pages} pages) is too small to run")
-        for request_id, token in self.execute(out).items():
+        for request_id, tokens in self.execute(out).items():
             next(q for q in reqs if q.request_id == request_id).output_token_ids.append(
-                token.token_id
+                tokens[0].token_id
             )
         for r, n in plan:
             r.num_computed_tokens += n

@@ -58,8 +58,9 @@ class ReferenceExecutor:
         self.kv = DenseKVStore(model.cfg.num_layers)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, Sampled]:
-        """Run each scheduled request's new tokens; sample for those that caught up."""
+    def execute(self, out: SchedulerOutput) -> dict[str, list[Sampled]]:
+        """Run each scheduled request's new tokens; sample for those that caught up (one
+        token each: no speculative drafts here)."""
         hidden, rows, ids = [], [], []
         for s in out.scheduled:
             req, start = s.request, s.request.num_computed_tokens
@@ -90,4 +91,4 @@ class ReferenceExecutor:
         if not rows:
             return {}
         logits = self.model.logits(torch.stack(hidden))
-        return dict(zip(ids, sample(logits, rows), strict=True))
+        return {i: [token] for i, token in zip(ids, sample(logits, rows), strict=True)}

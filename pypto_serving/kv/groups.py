@@ -182,10 +182,19 @@ class KVGroups:
 
     # --- the executor's side -----------------------------------------------------------------
 
-    def cache_full_pages(self, request: Request, num_computed_tokens: int) -> None:
-        """Index every group's newly full pages; windows give back the pages they passed."""
+    def cache_full_pages(
+        self, request: Request, num_computed_tokens: int, tokens: list[int] | None = None
+    ) -> None:
+        """Index every group's newly full pages; windows give back the pages they passed
+        (tokens: as `KVManager.cache_full_pages` takes them)."""
         for m in self.managers:
-            m.cache_full_pages(request, num_computed_tokens)
+            m.cache_full_pages(request, num_computed_tokens, tokens)
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Every group gives back the request's pages past its first `num_tokens` tokens
+        (the KV of rejected speculative drafts)."""
+        for m in self.managers:
+            m.trim(request, num_tokens)
 
     def pages(self, request_ids: list[str]) -> dict[str, list[list[int]]]:
         """The requests' page lists in each group (by name): what a step's batch carries."""

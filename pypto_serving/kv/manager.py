@@ -326,13 +326,16 @@ class KVManager:
 
     # --- the executor's side ---------------------------------------------------------------
 
-    def cache_full_pages(self, request: Request, num_computed_tokens: int) -> None:
+    def cache_full_pages(
+        self, request: Request, num_computed_tokens: int, tokens: list[int] | None = None
+    ) -> None:
         """Index the request's pages that became full (their KV is written now); a window
-        gives back the pages it has passed."""
+        gives back the pages it has passed. tokens: the request's tokens with those computed
+        that are not its own yet (speculative drafts the step kept), else its own."""
         table = self.tables[request.request_id]
         num_full = num_computed_tokens // self.page_size
         if self.pool.prefix_caching and len(table.hashes) < num_full:
-            tokens = request.token_ids
+            tokens = request.token_ids if tokens is None else tokens
             parent = table.hashes[-1] if table.hashes else None
             for i in range(len(table.hashes), num_full):
                 chunk = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
@@ -343,6 +346,16 @@ class KVManager:
                 parent = page_hash
         if self.keep is not None:
             self.release_before(request, num_computed_tokens - self.keep)
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's pages wholly past its first `num_tokens` tokens: a step
+        wrote keys there for speculative drafts it then rejected (never indexed: a later
+        token writes its own)."""
+        table = self.tables[request.request_id]
+        keep = -(-num_tokens // self.page_size)
+        if len(table.pages) > keep:
+            self.pool.free(table.pages[keep:][::-1])
+            del table.pages[keep:]
 
     def pages(self, request_ids: list[str]) -> list[list[int]]:
         """The requests' page lists (-1 where a window gave a page back): what the attention

@@ -1,6 +1,7 @@
 // The fused decode step for the CPU: the whole forward of a step of decodes (one new token
-// per sequence, up to MAX_ROWS sequences; the executor sends a few, or every step's where a
-// model's records are its only weights) in one call, the way llama.cpp runs a token:
+// per row, up to MAX_ROWS rows; the executor sends a few, or every step's where a model's
+// records are its only weights; rows of one sequence are speculative decoding's guesses,
+// each at its position) in one call, the way llama.cpp runs a token:
 // the embedding, every decoder layer (RMSNorm, q/k/v, q/k norm, RoPE, the KV write, paged
 // attention, the output projection, RMSNorm, SwiGLU) and the final norm and LM head.
 //
@@ -86,6 +87,7 @@ struct Scratch {
     std::vector<float> x, h, qkv, attn, gate_up, cos, sin, part, sum;
     Activations qx, qa, qm;  // the rows as the matmuls read them: normed, attention's, MLP's
     int status = 0;                // the first failed collective's
+    bool shared = false;           // rows of one sequence: all keys written before any attends
 };
 
 // Under TP: the sum over the ranks of every rank's partial `w.part` [rows, hidden], added
@@ -128,6 +130,23 @@ void quantize_rows(const float* x, int rows, int format, Activations& qx) {
     for (int m = 0; m < rows; ++m) quantize_row(x, m, format, qx);
 }
 
+// One KV head's share of a layer's cache (k_cache or v_cache).
+char* head_cache(const Model& md, void* cache, int kvh) {
+    return static_cast<char*>(cache) + kvh * md.head_stride * (md.kv_int8 ? 1 : 2);
+}
+
+// Row m's query heads of KV head kvh (normed and roped in w.qkv) over its context.
+void attend_head(const Model& md, const Layer& ly, const Step& s, int m, int kvh, Scratch& w) {
+    const int dim = md.head_dim, group = md.heads / md.kv_heads;
+    const int64_t qkv_size = int64_t(md.heads + 2 * md.kv_heads) * dim;
+    const float* q = &w.qkv[m * qkv_size + kvh * group * dim];
+    pypto_decode_attention_head(md.kv_int8, q, head_cache(md, ly.k_cache, kvh),
+                                head_cache(md, ly.v_cache, kvh),
+                                s.block_table + int64_t(m) * s.width, s.ctx_lens[m],
+                                &w.attn[(int64_t(m) * md.heads + kvh * group) * dim],
+                                md.page_size, 1.0f / std::sqrt(float(dim)));
+}
+
 // One decoder layer over s.rows rows of the residual stream x (called by every thread).
 void layer(const Model& md, const Layer& ly, const Step& s, Scratch& w) {
     const int rows = s.rows, dim = md.head_dim, half = dim / 2;
@@ -136,7 +155,6 @@ void layer(const Model& md, const Layer& ly, const Step& s, Scratch& w) {
     const int qkv_size = q_size + 2 * kv_size;
     norm_rows(md, ly.input_norm, rows, ly.qkv.format, w);
     product(ly.qkv, w.qx, rows, w.qkv.data(), qkv_size, false);
-    const float scale = 1.0f / std::sqrt(float(dim));
 #pragma omp for schedule(dynamic, 1)
     for (int item = 0; item < rows * md.kv_heads; ++item) {
         const int m = item / md.kv_heads, kvh = item % md.kv_heads;
@@ -151,13 +169,14 @@ void layer(const Model& md, const Layer& ly, const Step& s, Scratch& w) {
         }
         if (ly.k_norm) rms_norm(k, ly.k_norm, dim, md.eps, k);
         rope(k, cos, sin, half);
-        const size_t elem = md.kv_int8 ? 1 : 2;
-        char* kc = static_cast<char*>(ly.k_cache) + kvh * md.head_stride * elem;
-        char* vc = static_cast<char*>(ly.v_cache) + kvh * md.head_stride * elem;
-        pypto_store_kv_head(md.kv_int8, k, v, kc, vc, s.slots[m]);
-        pypto_decode_attention_head(md.kv_int8, q, kc, vc, s.block_table + int64_t(m) * s.width,
-                                    s.ctx_lens[m], &w.attn[(int64_t(m) * md.heads + kvh * group) * dim],
-                                    md.page_size, scale);
+        pypto_store_kv_head(md.kv_int8, k, v, head_cache(md, ly.k_cache, kvh),
+                            head_cache(md, ly.v_cache, kvh), s.slots[m]);
+        if (!w.shared) attend_head(md, ly, s, m, kvh, w);
+    }
+    if (w.shared) {  // every row's key and value is written (the loop's barrier): attend
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < rows * md.kv_heads; ++item)
+            attend_head(md, ly, s, item / md.kv_heads, item % md.kv_heads, w);
     }
     quantize_rows(w.attn.data(), rows, ly.o.format, w.qa);
     row_parallel(md, s, ly.o, w.qa, w);
@@ -233,6 +252,13 @@ extern "C" int pypto_decode_step(const Model* model, const Step* step) {
             w.sin[m * half + i] = std::sin(angle) * md.rope_scaling;
         }
     }
+    // Speculative decoding verifies a sequence's guesses as rows of one step, each at its
+    // position: a row attends over the keys of the rows before it, written in this step.
+    // Rows of one sequence share their first page (so may rows of a shared prefix: they
+    // only take the same two passes).
+    for (int m = 1; m < rows && !w.shared; ++m)
+        for (int j = 0; j < m && !w.shared; ++j)
+            w.shared = s.block_table[int64_t(m) * s.width] == s.block_table[int64_t(j) * s.width];
     if (md.world > 1) reduce_into_x(md, s, rows, w);  // x is zero: the summed embedding
     w.qx.resize(rows, hidden);
     w.qa.resize(rows, md.heads * md.head_dim);

@@ -3,7 +3,8 @@ is lives in its file.
 
 A kind's module declares what it can run on (`KERNELS`: its paged operator attends on the
 native attention kernels; `NATIVE_DECODE`: the native decode step runs its decodes;
-`OWN_KERNELS`: its operator has native kernels of its own, which it loads itself), which
+`OWN_KERNELS`: its operator has native kernels of its own, which it loads itself;
+`SPECULATES`: speculative decoding's rejected drafts may leave entries behind), which
 the run plan (engine/plan.py) reads once; its KV groups (`kv_groups`, from the model config:
 each group's page layout, what a token costs, and the rule its manager keeps pages and claims
 prefix hits by: every token, or a window of the last `keep`); builds a step's attention
@@ -44,6 +45,10 @@ class AttentionKind(Protocol):
     OWN_KERNELS: bool
     """Whether its paged operator has native kernels of its own (a library of its own, which
     it loads where the run plan says so: `StepBatch.own_kernels`)."""
+    SPECULATES: bool
+    """Whether a step's entries of tokens it then drops can be left behind (speculative
+    decoding's rejected drafts): each entry is written at its token's position and read only
+    by later positions, so the next token written there replaces it."""
 
     def kv_groups(
         self,

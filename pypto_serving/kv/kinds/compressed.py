@@ -50,6 +50,7 @@ NAME = "compressed"
 KERNELS = False
 NATIVE_DECODE = False
 OWN_KERNELS = True
+SPECULATES = False
 """A step's decodes attend in one call of its own native kernel (native/compressed.cpp, a
 library of no shape), where the run plan runs native attention (`StepBatch.own_kernels`)."""
 ROWS, ENTRIES, INPUTS = "compressed-rows", "compressed-entries", "compressed-inputs"

@@ -22,6 +22,7 @@ NAME = "gqa"
 KERNELS = True
 NATIVE_DECODE = True
 OWN_KERNELS = False
+SPECULATES = True
 
 step = paged_step
 """Its step: `StepAttention` over its one group of full attention."""

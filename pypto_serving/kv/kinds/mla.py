@@ -26,6 +26,7 @@ NAME = "mla"
 KERNELS = True
 NATIVE_DECODE = False
 OWN_KERNELS = False
+SPECULATES = True
 
 step = paged_step
 """Its step: `StepAttention` over its one group of full attention."""

@@ -42,6 +42,7 @@ NAME = "window"
 KERNELS = False
 NATIVE_DECODE = False
 OWN_KERNELS = False
+SPECULATES = True
 FULL, SLIDING = "full", "sliding"
 """The names of the kind's groups (they key the SSD tier's folders apart)."""
 

@@ -1,0 +1,141 @@
+"""Speculative decoding: what a step verifies beside a request's last token, and how much.
+
+A decoding request may be given draft tokens, guesses of the tokens that follow its last one.
+The step then computes the last token and the drafts as rows of the same forward (the target
+model reads its weights once for all of them), samples each row as it would have sampled that
+position, and keeps the drafts up to the first one its own sample disagrees with, plus that
+sample: one to k + 1 tokens for one step. Every kept token is the target's own sample given
+the tokens before it, so greedy outputs are the plain ones, and sampled ones come from the
+same distribution (a draft that is one fixed token is accepted exactly as often as the target
+draws it, and a draw that differs is a draw from the target's distribution without it: the
+rejection rule of speculative sampling for a one-token proposal).
+
+Drafts come from n-gram lookup here (vLLM's `ngram` method, llama.cpp's lookup decoding):
+the longest recent n-gram of the request's tokens that occurred before, continued by what
+followed it then. How many a request gets follows how its last drafts fared
+(`Speculator.budget`): a request whose text does not repeat itself costs few extra rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pypto_serving.config import SpeculativeSpec
+from pypto_serving.request import Request
+
+
+@dataclass(slots=True)
+class NgramIndex:
+    """One request's n-grams (sizes lo..hi) by where their latest occurrence ends, indexed as
+    its tokens grow (each token once)."""
+
+    lo: int
+    hi: int
+    ends: dict[tuple[int, ...], int] = field(default_factory=dict)
+    indexed: int = 0
+    """Tokens whose n-grams ending there are in `ends`."""
+
+    def draft(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest n-gram
+        the tokens end with; where that occurrence runs into the end (a repeating pattern),
+        the draft goes on as the pattern does. Empty: none occurred before."""
+        end = len(tokens)
+        for e in range(self.indexed + 1, end):  # n-grams ending before the last token
+            for n in range(self.lo, min(self.hi, e) + 1):
+                self.ends[tuple(tokens[e - n : e])] = e
+        self.indexed = max(self.indexed, end - 1)
+        for n in range(min(self.hi, end - 1), self.lo - 1, -1):
+            at = self.ends.get(tuple(tokens[end - n :]))
+            if at is not None:
+                out: list[int] = []
+                for i in range(k):
+                    j = at + i
+                    out.append(tokens[j] if j < end else out[j - end])
+                return out
+        return []
+
+
+@dataclass(frozen=True, slots=True)
+class SpecDecodeStats:
+    """Speculative decoding's running totals (vLLM's `spec_decode_*` counters)."""
+
+    num_drafts: int
+    """Request steps that verified drafts."""
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: tuple[int, ...]
+    """How often a step's i-th draft token was kept."""
+
+    def __add__(self, other: SpecDecodeStats) -> SpecDecodeStats:
+        return SpecDecodeStats(
+            self.num_drafts + other.num_drafts,
+            self.num_draft_tokens + other.num_draft_tokens,
+            self.num_accepted_tokens + other.num_accepted_tokens,
+            tuple(
+                a + b
+                for a, b in itertools.zip_longest(
+                    self.accepted_per_position, other.accepted_per_position, fillvalue=0
+                )
+            ),
+        )
+
+
+class Speculator:
+    """Drafts for decoding requests, and what came of them (the engine's counters): the
+    scheduler asks `draft` for a request about to decode, and tells `observe` how many of
+    its drafts the step kept."""
+
+    def __init__(self, spec: SpeculativeSpec) -> None:
+        self.spec = spec
+        self._indexes: dict[str, NgramIndex] = {}
+        self._budgets: dict[str, int] = {}
+        self.num_drafts = 0
+        """Steps that verified drafts (vLLM's spec_decode_num_drafts)."""
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * spec.num_speculative_tokens
+        """How often the i-th draft token of a step was kept."""
+
+    def budget(self, request_id: str) -> int:
+        """How many drafts the request gets now: k at first; after a step that kept every
+        draft, twice as many as it had (at most k); after one that did not, one more than it
+        kept. A text that repeats itself soon verifies k at a time; drafts that keep missing
+        cost one row a step."""
+        return self._budgets.get(request_id, self.spec.num_speculative_tokens)
+
+    def draft(self, request: Request, limit: int) -> list[int]:
+        """Draft tokens to verify after the request's last token: at most `limit` (what its
+        max_tokens, context and the step's budget leave) and its `budget`; none for requests
+        whose tokens a step must take one at a time (a grammar's)."""
+        if limit < 1 or request.matcher is not None:
+            return []
+        index = self._indexes.get(request.request_id)
+        if index is None:
+            index = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+            self._indexes[request.request_id] = index
+        return index.draft(request.token_ids, min(limit, self.budget(request.request_id)))
+
+    def observe(self, request_id: str, drafted: int, kept: int) -> None:
+        """A step verified `drafted` drafts of the request and kept the first `kept`."""
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += kept
+        for i in range(kept):
+            self.accepted_per_position[i] += 1
+        k = self.spec.num_speculative_tokens
+        self._budgets[request_id] = min(2 * drafted, k) if kept == drafted else kept + 1
+
+    def stats(self) -> SpecDecodeStats:
+        return SpecDecodeStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            tuple(self.accepted_per_position),
+        )
+
+    def forget(self, request_id: str) -> None:
+        """The request left the engine (finished, aborted): its index goes."""
+        self._indexes.pop(request_id, None)
+        self._budgets.pop(request_id, None)
