@@ -5,8 +5,9 @@ Each workload's chat prompts (`pypto_serving.bench.datasets.WORKLOADS`: `echo` a
 given text back, repeated or lightly edited; `open` for new text) run greedy, to EOS or
 `--output-len`, one request at a time, on two engines of the same model held side by side in
 one process: plain, then with `--speculative-config`, prompt by prompt, for `--rounds`
-rounds. Output tok/s is a request's tokens over its whole time (prefill included); the ratio
-is the median of each prompt's back-to-back pairs. The two engines' tokens are checked equal.
+rounds. Output tok/s is a request's tokens over its whole time (prefill included), decode
+tok/s those after the first over the time after it; each ratio is the median of the prompts'
+back-to-back pairs. The two engines' tokens are checked equal.
 
 llama.cpp (llama-cpp-python, ~/.cache/peers/llamacpp) runs the same token ids on the same
 GGUF file the same way, plain and with its prompt lookup decoding (`LlamaPromptLookupDecoding`,
@@ -39,12 +40,12 @@ DEFAULT_SPEC = {
 }
 
 
-def summary(pairs: list[tuple[float, float]]) -> dict[str, float]:
-    """Medians of (plain, speculative) output tok/s pairs, and the median of their ratios."""
+def summary(pairs: list[tuple[float, float]], key: str = "") -> dict[str, float]:
+    """Medians of (plain, speculative) tok/s pairs, and the median of their ratios."""
     return {
-        "plain_tok_per_s": statistics.median(p for p, _ in pairs),
-        "speculative_tok_per_s": statistics.median(s for _, s in pairs),
-        "ratio": statistics.median(s / p for p, s in pairs),
+        f"plain{key}_tok_per_s": statistics.median(p for p, _ in pairs),
+        f"speculative{key}_tok_per_s": statistics.median(s for _, s in pairs),
+        f"ratio{key}": statistics.median(s / p for p, s in pairs),
     }
 
 
@@ -53,9 +54,7 @@ def llamacpp_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     threads = len(os.sched_getaffinity(0))
-    lookup = LlamaPromptLookupDecoding(
-        max_ngram_size=spec["lookup_max"], num_pred_tokens=spec["k"]
-    )
+    lookup = LlamaPromptLookupDecoding(max_ngram_size=spec["lookup_max"], num_pred_tokens=spec["k"])
     engines = {
         name: llama_cpp.Llama(
             spec["gguf"], n_ctx=2048, n_threads=threads, verbose=False, draft_model=draft
@@ -63,71 +62,72 @@ def llamacpp_worker(spec: dict[str, Any]) -> dict[str, Any]:
         for name, draft in (("plain", None), ("speculative", lookup))
     }
 
-    def run(llm: Any, ids: list[int]) -> tuple[float, list[int]]:
-        start, out = time.perf_counter(), []
+    def run(llm: Any, ids: list[int]) -> tuple[float, float, list[int]]:
+        """Output tok/s over the whole request, decode tok/s after the first token."""
+        start, first, out = time.perf_counter(), 0.0, []
         for token in llm.generate(ids, temp=0.0, repeat_penalty=1.0, reset=True):
+            first = first or time.perf_counter()
             if token == llm.token_eos():
                 break
             out.append(token)
             if len(out) == spec["output_len"]:
                 break
-        return len(out) / (time.perf_counter() - start), out
+        end = time.perf_counter()
+        return len(out) / (end - start), (len(out) - 1) / max(end - first, 1e-9), out
 
     for llm in engines.values():
-        run(llm, spec["prompts"]["open"][0][:16])  # warm up
+        run(llm, spec["prompts"][next(iter(spec["prompts"]))][0][:16])  # warm up
     result: dict[str, Any] = {"version": f"llama-cpp-python {llama_cpp.__version__}"}
     for workload, prompts in spec["prompts"].items():
-        pairs, same = [], True
+        pairs, decode_pairs, same = [], [], True
         for _ in range(spec["rounds"]):
             for ids in prompts:
-                plain, a = run(engines["plain"], ids)
-                fast, b = run(engines["speculative"], ids)
+                plain, plain_decode, a = run(engines["plain"], ids)
+                fast, fast_decode, b = run(engines["speculative"], ids)
                 pairs.append((plain, fast))
+                decode_pairs.append((plain_decode, fast_decode))
                 same = same and a == b
-        result[workload] = summary(pairs) | {"same_tokens": same}
+        result[workload] = summary(pairs) | summary(decode_pairs, "_decode") | {"same_tokens": same}
     return result
 
 
 def run_ours(args: argparse.Namespace, spec: dict[str, Any]) -> tuple[dict[str, Any], dict]:
     from pypto_serving import LLM
     from pypto_serving.bench.datasets import WORKLOADS, chat_prompts
-    from pypto_serving.sampling import SamplingParams
+    from pypto_serving.bench.latency import time_request
 
     plain = LLM(model=args.model)
     fast = LLM(model=args.model, speculative_config=spec)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len)
-
-    def run(llm: Any, ids: list[int]) -> tuple[float, list[int]]:
-        start = time.perf_counter()
-        out = llm.generate([ids], params, use_tqdm=False)[0]
-        tokens = list(out.outputs[0].token_ids)
-        return len(tokens) / (time.perf_counter() - start), tokens
-
     prompts = {w: chat_prompts(plain.tokenizer, w) for w in WORKLOADS if w in args.workloads}
-    for llm in (plain, fast):
-        run(llm, prompts[args.workloads[0]][0])  # warm up: compiled shapes, caches
+    for llm in (plain, fast):  # warm up: compiled shapes, caches
+        time_request(llm, prompts[args.workloads[0]][0], 8)
     result: dict[str, Any] = {}
     for workload, ids_list in prompts.items():
         before = fast.engine.stats().spec_decode
-        pairs, same, lengths = [], True, []
+        pairs, decode_pairs, same, lengths = [], [], True, []
         for _ in range(args.rounds):
             for ids in ids_list:
-                p, a = run(plain, ids)
-                s, b = run(fast, ids)
-                pairs.append((p, s))
-                lengths.append(len(a))
-                same = same and a == b
+                p = time_request(plain, ids, args.output_len, ignore_eos=False)
+                s = time_request(fast, ids, args.output_len, ignore_eos=False)
+                pairs.append((p.output_tok_per_s, s.output_tok_per_s))
+                decode_pairs.append((p.decode_tok_per_s, s.decode_tok_per_s))
+                lengths.append(p.output_tokens)
+                same = same and p.token_ids == s.token_ids
         after = fast.engine.stats().spec_decode
         assert before is not None and after is not None
         drafts = after.num_draft_tokens - before.num_draft_tokens
         kept = after.num_accepted_tokens - before.num_accepted_tokens
         steps = after.num_drafts - before.num_drafts
-        result[workload] = summary(pairs) | {
-            "same_tokens": same,
-            "output_tokens_median": statistics.median(lengths),
-            "draft_acceptance": kept / drafts if drafts else 0.0,
-            "tokens_per_step_with_drafts": 1 + kept / steps if steps else 1.0,
-        }
+        result[workload] = (
+            summary(pairs)
+            | summary(decode_pairs, "_decode")
+            | {
+                "same_tokens": same,
+                "output_tokens_median": statistics.median(lengths),
+                "draft_acceptance": kept / drafts if drafts else 0.0,
+                "tokens_per_step_with_drafts": 1 + kept / steps if steps else 1.0,
+            }
+        )
     return result, prompts
 
 
@@ -164,13 +164,13 @@ def markdown(report: dict[str, Any]) -> str:
         f"Machine: {report['cpu']}; model {report['model']}; drafts {json.dumps(report['spec'])}; "
         f"{report['rounds']} rounds, output <= {report['output_len']} tokens, greedy.",
         "",
-        "| engine | workload | plain tok/s | speculative tok/s | ratio (median of pairs) "
-        "| drafts kept | tokens per step | same tokens |",
-        "|---|---|---|---|---|---|---|---|",
+        "| engine | workload | output tok/s plain / speculative | ratio | decode tok/s plain / "
+        "speculative | ratio | drafts kept | tokens per step | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for engine, result in report["engines"].items():
         if "note" in result:
-            lines.append(f"| {engine} | {result['note']} | | | | | | |")
+            lines.append(f"| {engine} | {result['note']} | | | | | | | |")
             continue
         for workload in report["workloads"]:
             r = result.get(workload)
@@ -179,8 +179,10 @@ def markdown(report: dict[str, Any]) -> str:
             kept = r.get("draft_acceptance")
             per_step = r.get("tokens_per_step_with_drafts")
             lines.append(
-                f"| {engine} | {workload} | {r['plain_tok_per_s']:.1f} | "
+                f"| {engine} | {workload} | {r['plain_tok_per_s']:.1f} / "
                 f"{r['speculative_tok_per_s']:.1f} | {r['ratio']:.2f}x | "
+                f"{r['plain_decode_tok_per_s']:.1f} / {r['speculative_decode_tok_per_s']:.1f} | "
+                f"{r['ratio_decode']:.2f}x | "
                 f"{'' if kept is None else f'{100 * kept:.0f} %'} | "
                 f"{'' if per_step is None else f'{per_step:.2f}'} | {r['same_tokens']} |"
             )

@@ -158,11 +158,15 @@ def test_replicas_counters_add_up():
 # --- greedy: the plain tokens ------------------------------------------------------------------
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-VARIANTS = {
-    "bf16-native": {},  # the native step takes 8 rows: the drafts are cut to fit beside decodes
-    "int4-native": {"quantization": "int4"},  # the records are its only weights: 256 rows
-    "graphs": {"native_decode": False},
-    "batch-invariant": {"batch_invariant": True},
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # the native step takes 8 rows: the drafts are cut to fit beside the decodes
+    "bf16-native": (MODEL, {}),
+    "int4-native": (MODEL, {"quantization": "int4"}),  # records its only weights: 256 rows
+    "graphs": (MODEL, {"native_decode": False}),
+    "batch-invariant": (MODEL, {"batch_invariant": True}),
+    "llama-graphs": ("llama-gqa4-tied", {}),
+    "mla": ("deepseekv3-qlora-yarn", {"dtype": "float32"}),  # one latent entry per token
+    "window": ("mistral-window8", {"dtype": "float32", "page_size": 4}),  # pages given back
 }
 
 
@@ -173,7 +177,8 @@ def plain(tiny_model) -> Any:
 
     def get(variant: str) -> list[list[int]]:
         if variant not in made:
-            with LLM(str(tiny_model(MODEL)), enforce_eager=True, **VARIANTS[variant]) as llm:
+            name, knobs = VARIANTS[variant]
+            with LLM(str(tiny_model(name)), enforce_eager=True, **knobs) as llm:
                 made[variant] = tokens(llm.generate(prompts(), GREEDY, use_tqdm=False))
         return made[variant]
 
@@ -183,16 +188,17 @@ def plain(tiny_model) -> Any:
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_greedy_tokens_are_the_plain_ones(tiny_model, plain, variant):
     """A batch of 8 with drafts, then each prompt alone (its prompt now a prefix hit): the
-    plain batch's tokens every time."""
-    knobs = VARIANTS[variant]
-    with LLM(str(tiny_model(MODEL)), enforce_eager=True, speculative_config=NGRAM, **knobs) as llm:
+    plain batch's tokens every time; GQA on the native step and the graphs, MLA's latent
+    entries, and windowed layers whose passed pages go back as the drafts move them."""
+    name, knobs = VARIANTS[variant]
+    with LLM(str(tiny_model(name)), enforce_eager=True, speculative_config=NGRAM, **knobs) as llm:
         native = llm.engine.executor.native is not None
         assert native == variant.endswith("native")
         assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == plain(variant)
         alone = [tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts()]
         assert alone == plain(variant)
         assert llm.engine.stats().prefix_hits > 0
-        spec = assert_drafts_held_and_missed(llm)
+        spec = assert_drafts_held_and_missed(llm, missed=name == MODEL)
         if variant == "bf16-native":  # the 8-row cap left room for drafts now and then
             assert spec.num_drafts > 0
 
@@ -361,3 +367,23 @@ def test_data_parallel_replicas_send_every_kept_token(tiny_model):
     with LLM(path, enforce_eager=True, speculative_config=NGRAM, **knobs) as llm:
         assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == want
         assert_drafts_held_and_missed(llm)
+
+
+@pytest.mark.slow
+def test_the_default_model_gives_its_plain_tokens_and_keeps_drafts_of_echoed_text():
+    """SmolLM2 from its GGUF (the records its only weights: every decode and its drafts in
+    the native step): the echo and open workloads' replies, speculative and plain, are the
+    same tokens, and drafts are kept on the echoed text."""
+    from pypto_serving.bench.datasets import chat_prompts
+
+    params = SamplingParams(temperature=0, max_tokens=96)
+    with LLM("default") as llm:
+        ps = chat_prompts(llm.tokenizer, "echo")[:2] + chat_prompts(llm.tokenizer, "open")[:1]
+        want = tokens(llm.generate(ps, params, use_tqdm=False))
+    spec = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4}
+    with LLM("default", speculative_config=spec) as llm:
+        assert llm.engine.executor.native_rows == 256
+        got = [tokens(llm.generate([p], params, use_tqdm=False))[0] for p in ps]
+        kept = assert_drafts_held_and_missed(llm)
+    assert got == want
+    assert kept.num_accepted_tokens > len(want[0]) // 2  # most of the echo came from drafts

@@ -67,15 +67,18 @@ _TYPOS = (
     "about the new travel polcy. Coffee and pastries will be provided, and the meeting should "
     "finish before lunch."
 )
+_STEPS = (
+    "1. Preheat the oven to 200 degrees.\n2. Mix the flour, sugar and butter in a large "
+    "bowl.\n3. Add two eggs and a cup of milk, then stir until smooth.\n4. Pour the batter "
+    "into a greased tin.\n5. Bake for thirty minutes, until golden."
+)
 WORKLOADS: dict[str, list[str]] = {
     "echo": [
         f"Repeat the following text exactly, with no other words:\n\n{_PARAGRAPH}",
-        "Rename the variable subtotal to net_amount in this Python code. Reply with the whole "
-        f"code only.\n\n```python\n{_CODE}```",
-        f"Fix the spelling mistakes in this text and reply with the corrected text only:\n\n"
-        f"{_TYPOS}",
-        f"Add a comment above each line of this function. Reply with the code only.\n\n"
+        "Rewrite this Python code with the variable subtotal renamed to net_amount:\n\n"
         f"```python\n{_CODE}```",
+        f"Correct the spelling in the following text and write it out again in full:\n\n{_TYPOS}",
+        f"Repeat this list exactly:\n\n{_STEPS}",
     ],
     "open": [
         "Write a short story about a lighthouse keeper who finds a message in a bottle.",

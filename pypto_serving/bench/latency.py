@@ -45,6 +45,7 @@ class Timing:
     ttft_s: float
     decode_s: float
     output_tokens: int
+    token_ids: list[int] = field(default_factory=list)
 
     @property
     def decode_tok_per_s(self) -> float:
@@ -111,7 +112,9 @@ def time_request(llm: LLM, prompt: list[int], output_len: int, ignore_eos: bool 
     while not request.finished:
         llm.step()
     end = time.perf_counter()
-    return Timing(first - start, end - first, len(request.output_token_ids))
+    return Timing(
+        first - start, end - first, len(request.output_token_ids), request.output_token_ids
+    )
 
 
 def run(args: argparse.Namespace) -> int:
