@@ -333,15 +333,37 @@ class Grammars:
         """A fresh matcher for spec, or PyptoError (a 400) as `admit`."""
         return self.admit(spec, min_tokens).matcher.deep_copy()
 
+    def fill_draft_masks(self, matcher: Any, drafts: list[int]) -> torch.Tensor:
+        """The matcher's masks (as `fill_masks`) at each row of a speculative step: before the
+        drafts, after the first, ..., after all (len(drafts) + 1 rows), the matcher left as it
+        was (its grammar accepts the drafts: `Speculator.draft` cut them where it did not)."""
+        masks = self._empty(len(drafts) + 1)
+        consumed = 0
+        for i in range(len(drafts) + 1):
+            self._fill([(matcher, i)], masks)
+            if i < len(drafts):
+                if not matcher.consume_token(drafts[i]):  # (never: the drafts were cut)
+                    break
+                consumed += 1
+        matcher.rollback(consumed)
+        return masks
+
+    def _empty(self, rows: int) -> torch.Tensor:
+        words = -(-self.vocabulary.tokenizer().vocab_size // 32)
+        return torch.zeros(rows, words, dtype=torch.int32)
+
+    def _fill(self, rows: list[tuple[Any, int]], masks: torch.Tensor) -> None:
+        _executor().unsafe_compute_mask_ptr(
+            rows, masks.data_ptr(), masks.shape[1] * 4, masks.shape[0]
+        )
+        self.masks_filled += len(rows)
+
     def fill_masks(self, matchers: list[Any]) -> torch.Tensor:
         """Each matcher's allowed next tokens, one row of int32 words (bit t % 32 of word
         t // 32 is token t), filled by llguidance's threads outside the GIL, MASK_CHUNK rows
         at a time (its own `fill_next_token_bitmask_par`, without importing llguidance.torch:
         that compiles a kernel with torch.compile); a matcher in error allows only EOS."""
-        words = -(-self.vocabulary.tokenizer().vocab_size // 32)
-        masks = torch.zeros(len(matchers), words, dtype=torch.int32)
+        masks = self._empty(len(matchers))
         for lo in range(0, len(matchers), MASK_CHUNK):
-            rows = [(m, i) for i, m in enumerate(matchers[lo : lo + MASK_CHUNK], lo)]
-            _executor().unsafe_compute_mask_ptr(rows, masks.data_ptr(), words * 4, len(matchers))
-            self.masks_filled += len(rows)
+            self._fill([(m, i) for i, m in enumerate(matchers[lo : lo + MASK_CHUNK], lo)], masks)
         return masks

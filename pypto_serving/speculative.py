@@ -107,15 +107,18 @@ class Speculator:
 
     def draft(self, request: Request, limit: int) -> list[int]:
         """Draft tokens to verify after the request's last token: at most `limit` (what its
-        max_tokens, context and the step's budget leave) and its `budget`; none for requests
-        whose tokens a step must take one at a time (a grammar's)."""
-        if limit < 1 or request.matcher is not None:
+        max_tokens, context and the step's budget leave) and its `budget`; a structured
+        output's drafts end before the first one its grammar refuses."""
+        if limit < 1:
             return []
         index = self._indexes.get(request.request_id)
         if index is None:
             index = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
             self._indexes[request.request_id] = index
-        return index.draft(request.token_ids, min(limit, self.budget(request.request_id)))
+        out = index.draft(request.token_ids, min(limit, self.budget(request.request_id)))
+        if out and request.matcher is not None:
+            out = out[: request.matcher.validate_tokens(out)]
+        return out
 
     def observe(self, request_id: str, drafted: int, kept: int) -> None:
         """A step verified `drafted` drafts of the request and kept the first `kept`."""

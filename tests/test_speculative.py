@@ -1,8 +1,9 @@
 """Speculative decoding (n-gram drafts): greedy tokens are the plain ones, bit for bit, on the
 native decode step (rows of one sequence in one call: bf16's 8-row cap, int4's 256) and on the
-graphs, alone, batched, after a prefix hit, across preemptions, with stop tokens and strings
-and logprobs, in this CPU's build and the AVX2 build; sampled tokens come from the plain
-distribution (chi-square); the config's errors; the drafter's rules; the counters."""
+graphs, GQA, MLA and windowed layers, alone, batched, after a prefix hit, across preemptions,
+with stop tokens and strings, logprobs and a grammar, under TP 2 and DP 2, in this CPU's build
+and the AVX2 build; sampled tokens come from the plain distribution (chi-square); the config's
+errors; the drafter's rules; the counters."""
 
 from __future__ import annotations
 
@@ -246,6 +247,31 @@ def test_stops_and_logprobs_are_the_plain_ones(tiny_model):
     assert any(len(w.outputs[0].token_ids) < 32 for w in want)  # the stops did stop
 
 
+def test_a_grammars_outputs_are_the_plain_ones(tiny_model):
+    """Structured outputs: drafts end where the grammar would refuse them, each draft row is
+    masked as the grammar stands after the drafts before it, and the grammar's own end (a
+    completed match) among kept drafts ends the output there: the plain tokens, and text the
+    pattern matches."""
+    import re
+
+    from pypto_serving.sampling import StructuredOutputsParams
+
+    pattern = "(the (cat|dog) sat on the mat\\. ){2,4}"
+    params = SamplingParams(
+        temperature=0, max_tokens=96, structured_outputs=StructuredOutputsParams(regex=pattern)
+    )
+    texts = ["the cat", "a dog", "on the mat"]
+    path = str(tiny_model("llama-gqa4-tied"))
+    with LLM(path, enforce_eager=True) as llm:
+        want = llm.generate(texts, params, use_tqdm=False)
+    with LLM(path, enforce_eager=True, speculative_config=NGRAM) as llm:
+        got = [llm.generate([t], params, use_tqdm=False)[0] for t in texts]
+        assert_drafts_held_and_missed(llm, missed=False)
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert re.fullmatch(pattern, g.outputs[0].text), g.outputs[0].text
+
+
 AVX2_CHECK = """
 import json, sys
 sys.path.insert(0, sys.argv[2])
@@ -387,3 +413,18 @@ def test_the_default_model_gives_its_plain_tokens_and_keeps_drafts_of_echoed_tex
         kept = assert_drafts_held_and_missed(llm)
     assert got == want
     assert kept.num_accepted_tokens > len(want[0]) // 2  # most of the echo came from drafts
+
+
+def test_tensor_parallel_ranks_verify_the_drafts_together(tiny_model):
+    """TP 2: rank 0 decides the drafts, the step carries their rows to the other rank, and
+    each rank's share of the native step writes every row's keys before any row attends:
+    the plain TP 2 run's tokens."""
+    path = str(tiny_model(MODEL))
+    knobs: dict[str, Any] = {"quantization": "int4", "tensor_parallel_size": 2}
+    with LLM(path, enforce_eager=True, **knobs) as llm:
+        want = [tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts()]
+    with LLM(path, enforce_eager=True, speculative_config=NGRAM, **knobs) as llm:
+        native = llm.engine.executor.native
+        assert native is not None and native.comm is not None
+        assert [tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts()] == want
+        assert_drafts_held_and_missed(llm)

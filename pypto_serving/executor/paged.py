@@ -235,12 +235,14 @@ class PagedExecutor:
         seqs: list[tuple[Request, int, int]] = []  # (request, first position, tokens)
         token_ids: list[int] = []
         drafted: dict[int, list[int]] = {}  # a draft row's sequence -> the drafts before it
+        drafts: dict[int, list[int]] = {}  # a drafting request's first row -> its drafts
         for s in scheduled:
             r, start = s.request, s.request.num_computed_tokens
             if not s.draft:
                 seqs.append((r, start, s.num_new_tokens))
                 token_ids += r.tokens(start, start + s.num_new_tokens)
                 continue
+            drafts[len(seqs)] = s.draft
             for i, token in enumerate([*r.tokens(start, start + 1), *s.draft]):
                 drafted[len(seqs)] = s.draft[:i]
                 seqs.append((r, start + i, 1))
@@ -277,12 +279,11 @@ class PagedExecutor:
             max(counts),
             self._take_moves(),
         )
-        constrained = [b for b in done if reqs[b].matcher is not None]  # never drafted
+        constrained = [b for b in done if reqs[b].matcher is not None and b not in drafted]
+        drafting = {b: d for b, d in drafts.items() if reqs[b].matcher is not None}
         masks = (  # filled in a thread while the forward runs (both release the GIL)
-            self._mask_thread.submit(
-                self.grammars.fill_masks, [reqs[b].matcher for b in constrained]
-            )
-            if constrained and self.grammars is not None
+            self._mask_thread.submit(self._fill_masks, reqs, constrained, drafting)
+            if (constrained or drafting) and self.grammars is not None
             else None
         )
         logits = self.run(step)
@@ -290,7 +291,7 @@ class PagedExecutor:
             at = {row: i for i, row in enumerate(rows_wanted)}
             score_prompts(logits[[at[r] for r in score_rows]], reqs, scoring)
             logits = logits[[at[ends[b] - 1] for b in done]] if done else logits
-        allowed = dict(zip(constrained, masks.result(), strict=True)) if masks else {}
+        allowed = masks.result() if masks else {}
         if len(token_ids) >= self.kv.page_size:  # prefill-heavy: the rate recompute would cost
             synchronize(dev)
             self.kv.observe_compute(len(token_ids), time.perf_counter() - started)
@@ -317,10 +318,24 @@ class PagedExecutor:
             if not s.draft:
                 self.kv.cache_full_pages(r, start + s.num_new_tokens)
                 continue
-            drafts = [t.token_id for t in sampled[r.request_id][:-1]]  # kept: computed here
-            self.kv.cache_full_pages(r, r.num_tokens + len(drafts), r.token_ids + drafts)
-            self.kv.trim(r, r.num_tokens + len(drafts))  # the rejected drafts' KV goes
+            held = [t.token_id for t in sampled[r.request_id][:-1]]  # drafts computed here
+            self.kv.cache_full_pages(r, r.num_tokens + len(held), r.token_ids + held)
+            self.kv.trim(r, r.num_tokens + len(held))  # the rejected drafts' KV goes
         return sampled
+
+    def _fill_masks(
+        self, reqs: list[Request], rows: list[int], drafting: dict[int, list[int]]
+    ) -> dict[int, torch.Tensor]:
+        """The grammar masks of a step's constrained rows (by row): one row's each, and a
+        drafting request's at each of its rows (the matcher as if the drafts before it were
+        consumed)."""
+        assert self.grammars is not None
+        matchers = [reqs[b].matcher for b in rows]
+        out = dict(zip(rows, self.grammars.fill_masks(matchers), strict=True))
+        for first, draft in drafting.items():
+            masks = self.grammars.fill_draft_masks(reqs[first].matcher, draft)
+            out.update((first + i, mask) for i, mask in enumerate(masks))
+        return out
 
     def run(self, step: StepInputs) -> torch.Tensor:
         """The forward of one step: rank 0 broadcasts it first to the other ranks; a pipeline
