@@ -214,7 +214,9 @@ class NativeDecoder:
         """Float32 logits [B, vocab] of B <= MAX_ROWS decodes (one new token each: tokens,
         positions, their KV slots and block_table [B, W] as the attention operator mapped them
         (`StepAttention`), and context lengths, the new token included, all int64), whose keys
-        and values it writes into the KV cache."""
+        and values it writes into the KV cache. Rows of one sequence (speculative drafts,
+        each at its position) attend over each other's keys: decode.cpp writes them all
+        first."""
         rows = len(tokens)
         tables = [t.contiguous() for t in (tokens, positions, slots, block_table, ctx_lens)]
         out = torch.empty(rows, self._gathered)
