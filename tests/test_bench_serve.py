@@ -345,6 +345,28 @@ def test_shared_prefix_sends_one_prefix_and_unique_suffixes(tokenizer_dir):
     assert [b["prompt"] for b in server.bodies] == prompts  # seeded
 
 
+@pytest.mark.parametrize("workload", ["echo", "open"])
+def test_speculative_workloads_send_their_chat_prompts_in_turn(tokenizer_dir, workload):
+    """--dataset echo|open: speculative decoding's chat prompts, round and round; chat by
+    default, or their chat-template token ids to the completions endpoint."""
+    from pypto_serving.bench.datasets import WORKLOADS, chat_prompts
+    from pypto_serving.models.loader import load_tokenizer
+
+    texts = WORKLOADS[workload]
+    server = FakeServer()
+    args = bench_args(tokenizer_dir, "--dataset", workload, "--num-prompts", "6")
+    assert serve.run(args, server.transport) == 0
+    sent = sorted(b["messages"][-1]["content"] for b in server.bodies)
+    assert sent == sorted(texts[i % len(texts)] for i in range(6))
+    server = FakeServer()
+    args = bench_args(
+        tokenizer_dir, "--dataset", workload, "--num-prompts", "2", "--endpoint", "completions"
+    )
+    assert serve.run(args, server.transport) == 0
+    ids = chat_prompts(load_tokenizer(tokenizer_dir), workload)
+    assert sorted(b["prompt"] for b in server.bodies) == sorted(ids[:2])
+
+
 def test_multi_turn_prompt_grows_with_the_replies(tokenizer_dir, capsys):
     server = FakeServer(delay_s=0.001)
     args = bench_args(

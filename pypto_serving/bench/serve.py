@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 
 from pypto_serving.bench import report
-from pypto_serving.bench.datasets import sampling_vocab
+from pypto_serving.bench.datasets import WORKLOADS, sampling_vocab
 from pypto_serving.bench.serve_client import (
     RequestRecord,
     Target,
@@ -43,6 +43,7 @@ from pypto_serving.bench.serve_datasets import (
     multi_turn_sessions,
     random_sessions,
     shared_prefix_sessions,
+    workload_sessions,
 )
 from pypto_serving.errors import PyptoError
 from pypto_serving.flags import positive_int
@@ -442,6 +443,8 @@ def build_sessions(args: argparse.Namespace, endpoint: str) -> list[Session]:
         return random_sessions(
             tokenizer, vocab, args.num_prompts, args.input_len, args.output_len, args.seed, chat
         )
+    if args.dataset in WORKLOADS:
+        return workload_sessions(tokenizer, args.dataset, args.num_prompts, args.output_len, chat)
     if args.dataset == "shared-prefix":
         return shared_prefix_sessions(
             tokenizer,

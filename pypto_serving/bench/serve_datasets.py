@@ -1,6 +1,8 @@
-"""Workloads of `pypto bench serve`: random, shared-prefix and multi-turn sessions.
+"""Workloads of `pypto bench serve`: random, shared-prefix and multi-turn sessions, and the
+chat prompts of speculative decoding's `echo` and `open` workloads (`datasets.WORKLOADS`).
 
-Every workload is a list of `Session`s: one request each for `random` and `shared-prefix`,
+Every workload is a list of `Session`s: one request each for `random`, `shared-prefix`,
+`echo` and `open`,
 `turns` requests for `multi-turn` (whose prompts grow with the server's replies, added by the
 client as it goes). Prompts are built from seeded random token ids of the model's vocabulary
 (`bench/datasets.py`): sent as token ids to the completions endpoint (exact lengths), decoded
@@ -13,10 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pypto_serving.bench.datasets import random_prompts
+from pypto_serving.bench.datasets import WORKLOADS, chat_prompts, random_prompts
 from pypto_serving.errors import PyptoError
 
-DATASETS = ("random", "shared-prefix", "multi-turn")
+DATASETS = ("random", "shared-prefix", "multi-turn", *WORKLOADS)
 SUFFIX_SEED_OFFSET = 1
 """The unique suffixes of shared-prefix draw from seed + 1 (the prefix from seed)."""
 
@@ -105,6 +107,24 @@ def multi_turn_sessions(
     ]
 
 
+def workload_sessions(
+    tokenizer: Any, workload: str, num_prompts: int, output_len: int, chat: bool
+) -> list[Session]:
+    """`num_prompts` requests going round a workload's chat prompts (`echo`: a given text
+    asked back; `open`: new text): the user message for chat, its chat-template token ids
+    for completions."""
+    texts, ids = WORKLOADS[workload], chat_prompts(tokenizer, workload)
+    return [
+        Session(
+            i,
+            [texts[i % len(texts)] if chat else ids[i % len(ids)]],
+            [len(ids[i % len(ids)])],
+            output_len,
+        )
+        for i in range(num_prompts)
+    ]
+
+
 def check_dataset(name: str, endpoint: str) -> None:
     if name not in DATASETS:
         raise PyptoError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")
@@ -113,4 +133,4 @@ def check_dataset(name: str, endpoint: str) -> None:
 
 
 def default_endpoint(dataset: str) -> str:
-    return "chat" if dataset == "multi-turn" else "completions"
+    return "chat" if dataset in ("multi-turn", *WORKLOADS) else "completions"
