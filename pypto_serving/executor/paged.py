@@ -292,6 +292,11 @@ class PagedExecutor:
             score_prompts(logits[[at[r] for r in score_rows]], reqs, scoring)
             logits = logits[[at[ends[b] - 1] for b in done]] if done else logits
         allowed = masks.result() if masks else {}
+        for s in scheduled:  # (a request with drafts: once the step knows which it keeps)
+            if not s.draft:
+                self.kv.cache_full_pages(
+                    s.request, s.request.num_computed_tokens + s.num_new_tokens
+                )
         if len(token_ids) >= self.kv.page_size:  # prefill-heavy: the rate recompute would cost
             synchronize(dev)
             self.kv.observe_compute(len(token_ids), time.perf_counter() - started)
@@ -313,11 +318,8 @@ class PagedExecutor:
             kept = sampled.setdefault(reqs[b].request_id, [])
             if b not in drafted or _agrees(kept, drafted[b]):
                 kept.append(got)
-        for s in scheduled:
-            r, start = s.request, s.request.num_computed_tokens
-            if not s.draft:
-                self.kv.cache_full_pages(r, start + s.num_new_tokens)
-                continue
+        for s in (s for s in scheduled if s.draft):
+            r = s.request
             held = [t.token_id for t in sampled[r.request_id][:-1]]  # drafts computed here
             self.kv.cache_full_pages(r, r.num_tokens + len(held), r.token_ids + held)
             self.kv.trim(r, r.num_tokens + len(held))  # the rejected drafts' KV goes
