@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Speculative decoding's single stream: plain decoding against n-gram drafts, in one run.
+"""Speculative decoding's single stream: plain decoding against drafts (n-gram by default, or
+a draft model: `--speculative-config '{"model": ...}'`), in one run.
 
 Each workload's chat prompts (`pypto_serving.bench.datasets.WORKLOADS`: `echo` asks for a
 given text back, repeated or lightly edited; `open` for new text) run greedy, to EOS or
@@ -16,6 +17,8 @@ imports the standard library only).
 
     python bench/speculative.py --json spec.json --markdown spec.md
     python bench/speculative.py --model /path/model.gguf --rounds 2 --engines ours
+    python bench/speculative.py --quantization none --engines ours \
+        --speculative-config '{"model": "/path/model.gguf", "num_speculative_tokens": 4}'
 """
 
 from __future__ import annotations
@@ -96,8 +99,8 @@ def run_ours(args: argparse.Namespace, spec: dict[str, Any]) -> tuple[dict[str, 
     from pypto_serving.bench.datasets import WORKLOADS, chat_prompts
     from pypto_serving.bench.latency import time_request
 
-    plain = LLM(model=args.model)
-    fast = LLM(model=args.model, speculative_config=spec)
+    plain = LLM(model=args.model, quantization=args.quantization)
+    fast = LLM(model=args.model, quantization=args.quantization, speculative_config=spec)
     prompts = {w: chat_prompts(plain.tokenizer, w) for w in WORKLOADS if w in args.workloads}
     for llm in (plain, fast):  # warm up: compiled shapes, caches
         time_request(llm, prompts[args.workloads[0]][0], 8)
@@ -161,7 +164,8 @@ def run_llamacpp(args: argparse.Namespace, prompts: dict, spec: dict[str, Any]) 
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [
-        f"Machine: {report['cpu']}; model {report['model']}; drafts {json.dumps(report['spec'])}; "
+        f"Machine: {report['cpu']}; model {report['model']} (quantization "
+        f"{report['quantization']}); drafts {json.dumps(report['spec'])}; "
         f"{report['rounds']} rounds, output <= {report['output_len']} tokens, greedy.",
         "",
         "| engine | workload | output tok/s plain / speculative | ratio | decode tok/s plain / "
@@ -205,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="default", help="the default model, a directory or a GGUF")
     p.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC))
+    p.add_argument("--quantization", default="auto", help="the target model's (both engines)")
     p.add_argument("--workloads", default="echo,open")
     p.add_argument("--engines", default="ours,llamacpp")
     p.add_argument("--rounds", type=int, default=3)
@@ -225,10 +230,15 @@ def main(argv: list[str] | None = None) -> int:
     if "ours" in args.engines.split(","):
         engines["ours"] = ours
     if "llamacpp" in args.engines.split(","):
-        engines["llama.cpp"] = run_llamacpp(args, prompts, spec)
+        engines["llama.cpp"] = (
+            run_llamacpp(args, prompts, spec)
+            if spec.get("method") == "ngram"
+            else {"note": "llama-cpp-python's own speculation is prompt lookup only"}
+        )
     report = {
         "cpu": cpu_line(),
         "model": args.model,
+        "quantization": args.quantization,
         "spec": spec,
         "rounds": args.rounds,
         "output_len": args.output_len,

@@ -437,9 +437,8 @@ class ParallelConfig:
         return self.enable_expert_parallel and self.data_parallel_size > 1
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 SPECULATIVE_NOT_YET = {
-    "draft_model": "a draft model",
     "mtp": "DeepSeek's multi-token prediction layers",
     "deepseek_mtp": "DeepSeek's multi-token prediction layers",
     "eagle": "EAGLE heads",
@@ -455,6 +454,7 @@ SPECULATIVE_KEYS = {
     "prompt_lookup_min",
     "prompt_lookup_max",
     "model",
+    "quantization",
 }
 
 
@@ -465,14 +465,21 @@ class SpeculativeSpec:
     method: str
     num_speculative_tokens: int
     """The most draft tokens a request verifies in one step (k)."""
-    prompt_lookup_min: int
-    prompt_lookup_max: int
-    """The n-grams looked up: the longest first, down to the shortest."""
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    """ngram: the n-grams looked up, the longest first, down to the shortest."""
+    model: str | None = None
+    """draft_model: the draft model (a Hugging Face directory or a GGUF file, as --model
+    takes it), sharing the target's tokenizer."""
+    quantization: str = "auto"
+    """draft_model: its quantization (--quantization's choices; auto: a GGUF file's own
+    matrices, else none), whatever the target's."""
 
 
 def parse_speculative_config(raw: str | dict[str, Any] | None) -> SpeculativeSpec | None:
     """vLLM's --speculative-config (a JSON object, or the dict) as a spec; None: off.
-    A method other than ngram, a missing k or a bad lookup range is a PyptoError naming it."""
+    A method other than ngram and draft_model, a missing k, a bad lookup range or a draft
+    model without its path is a PyptoError naming it."""
     if raw is None:
         return None
     param = "speculative_config"
@@ -495,9 +502,11 @@ def parse_speculative_config(raw: str | dict[str, Any] | None) -> SpeculativeSpe
     if method in SPECULATIVE_NOT_YET:
         raise PyptoError(
             f"speculative_config: method {method!r} ({SPECULATIVE_NOT_YET[method]}) is not "
-            'available yet; use {"method": "ngram", ...}',
+            'available yet; use {"method": "ngram", ...} or {"model": DIR, ...}',
             param,
         )
+    if method == "ngram" and "quantization" in spec:
+        raise PyptoError("speculative_config: quantization belongs to a draft model", param)
     if method not in SPECULATIVE_METHODS:
         raise PyptoError(
             "speculative_config: method must be one of "
@@ -510,6 +519,29 @@ def parse_speculative_config(raw: str | dict[str, Any] | None) -> SpeculativeSpe
             f"speculative_config: num_speculative_tokens must be an integer in [1, 32], got {k!r}",
             param,
         )
+    if method == "draft_model":
+        model = spec.get("model")
+        if not isinstance(model, str) or not model:
+            raise PyptoError(
+                "speculative_config: a draft model needs its path: "
+                '{"model": DIR or FILE.gguf, "num_speculative_tokens": k}',
+                param,
+            )
+        quantization = spec.get("quantization") or "auto"
+        if quantization not in QUANTIZATION_CHOICES:
+            raise PyptoError(
+                f"speculative_config: quantization must be one of {QUANTIZATION_CHOICES}, "
+                f"got {quantization!r}",
+                param,
+            )
+        lookup = sorted({"prompt_lookup_min", "prompt_lookup_max"} & set(spec))
+        if lookup:
+            raise PyptoError(
+                f"speculative_config: {', '.join(lookup)} belong to the ngram method, not "
+                "to a draft model",
+                param,
+            )
+        return SpeculativeSpec(method, k, model=model, quantization=quantization)
     given = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
     if given == (None, None):
         given = (5, 5)  # as vLLM: neither given is 5; one given is both
@@ -603,9 +635,11 @@ class EngineConfig:
     speculative_config: str | dict[str, Any] | None = None
     """vLLM's --speculative-config, as JSON: {"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_min": a, "prompt_lookup_max": b}: a decoding request's next tokens guessed
-    from the longest of its recent a..b-grams that occurred before it (prompt lookup), up to
-    k of them verified in one step with its last token (speculative.py; fewer where its
-    guesses have been missing). The same greedy tokens, the same sampled distribution."""
+    from the longest of its recent a..b-grams that occurred before it (prompt lookup); or
+    {"model": DIR, "num_speculative_tokens": k}: guessed by a smaller model sharing the
+    tokenizer, greedily. Up to k of them verified in one step with its last token
+    (speculative.py; fewer where its guesses have been missing). The same greedy tokens, the
+    same sampled distribution."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

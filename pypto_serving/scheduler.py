@@ -56,6 +56,9 @@ class ScheduledRequest:
     draft: list[int] = field(default_factory=list)
     """Speculative decoding: tokens guessed to follow the request's last one, computed in
     this step after it (num_new_tokens counts them) and kept as far as its samples agree."""
+    as_rows: bool = False
+    """Its new tokens computed as decode rows, one at each position (a draft model's shadow
+    catching up on a few: the native step's rows, not a chunk on the graphs)."""
 
 
 @dataclass(slots=True)
@@ -100,13 +103,14 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         spare = self._spare_rows()
+        drafts = self._drafts(budget, spare)
         for req in list(self.running):
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = self._chunk(req, budget)
-            draft = self._draft(req, min(budget - n, spare))
+            draft = drafts.get(req.request_id, [])[: max(min(budget - n, spare), 0)]
             if draft and self.kv.allocate(req, n + len(draft)):
                 out.scheduled.append(ScheduledRequest(req, n + len(draft), draft))
                 budget, spare = budget - n - len(draft), spare - len(draft)
@@ -158,17 +162,31 @@ class Scheduler:
             self.config.max_num_batched_tokens if rows is None or decodes > rows else rows - decodes
         )
 
-    def _draft(self, req: Request, room: int) -> list[int]:
-        """The speculator's drafts for a decoding request: at most `room`, and none past its
-        max_tokens or context (the step may add one token more than it drafts)."""
-        if self.speculator is None or req.num_computed_tokens != req.num_tokens - 1:
-            return []
-        limit = room
-        if req.params.max_tokens is not None:
-            limit = min(limit, req.params.max_tokens - len(req.output_token_ids) - 1)
-        if req.max_model_len is not None:
-            limit = min(limit, req.max_model_len - req.num_tokens - 1)
-        return self.speculator.draft(req, limit)
+    def _drafts(self, budget: int, spare: int) -> dict[str, list[int]]:
+        """The speculator's drafts for this step's decoding requests, asked for all at once
+        (a draft model proposes for them in one batch): each at most the room the budget and
+        `spare` rows leave after the requests before it (each counted at its limit), and none
+        past its max_tokens or context (the step may add one token more than it drafts)."""
+        if self.speculator is None:
+            return {}
+        wanted: list[tuple[Request, int]] = []
+        for req in self.running:
+            if budget <= 0:
+                break
+            n = self._chunk(req, budget)
+            budget -= n
+            if req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            limit = min(budget, spare)
+            if req.params.max_tokens is not None:
+                limit = min(limit, req.params.max_tokens - len(req.output_token_ids) - 1)
+            if req.max_model_len is not None:
+                limit = min(limit, req.max_model_len - req.num_tokens - 1)
+            limit = min(limit, self.speculator.budget(req.request_id))
+            if limit > 0:
+                wanted.append((req, limit))
+                budget, spare = budget - limit, spare - limit
+        return self.speculator.draft(wanted) if wanted else {}
 
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget)

@@ -10,10 +10,13 @@ same distribution (a draft that is one fixed token is accepted exactly as often 
 draws it, and a draw that differs is a draw from the target's distribution without it: the
 rejection rule of speculative sampling for a one-token proposal).
 
-Drafts come from n-gram lookup here (vLLM's `ngram` method, llama.cpp's lookup decoding):
-the longest recent n-gram of the request's tokens that occurred before, continued by what
-followed it then. How many a request gets follows how its last drafts fared
-(`Speculator.budget`): a request whose text does not repeat itself costs few extra rows.
+Drafts come from a `Proposer`: n-gram lookup (vLLM's `ngram` method, llama.cpp's lookup
+decoding: the longest recent n-gram of the request's tokens that occurred before, continued
+by what followed it then; `NgramProposer`), or a smaller draft model sharing the tokenizer,
+run greedily on its own paged KV (`executor/draft_model.py`). Either proposal is one fixed
+token per position, so the rule above is exact for both. How many a request gets follows
+how its last drafts fared (`Speculator.budget`): a request whose drafts keep missing costs
+few extra rows.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pypto_serving.config import SpeculativeSpec
 from pypto_serving.request import Request
@@ -57,6 +61,36 @@ class NgramIndex:
         return []
 
 
+class Proposer(Protocol):
+    """What proposes drafts: for each request asked for, up to its count of tokens guessed to
+    follow its tokens (fewer, or none, where it has no guess)."""
+
+    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]: ...
+
+    def forget(self, request_id: str) -> None:
+        """The request left the engine: what was kept for it goes."""
+
+
+class NgramProposer:
+    """vLLM's `ngram` method: each request's `NgramIndex`, grown as its tokens do."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self._indexes: dict[str, NgramIndex] = {}
+
+    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        out = {}
+        for request, k in wanted:
+            index = self._indexes.get(request.request_id)
+            if index is None:
+                index = self._indexes[request.request_id] = NgramIndex(self.lo, self.hi)
+            out[request.request_id] = index.draft(request.token_ids, k)
+        return out
+
+    def forget(self, request_id: str) -> None:
+        self._indexes.pop(request_id, None)
+
+
 @dataclass(frozen=True, slots=True)
 class SpecDecodeStats:
     """Speculative decoding's running totals (vLLM's `spec_decode_*` counters)."""
@@ -84,12 +118,13 @@ class SpecDecodeStats:
 
 class Speculator:
     """Drafts for decoding requests, and what came of them (the engine's counters): the
-    scheduler asks `draft` for a request about to decode, and tells `observe` how many of
-    its drafts the step kept."""
+    scheduler asks `draft` for the requests about to decode, and tells `observe` how many of
+    a request's drafts the step kept."""
 
-    def __init__(self, spec: SpeculativeSpec) -> None:
+    def __init__(self, spec: SpeculativeSpec, proposer: Proposer | None = None) -> None:
+        """proposer: where drafts come from (None: n-gram lookup, as the spec bounds it)."""
         self.spec = spec
-        self._indexes: dict[str, NgramIndex] = {}
+        self.proposer = proposer or NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self._budgets: dict[str, int] = {}
         self.num_drafts = 0
         """Steps that verified drafts (vLLM's spec_decode_num_drafts)."""
@@ -105,19 +140,16 @@ class Speculator:
         cost one row a step."""
         return self._budgets.get(request_id, self.spec.num_speculative_tokens)
 
-    def draft(self, request: Request, limit: int) -> list[int]:
-        """Draft tokens to verify after the request's last token: at most `limit` (what its
-        max_tokens, context and the step's budget leave) and its `budget`; a structured
+    def draft(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """Draft tokens to verify after each request's last token: at most its limit (what
+        its max_tokens, context and the step's budget leave) and its `budget`; a structured
         output's drafts end before the first one its grammar refuses."""
-        if limit < 1:
-            return []
-        index = self._indexes.get(request.request_id)
-        if index is None:
-            index = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
-            self._indexes[request.request_id] = index
-        out = index.draft(request.token_ids, min(limit, self.budget(request.request_id)))
-        if out and request.matcher is not None:
-            out = out[: request.matcher.validate_tokens(out)]
+        asked = [(r, min(limit, self.budget(r.request_id))) for r, limit in wanted if limit > 0]
+        out = self.proposer.propose(asked) if asked else {}
+        for r, _ in asked:
+            drafts = out.get(r.request_id)
+            if drafts and r.matcher is not None:
+                out[r.request_id] = drafts[: r.matcher.validate_tokens(drafts)]
         return out
 
     def observe(self, request_id: str, drafted: int, kept: int) -> None:
@@ -139,6 +171,6 @@ class Speculator:
         )
 
     def forget(self, request_id: str) -> None:
-        """The request left the engine (finished, aborted): its index goes."""
-        self._indexes.pop(request_id, None)
+        """The request left the engine (finished, aborted): what was kept for it goes."""
+        self.proposer.forget(request_id)
         self._budgets.pop(request_id, None)

@@ -77,7 +77,7 @@ def test_the_config_reads_vllms_json():
         ('{"method": "ngram"}', "num_speculative_tokens must be"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be"),
         ('{"method": "mtp", "num_speculative_tokens": 1}', "multi-token prediction"),
-        ('{"model": "/some/draft", "num_speculative_tokens": 3}', "a draft model"),
+        ('{"method": "eagle", "model": "/d", "num_speculative_tokens": 3}', "EAGLE heads"),
         ('{"method": "lookahead", "num_speculative_tokens": 3}', "must be one of ngram"),
         ('{"method": "ngram", "num_speculative_tokens": 3, "typo": 1}', "typo not understood"),
         (

@@ -25,9 +25,10 @@ from pypto_serving.engine.kv_events import Curve, KVEventPublisher, endpoint_for
 from pypto_serving.engine.plan import plan_run
 from pypto_serving.engine.process import ChildProcess, StartupDeadline
 from pypto_serving.engine.ranks import Loaded, backend_for, plan_ranks, start_workers, wait_ranks
-from pypto_serving.engine.worker import join_group, load_share
+from pypto_serving.engine.worker import join_group, load_draft_model, load_share
 from pypto_serving.errors import EngineDeadError, PyptoError
 from pypto_serving.executor.compiled import trust_cpu_vector_isa_soon
+from pypto_serving.executor.draft_model import DraftModel
 from pypto_serving.executor.paged import PagedExecutor
 from pypto_serving.grammar import Grammars
 from pypto_serving.kv.events import KVEvent, KVEventLog
@@ -188,6 +189,8 @@ class EngineCore:
 
     degraded: str | None = None
     """Serving with less than it started with (a DPEngine may lose replicas; this never)."""
+    draft_model: DraftModel | None = None
+    """Speculative decoding's draft model, where the config names one."""
 
     def __init__(self, config: EngineConfig, model_dir: Path, dp: Group | None = None) -> None:
         """dp: this engine's place among the data-parallel replicas (engine/replica.py)."""
@@ -267,12 +270,14 @@ class EngineCore:
                 config.max_model_len,
                 self.max_model_len,
             )
-        self.speculator = self._speculator()
+        self.speculator = self._speculator(own)
         decode_rows = None
         if isinstance(self.executor, PagedExecutor) and self.executor.native is not None:
             decode_rows = self.executor.native_rows
         self.scheduler = Scheduler(config.scheduler, self.executor.kv, self.speculator, decode_rows)
         self.grammars = self.executor.grammars = Grammars(self.model_dir, cfg.vocab_size)
+        if self.draft_model is not None:  # it drafts a structured output under its grammar
+            self.draft_model.executor.grammars = self.grammars
         self.page_events: list[KVEvent] = []
         """A data-parallel replica's KV events since the router last took them."""
         self.kv_events = self._kv_events()
@@ -294,9 +299,10 @@ class EngineCore:
             describe_ranks(p.tensor_parallel_size, p.pipeline_parallel_size),
         )
 
-    def _speculator(self) -> Speculator | None:
+    def _speculator(self, own: EngineConfig) -> Speculator | None:
         """Speculative decoding's drafter, where the config asks for it and the model's
-        attention kind can take a step's rejected drafts back."""
+        attention kind can take a step's rejected drafts back; a draft model loaded as this
+        rank's config (`own`) plans it."""
         spec = self.config.speculation()
         if spec is None:
             return None
@@ -309,7 +315,10 @@ class EngineCore:
                 "--speculative-config",
                 "speculative_config",
             )
-        return Speculator(spec)
+        if spec.model is None:
+            return Speculator(spec)
+        self.draft_model = load_draft_model(own, self.model_config, self.max_model_len)
+        return Speculator(spec, self.draft_model)
 
     def _event_store(self) -> KVGroups | None:
         """The paged KV, whose first group's page events say which prompt pages this engine
@@ -523,6 +532,8 @@ class EngineCore:
             publisher.close()
         if isinstance(self.executor, PagedExecutor):
             self.executor.close()
+        if self.draft_model is not None:
+            self.draft_model.close()
         if self.config.parallel.ranks_per_engine > 1:  # local ranks, and the group itself
             self._stop_workers()
             torch.set_num_threads(self._num_threads)

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pypto_serving import native
-from pypto_serving.config import EngineConfig
+from pypto_serving.config import EngineConfig, ParallelConfig
 from pypto_serving.distributed import Group, ParallelGroups, init_distributed, resolve_groups
-from pypto_serving.engine.plan import AttentionPlan, RunPlan, plan_attention
+from pypto_serving.engine.plan import AttentionPlan, RunPlan, plan_attention, plan_run
+from pypto_serving.errors import PyptoError
+from pypto_serving.executor.draft_model import DraftModel
 from pypto_serving.executor.paged import PagedExecutor, build_paged_executor
 from pypto_serving.executor.reference import ReferenceExecutor
-from pypto_serving.models.config import load_model_config
+from pypto_serving.models.config import ModelConfig, load_model_config
+from pypto_serving.models.default_model import resolve_model_path
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.models.loader import load_model
 
@@ -85,6 +88,78 @@ def load_share(
         config, model, plan.device, plan.dtype, plan.quantization, attention, model_dir
     )
     return Share(model, executor, attention)
+
+
+def load_draft_model(config: EngineConfig, target: ModelConfig, max_model_len: int) -> DraftModel:
+    """Speculative decoding's draft model (the config's `speculative_config` names it), on
+    rank 0 alone, whole: planned as the engine's own config would plan it on one rank (its
+    device, dtype, threads; the spec's quantization), a pool of its own (no prefix cache, no
+    tiers: its pages are taken back as its drafts are rejected), its layers run eagerly, its
+    decodes through the native step where the plan runs one. Its vocabulary must fit the
+    target's."""
+    spec = config.speculation()
+    assert spec is not None and spec.model is not None
+    param = "speculative_config"
+    try:
+        path = resolve_model_path(spec.model)
+        cfg = load_model_config(path)
+    except PyptoError as e:
+        raise PyptoError(f"speculative_config: the draft model: {e}", param) from e
+    if cfg.vocab_size > target.vocab_size:
+        raise PyptoError(
+            f"speculative_config: the draft model's vocabulary ({cfg.vocab_size} tokens) is "
+            f"larger than the target's ({target.vocab_size}): a draft model shares the "
+            "target's tokenizer",
+            param,
+        )
+    cache = replace(
+        config.cache,
+        enable_prefix_caching=False,
+        kv_cpu_bytes=0,
+        kv_ssd_dir=None,
+        kv_remote=None,
+        kv_events_endpoint=None,
+        kv_events_replay_endpoint=None,
+    )
+    own = replace(
+        config,
+        parallel=ParallelConfig(),
+        cache=cache,
+        max_model_len=max_model_len,
+        quantization=spec.quantization,
+    )
+    plan = plan_run(own, path)
+    groups = ParallelGroups()
+    attention = replace(plan_attention(plan, own, cfg, groups), compiled=False)
+    model = load_model(
+        path,
+        plan.dtype,
+        plan.device,
+        groups,
+        plan.quantization,
+        attention.native_decode,
+        plan.pack_linear,
+        records_only=plan.records_only,
+        records_wide=plan.records_wide,
+    )
+    if not model.attention_kind.SPECULATES:
+        raise PyptoError(
+            f"speculative_config: the draft model's attention ({model.attention_kind.NAME}) "
+            "keeps state built from each token it writes, which its rejected drafts could "
+            "not be taken back from",
+            param,
+        )
+    executor = build_paged_executor(
+        own, model, plan.device, plan.dtype, plan.quantization, attention, path
+    )
+    limit = min(max_model_len, cfg.max_position_embeddings, executor.kv.capacity_tokens)
+    log.info(
+        "draft model: %s (%s layers), proposing up to %d tokens",
+        cfg.architecture,
+        cfg.num_layers,
+        spec.num_speculative_tokens,
+    )
+    return DraftModel(executor, limit)
 
 
 def _build_kernels_soon(shape: tuple[int, int]) -> None:

@@ -231,13 +231,19 @@ class PagedExecutor:
         the sample after them."""
         # decodes first, then prefill chunks: each kind gets its own attention; a request's
         # drafts are decodes too, one row each at its position after its last token
-        scheduled = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1 and not s.draft)
+        scheduled = sorted(
+            out.scheduled, key=lambda s: s.num_new_tokens > 1 and not (s.draft or s.as_rows)
+        )
         seqs: list[tuple[Request, int, int]] = []  # (request, first position, tokens)
         token_ids: list[int] = []
         drafted: dict[int, list[int]] = {}  # a draft row's sequence -> the drafts before it
         drafts: dict[int, list[int]] = {}  # a drafting request's first row -> its drafts
         for s in scheduled:
             r, start = s.request, s.request.num_computed_tokens
+            if s.as_rows:
+                seqs += [(r, start + i, 1) for i in range(s.num_new_tokens)]
+                token_ids += r.tokens(start, start + s.num_new_tokens)
+                continue
             if not s.draft:
                 seqs.append((r, start, s.num_new_tokens))
                 token_ids += r.tokens(start, start + s.num_new_tokens)
