@@ -437,10 +437,8 @@ class ParallelConfig:
         return self.enable_expert_parallel and self.data_parallel_size > 1
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp", "deepseek_mtp")
 SPECULATIVE_NOT_YET = {
-    "mtp": "DeepSeek's multi-token prediction layers",
-    "deepseek_mtp": "DeepSeek's multi-token prediction layers",
     "eagle": "EAGLE heads",
     "eagle3": "EAGLE-3 heads",
     "medusa": "Medusa heads",
@@ -507,6 +505,14 @@ def parse_speculative_config(raw: str | dict[str, Any] | None) -> SpeculativeSpe
         )
     if method == "ngram" and "quantization" in spec:
         raise PyptoError("speculative_config: quantization belongs to a draft model", param)
+    if method in ("mtp", "deepseek_mtp"):
+        extra = sorted(set(spec) - {"method", "num_speculative_tokens"})
+        if extra:
+            raise PyptoError(
+                f"speculative_config: {', '.join(extra)} not understood with method {method} "
+                "(the checkpoint's own multi-token prediction layer drafts)",
+                param,
+            )
     if method not in SPECULATIVE_METHODS:
         raise PyptoError(
             "speculative_config: method must be one of "
@@ -519,6 +525,16 @@ def parse_speculative_config(raw: str | dict[str, Any] | None) -> SpeculativeSpe
             f"speculative_config: num_speculative_tokens must be an integer in [1, 32], got {k!r}",
             param,
         )
+    if method in ("mtp", "deepseek_mtp"):
+        if k != 1:
+            raise PyptoError(
+                f"speculative_config: num_speculative_tokens must be 1 with method {method}, "
+                f"got {k}: the MTP layer guesses the token after the next from the target's "
+                "hidden state, which a second guess would need for a token the target has not "
+                "computed yet",
+                param,
+            )
+        return SpeculativeSpec("mtp", k)
     if method == "draft_model":
         model = spec.get("model")
         if not isinstance(model, str) or not model:
@@ -664,10 +680,17 @@ class EngineConfig:
             )
         if self.batch_invariant and self.executor != "paged":
             raise PyptoError("--batch-invariant needs the paged executor", "batch_invariant")
-        if self.speculation() is not None and self.executor != "paged":
+        spec = self.speculation()
+        if spec is not None and self.executor != "paged":
             raise PyptoError(
                 "speculative decoding needs the paged executor (the reference executor is "
                 "the plain oracle)",
+                "speculative_config",
+            )
+        if spec is not None and spec.method == "mtp" and self.parallel.ranks_per_engine > 1:
+            raise PyptoError(
+                "speculative decoding by the MTP layer runs on one rank per engine: "
+                "tensor_parallel_size and pipeline_parallel_size 1 (data parallelism works)",
                 "speculative_config",
             )
         if not isinstance(self.step_timeout_s, int | float) or not self.step_timeout_s > 0:

@@ -354,6 +354,40 @@ BASE = dict(
 )
 
 
+MTP_SOURCE = (  # deepseekv3-qlora-yarn with a fourth layer, which becomes its MTP layer
+    "deepseek_v3",
+    {**TINY_DEEPSEEK["deepseekv3-qlora-yarn"][1], "num_hidden_layers": 4},
+)
+
+
+def build_mtp_checkpoint(out: Path, seed: int = 0) -> Path:
+    """A tiny DeepSeek-V3 (3 layers, as deepseekv3-qlora-yarn) with a multi-token prediction
+    layer after them, as the released checkpoints ship it: `model.layers.3.*` (a MoE decoder
+    layer) with `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, `shared_head.head` and its
+    own `embed_tokens`; config num_hidden_layers 3, num_nextn_predict_layers 1."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    build_checkpoint("deepseekv3-mtp-source", out, seed)
+    weights = load_file(out / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed + 1)
+    size = BASE["hidden_size"]
+    layer = "model.layers.3."
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        weights[f"{layer}{norm}.weight"] = 1 + 0.1 * torch.randn(size, generator=gen)
+    weights[f"{layer}eh_proj.weight"] = (
+        torch.randn(size, 2 * size, generator=gen) / (2 * size) ** 0.5
+    )
+    weights[f"{layer}shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    weights[f"{layer}embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config.update(num_hidden_layers=3, num_nextn_predict_layers=1)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def build_checkpoint(name: str, out: Path, seed: int = 0, grid: bool = False) -> Path:
     """Write a random checkpoint `name` (a key of TINY) into `out` (config + safetensors).
     grid: its matrices (embeddings, projections) hold values (q - 8) / 64 for q in 0..15,
@@ -361,6 +395,7 @@ def build_checkpoint(name: str, out: Path, seed: int = 0, grid: bool = False) ->
     from transformers import AutoConfig, AutoModelForCausalLM
 
     family, overrides = {
+        "deepseekv3-mtp-source": MTP_SOURCE,
         **TINY,
         **TINY_DEEPSEEK,
         **TINY_DEEPSEEK_V4,

@@ -76,7 +76,7 @@ def test_the_config_reads_vllms_json():
         ("[1]", "not a JSON object"),
         ('{"method": "ngram"}', "num_speculative_tokens must be"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be"),
-        ('{"method": "mtp", "num_speculative_tokens": 1}', "multi-token prediction"),
+        ('{"method": "medusa", "num_speculative_tokens": 1}', "Medusa heads"),
         ('{"method": "eagle", "model": "/d", "num_speculative_tokens": 3}', "EAGLE heads"),
         ('{"method": "lookahead", "num_speculative_tokens": 3}', "must be one of ngram"),
         ('{"method": "ngram", "num_speculative_tokens": 3, "typo": 1}', "typo not understood"),

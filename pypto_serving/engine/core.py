@@ -315,6 +315,9 @@ class EngineCore:
                 "--speculative-config",
                 "speculative_config",
             )
+        if spec.method == "mtp":
+            assert isinstance(self.executor, PagedExecutor) and self.executor.mtp is not None
+            return Speculator(spec, self.executor.mtp)
         if spec.model is None:
             return Speculator(spec)
         self.draft_model = load_draft_model(own, self.model_config, self.max_model_len)

@@ -18,12 +18,13 @@ from pypto_serving.distributed import Group, ParallelGroups, init_distributed, r
 from pypto_serving.engine.plan import AttentionPlan, RunPlan, plan_attention, plan_run
 from pypto_serving.errors import PyptoError
 from pypto_serving.executor.draft_model import DraftModel
+from pypto_serving.executor.mtp import MTPDrafter
 from pypto_serving.executor.paged import PagedExecutor, build_paged_executor
 from pypto_serving.executor.reference import ReferenceExecutor
 from pypto_serving.models.config import ModelConfig, load_model_config
 from pypto_serving.models.default_model import resolve_model_path
 from pypto_serving.models.llama import CausalLM
-from pypto_serving.models.loader import load_model
+from pypto_serving.models.loader import load_model, load_mtp
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,9 @@ def load_share(
 ) -> Share:
     """This rank's share of the model (its heads, its stage's layers, its experts) and its
     executor, attending as `plan_attention` decides (its native kernels built while the
-    weights load): every rank builds the same paged executor, so page counts agree."""
+    weights load): every rank builds the same paged executor, so page counts agree. Where
+    the config drafts with DeepSeek's MTP layer (one rank), the layer loads beside the model,
+    its entries a KV layer after the model's, and the executor hands it its steps."""
     attention = plan_attention(plan, config, load_model_config(model_dir), groups)
     if attention.kernels is not None:
         _build_kernels_soon(attention.kernels)
@@ -84,9 +87,19 @@ def load_share(
     )
     if config.executor == "reference":
         return Share(model, ReferenceExecutor(model, plan.device), attention)
+    spec = config.speculation()
+    mtp = None
+    if spec is not None and spec.method == "mtp":  # its entries: a layer after the target's
+        try:
+            mtp = load_mtp(model_dir, model, plan.dtype)
+        except PyptoError as e:
+            raise PyptoError(f"speculative_config: {e}", "speculative_config") from e
+        model.kv_layers = range(model.local_layers.start, model.local_layers.stop + 1)
     executor = build_paged_executor(
         config, model, plan.device, plan.dtype, plan.quantization, attention, model_dir
     )
+    if mtp is not None:
+        executor.mtp = MTPDrafter(mtp)
     return Share(model, executor, attention)
 
 

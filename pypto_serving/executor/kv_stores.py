@@ -57,7 +57,7 @@ def build_kv_store(
     `<kv_ssd_dir>/rank<r>`."""
     kind, cfg, page = model.attention_kind, model.cfg, cache.page_size
     kv_dtype = cache.kv_cache_dtype
-    groups = kind.kv_groups(cfg, model.local_layers, page, dtype, kv_dtype)
+    groups = kind.kv_groups(cfg, model.kv_layers, page, dtype, kv_dtype)
     pp = model.groups.pp
     stages = [groups]  # every pipeline stage's groups
     if pp.size > 1:

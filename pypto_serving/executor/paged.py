@@ -44,6 +44,7 @@ from pypto_serving.executor.compiled import (
     trust_cpu_vector_isa,
 )
 from pypto_serving.executor.kv_stores import build_kv_store
+from pypto_serving.executor.mtp import MTPDrafter
 from pypto_serving.executor.native_decode import FEW_ROWS as NATIVE_FEW_ROWS
 from pypto_serving.executor.native_decode import NativeDecoder
 from pypto_serving.executor.prompt_logprobs import prompt_scoring, score_prompts
@@ -142,7 +143,10 @@ def build_paged_executor(
         config.scheduler.max_num_seqs * max_len,
         attention,
         # the KV of a quantized model differs: its SSD pages must not mix with the plain ones
-        checkpoint_digest(model_dir) + (f"|{quantization}" if quantization else ""),
+        # (and an MTP layer's entries beside the target's make other pages again)
+        checkpoint_digest(model_dir)
+        + (f"|{quantization}" if quantization else "")
+        + ("|mtp" if model.kv_layers != model.local_layers else ""),
         (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens),
         config.batch_invariant,
     )
@@ -157,6 +161,11 @@ class PagedExecutor:
     grammars: Grammars | None = None
     """The engine's structured-output matchers (set by the engine): a step fills the masks of
     its constrained rows while its forward runs."""
+    mtp: MTPDrafter | None = None
+    """DeepSeek's multi-token prediction layer drafting (set at start-up where the config
+    asks for it): a step hands it its hidden states once it has sampled."""
+    _hidden: torch.Tensor | None = None
+    """The last forward's final hidden states (kept for `mtp`)."""
     _mask_thread = ThreadPoolExecutor(1, thread_name_prefix="pypto-grammar")
 
     def __init__(
@@ -298,11 +307,8 @@ class PagedExecutor:
             score_prompts(logits[[at[r] for r in score_rows]], reqs, scoring)
             logits = logits[[at[ends[b] - 1] for b in done]] if done else logits
         allowed = masks.result() if masks else {}
-        for s in scheduled:  # (a request with drafts: once the step knows which it keeps)
-            if not s.draft:
-                self.kv.cache_full_pages(
-                    s.request, s.request.num_computed_tokens + s.num_new_tokens
-                )
+        if self.mtp is None:  # (with it: once its entries of the step's tokens are written)
+            self._cache_full_pages(scheduled)
         if len(token_ids) >= self.kv.page_size:  # prefill-heavy: the rate recompute would cost
             synchronize(dev)
             self.kv.observe_compute(len(token_ids), time.perf_counter() - started)
@@ -324,12 +330,26 @@ class PagedExecutor:
             kept = sampled.setdefault(reqs[b].request_id, [])
             if b not in drafted or _agrees(kept, drafted[b]):
                 kept.append(got)
+        if self.mtp is not None:
+            assert self._hidden is not None
+            self.mtp.catch_up(self, seqs, drafts, sampled, self._hidden)
+            self._hidden = None
+            self._cache_full_pages(scheduled)
         for s in (s for s in scheduled if s.draft):
             r = s.request
             held = [t.token_id for t in sampled[r.request_id][:-1]]  # drafts computed here
             self.kv.cache_full_pages(r, r.num_tokens + len(held), r.token_ids + held)
             self.kv.trim(r, r.num_tokens + len(held))  # the rejected drafts' KV goes
         return sampled
+
+    def _cache_full_pages(self, scheduled: list[ScheduledRequest]) -> None:
+        """Index the pages the step's requests without drafts filled (a request with drafts:
+        once the step knows which it keeps)."""
+        for s in scheduled:
+            if not s.draft:
+                self.kv.cache_full_pages(
+                    s.request, s.request.num_computed_tokens + s.num_new_tokens
+                )
 
     def _fill_masks(
         self, reqs: list[Request], rows: list[int], drafting: dict[int, list[int]]
@@ -371,7 +391,7 @@ class PagedExecutor:
         """The logits of the rows `wanted` of a step of decodes, through the native step
         (under TP: every rank, each its share)."""
         assert self.native is not None
-        attention = self.model.attention_kind.step(self.kv, self.model.cfg, self._batch(step))
+        attention = self.model.attention_kind.step(self.kv, self.model.cfg, self.batch_of(step))
         logits = self.native.logits(
             step.input_ids,
             step.positions,
@@ -381,7 +401,7 @@ class PagedExecutor:
         )  # every row's; the step samples those that caught up (all, unless a 1-token chunk)
         return logits if len(wanted) == len(logits) else logits[wanted]
 
-    def _batch(self, step: StepInputs) -> StepBatch:
+    def batch_of(self, step: StepInputs) -> StepBatch:
         """What the kind's operator maps the step's slots from."""
         return StepBatch(
             {m.name: pages for m, pages in zip(self.kv.managers, step.pages, strict=True)},
@@ -400,22 +420,28 @@ class PagedExecutor:
     def _forward(self, step: StepInputs) -> torch.Tensor:
         """The step's forward on the graphs (rank 0's logits of its `logits_index` rows)."""
         g = self.groups
-        attention = self.model.attention_kind.step(self.kv, self.model.cfg, self._batch(step))
+        attention = self.model.attention_kind.step(self.kv, self.model.cfg, self.batch_of(step))
         hidden = None
         if g.pp.rank > 0:
             shape = self.model.stage_output_shape(len(step.input_ids))
             hidden = receive_from(shape, g.rank - g.tp.size, self.device)
         started = time.perf_counter()
         with active_step(attention):
-            out = forward_logits(
-                self.model,
-                self.paged_kv,
-                step.input_ids,
-                step.positions,
-                step.logits_index,
-                hidden,
-                self.run_layer,
-            )
+            if self.mtp is not None:  # the final hidden states of every row are its input
+                self._hidden = self.model(
+                    step.input_ids, step.positions, self.paged_kv, hidden, self.run_layer
+                )
+                out = self.model.logits(self._hidden[step.logits_index])
+            else:
+                out = forward_logits(
+                    self.model,
+                    self.paged_kv,
+                    step.input_ids,
+                    step.positions,
+                    step.logits_index,
+                    hidden,
+                    self.run_layer,
+                )
         if attention.prefill_work and g.world_size == 1:  # what a layer costs, for admission
             synchronize(self.device)
             seconds, layers = time.perf_counter() - started, self.model.num_local_layers
@@ -535,6 +561,7 @@ class PagedExecutor:
         scratch = copy.copy(self)  # the same model and graphs; its own pages
         scratch.kv = build_kv_store(self.model, self.device, self.dtype, cache, 0, "", False)
         scratch.native = None  # it writes the serving store's pages, and compiles nothing
+        scratch.mtp = None  # its guesses are the serving steps' (the graphs are the target's)
         scratch.progress = StepProgress()  # its steps are no progress of the serving ones
         self.run_layer.compiler = self._warming = threading.Thread(
             target=self._compile_beside, args=(scratch,), name="pypto-compile", daemon=True
@@ -589,6 +616,8 @@ class PagedExecutor:
         finally:
             for r in reqs:
                 runner.kv.free(r)
+                if runner.mtp is not None:
+                    runner.mtp.forget(r.request_id)
         COUNTER.mark_warm()
         log.info(
             "warm-up compiled %d graphs in %.1fs%s",

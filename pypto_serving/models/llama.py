@@ -261,6 +261,9 @@ class CausalLM(nn.Module):
         self.local_layers = self.model.local
         """The checkpoint indices of this stage's layers."""
         self.num_local_layers = len(self.local_layers)
+        self.kv_layers = self.local_layers
+        """The layers the KV store keeps entries of: this stage's, and after them the
+        multi-token prediction layer's where it drafts (`engine/worker.py`)."""
         self.lm_head: Linear | None = None
         if self.last_stage:
             shard = -(-cfg.vocab_size // groups.tp.size)

@@ -26,6 +26,7 @@ from pypto_serving.errors import ModelLoadError, PyptoError
 from pypto_serving.models import mxfp4
 from pypto_serving.models.config import DEEPSEEK, DEEPSEEK_V4, ModelConfig, load_model_config
 from pypto_serving.models.deepseek import DeepseekForCausalLM, DeepseekMoE
+from pypto_serving.models.deepseek_mtp import OWN_PARTS, DeepseekMTP, mtp_tensor_names
 from pypto_serving.models.deepseek_v4 import DeepseekV4ForCausalLM, V4MoE
 from pypto_serving.models.gemma3 import Gemma3ForCausalLM
 from pypto_serving.models.gguf_weights import embedding_in_head, record_sources, stored_records
@@ -249,7 +250,7 @@ def pipeline_targets(model: CausalLM, hf_name: str) -> list[str]:
     if layer is not None:
         i = int(layer[1])
         if cfg.num_layers <= i < cfg.num_layers + cfg.extra_layers:
-            return []  # DeepSeek-V3's multi-token prediction layers: not served
+            return []  # DeepSeek-V3's multi-token prediction layers: `load_mtp`'s
         return [hf_name] if i in model.model.local or i >= cfg.num_layers else []
     if hf_name == "model.embed_tokens.weight":
         tied_here = cfg.tie_word_embeddings and last and not first
@@ -505,3 +506,45 @@ def load_model(
     elif pack is not None:
         pack_linears(model, pack=pack)
     return model
+
+
+def load_mtp(model_dir: Path, target: CausalLM, dtype: torch.dtype) -> DeepseekMTP:
+    """DeepSeek-V3's multi-token prediction layer (`models/deepseek_mtp.py`) from the
+    checkpoint beside the target (one rank, unquantized: `dtype`); a ModelLoadError where the
+    checkpoint ships none."""
+    cfg = target.cfg
+    if cfg.architecture not in DEEPSEEK or cfg.compressed is not None:
+        raise ModelLoadError(
+            f"{cfg.architecture} has no multi-token prediction layer served here (DeepSeek-V3's "
+            "and V2's checkpoints: `model.layers.{num_hidden_layers}.eh_proj` and the rest)"
+        )
+    files = safetensors_files(model_dir)
+    first = cfg.num_layers
+    prefix = f"model.layers.{first}."
+    names: list[str] = []
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names += [n for n in f.keys() if n.startswith(prefix)]  # noqa: SIM118
+    if prefix + "eh_proj.weight" not in names:
+        raise ModelLoadError(
+            f"{model_dir} has no multi-token prediction layer ({prefix}eh_proj.weight and the "
+            "rest): serve it with another speculative method"
+        )
+    own = {part for part in OWN_PARTS if any(n.startswith(prefix + part) for n in names)}
+    tied = cfg.tie_word_embeddings
+    device = target.inv_freq.device
+    with torch.device("meta"):
+        mtp = DeepseekMTP(cfg)
+    mtp = mtp.to(dtype).to_empty(device=device)
+
+    def renamed() -> Iterator[tuple[str, torch.Tensor]]:  # reading the MTP's tensors only
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    for ours in mtp_tensor_names(name, first, own, tied):
+                        yield ours, f.get_tensor(name)
+
+    with torch.no_grad():
+        load_weights(mtp, renamed())
+    mtp.inv_freq = torch.tensor(mtp.cfg.rope_inv_freq, dtype=torch.float32, device=device)
+    return mtp.eval().requires_grad_(False)

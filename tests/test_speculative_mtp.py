@@ -1,0 +1,269 @@
+"""Speculative decoding by DeepSeek-V3's multi-token prediction layer (`"method": "mtp"`):
+every draft is the MTP layer's own guess as HF transformers computes it (the target's final
+hidden states, the next token's embedding, the layer over its own entries, its shared head),
+through prefill chunks, decodes, verified drafts and a prefix hit (the layer's entries cached
+in the target's pages); greedy tokens are the plain ones; a layer that guesses right has its
+drafts kept (each kept draft's position caught up on with the sample after it); sampled
+tokens come from the plain distribution; what cannot run is named."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from checkpoints import BASE, MTP_SOURCE, build_mtp_checkpoint, build_tokenizer
+from safetensors.torch import load_file, save_file
+from test_speculative import (
+    GREEDY,
+    chi_square_critical,
+    chi_square_same,
+    prompts,
+    tokens,
+)
+
+from pypto_serving import LLM, SamplingParams
+from pypto_serving.config import EngineConfig, ParallelConfig, parse_speculative_config
+from pypto_serving.errors import PyptoError
+from pypto_serving.executor.mtp import MTPDrafter
+
+MTP = {"method": "mtp", "num_speculative_tokens": 1}
+KNOBS: dict[str, Any] = {"dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("mtp")
+    build_mtp_checkpoint(out)
+    build_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bigram_model(mtp_model, tmp_path_factory) -> Path:
+    """The checkpoint with every block's output zeroed (attention's o_proj, the MLPs' and
+    experts' down projections): the target's next token depends on its last token alone, and
+    an MTP layer passing the next token's normed embedding through (eh_proj [I, 0]) to the
+    target's final norm and head guesses the token after it exactly."""
+    out = tmp_path_factory.mktemp("bigram")
+    for f in mtp_model.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    weights = load_file(out / "model.safetensors")
+    for name, w in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = torch.zeros_like(w)
+    size = BASE["hidden_size"]
+    weights["model.layers.3.eh_proj.weight"] = torch.cat(
+        [torch.eye(size), torch.zeros(size, size)], dim=1
+    )
+    weights["model.layers.3.enorm.weight"] = torch.ones(size)
+    weights["model.layers.3.shared_head.norm.weight"] = weights["model.norm.weight"].clone()
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def reference_drafter(path: Path):
+    """guess(tokens): the MTP layer's guess of the token after `tokens` (the newest not yet
+    computed by the target) as HF transformers computes it: the target's final hidden states
+    over tokens[:-1], the embeddings of tokens[1:] (zero at position 0), enorm and hnorm,
+    eh_proj, then the layer and its shared head as a one-layer DeepSeek-V3."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    weights = load_file(path / "model.safetensors")
+    layer = "model.layers.3."
+    family, overrides = MTP_SOURCE
+    config = AutoConfig.for_model(
+        family, **{**BASE, **overrides, "num_hidden_layers": 1, "first_k_dense_replace": 0}
+    )
+    own = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
+    state = {
+        "model.layers.0." + k[len(layer) :]: v
+        for k, v in weights.items()
+        if k.startswith(layer) and not k[len(layer) :].startswith(own)
+    }
+    state["model.norm.weight"] = weights[layer + "shared_head.norm.weight"]
+    state["lm_head.weight"] = weights[layer + "shared_head.head.weight"]
+    state["model.embed_tokens.weight"] = weights[layer + "embed_tokens.weight"]
+    with tempfile.TemporaryDirectory() as tmp:  # HF reads its own checkpoint layout
+        config.save_pretrained(tmp)
+        save_file(state, Path(tmp) / "model.safetensors", metadata={"format": "pt"})
+        block = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    eps = config.rms_norm_eps
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    @torch.no_grad()
+    def guess(seq: list[int]) -> int:
+        ids = torch.tensor([seq])
+        hidden = target.model(ids[:, :-1]).last_hidden_state[0]
+        embedded = weights[layer + "embed_tokens.weight"][ids[0, 1:]].clone()
+        embedded[0] = 0  # position 0
+        x = (
+            torch.cat(
+                [
+                    norm(embedded, weights[layer + "enorm.weight"]),
+                    norm(hidden, weights[layer + "hnorm.weight"]),
+                ],
+                dim=-1,
+            )
+            @ weights[layer + "eh_proj.weight"].T
+        )
+        positions = torch.arange(len(seq) - 1)[None]
+        logits = block(inputs_embeds=x[None], position_ids=positions).logits[0, -1]
+        return int(logits.argmax())
+
+    return guess
+
+
+def recording(llm: LLM) -> list[tuple[list[int], int]]:
+    """Every draft the engine's MTP drafter hands the scheduler, with the request's tokens."""
+    drafter = llm.engine.speculator.proposer
+    assert isinstance(drafter, MTPDrafter)
+    seen: list[tuple[list[int], int]] = []
+    propose = drafter.propose
+
+    def record(wanted):
+        out = propose(wanted)
+        seen.extend(
+            (list(r.token_ids), out[r.request_id][0]) for r, _ in wanted if out.get(r.request_id)
+        )
+        return out
+
+    drafter.propose = record  # type: ignore[method-assign]
+    return seen
+
+
+# --- the config -----------------------------------------------------------------------------
+
+
+def test_the_config_reads_mtp():
+    for method in ("mtp", "deepseek_mtp"):
+        spec = parse_speculative_config({"method": method, "num_speculative_tokens": 1})
+        assert spec is not None and spec.method == "mtp"
+
+
+@pytest.mark.parametrize(
+    "raw, says",
+    [
+        ({"method": "mtp", "num_speculative_tokens": 2}, "must be 1 with method mtp"),
+        ({"method": "mtp", "num_speculative_tokens": 1, "model": "/d"}, "model not understood"),
+    ],
+)
+def test_a_bad_mtp_config_is_named(raw: dict, says: str):
+    with pytest.raises(PyptoError, match=says) as e:
+        EngineConfig(speculative_config=raw).validate()
+    assert e.value.param == "speculative_config"
+
+
+def test_mtp_needs_one_rank_and_a_layer(tiny_model):
+    with pytest.raises(PyptoError, match="one rank per engine"):
+        EngineConfig(
+            speculative_config=MTP, parallel=ParallelConfig(tensor_parallel_size=2)
+        ).validate()
+    with pytest.raises(PyptoError, match="no multi-token prediction layer") as e:
+        LLM(str(tiny_model("deepseekv3-qlora-yarn")), enforce_eager=True, speculative_config=MTP)
+    assert e.value.param == "speculative_config"
+    with pytest.raises(PyptoError, match="has no multi-token prediction layer served"):
+        LLM(str(tiny_model("llama-gqa4-tied")), enforce_eager=True, speculative_config=MTP)
+
+
+# --- the drafts: HF's MTP layer -------------------------------------------------------------
+
+
+def test_every_draft_is_the_mtp_layers_own_guess(mtp_model):
+    """A batch (prefill chunks of 16 tokens, decodes, verified drafts), then each prompt again
+    (its prompt a prefix hit: the layer's entries come back with the pages): each draft the
+    scheduler got is HF's MTP guess after the request's tokens; the tokens are the plain
+    ones."""
+    guess = reference_drafter(mtp_model)
+    knobs = {
+        **KNOBS,
+        "page_size": 8,
+        "max_num_batched_tokens": 16,
+        "long_prefill_token_threshold": 16,
+    }
+    ps = prompts()
+    with LLM(str(mtp_model), enforce_eager=True, **knobs) as llm:
+        want = tokens(llm.generate(ps, GREEDY, use_tqdm=False))
+    with LLM(str(mtp_model), enforce_eager=True, speculative_config=MTP, **knobs) as llm:
+        seen = recording(llm)
+        assert tokens(llm.generate(ps, GREEDY, use_tqdm=False)) == want
+        batched = len(seen)
+        assert [tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in ps] == want
+        assert llm.engine.stats().prefix_hits > 0
+        assert llm.engine.executor.kv.usage() == 0.0
+    assert batched > 100 and len(seen) > batched + 100
+    wrong = [(seq, d, guess(seq)) for seq, d in seen if guess(seq) != d]
+    assert not wrong, wrong[:3]
+
+
+def test_a_layer_that_guesses_right_has_its_drafts_kept(bigram_model):
+    """The bigram construction: every draft is kept (so every step catches up on two
+    positions: the last token's and the kept draft's, each with the sample after it); the
+    tokens are the plain ones, in half the steps."""
+    with LLM(str(bigram_model), enforce_eager=True, **KNOBS) as llm:
+        want = tokens(llm.generate(prompts(), GREEDY, use_tqdm=False))
+    with LLM(str(bigram_model), enforce_eager=True, speculative_config=MTP, **KNOBS) as llm:
+        got = [tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts()]
+        spec = llm.engine.stats().spec_decode
+    assert got == want
+    assert spec is not None and spec.num_draft_tokens > 100
+    assert spec.num_accepted_tokens == spec.num_draft_tokens
+
+
+def test_preempted_requests_resume_on_the_plain_tokens(mtp_model):
+    """A pool of a few pages: requests are preempted and recompute (the layer's entries with
+    them) and end on the plain tokens, every page back."""
+    knobs = {**KNOBS, "page_size": 16, "num_kv_pages": 14, "kv_cpu_bytes": 0}
+    with LLM(str(mtp_model), enforce_eager=True, **KNOBS) as llm:
+        want = tokens(llm.generate(prompts(), GREEDY, use_tqdm=False))
+    with LLM(str(mtp_model), enforce_eager=True, speculative_config=MTP, **knobs) as llm:
+        assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == want
+        assert llm.engine.stats().num_preemptions > 0
+        assert llm.engine.executor.kv.usage() == 0.0
+
+
+def test_sampled_tokens_come_from_the_plain_distribution(bigram_model):
+    """One prompt sampled 1,500 times each way (temperature 1, top-k 6), the bigram layer's
+    guesses kept about as often as the target draws its argmax: the 2nd, 3rd and 4th tokens'
+    distributions pass a chi-square test of sameness."""
+    path = str(bigram_model)
+    prompt = prompts()[1]
+    n = 1500
+    knobs = {**KNOBS, "max_num_seqs": 256}
+
+    def params(first: int) -> list[SamplingParams]:
+        return [
+            SamplingParams(temperature=1.0, top_k=6, max_tokens=4, ignore_eos=True, seed=first + i)
+            for i in range(n)
+        ]
+
+    with LLM(path, enforce_eager=True, **knobs) as llm:
+        plain_out = tokens(llm.generate([prompt] * n, params(0), use_tqdm=False))
+    with LLM(path, enforce_eager=True, speculative_config=MTP, **knobs) as llm:
+        spec_out = tokens(llm.generate([prompt] * n, params(n), use_tqdm=False))
+        spec = llm.engine.stats().spec_decode
+        assert spec is not None and 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    for position in (1, 2, 3):
+        a = Counter(t[position] for t in plain_out)
+        b = Counter(t[position] for t in spec_out)
+        stat, dof = chi_square_same(a, b)
+        assert dof >= 2, f"position {position}: too few outcomes to test ({a})"
+        assert stat < chi_square_critical(dof), (position, stat, dof, a, b)
+
+
+def test_the_mtp_layers_entries_live_in_the_targets_pages(mtp_model):
+    """The KV store holds one layer more than the model (the MTP layer's), and its SSD
+    pages are keyed apart from a run without it."""
+    with LLM(str(mtp_model), enforce_eager=True, speculative_config=MTP, **KNOBS) as llm:
+        spec = llm.engine.executor.kv.pool.cache.spec
+        assert (
+            spec.num_layers
+            == json.loads((mtp_model / "config.json").read_text())["num_hidden_layers"] + 1
+        )
