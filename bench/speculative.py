@@ -18,7 +18,7 @@ imports the standard library only).
     python bench/speculative.py --json spec.json --markdown spec.md
     python bench/speculative.py --model /path/model.gguf --rounds 2 --engines ours
     python bench/speculative.py --quantization none --engines ours \
-        --speculative-config '{"model": "/path/model.gguf", "num_speculative_tokens": 4}'
+        --speculative-config '{"model": "default", "num_speculative_tokens": 7}'
 """
 
 from __future__ import annotations

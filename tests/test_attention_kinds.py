@@ -91,6 +91,7 @@ def toy_store() -> KVGroups:
         cfg=SimpleNamespace(head_dim=D),
         num_local_layers=LAYERS,
         local_layers=range(LAYERS),
+        kv_layers=range(LAYERS),
         groups=ParallelGroups(),
         attention_kind=toy,
     )

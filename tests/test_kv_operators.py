@@ -194,6 +194,7 @@ def test_the_store_and_its_tiers_hold_mla_pages_at_the_latent_size() -> None:
         cfg=cfg,
         num_local_layers=LAYERS,
         local_layers=range(LAYERS),
+        kv_layers=range(LAYERS),
         groups=ParallelGroups(),
         attention_kind=mla,
     )

@@ -142,6 +142,7 @@ def test_every_pipeline_stage_counts_the_same_pages(kind: str) -> None:
             cfg=cfg,
             groups=groups,
             local_layers=layers,
+            kv_layers=layers,
             num_local_layers=len(layers),
             attention_kind=attention_kind,
         )

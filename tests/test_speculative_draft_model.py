@@ -305,3 +305,24 @@ def test_sampled_tokens_come_from_the_plain_distribution(tiny_model, drafts):
         stat, dof = chi_square_same(a, b)
         assert dof >= 2, f"position {position}: too few outcomes to test ({a})"
         assert stat < chi_square_critical(dof), (position, stat, dof, a, b)
+
+
+@pytest.mark.slow
+def test_the_default_model_drafted_by_its_own_file():
+    """SmolLM2 in bf16 (the GGUF dequantized) drafted by the same GGUF's Q4_1 records (the
+    draft's own native step): the plain tokens, most drafts kept, every draft page back."""
+    from pypto_serving.bench.datasets import chat_prompts
+
+    params = SamplingParams(temperature=0, max_tokens=48)
+    with LLM("default", quantization="none") as llm:
+        ps = chat_prompts(llm.tokenizer, "echo")[:1] + chat_prompts(llm.tokenizer, "open")[:1]
+        want = tokens(llm.generate(ps, params, use_tqdm=False))
+    spec = {"model": "default", "num_speculative_tokens": 4}  # its file's records
+    with LLM("default", quantization="none", speculative_config=spec) as llm:
+        draft = llm.engine.draft_model
+        assert draft is not None and draft.executor.native is not None
+        got = [tokens(llm.generate([p], params, use_tqdm=False))[0] for p in ps]
+        stats = llm.engine.stats().spec_decode
+        assert draft.executor.kv.usage() == 0.0
+    assert got == want
+    assert stats is not None and stats.num_accepted_tokens > 0.8 * stats.num_draft_tokens

@@ -217,6 +217,42 @@ def test_a_layer_that_guesses_right_has_its_drafts_kept(bigram_model):
     assert spec.num_accepted_tokens == spec.num_draft_tokens
 
 
+def test_a_grammars_outputs_are_the_plain_ones(bigram_model):
+    """A structured output: the layer's guesses end where the grammar would refuse them (a
+    guess it refuses is no draft), the kept ones advance the grammar: the plain constrained
+    tokens."""
+    import re
+
+    from pypto_serving.sampling import StructuredOutputsParams
+
+    pattern = "[a-z ]{4,40}\\."
+    params = SamplingParams(
+        temperature=0, max_tokens=48, structured_outputs=StructuredOutputsParams(regex=pattern)
+    )
+    texts = ["the cat", "a dog", "on the mat"]
+    with LLM(str(bigram_model), enforce_eager=True, **KNOBS) as llm:
+        want = llm.generate(texts, params, use_tqdm=False)
+    with LLM(str(bigram_model), enforce_eager=True, speculative_config=MTP, **KNOBS) as llm:
+        got = [llm.generate([t], params, use_tqdm=False)[0] for t in texts]
+        spec = llm.engine.stats().spec_decode
+    assert spec is not None and spec.num_accepted_tokens > 0
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert re.fullmatch(pattern, g.outputs[0].text), g.outputs[0].text
+
+
+def test_compiled_steps_verify_without_recompiling(mtp_model):
+    """The compiled graphs (the target's layers): a verified draft's rows are decode rows of
+    a shape warm-up compiled, so serving with the layer drafting recompiles nothing."""
+    with LLM(str(mtp_model), **KNOBS) as llm:
+        want = tokens(llm.generate(prompts(), GREEDY, use_tqdm=False))
+    with LLM(str(mtp_model), speculative_config=MTP, **KNOBS) as llm:
+        assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == want
+        stats = llm.engine.stats()
+        assert stats.spec_decode is not None and stats.spec_decode.num_drafts > 100
+        assert stats.num_recompilations == 0
+
+
 def test_preempted_requests_resume_on_the_plain_tokens(mtp_model):
     """A pool of a few pages: requests are preempted and recompute (the layer's entries with
     them) and end on the plain tokens, every page back."""
