@@ -78,12 +78,15 @@ class Scheduler:
         kv: KVCapacity,
         speculator: Speculator | None = None,
         decode_rows: int | None = None,
+        row_block: int | None = None,
     ) -> None:
         """speculator: drafts for decoding requests (speculative decoding), None: none;
         decode_rows: the most rows a step's decodes may have, their drafts included, where
-        more would move them off the kernel plain decodes of that step run on (None: any)."""
+        more would move them off the kernel plain decodes of that step run on (None: any);
+        row_block: the rows that kernel multiplies at once, each block a pass over the
+        weights: drafts fill the decodes' last block, never start another (None: no blocks)."""
         self.config, self.kv = config, kv
-        self.speculator, self.decode_rows = speculator, decode_rows
+        self.speculator, self.decode_rows, self.row_block = speculator, decode_rows, row_block
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -152,15 +155,15 @@ class Scheduler:
 
     def _spare_rows(self) -> int:
         """Rows this step's drafts may add: what `decode_rows` leaves beside one row per
-        decoding request (every row the budget leaves where there is no such limit, or the
-        decodes exceed it anyway)."""
+        decoding request, and what the decodes' last `row_block` leaves (every row the budget
+        leaves where there is no such limit, or the decodes exceed it anyway)."""
         if self.speculator is None:
             return 0
         decodes = sum(r.num_computed_tokens == r.num_tokens - 1 for r in self.running)
         rows = self.decode_rows
-        return (
-            self.config.max_num_batched_tokens if rows is None or decodes > rows else rows - decodes
-        )
+        if rows is None or decodes > rows:
+            return self.config.max_num_batched_tokens
+        return min(rows - decodes, -decodes % self.row_block) if self.row_block else rows - decodes
 
     def _drafts(self, budget: int, spare: int) -> dict[str, list[int]]:
         """The speculator's drafts for this step's decoding requests, asked for all at once

@@ -29,6 +29,7 @@ from pypto_serving.engine.worker import join_group, load_draft_model, load_share
 from pypto_serving.errors import EngineDeadError, PyptoError
 from pypto_serving.executor.compiled import trust_cpu_vector_isa_soon
 from pypto_serving.executor.draft_model import DraftModel
+from pypto_serving.executor.native_decode import ROW_BLOCK
 from pypto_serving.executor.paged import PagedExecutor
 from pypto_serving.grammar import Grammars
 from pypto_serving.kv.events import KVEvent, KVEventLog
@@ -271,10 +272,12 @@ class EngineCore:
                 self.max_model_len,
             )
         self.speculator = self._speculator(own)
-        decode_rows = None
+        decode_rows = row_block = None
         if isinstance(self.executor, PagedExecutor) and self.executor.native is not None:
-            decode_rows = self.executor.native_rows
-        self.scheduler = Scheduler(config.scheduler, self.executor.kv, self.speculator, decode_rows)
+            decode_rows, row_block = self.executor.native_rows, ROW_BLOCK
+        self.scheduler = Scheduler(
+            config.scheduler, self.executor.kv, self.speculator, decode_rows, row_block
+        )
         self.grammars = self.executor.grammars = Grammars(self.model_dir, cfg.vocab_size)
         if self.draft_model is not None:  # it drafts a structured output under its grammar
             self.draft_model.executor.grammars = self.grammars
