@@ -45,15 +45,14 @@ class DraftModel:
         limits: dict[str, int] = {}
         step: list[tuple[Request, int]] = []  # (shadow, tokens to compute)
         for request, k in wanted:
-            tokens = request.token_ids
-            k = min(k, self.max_model_len - len(tokens))
+            k = min(k, self.max_model_len - request.num_tokens)
             if k < 1:
                 continue
-            shadow = self._catch_up(request.request_id, tokens)
+            shadow = self._catch_up(request)
             if shadow is None:
                 continue
             shadow.matcher = request.matcher
-            step.append((shadow, len(tokens) - shadow.num_computed_tokens))
+            step.append((shadow, shadow.num_tokens - shadow.num_computed_tokens))
             out[request.request_id], limits[request.request_id] = [], k
         shadows = [shadow for shadow, _ in step]
         try:
@@ -99,24 +98,27 @@ class DraftModel:
             return False  # the grammar is complete: the target ends here
         return len(drafts) < limits[shadow.request_id] and self.executor.kv.allocate(shadow, 1)
 
-    def _catch_up(self, request_id: str, tokens: list[int]) -> Request | None:
-        """The request's shadow holding `tokens`, its KV kept as far as it agrees with them
+    def _catch_up(self, request: Request) -> Request | None:
+        """The request's shadow holding its tokens, its KV kept as far as it agrees with them
         and pages for the rest allocated; None where the pool has too few pages (the shadow
-        is dropped: it starts over next time)."""
-        shadow = self._shadows.get(request_id)
+        is dropped: it starts over next time). The shadow's prompt is the tokens the request
+        had when last asked (they never change), its output the drafts proposed then: only
+        those are compared with what the request has now."""
+        shadow = self._shadows.get(request.request_id)
         if shadow is None:
-            shadow = self._shadows[request_id] = Request(request_id, list(tokens), GREEDY)
+            shadow = Request(request.request_id, request.token_ids, GREEDY)
+            self._shadows[request.request_id] = shadow
         else:
-            computed = shadow.token_ids[: shadow.num_computed_tokens]
-            kept = shared_prefix(computed, tokens)
-            if kept == len(tokens):  # it computed every token: its last one again, for logits
-                kept -= 1
-            if kept < shadow.num_computed_tokens:
+            known, drafts = len(shadow.prompt_token_ids), shadow.output_token_ids
+            kept = known + shared_prefix(drafts, request.tokens(known, known + len(drafts)))
+            kept = min(kept, shadow.num_computed_tokens, request.num_tokens - 1)
+            if kept < shadow.num_computed_tokens:  # (the last token: again, for its logits)
                 self.executor.kv.trim(shadow, kept)
-            shadow.prompt_token_ids, shadow.output_token_ids = list(tokens), []
+            shadow.prompt_token_ids += request.tokens(known, request.num_tokens)
+            shadow.output_token_ids = []
             shadow.num_computed_tokens = kept
-        if not self.executor.kv.allocate(shadow, len(tokens) - shadow.num_computed_tokens):
-            self.forget(request_id)
+        if not self.executor.kv.allocate(shadow, shadow.num_tokens - shadow.num_computed_tokens):
+            self.forget(request.request_id)
             return None
         return shadow
 
