@@ -314,11 +314,13 @@ def test_the_default_model_drafted_by_its_own_file():
     from pypto_serving.bench.datasets import chat_prompts
 
     params = SamplingParams(temperature=0, max_tokens=48)
-    with LLM("default", quantization="none") as llm:
+    # eager: a bf16 SmolLM2 compiled in this worker would leave dynamo's caches holding
+    # graphs test_compile.py counts on compiling itself
+    with LLM("default", quantization="none", enforce_eager=True) as llm:
         ps = chat_prompts(llm.tokenizer, "echo")[:1] + chat_prompts(llm.tokenizer, "open")[:1]
         want = tokens(llm.generate(ps, params, use_tqdm=False))
     spec = {"model": "default", "num_speculative_tokens": 4}  # its file's records
-    with LLM("default", quantization="none", speculative_config=spec) as llm:
+    with LLM("default", quantization="none", enforce_eager=True, speculative_config=spec) as llm:
         draft = llm.engine.draft_model
         assert draft is not None and draft.executor.native is not None
         got = [tokens(llm.generate([p], params, use_tqdm=False))[0] for p in ps]
