@@ -99,6 +99,7 @@ def test_a_planted_graph_in_the_engines_cache_is_compiled_over(
     compiles the graph again, serves the same tokens, and the planted code never runs."""
     from pypto_serving import SamplingParams
 
+    torch._dynamo.reset()  # it must compile and keep its graph, not reuse this worker's
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     knobs = {"enforce_eager": False, "num_kv_pages": 32}
     with tiny_llm(tiny_model(MODEL), **knobs) as first:

@@ -23,6 +23,13 @@ from pypto_serving.kv.paged_attention import PagedKV
 from pypto_serving.models.llama import MLP, DecoderLayer
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """These tests count compiles: graphs another test in this worker compiled (a bf16
+    SmolLM2, say) must not be served from dynamo's in-process caches instead."""
+    torch._dynamo.reset()
+
+
 def kinds(graphs: dict) -> set[tuple]:
     """Each captured graph's key as (layer class, its MLP's class, KV class, step class)."""
     by_name = {MLP.__qualname__: MLP}
