@@ -336,6 +336,17 @@ def chi_square_critical(dof: int) -> float:
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
+def assert_same_distribution(plain_out: list[list[int]], spec_out: list[list[int]]) -> None:
+    """The 2nd, 3rd and 4th tokens of the two runs' samples pass a chi-square test of
+    sameness, each at p = 0.999."""
+    for position in (1, 2, 3):
+        a = Counter(t[position] for t in plain_out)
+        b = Counter(t[position] for t in spec_out)
+        stat, dof = chi_square_same(a, b)
+        assert dof >= 2, f"position {position}: too few outcomes to test ({a})"
+        assert stat < chi_square_critical(dof), (position, stat, dof, a, b)
+
+
 def test_sampled_tokens_come_from_the_plain_distribution(tiny_model):
     """One repeating prompt sampled 1,500 times each way (temperature 1, top-k 6): the
     drafts are its own continuation, kept about as often as the model draws them. The 2nd,
@@ -357,12 +368,7 @@ def test_sampled_tokens_come_from_the_plain_distribution(tiny_model):
     with LLM(path, enforce_eager=True, speculative_config=NGRAM, **knobs) as llm:
         spec_out = tokens(llm.generate([prompt] * n, spec_params, use_tqdm=False))
         assert_drafts_held_and_missed(llm)
-    for position in (1, 2, 3):
-        a = Counter(t[position] for t in plain_out)
-        b = Counter(t[position] for t in spec_out)
-        stat, dof = chi_square_same(a, b)
-        assert dof >= 2, f"position {position}: too few outcomes to test ({a})"
-        assert stat < chi_square_critical(dof), (position, stat, dof, a, b)
+    assert_same_distribution(plain_out, spec_out)
 
 
 def test_the_counters_are_exposed_under_vllms_names_too():

@@ -74,17 +74,7 @@ def load_share(
     attention = plan_attention(plan, config, load_model_config(model_dir), groups)
     if attention.kernels is not None:
         _build_kernels_soon(attention.kernels)
-    model = load_model(
-        model_dir,
-        plan.dtype,
-        plan.device,
-        groups,
-        plan.quantization,
-        attention.native_decode,
-        plan.pack_linear,
-        records_only=plan.records_only,
-        records_wide=plan.records_wide,
-    )
+    model = _load_planned(model_dir, plan, groups, attention)
     if config.executor == "reference":
         return Share(model, ReferenceExecutor(model, plan.device), attention)
     spec = config.speculation()
@@ -144,17 +134,7 @@ def load_draft_model(config: EngineConfig, target: ModelConfig, max_model_len: i
     plan = plan_run(own, path)
     groups = ParallelGroups()
     attention = replace(plan_attention(plan, own, cfg, groups), compiled=False)
-    model = load_model(
-        path,
-        plan.dtype,
-        plan.device,
-        groups,
-        plan.quantization,
-        attention.native_decode,
-        plan.pack_linear,
-        records_only=plan.records_only,
-        records_wide=plan.records_wide,
-    )
+    model = _load_planned(path, plan, groups, attention)
     if not model.attention_kind.SPECULATES:
         raise PyptoError(
             f"speculative_config: the draft model's attention ({model.attention_kind.NAME}) "
@@ -173,6 +153,23 @@ def load_draft_model(config: EngineConfig, target: ModelConfig, max_model_len: i
         spec.num_speculative_tokens,
     )
     return DraftModel(executor, limit)
+
+
+def _load_planned(
+    path: Path, plan: RunPlan, groups: ParallelGroups, attention: AttentionPlan
+) -> CausalLM:
+    """The model at `path` (this rank's share) loaded as its run and attention plans say."""
+    return load_model(
+        path,
+        plan.dtype,
+        plan.device,
+        groups,
+        plan.quantization,
+        attention.native_decode,
+        plan.pack_linear,
+        records_only=plan.records_only,
+        records_wide=plan.records_wide,
+    )
 
 
 def _build_kernels_soon(shape: tuple[int, int]) -> None:
