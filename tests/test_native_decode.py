@@ -148,6 +148,27 @@ def test_packed_products_are_the_quantized_products(products, fmt, rows):
     assert relative_error(dequantized, weight) < (0.15 if fmt == NATIVE_Q4 else 0.01)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_activations_are_quantized_with_ties_to_even(products, rows):
+    """Each group of 32 inputs becomes round(x * 127 / max |x|), halves to even (Q8_1), in
+    every build: with a group's largest value 127 the int8 values are x rounded, read back
+    through an identity weight in Q8 (one 127 a row: the products are 127 q times its
+    scale, q recovered to well within a half)."""
+    torch.manual_seed(rows)
+    k = 96
+    halves = torch.randint(-127, 127, (rows, k)) + 0.5  # every value a tie
+    x = torch.where(torch.rand(rows, k) < 0.5, halves, torch.rand(rows, k) * 252 - 126)
+    x[:, ::32] = 127.0  # each group's largest
+    records = pack_q8(torch.eye(k))
+    out = torch.empty(rows, k)
+    w = Matrix(records.data_ptr(), None, k, k, NATIVE_Q8)
+    assert (
+        products.pypto_packed_product(ctypes.byref(w), x.data_ptr(), rows, out.data_ptr(), 2) == 0
+    )
+    assert torch.equal(out.round(), torch.round(x)), "ties go to the even neighbour"
+    assert (out - out.round()).abs().max() < 0.05
+
+
 @pytest.mark.parametrize("fmt", [NATIVE_Q4, NATIVE_Q8])
 def test_avx2_and_avx512_give_the_same_packed_products(tmp_path, monkeypatch, fmt):
     """The integer sums are exact on both (vpmaddubsw/vpmaddwd, or VNNI) and the float steps

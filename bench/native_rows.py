@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""What a native decode step costs by its number of rows, this tree's kernels against another
+revision's, in one process.
+
+A step of R rows of one sequence (speculative decoding's verify rows; `--sequences` for R
+separate sequences) at a context of `--context` tokens runs through the native decode step
+(native/decode.cpp) of each build in turn, call by call, so both see the same machine: the
+medians of `--iters` rounds of three calls each. `--against REV` builds the kernels of a git
+revision (its native/ sources) beside this tree's; without it only this tree's run.
+
+    python bench/native_rows.py --rows 1,2,4,8,32 --against HEAD~1
+    python bench/native_rows.py --model ~/.cache/pypto-serving/shapes/llama-1b/model-Q4_1.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+NATIVE = "pypto_serving/native"
+SOURCES = ("attention.cpp", "decode.cpp", "records.h")
+
+
+def checkout(rev: str, into: Path) -> Path:
+    """The native/ sources of git revision `rev`, written into `into`."""
+    for name in SOURCES:
+        text = subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{rev}:{NATIVE}/{name}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        (into / name).write_text(text)
+    return into
+
+
+def library(sources: Path, tag: str, group: int, head_dim: int, out: Path) -> ctypes.CDLL:
+    """The decode step's library built from `sources` (the tag keeps each build's objects
+    apart: the kept objects are keyed by the package's own headers)."""
+    from pypto_serving import native
+
+    defines = (f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}")
+    extra = (f"-DPYPTO_BENCH_{tag}",)
+    path = native._build(
+        (sources / "attention.cpp",), defines, f"bench-{tag}", out, None, extra,
+        (sources / "decode.cpp",),
+    )  # fmt: skip
+    if path is None:
+        raise SystemExit(f"the {tag} kernels did not build (see the log above)")
+    lib = ctypes.CDLL(str(path))
+    lib.pypto_decode_step.restype = ctypes.c_int
+    lib.pypto_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="default", help="the default model, a directory or a GGUF")
+    p.add_argument("--rows", default="1,2,4,8")
+    p.add_argument("--context", type=int, default=150)
+    p.add_argument("--sequences", action="store_true", help="each row its own sequence")
+    p.add_argument("--against", help="a git revision whose kernels run beside this tree's")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+
+    from pypto_serving import LLM
+    from pypto_serving.executor.native_decode import NativeDecoder
+    from pypto_serving.executor.paged import PagedExecutor
+
+    llm = LLM(model=args.model)
+    executor = llm.engine.executor
+    if not isinstance(executor, PagedExecutor) or executor.native is None:
+        raise SystemExit(f"{args.model}: the native decode step does not run this model")
+    cfg, cache = executor.model.cfg, executor.kv.pool.cache
+    group, page = cfg.num_heads // cfg.num_kv_heads, executor.kv.page_size
+    rows_list = [int(r) for r in args.rows.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"this": REPO / NATIVE}
+        if args.against:
+            trees[args.against] = checkout(args.against, Path(tmp))
+        steps = {}
+        for i, (name, sources) in enumerate(trees.items()):
+            lib = library(sources, f"v{i}", group, cfg.head_dim, Path(tmp) / "libs")
+            steps[name] = NativeDecoder(executor.model, cache, lib)
+            steps[name].team.threads = lambda: torch.get_num_threads()  # type: ignore[method-assign]
+
+        def once(step: NativeDecoder, rows: int) -> float:
+            seqs = rows if args.sequences else 1
+            per = -(-(args.context + rows) // page)  # pages a sequence spans
+            table = torch.arange(seqs * per, dtype=torch.int64).view(seqs, per)
+            seq = torch.arange(rows) % seqs
+            positions = args.context + torch.arange(rows) // seqs
+            slots = table[seq, positions // page] * page + positions % page
+            tokens = torch.randint(100, 1000, (rows,), dtype=torch.int64)
+            start = time.perf_counter()
+            step.logits(tokens, positions, slots, table[seq].contiguous(), positions + 1)
+            return time.perf_counter() - start
+
+        times: dict[tuple[str, int], list[float]] = {(n, r): [] for n in steps for r in rows_list}
+        for _ in range(args.iters):
+            for rows in rows_list:
+                for name, step in steps.items():
+                    times[(name, rows)] += [once(step, rows) for _ in range(3)]
+    result = {f"{name} {rows}": 1000 * statistics.median(t) for (name, rows), t in times.items()}
+    print(f"native step ms by rows ({args.model}, context {args.context}):")
+    for rows in rows_list:
+        cells = "  ".join(f"{n}: {result[f'{n} {rows}']:.2f}" for n in steps)
+        print(f"  {rows:>3} rows  {cells}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
