@@ -10,6 +10,7 @@ revision (its native/ sources) beside this tree's; without it only this tree's r
 
     python bench/native_rows.py --rows 1,2,4,8,32 --against HEAD~1
     python bench/native_rows.py --model ~/.cache/pypto-serving/shapes/llama-1b/model-Q4_1.gguf
+    PYPTO_CPU_ISA=avx2 python bench/native_rows.py --quantization none --against HEAD~1
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def library(sources: Path, tag: str, group: int, head_dim: int, out: Path) -> ct
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="default", help="the default model, a directory or a GGUF")
+    p.add_argument("--quantization", default="auto", help="none: a GGUF's weights in bf16")
     p.add_argument("--rows", default="1,2,4,8")
     p.add_argument("--context", type=int, default=150)
     p.add_argument("--sequences", action="store_true", help="each row its own sequence")
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from pypto_serving.executor.native_decode import NativeDecoder
     from pypto_serving.executor.paged import PagedExecutor
 
-    llm = LLM(model=args.model)
+    llm = LLM(model=args.model, quantization=args.quantization)
     executor = llm.engine.executor
     if not isinstance(executor, PagedExecutor) or executor.native is None:
         raise SystemExit(f"{args.model}: the native decode step does not run this model")

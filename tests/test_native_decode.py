@@ -218,14 +218,19 @@ def test_packing_keeps_values_on_the_int4_grid_exactly():
     assert torch.equal(dequantize(pack_q4(weight), NATIVE_Q4, 32, 64), weight.double())
 
 
-@pytest.mark.parametrize("fmt", [NATIVE_Q4, NATIVE_Q8])
+@pytest.mark.parametrize("fmt", [NATIVE_Q4, NATIVE_Q8, NATIVE_BF16])
 def test_a_rows_product_is_the_same_bits_among_any_rows(products, fmt):
     """Any number of rows, BLOCK_ROWS at a time over each block of the weight: a row's result
     does not depend on how many rows came with it or where it stood among them (what
-    --batch-invariant's quantized matmuls rest on)."""
+    --batch-invariant's quantized matmuls rest on, and speculative decoding's verify rows:
+    a bf16 model's too, whose AVX2 build once summed a row in fewer chains among more rows)."""
     torch.manual_seed(fmt)
     n, k = 40, 96
-    records = (pack_q4 if fmt == NATIVE_Q4 else pack_q8)(torch.randn(n, k))
+    weight = torch.randn(n, k)
+    if fmt == NATIVE_BF16:
+        records = weight.bfloat16()
+    else:
+        records = (pack_q4 if fmt == NATIVE_Q4 else pack_q8)(weight)
     w = Matrix(records.data_ptr(), None, n, k, fmt)
     x = torch.randn(21, k) * 3
 

@@ -26,8 +26,8 @@
 //
 // Unquantized bf16 models' weights (the decode step's) are read where they lie, row by row
 // ([rows, cols]), with the activations rounded to bf16: AVX512-BF16 dot products, or on AVX2
-// each bf16 widened to float32 (a 16-bit shift) and FMAs (chains by the number of rows: not
-// batch-invariant, and never used so).
+// each bf16 widened to float32 (a 16-bit shift) and FMAs, four chains a row whatever the
+// rows (a row's result does not depend on its company).
 #pragma once
 
 #include <omp.h>
@@ -251,24 +251,29 @@ void bf16_rows(const Matrix& w, int64_t n0, int64_t n, const Activations& x, int
         }
         for (int m = 0; m < M; ++m) acc[m][r] = _mm512_reduce_add_ps(a[m]);
 #elif defined(PYPTO_AVX2)
-        // NA chains of FMAs per row of x, so that a few rows still keep both FMA units busy
-        constexpr int NA = M >= 4 ? 1 : (M >= 2 ? 2 : 4);
-        __m256 a[M][NA];
-        for (int m = 0; m < M; ++m)
-            for (int j = 0; j < NA; ++j) a[m][j] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < k; i += 8 * NA)  // k is a multiple of 32
-            for (int j = 0; j < NA; ++j) {
-                const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 8 * j));
-                const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-                for (int m = 0; m < M; ++m)
-                    a[m][j] = _mm256_fmadd_ps(v, _mm256_loadu_ps(&xf[m * k + i + 8 * j]), a[m][j]);
+        // Four chains of FMAs per row of x (one row keeps both FMA units busy), rows two at
+        // a time: a row's sums are the same whichever rows share the call (speculative
+        // decoding's verify rows must give what one row alone does).
+        constexpr int NA = 4;
+        for (int m0 = 0; m0 < M; m0 += 2) {
+            const bool pair = m0 + 1 < M;
+            __m256 a[2][NA];
+            for (int m = 0; m < 2; ++m)
+                for (int j = 0; j < NA; ++j) a[m][j] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < k; i += 8 * NA)  // k is a multiple of 32
+                for (int j = 0; j < NA; ++j) {
+                    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 8 * j));
+                    const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+                    a[0][j] = _mm256_fmadd_ps(v, _mm256_loadu_ps(&xf[m0 * k + i + 8 * j]), a[0][j]);
+                    if (pair)
+                        a[1][j] = _mm256_fmadd_ps(v, _mm256_loadu_ps(&xf[(m0 + 1) * k + i + 8 * j]), a[1][j]);
+                }
+            for (int m = 0; m < (pair ? 2 : 1); ++m) {
+                const __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[m][0], a[m][1]), a[m][2]), a[m][3]);
+                const __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+                const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                acc[m0 + m][r] = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
             }
-        for (int m = 0; m < M; ++m) {
-            __m256 t = a[m][0];
-            for (int j = 1; j < NA; ++j) t = _mm256_add_ps(t, a[m][j]);
-            const __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-            const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            acc[m][r] = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
         }
 #else
         for (int m = 0; m < M; ++m) {
