@@ -35,13 +35,14 @@ SOURCES = ("attention.cpp", "decode.cpp", "records.h")
 def checkout(rev: str, into: Path) -> Path:
     """The native/ sources of git revision `rev`, written into `into`."""
     for name in SOURCES:
-        text = subprocess.run(
+        shown = subprocess.run(
             ["git", "-C", str(REPO), "show", f"{rev}:{NATIVE}/{name}"],
             capture_output=True,
             text=True,
-            check=True,
-        ).stdout
-        (into / name).write_text(text)
+        )
+        if shown.returncode:
+            raise SystemExit(f"--against {rev}: {shown.stderr.strip() or 'git show failed'}")
+        (into / name).write_text(shown.stdout)
     return into
 
 
@@ -75,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    try:
+        rows_list = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        p.error(f"--rows takes row counts separated by commas, got {args.rows!r}")
+    if not all(0 < r <= 256 for r in rows_list):
+        p.error("each of --rows must be 1 to 256 (the native step's rows)")
 
     from pypto_serving import LLM
     from pypto_serving.executor.native_decode import NativeDecoder
@@ -86,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.model}: the native decode step does not run this model")
     cfg, cache = executor.model.cfg, executor.kv.pool.cache
     group, page = cfg.num_heads // cfg.num_kv_heads, executor.kv.page_size
-    rows_list = [int(r) for r in args.rows.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"this": REPO / NATIVE}
         if args.against:
