@@ -86,33 +86,48 @@ def main(argv: list[str] | None = None) -> int:
     from pypto_serving import LLM
     from pypto_serving.executor.native_decode import NativeDecoder
     from pypto_serving.executor.paged import PagedExecutor
+    from pypto_serving.kv.paged_attention import StepBatch
 
     llm = LLM(model=args.model, quantization=args.quantization)
     executor = llm.engine.executor
     if not isinstance(executor, PagedExecutor) or executor.native is None:
         raise SystemExit(f"{args.model}: the native decode step does not run this model")
     cfg, cache = executor.model.cfg, executor.kv.pool.cache
-    group, page = cfg.num_heads // cfg.num_kv_heads, executor.kv.page_size
+    (group,) = executor.kv.managers  # the native step's models have one KV group
+    page = executor.kv.page_size
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"this": REPO / NATIVE}
         if args.against:
             trees[args.against] = checkout(args.against, Path(tmp))
         steps = {}
         for i, (name, sources) in enumerate(trees.items()):
-            lib = library(sources, f"v{i}", group, cfg.head_dim, Path(tmp) / "libs")
+            heads = cfg.num_heads // cfg.num_kv_heads
+            lib = library(sources, f"v{i}", heads, cfg.head_dim, Path(tmp) / "libs")
             steps[name] = NativeDecoder(executor.model, cache, lib)
             steps[name].team.threads = lambda: torch.get_num_threads()  # type: ignore[method-assign]
 
         def once(step: NativeDecoder, rows: int) -> float:
+            """One step of `rows` decode rows, slots and tables mapped by the attention
+            operator as the executor has it map them."""
             seqs = rows if args.sequences else 1
             per = -(-(args.context + rows) // page)  # pages a sequence spans
-            table = torch.arange(seqs * per, dtype=torch.int64).view(seqs, per)
-            seq = torch.arange(rows) % seqs
+            pages = [list(range(s * per, (s + 1) * per)) for s in range(seqs)]
             positions = args.context + torch.arange(rows) // seqs
-            slots = table[seq, positions // page] * page + positions % page
+            batch = StepBatch(
+                {group.name: [pages[r % seqs] for r in range(rows)]},
+                positions,
+                torch.ones(rows, dtype=torch.int64),
+                positions + 1,
+                rows,
+                1,
+                executor.attention_kernel,
+            )
+            attention = executor.model.attention_kind.step(executor.kv, cfg, batch)
             tokens = torch.randint(100, 1000, (rows,), dtype=torch.int64)
             start = time.perf_counter()
-            step.logits(tokens, positions, slots, table[seq].contiguous(), positions + 1)
+            step.logits(
+                tokens, positions, attention.slot_mapping, attention.block_table, positions + 1
+            )
             return time.perf_counter() - start
 
         times: dict[tuple[str, int], list[float]] = {(n, r): [] for n in steps for r in rows_list}
