@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 from checkpoints import hash_chain
+from kv_costs import loads_always_pay
 from live_server import free_port, generate_salted, tiny_llm
 from mooncake_master import POOL_SECRET, mooncake_master
 from patience import patience
@@ -193,6 +194,7 @@ def test_cache_salt_namespaces_the_pools_keys(tiny_model, master_url):
         assert sum(len(k) for k in keys.values()) == len(set().union(*keys.values())) == 18
         assert b.generate([p], GREEDY, use_tqdm=False)[0].cached_tokens_by_tier == {}
         assert generate_salted(b, p, GREEDY, "tenant-b").cached_tokens_by_tier == {}
+        loads_always_pay(b)  # B has measured its recompute rate by now (kv_costs.py)
         out = generate_salted(b, p, GREEDY, "tenant-a")
         assert out.cached_tokens_by_tier == {"remote": 96}
         assert out.outputs[0].token_ids == first.outputs[0].token_ids

@@ -23,10 +23,10 @@ import torch
 from checkpoints import fake_kv_store, hash_chain
 from hypothesis import Phase, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from kv_costs import fixed
 
 from pypto_serving.config import SchedulerConfig, SpeculativeSpec
 from pypto_serving.kv.groups import KVGroups
-from pypto_serving.kv.pool import Costs
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.request import Request, RequestStatus
 from pypto_serving.sampling import SamplingParams
@@ -60,17 +60,6 @@ def chain(token_ids: Sequence[int], salt: str | None) -> list[bytes]:
     return hash_chain(list(token_ids), PS, salt)
 
 
-class FixedCosts(Costs):
-    """The pool's first guesses, kept: measured, the load times of a loaded machine flip its
-    swap-or-recompute and load-or-recompute choices, and a run must replay per seed."""
-
-    def observe_compute(self, num_tokens: int, seconds: float) -> None:
-        pass
-
-    def observe_load(self, tier: str, num_pages: int, seconds: float) -> None:
-        pass
-
-
 def make_store(
     num_pages: int,
     enable_prefix_caching: bool = True,
@@ -87,9 +76,8 @@ def make_store(
         ssd_pages=ssd_pages,
         digest="fake-model",
     )
-    for m in store.managers:
-        costs = m.pool.costs
-        m.pool.costs = FixedCosts(costs.recompute_s_per_token, dict(costs.load_s_per_page))
+    for m in store.managers:  # the first guesses, kept: a run must replay per seed
+        m.pool.costs = fixed(m.pool.costs)
     return store
 
 
