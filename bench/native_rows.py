@@ -47,14 +47,12 @@ def checkout(rev: str, into: Path) -> Path:
 
 
 def library(sources: Path, tag: str, group: int, head_dim: int, out: Path) -> ctypes.CDLL:
-    """The decode step's library built from `sources` (the tag keeps each build's objects
-    apart: the kept objects are keyed by the package's own headers)."""
+    """The decode step's library built from `sources` (the tag names it)."""
     from pypto_serving import native
 
     defines = (f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}")
-    extra = (f"-DPYPTO_BENCH_{tag}",)
     path = native._build(
-        (sources / "attention.cpp",), defines, f"bench-{tag}", out, None, extra,
+        (sources / "attention.cpp",), defines, f"bench-{tag}", out, None, (),
         (sources / "decode.cpp",),
     )  # fmt: skip
     if path is None:

@@ -157,6 +157,28 @@ def test_a_kernel_library_others_could_replace_is_built_again(tmp_path: Path) ->
     assert stat.S_IMODE(first.stat().st_mode) == 0o700
 
 
+def test_a_kept_object_is_keyed_by_the_headers_beside_its_sources(tmp_path: Path) -> None:
+    """decode.cpp includes records.h: sources of the same text beside another records.h (a
+    benchmark's build of an older revision) get an object of their own, not the kept one."""
+    cxx, out = str(_fake_compiler(tmp_path)), tmp_path / "kernels"
+    package = Path(native.__file__).parent
+    folders = []
+    for name, tail in (("a", ""), ("b", "\n// another revision\n")):
+        folder = tmp_path / name
+        folder.mkdir()
+        for source in ("attention.cpp", "decode.cpp", "records.h"):
+            (folder / source).write_text((package / source).read_text())
+        (folder / "records.h").write_text((package / "records.h").read_text() + tail)
+        folders.append(folder)
+    for folder in folders:
+        built = native._build(
+            (folder / "attention.cpp",), (), "lib", out, cxx, (), (folder / "decode.cpp",)
+        )
+        assert built is not None
+    assert len(list(out.glob("decode-*.o"))) == 2
+    assert len(list(out.glob("lib-*.so"))) == 2
+
+
 def test_kernels_are_built_in_a_private_folder_when_the_cache_is_not_private(
     cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -68,9 +68,6 @@ SHM_SOURCES = (Path(__file__).with_name("shm.cpp"),)
 """The shared-memory collectives: one library for every model."""
 COMPRESSED_SOURCES = (Path(__file__).with_name("compressed.cpp"),)
 """DeepSeek-V4's compressed attention: one library for every model."""
-HEADERS = (Path(__file__).with_name("records.h"),)
-"""Included by the sources (the product over records: decode.cpp and gemm.cpp): part of every
-library's key."""
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -114,11 +111,17 @@ def build_compressed(
     return _build(COMPRESSED_SOURCES, (), "compressed", out_dir, cxx, extra_flags)
 
 
+def _headers(sources: tuple[Path, ...]) -> list[Path]:
+    """The headers the sources may include: every .h beside them (records.h, which decode.cpp
+    and gemm.cpp include), so a build of another folder's sources is keyed by its own."""
+    return sorted({h for s in sources for h in s.parent.glob("*.h")})
+
+
 def _key(sources: tuple[Path, ...], flags: tuple[str, ...], found: str, version: str) -> str:
-    """What a build's output depends on: its sources and the headers, the flags, the compiler
-    and the CPU's flags."""
+    """What a build's output depends on: its sources and the headers beside them, the flags,
+    the compiler and the CPU's flags."""
     key = hashlib.sha256()
-    texts = (s.read_bytes() for s in (*sources, *HEADERS))
+    texts = (s.read_bytes() for s in (*sources, *_headers(sources)))
     parts: list[bytes | str] = [*texts, " ".join(flags), found, version]
     for part in parts:
         key.update(part.encode() if isinstance(part, str) else part)
