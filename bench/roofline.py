@@ -212,8 +212,15 @@ def gguf_demand(path: Path) -> Demand:
     return Demand(weight_bytes, kv, flops, attention)
 
 
-def hf_demand(model_dir: Path) -> Demand:
-    """An HF directory's demand: its safetensors' matrices in the dtype stored."""
+QUANTIZED_BYTES = {"int4": (0.625, 1.0625), "int4-w8a8": (0.625, 1.0625), "int8": (1.0625,) * 2}
+"""Bytes a weight is read in under our --quantization, (the layers' matrices, the LM head):
+the native step's Q4 records (320 bytes per 16 rows x 32 inputs) and Q8 records (544), the
+head kept in Q8 under the int4 forms."""
+
+
+def hf_demand(model_dir: Path, quantization: str | None = None) -> Demand:
+    """An HF directory's demand: its safetensors' matrices in the dtype stored, or in the
+    form our `quantization` (QUANTIZED_BYTES) reads them in."""
     from safetensors import safe_open
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -228,6 +235,7 @@ def hf_demand(model_dir: Path) -> Demand:
                 part = f.get_slice(name)
                 tensors[name] = (part.get_shape(), sizes[part.get_dtype()])
     tied = "lm_head.weight" not in tensors
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
     weight_bytes = flops = 0.0
     for name, (dims, size) in tensors.items():
         if len(dims) < 2:
@@ -237,7 +245,11 @@ def hf_demand(model_dir: Path) -> Demand:
         if name == "model.embed_tokens.weight" and not tied:
             weight_bytes += size * dims[1]
             continue
-        weight_bytes += elements * size * share
+        read: float = size
+        if quantization is not None:
+            matrices, lm_head = QUANTIZED_BYTES[quantization]
+            read = lm_head if name == head else matrices
+        weight_bytes += elements * read * share
         flops += 2 * elements * share
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -247,8 +259,10 @@ def hf_demand(model_dir: Path) -> Demand:
     return Demand(weight_bytes, kv, flops, attention)
 
 
-def demand(model: Path) -> Demand:
-    return gguf_demand(model) if model.suffix == ".gguf" else hf_demand(model)
+def demand(model: Path, quantization: str | None = None) -> Demand:
+    """A GGUF file's or HF directory's demand (quantization: ours, of a directory; a GGUF
+    file is read as stored)."""
+    return gguf_demand(model) if model.suffix == ".gguf" else hf_demand(model, quantization)
 
 
 def decode_fraction(tok_s: float, need: Demand, machine: Limits, context: int = 0) -> float:

@@ -474,12 +474,16 @@ def roofline_lines(report: dict[str, Any], files: tuple[Path, Path | None]) -> l
         if "w1" not in result:
             continue
         model = gguf_file if name in ("ours", "llamacpp") and gguf_file else hf_dir
-        need = roofline.demand(model)
+        kind = str(result.get("dtype"))
+        quantized = kind.rpartition(", ")[2] if name == "ours" else None
+        if quantized not in roofline.QUANTIZED_BYTES:
+            quantized = None  # stored weights (or a GGUF file's own records)
+        need = roofline.demand(model, quantized)
         peak = machine.bf16_gflop_s
-        if "float32" in str(result.get("dtype")):
+        if "float32" in kind:
             peak = machine.fp32_gflop_s
-        elif name == "llamacpp" and machine.int8_gop_s:
-            peak = machine.int8_gop_s
+        elif (name == "llamacpp" or str(quantized).endswith("w8a8")) and machine.int8_gop_s:
+            peak = machine.int8_gop_s  # the int8 GEMM computes these
         single = result["single"]["decode_tok_per_s"]
         w1 = result["w1"]
         tokens = w1["prompt_tokens"] + w1["output_tokens"]

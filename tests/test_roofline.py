@@ -1,6 +1,7 @@
 """bench/roofline.py (issue 47, item 2): what a model's token asks of the machine, counted from
 the files as stored (a GGUF's matrices in their own types, an HF directory's bf16), a MoE's
-used experts only; the fractions of the limits; the limits measured and kept per machine."""
+used experts only (or in our quantized records); the fractions of the limits; the limits
+measured and kept per machine."""
 
 from __future__ import annotations
 
@@ -41,6 +42,21 @@ def test_a_token_reads_each_matrix_once_as_stored(tmp_path: Path) -> None:
     )  # Q4_1: 20 bytes a block of 32; the Q8_0 embedding's row
     kv = shape.layers * shape.kv_heads * shape.dim * 2 * 2
     assert q4.kv_bytes_per_token == hf.kv_bytes_per_token == kv
+
+
+def test_our_quantized_forms_are_read_in_their_records(tmp_path: Path) -> None:
+    """An HF directory served with --quantization int4-w8a8 or int8: the layers' matrices are
+    read in the native step's Q4 records (320 bytes per 16 rows x 32 inputs) or Q8 (544), the
+    LM head in Q8 either way, the embedding's one row as stored."""
+    shape = real_shapes.SHAPES["llama-tiny"]  # untied: its head is among the matrices
+    elements, embedding = matrices(shape)
+    hf = real_shapes.write_hf(shape, tmp_path / "hf")
+    layers, row = elements - embedding, 2 * shape.hidden  # the head holds the vocabulary
+    int4 = roofline.demand(hf, "int4-w8a8")
+    assert int4.weight_bytes == pytest.approx(layers * 320 / 512 + embedding * 544 / 512 + row)
+    int8 = roofline.demand(hf, "int8")
+    assert int8.weight_bytes == pytest.approx(elements * 544 / 512 + row)
+    assert int4.flops == int8.flops == roofline.demand(hf).flops == 2 * elements
 
 
 def test_the_fractions_of_the_limits() -> None:
