@@ -12,15 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
 
 from pypto_serving.config import CALIBRATED_QUANTIZATIONS
 from pypto_serving.device import cpu_isa, int8_gemm_full_range
 from pypto_serving.distributed import ParallelGroups
 from pypto_serving.models import calibration
 from pypto_serving.models.llama import CausalLM
-from pypto_serving.ops.linear import Linear, pack_linears
+from pypto_serving.ops.linear import Linear, drop_unread_weights, pack_linears
 from pypto_serving.paths import cache_dir, trusted_cache_dir, write_atomically
 
 log = logging.getLogger(__name__)
@@ -87,10 +87,12 @@ def quantize_cached(
         try:
             saved: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layers}
             # copied out of the file's mapping: tensors on a shared mapping of a cache file
-            # that another start may rewrite are not safe to keep (and crashed here)
-            for key, tensor in load_file(path).items():
-                name, _, part = key.partition("/")
-                saved[name][part] = tensor.clone()
+            # that another start may rewrite are not safe to keep (and crashed here); one
+            # at a time, so the load holds no second copy of the whole file
+            with safe_open(str(path), "pt") as kept:
+                for key in kept.keys():  # noqa: SIM118 (a safe_open is not a dict)
+                    name, _, part = key.partition("/")
+                    saved[name][part] = kept.get_tensor(key).clone()
             if all(layers[n].fits(parts) for n, parts in saved.items()):
                 pack_linears(
                     model,
@@ -101,6 +103,7 @@ def quantize_cached(
                     records_only=records_only,
                     wide=records_wide,
                 )
+                drop_unread_weights(model)
                 return
             log.warning("the quantized weights in %s do not fit the model: quantizing", path)
         except (OSError, SafetensorError, KeyError) as e:
@@ -138,3 +141,4 @@ def quantize_cached(
         log.warning(
             "cannot keep the quantized weights in %s (%s): quantizing again next start", path, e
         )
+    drop_unread_weights(model)

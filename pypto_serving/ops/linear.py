@@ -655,6 +655,26 @@ class VocabParallelEmbedding(nn.Module):
         return tp_all_reduce(rows * inside[:, None])
 
 
+def drop_unread_weights(model: nn.Module) -> int:
+    """Drop the bf16 weight of every Linear whose matmuls all run on its other forms (the
+    int8 form in the graphs, `matmul`'s first branch, and the records in the native decode
+    step: int4-w8a8's layers and w8a8-q8 heads), so that it is not held beside them; a tied
+    head's stays with the embedding that shares it. Returns how many were dropped. After any
+    calibration, which reads the weights."""
+    unread = [
+        layer
+        for layer in model.modules()
+        if isinstance(layer, Linear)
+        and layer.int8 is not None
+        and layer.native is not None
+        and layer.quantized is None
+        and layer.weight is not None
+    ]
+    for layer in unread:
+        layer.register_parameter("weight", None)
+    return len(unread)
+
+
 def pack_linears(
     model: nn.Module,
     quantization: str | None = None,
