@@ -474,16 +474,16 @@ def roofline_lines(report: dict[str, Any], files: tuple[Path, Path | None]) -> l
         if "w1" not in result:
             continue
         model = gguf_file if name in ("ours", "llamacpp") and gguf_file else hf_dir
-        kind = str(result.get("dtype"))
-        quantized = kind.rpartition(", ")[2] if name == "ours" else None
-        if quantized not in roofline.QUANTIZED_BYTES:
-            quantized = None  # stored weights (or a GGUF file's own records)
+        kind = str(result.get("dtype")).split(", ")  # e.g. bfloat16, int4-w8a8, KV int8
+        ours = kind if name == "ours" else []
+        # our quantized forms' bytes; else the weights as stored (or a GGUF file's records)
+        quantized = next((q for q in ours if q in roofline.QUANTIZED_BYTES), None)
         need = roofline.demand(model, quantized)
         peak = machine.bf16_gflop_s
         if "float32" in kind:
             peak = machine.fp32_gflop_s
-        elif (name == "llamacpp" or str(quantized).endswith("w8a8")) and machine.int8_gop_s:
-            peak = machine.int8_gop_s  # the int8 GEMM computes these
+        elif name == "llamacpp" or any(q.endswith("w8a8") for q in ours):
+            peak = machine.int8_gop_s or peak  # the int8 GEMM computes these
         single = result["single"]["decode_tok_per_s"]
         w1 = result["w1"]
         tokens = w1["prompt_tokens"] + w1["output_tokens"]
