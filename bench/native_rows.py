@@ -92,14 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.model}: the native decode step does not run this model")
     cfg, cache = executor.model.cfg, executor.kv.pool.cache
     (group,) = executor.kv.managers  # the native step's models have one KV group
-    page = executor.kv.page_size
+    page, heads = executor.kv.page_size, cfg.num_heads // cfg.num_kv_heads
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"this": REPO / NATIVE}
         if args.against:
             trees[args.against] = checkout(args.against, Path(tmp))
         steps = {}
         for i, (name, sources) in enumerate(trees.items()):
-            heads = cfg.num_heads // cfg.num_kv_heads
             lib = library(sources, f"v{i}", heads, cfg.head_dim, Path(tmp) / "libs")
             steps[name] = NativeDecoder(executor.model, cache, lib)
             steps[name].team.threads = lambda: torch.get_num_threads()  # type: ignore[method-assign]

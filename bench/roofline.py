@@ -236,6 +236,7 @@ def hf_demand(model_dir: Path, quantization: str | None = None) -> Demand:
                 tensors[name] = (part.get_shape(), sizes[part.get_dtype()])
     tied = "lm_head.weight" not in tensors
     head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    matrices, lm_head = QUANTIZED_BYTES[quantization] if quantization else (None, None)
     weight_bytes = flops = 0.0
     for name, (dims, size) in tensors.items():
         if len(dims) < 2:
@@ -245,10 +246,7 @@ def hf_demand(model_dir: Path, quantization: str | None = None) -> Demand:
         if name == "model.embed_tokens.weight" and not tied:
             weight_bytes += size * dims[1]
             continue
-        read: float = size
-        if quantization is not None:
-            matrices, lm_head = QUANTIZED_BYTES[quantization]
-            read = lm_head if name == head else matrices
+        read = (lm_head if name == head else matrices) or size
         weight_bytes += elements * read * share
         flops += 2 * elements * share
     heads = config["num_attention_heads"]

@@ -8,6 +8,7 @@ turns on the machine's moment; tests about what the tiers hold pin the choice he
 from __future__ import annotations
 
 from pypto_serving.engine.llm import LLM
+from pypto_serving.kv.groups import KVGroups
 from pypto_serving.kv.pool import Costs
 
 
@@ -31,5 +32,6 @@ def loads_always_pay(llm: LLM) -> None:
     """Every KV group of `llm` loads the pages its lower tiers hold (a second per recomputed
     token: no load costs more)."""
     kv = llm.engine.executor.kv
-    for manager in getattr(kv, "managers", [kv]):
+    assert isinstance(kv, KVGroups)
+    for manager in kv.managers:
         manager.pool.costs = fixed(manager.pool.costs, recompute_s_per_token=1.0)

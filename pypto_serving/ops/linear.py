@@ -655,12 +655,12 @@ class VocabParallelEmbedding(nn.Module):
         return tp_all_reduce(rows * inside[:, None])
 
 
-def drop_unread_weights(model: nn.Module) -> int:
+def drop_unread_weights(model: nn.Module) -> None:
     """Drop the bf16 weight of every Linear whose matmuls all run on its other forms (the
     int8 form in the graphs, `matmul`'s first branch, and the records in the native decode
     step: int4-w8a8's layers and w8a8-q8 heads), so that it is not held beside them; a tied
-    head's stays with the embedding that shares it. Returns how many were dropped. After any
-    calibration, which reads the weights."""
+    head's stays with the embedding that shares it. After any calibration, which reads the
+    weights."""
     unread = [
         layer
         for layer in model.modules()
@@ -672,7 +672,6 @@ def drop_unread_weights(model: nn.Module) -> int:
     ]
     for layer in unread:
         layer.register_parameter("weight", None)
-    return len(unread)
 
 
 def pack_linears(
