@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -526,13 +527,32 @@ def receive_from(shape: tuple[int, ...], rank: int, device: torch.device) -> tor
     return out
 
 
+def send_bytes(data: np.ndarray, rank: int, device: torch.device) -> None:
+    """Point-to-point: bytes to `rank` (which knows how many: `receive_bytes`), through
+    the device where the backend needs it there."""
+    dist.send(torch.from_numpy(data).to(device), rank)
+
+
+def receive_bytes(out: np.ndarray, rank: int, device: torch.device) -> None:
+    """Point-to-point: the bytes `rank` sends next, into `out` (exactly their size)."""
+    if device.type == "cpu":
+        dist.recv(torch.from_numpy(out), rank)
+        return
+    got = torch.empty(out.size, dtype=torch.uint8, device=device)
+    dist.recv(got, rank)
+    out[:] = got.cpu().numpy()
+
+
 HEADER = 8
 """Ints in a step header: tokens, sequences, pages (every KV group's, all sequences'), decodes,
 longest query, logits rows, the message kind (0: a step, else a `Control`'s), bytes of the
 page moves (or of the control's data)."""
-STOP, SSD_LOAD, JOIN_EXPERTS = 1, 2, 3
+STOP, SSD_LOAD, JOIN_EXPERTS, KV_EXPORT, KV_RECEIVE = 1, 2, 3, 4, 5
 """`Control` kinds: stop (after the last page moves), an SSD load to agree on (`kv/mirror.py`),
-a step with no tokens that joins the experts' exchange (DP attention + EP, an idle replica)."""
+a step with no tokens that joins the experts' exchange (DP attention + EP, an idle replica),
+and a handoff between prefill and decode servers: every rank sends rank 0 its share of a
+prompt's pages (export), or takes its share of pages another server sent (receive;
+`executor/kv_shares.py`)."""
 
 
 @dataclass(slots=True)

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from pypto_serving.engine.llm import LLM, child_id
 from pypto_serving.kv.handoff import (
     GroupKV,
     Handoff,
+    KVLayout,
     PageGeometry,
     counts,
     num_bytes,
@@ -67,8 +69,9 @@ def handed_over(prefill: LLM, decode: LLM, prompt: list[int], params: SamplingPa
         prefill.step()
     handoff = family.children[0].handoff
     assert handoff is not None and family.children[0].finish_reason == "length"
-    layout, geometry = decode.engine.kv_layout()
-    assert prefill.engine.kv_layout()[0] == layout
+    layout = decode.engine.kv_layout()
+    geometry = layout.geometry
+    assert prefill.engine.kv_layout().digest == layout.digest
     buffer = np.zeros(num_bytes(counts(handoff.groups), geometry), dtype=np.uint8)
     pack(handoff.groups, buffer)
     groups = unpack(buffer, counts(handoff.groups), geometry)
@@ -128,6 +131,61 @@ def test_a_handoff_goes_on_as_one_server_would(tiny_model, name: str) -> None:
         assert stats.prompt_tokens == 0  # the decode engine computed no prompt token
 
 
+@pytest.mark.parametrize(
+    "name, knobs",
+    [
+        ("llama-gqa4-tied", {"tensor_parallel_size": 2, "kv_cpu_bytes": 1 << 20}),
+        ("llama-gqa4-tied", {"pipeline_parallel_size": 2}),
+        ("deepseekv3-qlora-yarn", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
+        ("gemma3-local5-global", {"tensor_parallel_size": 2}),  # two groups
+    ],
+)
+def test_a_handoff_between_parallel_servers_goes_on_as_one_server_would(
+    tiny_model, name: str, knobs: dict[str, Any]
+) -> None:
+    """Under TP or PP every rank's share of the pages travels (rank 0's first, each rank's
+    taken at export and handed to it at receive); the decode server writes them as it admits
+    the requests (with a CPU tier: the journal's moves, replayed by every rank), forgets those
+    of a request that went away first, and goes on as one server would."""
+    path = tiny_model(name)
+    scored = replace(GREEDY, logprobs=0)  # (a tiny model's tokens may not show a wrong share)
+    with tiny_llm(path) as one:
+        alone = [o.outputs[0] for o in one.generate(PROMPTS, scored, False)]
+        single = one.engine.kv_layout()
+    exported = []
+    with tiny_llm(path, **knobs) as prefill:
+        for prompt in [*PROMPTS, PROMPTS[2]]:
+            family = prefill.add(prompt, scored, export_kv=True)
+            while prefill.engine.has_unfinished():
+                prefill.step()
+            exported.append(family.children[0].handoff)
+        layout = prefill.engine.kv_layout()
+    assert layout.digest != single.digest  # a TP=1 server takes none of these handoffs
+    first, second = layout.page_bytes  # each rank's bytes of a page of each group
+    if name.startswith("deepseek"):  # the latent is the same on both TP ranks: sent once
+        assert second == [0] * len(first)
+    else:
+        assert len(second) == len(first) and all(b > 0 for b in second)
+    with tiny_llm(path, **knobs) as decode:
+        assert decode.engine.kv_layout() == layout
+        handoffs = []
+        for h in exported:
+            assert h is not None and h.buffer is not None
+            groups, shares = layout.cut(h.buffer, counts(h.groups))
+            assert len(shares) == 1 and shares[0].size == layout.share_sizes(counts(groups))[1]
+            handoffs.append(Handoff(groups, h.first, h.generator_state, shares=shares))
+        gone = decode.add(PROMPTS[2], scored, handoff=handoffs.pop(), request_id="gone")
+        decode.abort(gone)  # its shares are forgotten on every rank, never written
+        assert gone.children[0].finish_reason == "abort"
+        got = decoded(decode, PROMPTS, handoffs, scored, reserve=(1, 3))
+        assert decode.engine.stats().prompt_tokens == 0
+        again = [o.outputs[0] for o in decode.generate(PROMPTS[:2], scored, False)]
+    for mine, theirs in zip(got + again, alone + alone[:2], strict=True):  # (prefix hits)
+        assert mine.token_ids == theirs.token_ids
+        logprobs = [s.logprob for s in mine.logprobs]
+        assert logprobs == pytest.approx([s.logprob for s in theirs.logprobs], abs=1e-4)
+
+
 def test_a_reservation_takes_every_group_s_pages_or_none(tiny_model) -> None:
     """A decode server reserves a handoff's device pages before reading it: all groups'
     or, where the pool has not the room, none (it then reads into host memory)."""
@@ -180,6 +238,7 @@ def test_a_first_token_that_ends_the_request_ends_it_on_the_decode_server(tiny_m
 # --- the Transfer Engine's side ----------------------------------------------------------
 
 GEOMETRY = [PageGeometry("gqa", ((2, 3, 4, 8), (2, 3, 4, 8)), torch.bfloat16)]
+LAYOUT = KVLayout("layout", GEOMETRY, [[GEOMETRY[0].page_bytes]])
 
 
 def some_handoff() -> Handoff:
@@ -212,7 +271,7 @@ def test_a_handoff_crosses_the_transfer_engine_once_and_is_freed() -> None:
         sent = some_handoff()
         params = prefill.offer(sent, "layout", [1, 2, 3])
         assert prefill.num_offers == 1
-        got = decode.pull(params, "layout", GEOMETRY, [1, 2, 3])
+        got = decode.pull(params, LAYOUT, [1, 2, 3])
         pairs = zip(sent.groups[0].pages, got.groups[0].pages, strict=True)
         assert all(torch.equal(a, b) for p, q in pairs for a, b in zip(p, q, strict=True))
         assert got.first == sent.first and got.generator_state == b"st"
@@ -220,18 +279,18 @@ def test_a_handoff_crosses_the_transfer_engine_once_and_is_freed() -> None:
         assert prefill.num_offers == 0
         params = prefill.offer(sent, "layout", [1, 2, 3])
         with pytest.raises(TransferFailed, match="layout"):
-            decode.pull(params, "another", GEOMETRY, [1, 2, 3])
+            decode.pull(params, replace(LAYOUT, digest="another"), [1, 2, 3])
         with pytest.raises(TransferFailed, match="prompt"):
-            decode.pull(params, "layout", GEOMETRY, [1, 2, 4])
+            decode.pull(params, LAYOUT, [1, 2, 4])
         wrong = [PageGeometry("gqa", ((2, 3, 4, 4), (2, 3, 4, 4)), torch.bfloat16)]
         with pytest.raises(TransferFailed, match="size"):
-            decode.pull(params, "layout", wrong, [1, 2, 3])
+            decode.pull(params, KVLayout("layout", wrong, [[wrong[0].page_bytes]]), [1, 2, 3])
         with pytest.raises(TransferFailed, match="malformed"):
-            decode.pull({"remote_host": "x"}, "layout", GEOMETRY, [1, 2, 3])
+            decode.pull({"remote_host": "x"}, LAYOUT, [1, 2, 3])
         prefill.close()  # gone: the read fails at once, it does not hang
         start = time.monotonic()
         with pytest.raises(TransferFailed, match="failed"):
-            decode.pull(params, "layout", GEOMETRY, [1, 2, 3])
+            decode.pull(params, LAYOUT, [1, 2, 3])
         assert time.monotonic() - start < patience(10)
         with pytest.raises(TransferFailed, match="closed"):
             prefill.offer(sent, "layout", [1, 2, 3])
@@ -268,19 +327,19 @@ def test_a_handoff_crosses_a_mooncake_store_once_and_is_removed() -> None:
             params = prefill.offer(sent, "layout", [1, 2, 3])
             assert params["store_key"].startswith("pypto-handoff/") and "buffer" not in params
             assert prefill.store.is_exist(params["store_key"]) == 1
-            got = decode.pull(params, "layout", GEOMETRY, [1, 2, 3])
+            got = decode.pull(params, LAYOUT, [1, 2, 3])
             pairs = zip(sent.groups[0].pages, got.groups[0].pages, strict=True)
             assert all(torch.equal(a, b) for p, q in pairs for a, b in zip(p, q, strict=True))
             assert got.first == sent.first and got.generator_state == b"st"
             assert prefill.store.is_exist(params["store_key"]) != 1  # got, so removed
             assert decode.stats.pulled == 1 and decode.stats.pulled_bytes == params["num_bytes"]
             with pytest.raises(TransferFailed, match="Mooncake Store"):
-                decode.pull(params, "layout", GEOMETRY, [1, 2, 3])  # nothing there any more
+                decode.pull(params, LAYOUT, [1, 2, 3])  # nothing there any more
             params = prefill.offer(sent, "layout", [1, 2, 3])
             with pytest.raises(TransferFailed, match="same --kv-transfer-store"):
-                peer.pull(params, "layout", GEOMETRY, [1, 2, 3])
+                peer.pull(params, LAYOUT, [1, 2, 3])
             with pytest.raises(TransferFailed, match="malformed"):
-                decode.pull(params | {"store_key": "elsewhere/x"}, "layout", GEOMETRY, [1, 2, 3])
+                decode.pull(params | {"store_key": "elsewhere/x"}, LAYOUT, [1, 2, 3])
             time.sleep(0.6)  # nobody got it in time: the prefill server removes it
             prefill.sweep()
             assert prefill.num_offers == 0
@@ -400,7 +459,7 @@ def test_the_router_serves_prefill_and_decode_servers_as_one(tiny_model) -> None
             for line in pulled.splitlines()
             if line.startswith("pypto_kv_transfer_pulled_")
         }
-        (geometry,) = d_llm.engine.kv_layout()[1]  # one group of pages
+        (geometry,) = d_llm.engine.kv_layout().geometry  # one group of pages
         pages = counted["pypto_kv_transfer_pulled_pages_total"]
         assert pages >= 2 * sum(-(-len(prompt) // 16) for prompt in PROMPTS)  # completions'
         assert counted["pypto_kv_transfer_pulled_bytes_total"] == pages * geometry.page_bytes
@@ -501,8 +560,8 @@ def test_bad_disaggregation_options_are_refused_clearly() -> None:
     with pytest.raises(PyptoError, match=r"kv_transfer_store: the Mooncake master .* does not"):
         store_gone = "mooncake://127.0.0.1:9"
         run_server({}, ServerConfig(disaggregation_mode="prefill", kv_transfer_store=store_gone))
-    with pytest.raises(PyptoError, match="parallel sizes must be 1"):  # before anything starts
-        run_server({"tensor_parallel_size": 2}, ServerConfig(disaggregation_mode="prefill"))
+    with pytest.raises(PyptoError, match="runs one engine"):  # before anything starts
+        run_server({"data_parallel_size": 2}, ServerConfig(disaggregation_mode="prefill"))
     with pytest.raises(PyptoError, match="decode server"):
         RouterConfig([], []).validate()
     with pytest.raises(PyptoError, match="http"):

@@ -43,14 +43,14 @@ MAX_TOKENS = 10
 
 @contextmanager
 def spawn(
-    host: netns.Host, model: Path, role: str | None, logs: str
+    host: netns.Host, model: Path, role: str | None, logs: str, extra: tuple[str, ...] = ()
 ) -> Iterator[subprocess.Popen[str]]:
     """`pypto serve --disaggregation-mode ROLE` (None: colocated) on a host at
-    http://ADDRESS:8000 (its log in `logs`), until the block ends."""
+    http://ADDRESS:8000 (its log in `logs`; `extra`: more options), until the block ends."""
     knobs = [f"--{k.replace('_', '-')}={v}" for k, v in FAST_KNOBS.items() if v is not True]
     argv = [sys.executable, "-m", "pypto_serving.cli", "serve", "--model", str(model)]
     argv += ["--host", host.address, "--port", str(HTTP_PORT), "--enforce-eager", *knobs]
-    argv += ["--served-model-name", "tiny"]
+    argv += ["--served-model-name", "tiny", *extra]
     if role is not None:
         argv += ["--disaggregation-mode", role, "--kv-transfer-timeout-s", "30"]
     with open(Path(logs, host.address), "w") as log:
@@ -63,11 +63,19 @@ def spawn(
 
 
 def started(
-    stack: ExitStack, model: Path, roles: list[tuple[netns.Host, str | None]]
+    stack: ExitStack,
+    model: Path,
+    roles: list[tuple[netns.Host, str | None]],
+    extra: dict[str, tuple[str, ...]] | None = None,
 ) -> dict[str, subprocess.Popen[str]]:
-    """Those servers started together, then each waited for; by address."""
+    """Those servers started together (`extra`: more options, by address), then each waited
+    for; by address."""
     logs = stack.enter_context(tempfile.TemporaryDirectory())
-    servers = {h.address: stack.enter_context(spawn(h, model, role, logs)) for h, role in roles}
+    more = extra or {}
+    servers = {
+        h.address: stack.enter_context(spawn(h, model, role, logs, more.get(h.address, ())))
+        for h, role in roles
+    }
     for host, _ in roles:
         proc = servers[host.address]
 
@@ -268,3 +276,31 @@ def test_mla_and_v4_pages_cross_to_a_decode_host(tiny_model: Any, name: str) -> 
                 got = front.call(lambda url=url, s=stream: asyncio.run(ask(url, PROMPTS, s)))
                 assert got == alone, stream
         assert prompt_tokens_computed(front, d) == 0
+
+
+def test_tensor_parallel_prefill_and_decode_hosts(tiny_model: Any) -> None:
+    """A prefill and a decode server of two TP ranks each: every rank's share of the pages
+    crosses (rank 0's Transfer Engine carries them all), one engine's tokens come back and
+    the decode server computes no prompt token. A decode server of one rank cannot take
+    those pages (its layout differs): it computes the prompts itself, with the same tokens."""
+    model: Path = tiny_model(MODEL)
+    with tiny_llm(model) as one:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        alone = [o.outputs[0].token_ids for o in one.generate(PROMPTS, params, use_tqdm=False)]
+    tp2 = ("--tensor-parallel-size", "2")
+    with netns.hosts(4) as (p, d, single, front), ExitStack() as stack:
+        roles: list[tuple[netns.Host, str | None]] = [
+            (p, "prefill"),
+            (d, "decode"),
+            (single, "decode"),
+        ]
+        started(stack, model, roles, {p.address: tp2, d.address: tp2})
+        with router(front, 8000, [p], [d]) as url:
+            for stream in (False, True):
+                got = front.call(lambda url=url, s=stream: asyncio.run(ask(url, PROMPTS, s)))
+                assert got == alone, stream
+        assert prompt_tokens_computed(front, d) == 0
+        with router(front, 8100, [p], [single]) as url:
+            got = front.call(lambda url=url: asyncio.run(ask(url, PROMPTS, False)))
+            assert got == alone
+        assert prompt_tokens_computed(front, single) == sum(len(x) for x in PROMPTS)

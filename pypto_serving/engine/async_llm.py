@@ -39,7 +39,7 @@ from pypto_serving.engine.metrics import (
 )
 from pypto_serving.engine.process import describe
 from pypto_serving.errors import EngineDeadError, PyptoError, RequestFailedError
-from pypto_serving.kv.handoff import Handoff, PageGeometry
+from pypto_serving.kv.handoff import Handoff, KVLayout
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.outputs import CompletionDelta
 from pypto_serving.pooling import PoolingParams
@@ -197,7 +197,7 @@ class AsyncLLM:
         self.limits = limits
         self.transfer = transfer
         self._pulls: set[asyncio.Task[None]] = set()
-        self._layout: tuple[str, list[PageGeometry]] | None = None
+        self._layout: KVLayout | None = None
         parallel = llm.engine.config.parallel
         self.running_capacity = llm.engine.config.scheduler.max_num_seqs * (
             parallel.data_parallel_size
@@ -415,12 +415,12 @@ class AsyncLLM:
         queue the request; if the read fails it computes its prompt here."""
         transfer = self.transfer
         assert transfer is not None
-        layout, geometry = self._kv_layout()
+        layout = self._kv_layout()
         engine_id = child_id(add.request_id, 0)
         reserved = await self._reserve(engine_id, params)
         if not reserved:
             transfer.stats.no_room += 1
-        work = asyncio.to_thread(transfer.pull, params, layout, geometry, add.prompt_token_ids)
+        work = asyncio.to_thread(transfer.pull, params, layout, add.prompt_token_ids)
         try:
             add.handoff = await asyncio.wait_for(work, transfer.timeout_s)
         except Exception as e:  # whatever failed, the request is not lost to it
@@ -447,7 +447,7 @@ class AsyncLLM:
             pages = [int(g[3]) for g in params["groups"]]
         except (KeyError, TypeError, ValueError, IndexError):
             return False  # malformed: the read says so
-        if len(pages) != len(self._kv_layout()[1]):
+        if len(pages) != len(self._kv_layout().geometry):
             return False
         loop = asyncio.get_running_loop()
         core = self._core()
@@ -568,7 +568,7 @@ class AsyncLLM:
             raise PyptoError("disaggregated serving runs one engine (data_parallel_size 1)")
         return engine
 
-    def _kv_layout(self) -> tuple[str, list[PageGeometry]]:
+    def _kv_layout(self) -> KVLayout:
         """The engine's KV layout, as handoffs check it (read once: it never changes)."""
         if self._layout is None:
             self._layout = self._core().kv_layout()
@@ -580,7 +580,7 @@ class AsyncLLM:
         handoff, request.handoff = request.handoff, None
         if handoff is None or self.transfer is None:
             return None
-        layout, _ = self._kv_layout()
+        layout = self._kv_layout().digest
         try:
             return self.transfer.offer(handoff, layout, request.prompt_token_ids)
         except TransferFailed as e:  # no handoff: the decode server computes the prompt

@@ -29,12 +29,13 @@ from pypto_serving.engine.worker import join_group, load_draft_model, load_share
 from pypto_serving.errors import EngineDeadError, PyptoError
 from pypto_serving.executor.compiled import trust_cpu_vector_isa_soon
 from pypto_serving.executor.draft_model import DraftModel
+from pypto_serving.executor.kv_shares import gather_export, handoff_page_bytes, send_received
 from pypto_serving.executor.native_decode import ROW_BLOCK
 from pypto_serving.executor.paged import PagedExecutor
 from pypto_serving.grammar import Grammars
 from pypto_serving.kv.events import KVEvent, KVEventLog
 from pypto_serving.kv.groups import KVGroups
-from pypto_serving.kv.handoff import Handoff, PageGeometry, packed
+from pypto_serving.kv.handoff import Handoff, KVLayout, counts, packed
 from pypto_serving.kv.paged_attention import StepProgress
 from pypto_serving.kv.tier import TierStats, merge_tier_stats
 from pypto_serving.models.config import load_model_config
@@ -252,11 +253,16 @@ class EngineCore:
         limits = [cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings]
         self.experts_by_rank = [self.model.held_experts]
         """Each rank's routed experts, in engine rank order ([[]] for a dense model)."""
+        self.handoff_page_bytes: list[list[int]] = []
+        """Each rank's bytes of a page of each KV group in a handoff (`kv_layout`)."""
         if isinstance(self.executor, PagedExecutor):
             if self.workers:  # warm-up steps are collective: wait until every rank follows
                 wait_ranks(self.workers, 1, Loaded, self._deadline)
+            page_bytes = handoff_page_bytes(self.executor.kv, self.executor.groups)
+            self.handoff_page_bytes = [page_bytes]
             if p.ranks_per_engine > 1:
                 self.experts_by_rank = engine_gather(self.model.held_experts)
+                self.handoff_page_bytes = engine_gather(page_bytes)
             # warm-up steps under DP attention + EP are collective: in the foreground
             self.executor.warmup(config.background_compile and not self.lockstep)
         if p.ranks_per_engine > 1 or self.lockstep:  # started: collectives get the serving limit
@@ -401,11 +407,14 @@ class EngineCore:
             raise PyptoError("disaggregated serving needs the paged executor")
         return self.executor.kv
 
-    def kv_layout(self) -> tuple[str, list[PageGeometry]]:
-        """What a handoff between servers must agree on: the KV's layout digest, and how each
-        group's page reads (`KVGroups.layout_digest`, `geometry`)."""
-        kv = self._paged_kv()
-        return kv.layout_digest, kv.geometry()
+    def kv_layout(self) -> KVLayout:
+        """What a handoff between servers must agree on (the KV's layout digest, with the
+        TP and PP sizes), how each group's page reads, every rank's share of a page."""
+        kv, p = self._paged_kv(), self.config.parallel
+        digest = kv.layout_digest
+        if p.ranks_per_engine > 1:
+            digest += f"+tp{p.tensor_parallel_size}pp{p.pipeline_parallel_size}"
+        return KVLayout(digest, kv.geometry(), self.handoff_page_bytes)
 
     def reserve(self, request_id: str, pages: list[int]) -> bool:
         """Take each KV group's `pages` device pages for a request whose KV a prefill server
@@ -429,7 +438,11 @@ class EngineCore:
         if request.finished:  # nothing to decode: pages reserved for it go back
             kv.unreserve(request.request_id)
         else:
-            kv.receive(request, handoff.groups)
+            keys = kv.receive(request, handoff.groups)
+            if self.config.parallel.ranks_per_engine > 1:  # every rank holds its share
+                assert isinstance(self.executor, PagedExecutor)
+                shapes = counts(handoff.groups)
+                send_received(keys, shapes, handoff.shares, self.executor.device)
         request.handoff = None  # its pages are the KV side's now
 
     def _export(self, out: SchedulerOutput, sampled: dict[str, list[Sampled]]) -> None:
@@ -442,7 +455,14 @@ class EngineCore:
             first = tokens[0]
             kv = self._paged_kv()
             state = None if r.generator is None else bytes(r.generator.get_state().numpy())
-            buffer, groups = packed(kv.export(r, len(r.prompt_token_ids)))  # before it is freed
+            n = len(r.prompt_token_ids)
+            groups = kv.export(r, n)  # (copied before it is freed)
+            if self.config.parallel.ranks_per_engine > 1:  # every rank's share
+                assert isinstance(self.executor, PagedExecutor)
+                layout, device = self.kv_layout(), self.executor.device
+                buffer, groups = gather_export(groups, kv.export_pages(r, n), layout, device)
+            else:
+                buffer, groups = packed(groups)
             r.handoff = Handoff(groups, first, state, buffer)
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> list[Request]:

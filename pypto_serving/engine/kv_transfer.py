@@ -15,8 +15,12 @@ decodes from the first token on.
     router ──1──▶ prefill: compute the prompt, sample token 1, keep its KV, answer params
            ──2──▶ decode:  read the KV (Transfer Engine), go on from token 1, stream
 
+Under tensor or pipeline parallelism the buffer holds every rank's share of the pages, rank
+0's first (`executor/kv_shares.py`); only rank 0 has a Transfer Engine.
+
 Both ends check before any byte moves that they hold the same KV layout (model, weights,
-quantization, KV dtype, page size: `KVGroups.layout_digest`) and the same prompt tokens. A
+quantization, KV dtype, page size, TP and PP sizes: `EngineCore.kv_layout`) and the same
+prompt tokens. A
 buffer no decode server reads within `timeout_s` is freed. A read that fails or takes longer
 than `timeout_s` leaves the request to compute its prompt on the decode server: it never
 decodes on partial KV, and never waits forever.
@@ -51,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from pypto_serving.errors import PyptoError
-from pypto_serving.kv.handoff import Handoff, PageGeometry, counts, num_bytes, packed, unpack
+from pypto_serving.kv.handoff import Handoff, KVLayout, counts, packed
 from pypto_serving.ops.sampler import Sampled
 
 log = logging.getLogger(__name__)
@@ -316,11 +320,7 @@ class KVTransfer:
     # --- the decode server's side ----------------------------------------------------------
 
     def pull(
-        self,
-        params: dict[str, Any],
-        layout: str,
-        geometry: list[PageGeometry],
-        prompt_token_ids: list[int],
+        self, params: dict[str, Any], layout: KVLayout, prompt_token_ids: list[int]
     ) -> Handoff:
         """Read the handoff `params` describe (on the calling thread: it blocks) from the
         prefill server that offered it, then mark it read there, or from the Mooncake Store,
@@ -346,11 +346,13 @@ class KVTransfer:
             theirs, prompt = str(params["layout"]), str(params["prompt"])
         except (KeyError, TypeError, ValueError) as e:
             raise TransferFailed(f"malformed kv_transfer_params ({type(e).__name__}: {e})") from e
-        if theirs != layout:
-            raise TransferFailed("the prefill server's KV layout (model, dtype, pages) differs")
+        if theirs != layout.digest:
+            raise TransferFailed(
+                "the prefill server's KV layout (model, dtype, pages, TP and PP sizes) differs"
+            )
         if prompt != prompt_digest(prompt_token_ids):
             raise TransferFailed("the prefill server computed other prompt tokens")
-        if len(shapes) != len(geometry) or num_bytes(shapes, geometry) != size:
+        if len(shapes) != len(layout.geometry) or sum(layout.share_sizes(shapes)) != size:
             raise TransferFailed("the handoff's size does not match this server's KV pages")
         if (key is None) != (self.store_url is None):
             theirs_way = "the Transfer Engine" if key is None else "a Mooncake Store"
@@ -366,11 +368,11 @@ class KVTransfer:
         else:
             self._read_remote(f"{host}:{port}", remote, flag, buffer)
         self.stats.read(time.perf_counter() - start, size, sum(c for *_, c in shapes))
-        try:
-            groups = unpack(buffer, shapes, geometry)
+        try:  # rank 0's share, and the other ranks' (under TP/PP) as they are
+            groups, shares = layout.cut(buffer, shapes)
         except ValueError as e:
             raise TransferFailed(str(e)) from e
-        return Handoff(groups, sampled, generator_state)
+        return Handoff(groups, sampled, generator_state, shares=shares)
 
     def _read_remote(self, session: str, remote: int, flag: int, buffer: np.ndarray) -> None:
         """Read an offer over the Transfer Engine, then set its read flag there."""

@@ -46,6 +46,7 @@ from pypto_serving.engine.process import (
 )
 from pypto_serving.engine.worker import join_group, load_share
 from pypto_serving.errors import PyptoError
+from pypto_serving.executor.kv_shares import handoff_page_bytes
 from pypto_serving.executor.paged import PagedExecutor
 from pypto_serving.models.config import ModelConfig, read_model_config, remember_model_config
 
@@ -229,6 +230,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     gc.freeze()  # start-up's objects live as long as the rank (as rank 0's engine does)
     try:
         engine_gather(executor.model.held_experts)  # rank 0 reports every rank's experts
+        engine_gather(handoff_page_bytes(executor.kv, executor.groups))  # and their KV shares
         set_collective_timeout(WAIT_FOREVER_S)  # an idle engine sends no step for so long
         executor.follow()
     except RuntimeError as e:  # rank 0 went away mid-collective: nothing left to serve

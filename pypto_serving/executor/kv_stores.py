@@ -196,11 +196,11 @@ def parallel_cpu_tier(model: CausalLM, whole: KVSpec, budget: int) -> tuple[int,
     model's layers), the same count on every rank (the byte budget over one page of the whole
     engine, every rank's share together; a KV the same on every TP rank, MLA's latent, is
     counted and kept once, by rank 0), and rank 0's journal of the page moves the other ranks
-    mirror."""
+    mirror (kept without a CPU tier too: pages another server sent are written by it)."""
     g, same = model.groups, whole.same_on_tp_ranks
     page_bytes = every_rank(model, whole).page_bytes
     pages = budget // page_bytes if not (same and g.tp.rank > 0) else 0
-    return pages, Journal() if g.rank == 0 and pages > 0 else None
+    return pages, Journal() if g.rank == 0 else None  # (also for handoffs' pages)
 
 
 def parallel_ssd_pages(model: CausalLM, whole: KVSpec, budget: int) -> tuple[int, bool]:

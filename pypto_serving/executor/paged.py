@@ -27,6 +27,8 @@ from pypto_serving.config import CacheConfig, EngineConfig
 from pypto_serving.device import synchronize
 from pypto_serving.distributed import (
     JOIN_EXPERTS,
+    KV_EXPORT,
+    KV_RECEIVE,
     SSD_LOAD,
     STOP,
     Control,
@@ -43,6 +45,7 @@ from pypto_serving.executor.compiled import (
     forward_logits,
     trust_cpu_vector_isa,
 )
+from pypto_serving.executor.kv_shares import hold_received, send_export
 from pypto_serving.executor.kv_stores import build_kv_store
 from pypto_serving.executor.mtp import MTPDrafter
 from pypto_serving.executor.native_decode import FEW_ROWS as NATIVE_FEW_ROWS
@@ -468,13 +471,14 @@ class PagedExecutor:
             if ops:
                 kv = m.pool
                 shared = kv.cache.spec.same_on_tp_ranks and g.tp.size > 1
-                follow_moves(ops, kv.cache, kv.cpu, g.rank, g.tp.rank, shared, kv.ssd, kv.agreed)
+                args = (kv.ssd, kv.agreed, kv.received)
+                follow_moves(ops, kv.cache, kv.cpu, g.rank, g.tp.rank, shared, *args)
 
     def _on_ssd_load(self, message: bytes) -> int:
         g, kv = self.groups, self.kv.managers[ssd_load_group(message)].pool
         shared = kv.cache.spec.same_on_tp_ranks and g.tp.size > 1
         return agree_ssd_loads(
-            message, kv.cache, kv.cpu, kv.ssd, kv.agreed, g.rank, g.tp.rank, shared
+            message, kv.cache, kv.cpu, kv.ssd, kv.agreed, g.rank, g.tp.rank, shared, kv.received
         )
 
     def _agree_ssd_loads(self, group: int, hashes: list[bytes], loaded: int) -> int:
@@ -506,6 +510,10 @@ class PagedExecutor:
                 self._on_ssd_load(step.data)
             elif step.kind == JOIN_EXPERTS:
                 self.model.join_expert_exchange()
+            elif step.kind == KV_EXPORT:
+                send_export(self.kv, self.groups, step.data, self.device)
+            elif step.kind == KV_RECEIVE:
+                hold_received(self.kv, self.groups, step.data, self.device)
             else:
                 break
         if step.data:

@@ -157,6 +157,11 @@ class KVGroups:
         device pages: copy them before the request is freed)."""
         return [m.export(request, num_tokens) for m in self.managers]
 
+    def export_pages(self, request: Request, num_tokens: int) -> list[list[int]]:
+        """Every group's device page ids that `export` reads (other ranks read their shares
+        of the same pages)."""
+        return [m.export_pages(request, num_tokens)[1] for m in self.managers]
+
     def reserve(self, request_id: str, pages: list[int]) -> bool:
         """Take each group's `pages` device pages for KV another server is about to send
         the request, or (False) none: the pool has not the room now."""
@@ -173,12 +178,12 @@ class KVGroups:
         for m in self.managers:
             m.unreserve(request_id)
 
-    def receive(self, request: Request, groups: list[GroupKV]) -> None:
+    def receive(self, request: Request, groups: list[GroupKV]) -> list[str]:
         """Hold KV another server computed for the request, every group's (`export` there):
-        it is admitted as a swapped request is, its KV written into device pages then."""
+        it is admitted as a swapped request is, its KV written into device pages then.
+        Returns each group's key for it (other ranks hold their shares under them)."""
         assert [g.name for g in groups] == [m.name for m in self.managers]
-        for m, group in zip(self.managers, groups, strict=True):
-            m.receive(request, group)
+        return [m.receive(request, g) for m, g in zip(self.managers, groups, strict=True)]
 
     # --- the executor's side -----------------------------------------------------------------
 

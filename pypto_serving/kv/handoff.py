@@ -13,7 +13,7 @@ model's weights, quantization, KV dtype and layout, page size) before any byte m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,7 +44,11 @@ class Handoff:
     """The request's seeded generator after that token (None: unseeded)."""
     buffer: np.ndarray | None = None
     """The groups' pages as one buffer (`packed`; the pages are views of it), ready to be
-    sent as it is."""
+    sent as it is; under TP/PP every rank's share, rank 0's first
+    (`executor/kv_shares.py`)."""
+    shares: list[np.ndarray] = field(default_factory=list)
+    """Received under TP/PP: the other ranks' shares, each rank's packed bytes in rank order
+    (`groups` are rank 0's)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,31 +79,60 @@ def num_bytes(shapes: Counts, geometry: list[PageGeometry]) -> int:
     return sum(c * geo.page_bytes for (_, _, _, c), geo in zip(shapes, geometry, strict=True))
 
 
+@dataclass(slots=True, frozen=True)
+class KVLayout:
+    """What a handoff between two servers must agree on, and how it is cut."""
+
+    digest: str
+    """Identifies the model, its configuration, the KV's page layouts and the TP and PP
+    sizes (`EngineCore.kv_layout`): a handoff moves only between servers of one digest."""
+    geometry: list[PageGeometry]
+    """How each group's page reads on rank 0."""
+    page_bytes: list[list[int]]
+    """Every rank's bytes of one page of each group in a handoff (rank 0's first; 0 where a
+    rank carries none of a group's pages)."""
+
+    def share_sizes(self, shapes: Counts) -> list[int]:
+        """Each rank's bytes of a handoff of these counts."""
+        return [sum(s[3] * b for s, b in zip(shapes, row, strict=True)) for row in self.page_bytes]
+
+    def cut(self, buffer: np.ndarray, shapes: Counts) -> tuple[list[GroupKV], list[np.ndarray]]:
+        """A handoff's buffer of these counts, as rank 0's groups (views of it) and the other
+        ranks' shares (slices of it). ValueError where it is not their size."""
+        sizes = self.share_sizes(shapes)
+        if buffer.size != sum(sizes):
+            raise ValueError(f"the KV sent is {buffer.size} bytes, its pages {sum(sizes)}")
+        ends = np.cumsum(sizes).tolist()
+        shares = [buffer[end - n : end] for n, end in zip(sizes[1:], ends[1:], strict=True)]
+        return unpack(buffer[: sizes[0]], shapes, self.geometry), shares
+
+
 def pack(groups: list[GroupKV], out: np.ndarray) -> None:
     """Write the groups' pages into `out` (uint8, exactly their size), as `unpack` reads."""
     at = 0
     for group in groups:
         for page in group.pages:
             for t in page:
-                flat = numpy_bits(t.contiguous()).reshape(-1).view(np.uint8)
+                flat = numpy_bits(t.contiguous().cpu()).reshape(-1).view(np.uint8)
                 out[at : at + flat.size] = flat
                 at += flat.size
     assert at == out.size, f"packed {at} bytes into a buffer of {out.size}"
 
 
-def packed(groups: list[GroupKV]) -> tuple[np.ndarray, list[GroupKV]]:
-    """The groups' pages copied into one buffer (as `pack` lays them out), and the groups
-    again with their pages as views of it: one copy, where the pages go on being read."""
+def packed(groups: list[GroupKV], room_after: int = 0) -> tuple[np.ndarray, list[GroupKV]]:
+    """The groups' pages copied into one buffer (as `pack` lays them out; `room_after`
+    bytes left after them, for the other ranks' shares), and the groups again with their
+    pages as views of it: one copy, where the pages go on being read."""
     size = sum(t.numel() * t.element_size() for g in groups for p in g.pages for t in p)
-    buffer = np.empty(size, dtype=np.uint8)
-    pack(groups, buffer)
+    buffer = np.empty(size + room_after, dtype=np.uint8)
+    pack(groups, buffer[:size])
     geometry = [  # a group that sends no page is cut by nothing
         PageGeometry(g.name, tuple(tuple(t.shape) for t in g.pages[0]), g.pages[0][0].dtype)
         if g.pages
         else PageGeometry(g.name, (), torch.uint8)
         for g in groups
     ]
-    return buffer, unpack(buffer, counts(groups), geometry)
+    return buffer, unpack(buffer[:size], counts(groups), geometry)
 
 
 def unpack(buffer: np.ndarray, shapes: Counts, geometry: list[PageGeometry]) -> list[GroupKV]:

@@ -221,6 +221,8 @@ class KVManager:
         entry = self.swapped.pop(request.request_id, None)
         if entry is not None and entry.received is None:
             self.pool.drop_held(entry.key)
+        elif entry is not None:
+            self.pool.drop_received(entry.key)
         self.unreserve(request.request_id)
 
     def release_before(self, request: Request, num_tokens: int) -> None:
@@ -278,7 +280,7 @@ class KVManager:
         assert reserved is None or len(reserved) == num_pages, "reserved for other KV"
         page_ids = [-1] * entry.released + (reserved or self.pool.allocate(num_pages))
         if entry.received is not None:
-            self.pool.write_received(entry.received, page_ids[entry.released :])
+            self.pool.write_received(entry.key, entry.received, page_ids[entry.released :])
         else:
             self.pool.write_held(self.pool.take_held(entry.key), page_ids[entry.released :], start)
         tokens = request.token_ids
@@ -295,11 +297,17 @@ class KVManager:
         """The pages that hold the request's first `num_tokens` tokens (those its window still
         holds), as views of the device pages (to be copied before they are freed): what
         `receive` takes on another server."""
+        released, page_ids = self.export_pages(request, num_tokens)
+        pages = [self.pool.cache.read_page(p) for p in page_ids]
+        return GroupKV(self.name, num_tokens, released, pages)
+
+    def export_pages(self, request: Request, num_tokens: int) -> tuple[int, list[int]]:
+        """The leading pages of the request's first `num_tokens` tokens its window gave
+        back, and the ids of the device pages after them that hold the rest."""
         table = self.tables[request.request_id]
         end = -(-num_tokens // self.page_size)
         assert len(table.pages) >= end, "the request's pages hold fewer tokens"
-        pages = [self.pool.cache.read_page(p) for p in table.pages[table.released : end]]
-        return GroupKV(self.name, num_tokens, min(table.released, end), pages)
+        return min(table.released, end), table.pages[table.released : end]
 
     def reserve(self, request_id: str, num_pages: int) -> bool:
         """Take `num_pages` device pages for the KV another server is about to send a
@@ -316,13 +324,15 @@ class KVManager:
         if pages:
             self.pool.free(pages)
 
-    def receive(self, request: Request, group: GroupKV) -> None:
+    def receive(self, request: Request, group: GroupKV) -> str:
         """Hold the KV another server computed for the request (`export` there), to be
-        written into device pages when the request is admitted, as a swapped request's."""
+        written into device pages when the request is admitted, as a swapped request's;
+        returns the key it is held under (other ranks hold their shares under it)."""
         hashes = [page_hash for page_hash, _ in self._chain(request, group.num_tokens)]
         key = f"{self.name}/received/{request.request_id}"
         entry = _Swapped(key, group.num_tokens, hashes, group.released, group.pages)
         self.swapped[request.request_id] = entry
+        return key
 
     # --- the executor's side ---------------------------------------------------------------
 

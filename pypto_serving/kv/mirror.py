@@ -16,6 +16,10 @@ that step's forward (`follow_moves`), so its tiers hold the same pages in the sa
 MLA's latent is the same on every TP rank, so only rank 0 keeps it in the CPU and SSD tiers;
 the device pages a journal wrote are then broadcast from rank 0 once per step.
 
+Pages another server sent (disaggregated serving) reach every rank when they arrive, each its
+share (`executor/kv_shares.py`), held under a key; rank 0's journal says when they are
+written into device pages ("received", then the writes) or forgotten ("drop_received").
+
 The SSD tier: every rank keeps its share in its own folder (`<kv_ssd_dir>/rank<r>`), and its
 stores and evictions are journaled like the CPU tier's (a rank whose index differs, after a
 failed write or a damaged file found at start-up, replays them tolerantly). A read can fail
@@ -155,11 +159,20 @@ def replay(
     cpu: HostTier | None,
     ssd: DiskTier | None = None,
     agreed: dict[bytes, PageKV] | None = None,
+    received: dict[str, list[PageKV]] | None = None,
 ) -> None:
     """Do rank 0's moves on this rank's share, in order (agreed: the SSD pages this rank
-    loaded at rank 0's `SSD_LOAD`, taken as the moves write them into the device)."""
+    loaded at rank 0's `SSD_LOAD`, taken as the moves write them into the device; received:
+    this rank's share of pages another server sent, by key, taken likewise)."""
     kvs: list[PageKV] = []
     for kind, *args in ops:
+        if kind.endswith("received"):
+            assert received is not None
+            if kind == "received":
+                kvs.extend(received.pop(args[0]))
+            else:  # drop_received
+                received.pop(args[0], None)
+            continue
         if kind.startswith("ssd_"):
             assert ssd is not None and agreed is not None
             if kind == "ssd_store":
@@ -201,13 +214,15 @@ def follow_moves(
     share_written: bool,
     ssd: DiskTier | None = None,
     agreed: dict[bytes, PageKV] | None = None,
+    received: dict[str, list[PageKV]] | None = None,
 ) -> None:
     """Before a step's forward, on every rank: ranks > 0 replay rank 0's moves on their CPU
-    and SSD tiers (if they keep them); with `share_written` (a KV the same on every TP rank,
-    MLA's: one copy, kept by each stage's first TP rank) the device pages the moves wrote go
-    from that rank to the other TP ranks of its stage."""
-    if rank > 0 and (cpu is not None or ssd is not None):
-        replay(ops, cache, cpu, ssd, agreed)
+    and SSD tiers (if they keep them) and their shares of pages other servers sent (if they
+    hold any); with `share_written` (a KV the same on every TP rank, MLA's: one copy, kept
+    by each stage's first TP rank) the device pages the moves wrote go from that rank to the
+    other TP ranks of its stage."""
+    if rank > 0 and (cpu is not None or ssd is not None or received):
+        replay(ops, cache, cpu, ssd, agreed, received)
     written = sorted({op[1] for op in ops if op[0] == "write"})
     if not share_written or not written:
         return
@@ -251,6 +266,7 @@ def agree_ssd_loads(
     rank: int,
     tp_rank: int,
     share_written: bool,
+    received: dict[str, list[PageKV]] | None = None,
 ) -> int:
     """On every rank, at rank 0's `SSD_LOAD`: mirror the moves so far, load this rank's share
     of the pages (ranks > 0; a rank without an SSD tier keeps none and agrees to all), and
@@ -258,7 +274,7 @@ def agree_ssd_loads(
     > 0 keep those in `agreed` until the journal writes them into device pages."""
     msg = json.loads(message)
     if msg["moves"]:
-        follow_moves(msg["moves"], cache, cpu, rank, tp_rank, share_written, ssd, agreed)
+        follow_moves(msg["moves"], cache, cpu, rank, tp_rank, share_written, ssd, agreed, received)
     hashes = [bytes.fromhex(h) for h in msg["load"]]
     count, mine = len(hashes), list[tuple[bytes, PageKV]]()
     if rank > 0 and ssd is not None:

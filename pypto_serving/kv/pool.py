@@ -212,6 +212,9 @@ class KVPool:
         leading ones every rank read (`kv/mirror.py`)."""
         self.agreed: dict[bytes, PageKV] = {}
         """Ranks > 0: the SSD pages agreed on, until the journal writes them into the device."""
+        self.received: dict[str, list[PageKV]] = {}
+        """Ranks > 0: their share of pages another server sent (a handoff, by key), until the
+        journal writes them into the device (`executor/kv_shares.py`)."""
         self._spilled = False
         self._spilled_hashes: list[bytes] = []
         """The pages the spill queued for the SSD (close reports how many it kept)."""
@@ -523,11 +526,22 @@ class KVPool:
         self.costs.observe_load("cpu", len(kvs), seconds)
         self.num_swap_ins += 1
 
-    def write_received(self, kvs: list[PageKV], page_ids: list[int]) -> None:
-        """Write pages another server sent (a handoff) into device pages `page_ids`."""
+    def write_received(self, key: str, kvs: list[PageKV], page_ids: list[int]) -> None:
+        """Write pages another server sent (a handoff, held under `key`) into device pages
+        `page_ids` (under TP/PP every rank writes its share, held under the same key)."""
+        if self.journal is not None:
+            self.journal.record("received", key)
+            for kv in kvs:
+                self.journal.produced(kv)
         for page_id, kv in zip(page_ids, kvs, strict=True):
             self._write_page(page_id, kv)
         self.stats["device"].stored += len(kvs)
+
+    def drop_received(self, key: str) -> None:
+        """Forget pages another server sent that no device page took (the request went
+        away, or recomputes): under TP/PP every rank forgets its share."""
+        if self.journal is not None:
+            self.journal.record("drop_received", key)
 
     def drop_held(self, key: str) -> None:
         """Forget the pages held under `key`."""

@@ -103,14 +103,13 @@ def run_server(knobs: dict[str, Any], config: ServerConfig) -> int:
     """Serve until SIGTERM (drained) or SIGINT; returns the exit code."""
     checked = engine_config(**knobs)  # bad options are reported before the address is taken
     transfer_spec = config.transfer()
-    if transfer_spec is not None:
-        p = checked.parallel
-        if p.data_parallel_size * p.tensor_parallel_size * p.pipeline_parallel_size > 1:
-            raise PyptoError(
-                "disaggregated serving runs on one rank here: data, tensor and pipeline "
-                "parallel sizes must be 1 with disaggregation_mode / kv_transfer_config",
-                "disaggregation_mode",
-            )
+    if transfer_spec is not None and checked.parallel.data_parallel_size > 1:
+        raise PyptoError(
+            "a disaggregated server runs one engine (its ranks may be tensor or pipeline "
+            "parallel): start one server per data-parallel replica behind `pypto router`, "
+            "not data_parallel_size > 1 with disaggregation_mode / kv_transfer_config",
+            "disaggregation_mode",
+        )
     if config.trust_remote_code:
         log.warning(
             "--trust-remote-code is accepted for vLLM's command lines: no code from the "
