@@ -429,6 +429,50 @@ async def answers(url: str, chat: bool, stream: bool) -> list[str]:
         return list(await asyncio.gather(*(one(client, p) for p in PROMPTS)))
 
 
+def test_vllm_s_proxy_protocol_drives_our_servers(tiny_model) -> None:
+    """What vLLM's own proxy for its Mooncake and NIXL connectors sends, step by step: the
+    request to a prefill server with `kv_transfer_params` whose other fields are null,
+    `max_tokens` 1, no stream and no min_tokens; then the original request with the answer's
+    `kv_transfer_params` to a decode server, streamed. The decode server's text is one
+    server's, and it computed no prompt token."""
+    path = tiny_model("llama-gqa4-tied")
+    sends, gets = KVTransfer("prefill", "127.0.0.1"), KVTransfer("decode", "127.0.0.1")
+    with contextlib.ExitStack() as stack:
+        alone_llm, p_llm, d_llm = (stack.enter_context(tiny_llm(path)) for _ in range(3))
+        alone = stack.enter_context(serving(alone_llm))
+        p = stack.enter_context(serving(p_llm, transfer=sends))
+        d = stack.enter_context(serving(d_llm, transfer=gets))
+        want = asyncio.run(answers(alone.url, True, True))
+        for prompt, text in zip(PROMPTS, want, strict=True):
+            words = " ".join(f"t{t}" for t in prompt)
+            original: dict[str, Any] = {"model": "tiny", "max_tokens": 10, "temperature": 0}
+            original |= {"messages": [{"role": "user", "content": words}], "ignore_eos": True}
+            original |= {"stream": True, "stream_options": {"include_usage": True}}
+            original |= {"min_tokens": 2}
+            ask = {k: v for k, v in original.items() if k not in ("stream_options", "min_tokens")}
+            ask |= {"stream": False, "max_tokens": 1}
+            ask["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+            ask["kv_transfer_params"] |= dict.fromkeys(
+                ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port")
+            )
+            headers = {"Authorization": "Bearer None", "X-Request-Id": f"vllm-{len(words)}"}
+            r = httpx.post(p.url + "/v1/chat/completions", json=ask, headers=headers)
+            assert r.status_code == 200, r.text
+            params = r.json()["kv_transfer_params"]
+            assert params["do_remote_prefill"] and not params["do_remote_decode"]
+            then = original | {"kv_transfer_params": params}
+            got = ""
+            with httpx.stream("POST", d.url + "/v1/chat/completions", json=then) as streamed:
+                assert streamed.status_code == 200
+                for line in streamed.iter_lines():
+                    if line.startswith("data: {"):
+                        for c in json.loads(line[6:])["choices"]:
+                            got += (c.get("delta") or {}).get("content") or ""
+            assert got == text
+        assert gets.stats.pulled == len(PROMPTS) and gets.stats.failed == 0
+        assert d_llm.engine.stats().prompt_tokens == 0
+
+
 def test_the_router_serves_prefill_and_decode_servers_as_one(tiny_model) -> None:
     path = tiny_model("llama-gqa4-tied")
     sends, gets = KVTransfer("prefill", "127.0.0.1"), KVTransfer("decode", "127.0.0.1")
