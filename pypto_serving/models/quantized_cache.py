@@ -103,7 +103,7 @@ def quantize_cached(
                     records_only=records_only,
                     wide=records_wide,
                 )
-                drop_unread_weights(model)
+                drop_unread_weights(model, native)
                 return
             log.warning("the quantized weights in %s do not fit the model: quantizing", path)
         except (OSError, SafetensorError, KeyError) as e:
@@ -141,4 +141,4 @@ def quantize_cached(
         log.warning(
             "cannot keep the quantized weights in %s (%s): quantizing again next start", path, e
         )
-    drop_unread_weights(model)
+    drop_unread_weights(model, native)

@@ -655,19 +655,19 @@ class VocabParallelEmbedding(nn.Module):
         return tp_all_reduce(rows * inside[:, None])
 
 
-def drop_unread_weights(model: nn.Module) -> None:
-    """Drop the bf16 weight of every Linear whose matmuls all run on its other forms (the
-    int8 form in the graphs, `matmul`'s first branch, and the records in the native decode
-    step: int4-w8a8's layers and w8a8-q8 heads), so that it is not held beside them; a tied
-    head's stays with the embedding that shares it. After any calibration, which reads the
-    weights."""
+def drop_unread_weights(model: nn.Module, native: bool) -> None:
+    """Drop the bf16 weight of every Linear whose matmuls all run on its other forms, so that
+    it is not held beside them; a tied head's stays with the embedding that shares it. After
+    any calibration, which reads the weights. `matmul` never reads the weight of a layer with
+    an int8 form (its first two branches serve every row count); the native decode step
+    (`native`) reads a layer's records, or else its bf16 weight, so there only int4-w8a8's
+    layers and the w8a8-q8 heads (int8 form and records) lose theirs."""
     unread = [
         layer
         for layer in model.modules()
         if isinstance(layer, Linear)
         and layer.int8 is not None
-        and layer.native is not None
-        and layer.quantized is None
+        and (not native or (layer.native is not None and layer.quantized is None))
         and layer.weight is not None
     ]
     for layer in unread:
