@@ -21,6 +21,7 @@ import secrets
 import shutil
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -163,19 +164,26 @@ def keyed_digest(key: bytes, *parts: bytes | bytearray | memoryview) -> bytes:
     return h.digest()
 
 
-def write_atomically(path: Path, data: bytes | bytearray | memoryview) -> None:
+def write_atomically(
+    path: Path, data: bytes | bytearray | memoryview | Callable[[Path], None]
+) -> None:
     """Write `data` to `path` (mode 0600) through a temporary file (`<name>.<pid>.tmp`)
     renamed into place: a reader (another process starting at once, a start after a crash)
-    sees the old file or the whole new one, never half of one. Its folder is made 0700 if
-    absent. Raises OSError, the temporary file removed."""
+    sees the old file or the whole new one, never half of one. `data` may be a function that
+    writes the temporary file by its name (made 0600 first), so that a large file is never
+    held whole in memory. Its folder is made 0700 if absent. Raises OSError (or the
+    writer's error), the temporary file removed."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with open(fd, "wb") as f:
-            f.write(data)
+            if not callable(data):
+                f.write(data)
+        if callable(data):
+            data(tmp)
         os.replace(tmp, path)
-    except OSError:
+    except BaseException:  # (the writer's own errors too)
         with contextlib.suppress(OSError):  # e.g. a read-only file system: nothing to remove
             tmp.unlink(missing_ok=True)
         raise

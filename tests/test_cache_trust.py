@@ -17,7 +17,12 @@ from live_server import tiny_llm
 
 from pypto_serving import native, paths
 from pypto_serving.executor import compiled
-from pypto_serving.paths import secret_key, trusted_cache_dir, use_compile_cache
+from pypto_serving.paths import (
+    secret_key,
+    trusted_cache_dir,
+    use_compile_cache,
+    write_atomically,
+)
 
 MODEL = "llama-gqa4-tied"
 
@@ -190,3 +195,29 @@ def test_kernels_are_built_in_a_private_folder_when_the_cache_is_not_private(
     (out,) = built_in
     assert not out.is_relative_to(cache)
     assert paths.untrusted(out) is None and stat.S_IMODE(out.stat().st_mode) == 0o700
+
+
+def test_a_file_is_written_whole_or_not_at_all(tmp_path) -> None:
+    """write_atomically: bytes, or a writer given the temporary file's name (a large file is
+    then never held whole in memory), renamed into place at mode 0600; a writer that fails
+    leaves the old file and no temporary one."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "kept" / "w.safetensors"
+    tensors = {"a": torch.arange(6, dtype=torch.int8), "b": torch.ones(2, 3)}
+    write_atomically(path, lambda tmp: save_file(tensors, tmp))
+    got = load_file(str(path))
+    assert got.keys() == tensors.keys() and all(torch.equal(got[k], tensors[k]) for k in got)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    before = path.read_bytes()
+
+    def fails(tmp: Path) -> None:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("the writer failed")
+
+    with pytest.raises(RuntimeError, match="writer failed"):
+        write_atomically(path, fails)
+    assert path.read_bytes() == before
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+    write_atomically(path, b"bytes")
+    assert path.read_bytes() == b"bytes"

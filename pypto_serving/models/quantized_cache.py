@@ -4,6 +4,7 @@ kept under `cache_dir()/quantized`, keyed by everything that shapes the result."
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import logging
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save
+from safetensors.torch import save_file
 
 from pypto_serving.config import CALIBRATED_QUANTIZATIONS
 from pypto_serving.device import cpu_isa, int8_gemm_full_range
@@ -136,8 +137,10 @@ def quantize_cached(
     }
     try:
         if trusted:
-            write_atomically(path, save(tensors))  # replicas quantizing at once: a whole file
-    except OSError as e:
+            # written tensor by tensor (no second copy of them all); replicas quantizing at
+            # once each rename a whole file into place
+            write_atomically(path, functools.partial(save_file, tensors))
+    except (OSError, SafetensorError) as e:
         log.warning(
             "cannot keep the quantized weights in %s (%s): quantizing again next start", path, e
         )
