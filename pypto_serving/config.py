@@ -687,10 +687,10 @@ class EngineConfig:
                 "the plain oracle)",
                 "speculative_config",
             )
-        if spec is not None and spec.method == "mtp" and self.parallel.ranks_per_engine > 1:
+        if spec is not None and spec.method == "mtp" and self.parallel.pipeline_parallel_size > 1:
             raise PyptoError(
-                "speculative decoding by the MTP layer runs on one rank per engine: "
-                "tensor_parallel_size and pipeline_parallel_size 1 (data parallelism works)",
+                "speculative decoding by the MTP layer reads the last stage's hidden states on "
+                "rank 0: pipeline_parallel_size 1 (tensor and data parallelism work)",
                 "speculative_config",
             )
         if not isinstance(self.step_timeout_s, int | float) or not self.step_timeout_s > 0:

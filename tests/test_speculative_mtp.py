@@ -159,10 +159,10 @@ def test_a_bad_mtp_config_is_named(raw: dict, says: str):
     assert e.value.param == "speculative_config"
 
 
-def test_mtp_needs_one_rank_and_a_layer(tiny_model):
-    with pytest.raises(PyptoError, match="one rank per engine"):
+def test_mtp_needs_one_stage_and_a_layer(tiny_model):
+    with pytest.raises(PyptoError, match="pipeline_parallel_size 1"):
         EngineConfig(
-            speculative_config=MTP, parallel=ParallelConfig(tensor_parallel_size=2)
+            speculative_config=MTP, parallel=ParallelConfig(pipeline_parallel_size=2)
         ).validate()
     with pytest.raises(PyptoError, match="no multi-token prediction layer") as e:
         LLM(str(tiny_model("deepseekv3-qlora-yarn")), enforce_eager=True, speculative_config=MTP)
@@ -197,6 +197,27 @@ def test_every_draft_is_the_mtp_layers_own_guess(mtp_model):
         assert llm.engine.stats().prefix_hits > 0
         assert llm.engine.executor.kv.usage() == 0.0
     assert batched > 100 and len(seen) > batched + 100
+    wrong = [(seq, d, guess(seq)) for seq, d in seen if guess(seq) != d]
+    assert not wrong, wrong[:3]
+
+
+def test_under_tensor_parallelism_rank_0_drafts_with_the_whole_layer(mtp_model):
+    """TP 2 (experts split over the ranks): rank 0 loads the MTP layer whole and drafts
+    alone, its entries in rank 0's pages of the layer after the target's; every draft is
+    still HF's guess and the tokens are the plain TP 1 ones, prefix hits included."""
+    guess = reference_drafter(mtp_model)
+    ps = prompts()
+    with LLM(str(mtp_model), enforce_eager=True, **KNOBS) as llm:
+        want = tokens(llm.generate(ps, GREEDY, use_tqdm=False))
+    parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
+    with LLM(
+        str(mtp_model), enforce_eager=True, speculative_config=MTP, **KNOBS, **parallel
+    ) as llm:
+        seen = recording(llm)
+        assert tokens(llm.generate(ps, GREEDY, use_tqdm=False)) == want
+        assert [tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in ps] == want
+        assert llm.engine.stats().prefix_hits > 0
+    assert len(seen) > 100
     wrong = [(seq, d, guess(seq)) for seq, d in seen if guess(seq) != d]
     assert not wrong, wrong[:3]
 

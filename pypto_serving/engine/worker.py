@@ -69,8 +69,10 @@ def load_share(
     """This rank's share of the model (its heads, its stage's layers, its experts) and its
     executor, attending as `plan_attention` decides (its native kernels built while the
     weights load): every rank builds the same paged executor, so page counts agree. Where
-    the config drafts with DeepSeek's MTP layer (one rank), the layer loads beside the model,
-    its entries a KV layer after the model's, and the executor hands it its steps."""
+    the config drafts with DeepSeek's MTP layer, the layer loads beside rank 0's share
+    (whole: under TP rank 0 drafts alone), its entries a KV layer after the model's on every
+    rank (the pages agree; MLA's latent is the same on every TP rank), and the executor hands
+    it its steps."""
     attention = plan_attention(plan, config, load_model_config(model_dir), groups)
     if attention.kernels is not None:
         _build_kernels_soon(attention.kernels)
@@ -80,10 +82,11 @@ def load_share(
     spec = config.speculation()
     mtp = None
     if spec is not None and spec.method == "mtp":  # its entries: a layer after the target's
-        try:
-            mtp = load_mtp(model_dir, model, plan.dtype)
-        except PyptoError as e:
-            raise PyptoError(f"speculative_config: {e}", "speculative_config") from e
+        if groups.rank == 0:  # (under TP rank 0 drafts alone, the layer whole)
+            try:
+                mtp = load_mtp(model_dir, model, plan.dtype)
+            except PyptoError as e:
+                raise PyptoError(f"speculative_config: {e}", "speculative_config") from e
         model.kv_layers = range(model.local_layers.start, model.local_layers.stop + 1)
     executor = build_paged_executor(
         config, model, plan.device, plan.dtype, plan.quantization, attention, model_dir

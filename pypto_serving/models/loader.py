@@ -510,9 +510,9 @@ def load_model(
 
 def load_mtp(model_dir: Path, target: CausalLM, dtype: torch.dtype) -> DeepseekMTP:
     """DeepSeek-V3's multi-token prediction layer (`models/deepseek_mtp.py`) from the
-    checkpoint beside the target (one rank, unquantized: `dtype`); a ModelLoadError where the
-    checkpoint ships none."""
-    cfg = target.cfg
+    checkpoint beside the target, whole (rank 0 drafts alone, under TP too; unquantized:
+    `dtype`); a ModelLoadError where the checkpoint ships none."""
+    cfg = load_model_config(model_dir)  # (the target's own config is its TP share's)
     if cfg.architecture not in DEEPSEEK or cfg.compressed is not None:
         raise ModelLoadError(
             f"{cfg.architecture} has no multi-token prediction layer served here (DeepSeek-V3's "
