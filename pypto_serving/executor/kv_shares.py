@@ -91,8 +91,7 @@ def send_export(kv: KVGroups, groups: ParallelGroups, message: bytes, device: to
         GroupKV(m.name, 0, 0, [m.pool.cache.read_page(p) for p in ids] if keep else [])
         for m, ids, keep in zip(kv.managers, page_ids, carries(kv, groups), strict=True)
     ]
-    size = num_bytes([(g.name, 0, 0, len(g.pages)) for g in mine], kv.geometry())
-    buffer = np.empty(size, dtype=np.uint8)
+    buffer = np.empty(num_bytes(counts(mine), kv.geometry()), dtype=np.uint8)
     pack(mine, buffer)
     send_bytes(buffer, 0, device)
 
