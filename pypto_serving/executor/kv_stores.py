@@ -157,7 +157,6 @@ def build_pool(
         if ssd_dir is not None:  # each rank its share, in its own folder (MLA: rank 0's)
             ssd_pages, keeps = parallel_ssd_pages(model, whole, ssd_bytes)
             ssd_dir = ssd_dir / f"rank{g.rank}" if keeps else None
-            journal = Journal() if g.rank == 0 else None
     remote = None
     if cache.kv_remote is not None:  # one rank per engine (EngineConfig.validate)
         remote = join(cache.kv_remote, cache.kv_remote_bytes)
