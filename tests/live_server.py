@@ -60,9 +60,23 @@ def generate_salted(
 
 
 def free_port() -> int:
+    """A port free now whose next one is free too: several nodes' engines listen on a
+    master_port and on master_port + 1 (the rendezvous of DP attention + EP)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if port < 65535 and _bindable(port + 1):
+            return port
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 @contextmanager
