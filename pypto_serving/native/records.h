@@ -110,24 +110,37 @@ inline float fp16(uint16_t h) {
 }
 
 // Activations as the next matmul reads them: for Q4 and Q8 weights quantized per group of 32,
-// q [rows][k] and per group its scale and the sum of its values; for bf16 weights rounded to
-// bf16, bf [rows][k] (and on AVX2 the same bf16 values as float32, f [rows][k]).
+// q and per group its scale, the sum of its values and their product (Q4_1's minimum term),
+// laid out as a product of BLOCK_ROWS rows reads them: block by block of rows, group by
+// group, the block's rows together (`at`; fewer rows than a block lie as closely), so one
+// pointer walks a block's groups (a product of 8 rows kept 8 of each in registers, and the
+// compiler spilled its loop counters); for
+// bf16 weights rounded to bf16, bf [rows][k] (and on AVX2 the same bf16 values as float32,
+// f [rows][k]).
 struct Activations {
     std::vector<int8_t> q;
-    std::vector<float> scale;
+    std::vector<float> scale, scaled_sum;
     std::vector<int32_t> sum;
     std::vector<uint16_t> bf;
     std::vector<float> f;
-    int k = 0, groups = 0;
+    int k = 0, groups = 0, stride = BLOCK_ROWS;
 
     void resize(int rows, int cols) {
         k = cols;
         groups = cols / GROUP_K;
-        q.resize(size_t(rows) * cols);
-        scale.resize(size_t(rows) * groups);
-        sum.resize(size_t(rows) * groups);
+        stride = rows < BLOCK_ROWS ? rows : BLOCK_ROWS;
+        const size_t padded = size_t(rows + BLOCK_ROWS - 1) / BLOCK_ROWS * BLOCK_ROWS;
+        q.resize(padded * cols);
+        scale.resize(padded * groups);
+        scaled_sum.resize(padded * groups);
+        sum.resize(padded * groups);
         bf.resize(size_t(rows) * cols);
         f.resize(size_t(rows) * cols);
+    }
+
+    // Where row m's group g lies in scale, sum and scaled_sum (times GROUP_K: in q).
+    int64_t at(int m, int g) const {
+        return (int64_t(m / BLOCK_ROWS) * groups + g) * stride + m % BLOCK_ROWS;
     }
 };
 
@@ -225,9 +238,9 @@ void quantize_row(const float* x, int m, int format, Activations& out) {
         return;
     }
     for (int g = 0; g < out.groups; ++g) {
-        int8_t* q = out.q.data() + int64_t(m) * cols + g * GROUP_K;
-        const int64_t at = int64_t(m) * out.groups + g;
-        quantize_group(row + g * GROUP_K, q, out.scale[at], out.sum[at]);
+        const int64_t at = out.at(m, g);
+        quantize_group(row + g * GROUP_K, &out.q[at * GROUP_K], out.scale[at], out.sum[at]);
+        out.scaled_sum[at] = out.scale[at] * float(out.sum[at]);
     }
 }
 
@@ -315,53 +328,60 @@ template <int M>
 void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float acc[M][16]) {
     const uint8_t* rec = w.data + b * (w.cols / GROUP_K) * RECORD[w.format];
     const int groups = x.groups;
-    const int8_t* xq = x.q.data() + int64_t(m0) * x.k;  // row m0 on
-    const float* xscale = x.scale.data() + int64_t(m0) * groups;
-    const int32_t* xsum = x.sum.data() + int64_t(m0) * groups;
+    // Rows m0 .. m0 + M - 1 of one block of BLOCK_ROWS (m0 is a multiple of it): group by
+    // group, the block's rows lie together (Activations::at).
+    const int64_t first = x.at(m0, 0);
+    const int8_t* xq = x.q.data() + first * GROUP_K;
+    const float* xscale = x.scale.data() + first;
+    const float* xscaled = x.scaled_sum.data() + first;
+    const int32_t* xsum = x.sum.data() + first;
+    const int G = x.stride;  // a group's step in xscale, xsum (and GROUP_K times in xq)
 #if defined(PYPTO_VNNI)
     __m512 facc[M];
     for (int m = 0; m < M; ++m) facc[m] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int g = 0; g < groups; ++g, rec += RECORD[w.format]) {
+    for (int g = 0; g < groups; ++g, rec += RECORD[w.format], xq += G * GROUP_K) {
         prefetch_ahead<M>(rec, w.format);
-        __m512i a0[M], a1[M];
-        for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_si512();
-        const int8_t* xg = xq + g * GROUP_K;
+        // A row's integer sums in one chain of dot products, or in two where a few rows
+        // would leave the chain's latency exposed (exact sums: the same either way).
+        constexpr int CHAINS = M < 4 ? 2 : 1;
+        __m512i a[CHAINS][M];
+        for (int m = 0; m < M; ++m) a[0][m] = a[CHAINS - 1][m] = _mm512_setzero_si512();
         if (w.format == Q4) {
             for (int c = 0; c < 4; ++c) {
                 const __m512i v = _mm512_loadu_si512(rec + 64 * c);
                 const __m512i lo = _mm512_and_si512(v, low);
                 const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                 for (int m = 0; m < M; ++m) {
-                    const int8_t* xm = xg + int64_t(m) * x.k + 8 * c;
-                    a0[m] = _mm512_dpbusd_epi32(a0[m], lo, _mm512_set1_epi32(four(xm)));
-                    a1[m] = _mm512_dpbusd_epi32(a1[m], hi, _mm512_set1_epi32(four(xm + 4)));
+                    const int8_t* xm = xq + m * GROUP_K + 8 * c;
+                    a[0][m] = _mm512_dpbusd_epi32(a[0][m], lo, _mm512_set1_epi32(four(xm)));
+                    a[CHAINS - 1][m] =
+                        _mm512_dpbusd_epi32(a[CHAINS - 1][m], hi, _mm512_set1_epi32(four(xm + 4)));
                 }
             }
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 256)));
             const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 288)));
             for (int m = 0; m < M; ++m) {
-                const float sx = xscale[m * groups + g];
-                const __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(a0[m], a1[m]));
-                facc[m] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(sx)), facc[m]);
-                const float xs = sx * float(xsum[m * groups + g]);
-                facc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs), facc[m]);
+                const __m512i sum = CHAINS == 2 ? _mm512_add_epi32(a[0][m], a[1][m]) : a[0][m];
+                const __m512 s = _mm512_cvtepi32_ps(sum);
+                const __m512 sx = _mm512_set1_ps(xscale[g * G + m]);
+                facc[m] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, sx), facc[m]);
+                facc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xscaled[g * G + m]), facc[m]);
             }
         } else {
-            for (int c = 0; c < 8; c += 2) {
-                const __m512i v0 = _mm512_loadu_si512(rec + 64 * c);
-                const __m512i v1 = _mm512_loadu_si512(rec + 64 * c + 64);
-                for (int m = 0; m < M; ++m) {
-                    const int8_t* xm = xg + int64_t(m) * x.k + 4 * c;
-                    a0[m] = _mm512_dpbusd_epi32(a0[m], v0, _mm512_set1_epi32(four(xm)));
-                    a1[m] = _mm512_dpbusd_epi32(a1[m], v1, _mm512_set1_epi32(four(xm + 4)));
-                }
+            for (int c = 0; c < 8; ++c) {
+                const __m512i v = _mm512_loadu_si512(rec + 64 * c);
+                const int chain = c % CHAINS;
+                for (int m = 0; m < M; ++m)
+                    a[chain][m] = _mm512_dpbusd_epi32(
+                        a[chain][m], v, _mm512_set1_epi32(four(xq + m * GROUP_K + 4 * c)));
             }
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 512)));
             for (int m = 0; m < M; ++m) {
-                const __m512i bias = _mm512_set1_epi32(128 * xsum[m * groups + g]);
-                const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(a0[m], a1[m]), bias);
-                const __m512 sx = _mm512_set1_ps(xscale[m * groups + g]);
+                const __m512i sum = CHAINS == 2 ? _mm512_add_epi32(a[0][m], a[1][m]) : a[0][m];
+                const __m512i bias = _mm512_set1_epi32(128 * xsum[g * G + m]);
+                const __m512i s = _mm512_sub_epi32(sum, bias);
+                const __m512 sx = _mm512_set1_ps(xscale[g * G + m]);
                 facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, sx), facc[m]);
             }
         }
@@ -376,7 +396,7 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
 #endif
     for (int g = 0; g < groups; ++g, rec += RECORD[w.format]) {
         prefetch_ahead<M>(rec, w.format);
-        const int8_t* xg = xq + g * GROUP_K;
+        const int8_t* xg = xq + g * G * GROUP_K;
         for (int half = 0; half < 2; ++half) {  // rows 8 half .. 8 half + 7
             __m256i a[M];
             for (int m = 0; m < M; ++m) a[m] = _mm256_setzero_si256();
@@ -386,8 +406,8 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
                     const __m256i lo = _mm256_and_si256(v, low);
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                     for (int m = 0; m < M; ++m) {
-                        const int32_t x0 = four(xg + int64_t(m) * x.k + 8 * c);
-                        const int32_t x1 = four(xg + int64_t(m) * x.k + 8 * c + 4);
+                        const int32_t x0 = four(xg + m * GROUP_K + 8 * c);
+                        const int32_t x1 = four(xg + m * GROUP_K + 8 * c + 4);
 #if defined(PYPTO_AVX_VNNI)
                         a[m] = dot4(a[m], lo, _mm256_set1_epi32(x0));
                         a[m] = dot4(a[m], hi, _mm256_set1_epi32(x1));
@@ -407,10 +427,9 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
 #else
                     const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(a[m], ones));
 #endif
-                    const float sx = xscale[m * groups + g];
-                    facc[m][half] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(sx)), facc[m][half]);
-                    const float xs = sx * float(xsum[m * groups + g]);
-                    facc[m][half] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs), facc[m][half]);
+                    const __m256 sx = _mm256_set1_ps(xscale[g * G + m]);
+                    facc[m][half] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, sx), facc[m][half]);
+                    facc[m][half] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xscaled[g * G + m]), facc[m][half]);
                 }
             } else {
                 for (int c = 0; c < 8; ++c) {
@@ -420,7 +439,7 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
                     const __m256i aw = _mm256_abs_epi8(sw);
 #endif
                     for (int m = 0; m < M; ++m) {
-                        const int32_t x0 = four(xg + int64_t(m) * x.k + 4 * c);
+                        const int32_t x0 = four(xg + m * GROUP_K + 4 * c);
 #if defined(PYPTO_AVX_VNNI)
                         a[m] = dot4(a[m], u, _mm256_set1_epi32(x0));
 #else  // |w| x (x with w's sign): pairs of at most 127 x 127 fit int16
@@ -432,11 +451,11 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 512 + 16 * half)));
                 for (int m = 0; m < M; ++m) {
 #if defined(PYPTO_AVX_VNNI)
-                    const __m256i s = _mm256_sub_epi32(a[m], _mm256_set1_epi32(128 * xsum[m * groups + g]));
+                    const __m256i s = _mm256_sub_epi32(a[m], _mm256_set1_epi32(128 * xsum[g * G + m]));
 #else
                     const __m256i s = a[m];
 #endif
-                    const __m256 sx = _mm256_set1_ps(xscale[m * groups + g]);
+                    const __m256 sx = _mm256_set1_ps(xscale[g * G + m]);
                     facc[m][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, sx), facc[m][half]);
                 }
             }
@@ -450,8 +469,8 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
     for (int g = 0; g < groups; ++g, rec += RECORD[w.format]) {
         const uint16_t* scales = reinterpret_cast<const uint16_t*>(rec + (w.format == Q4 ? 256 : 512));
         for (int m = 0; m < M; ++m) {
-            const int8_t* xg = xq + int64_t(m) * x.k + g * GROUP_K;
-            const float sx = xscale[m * groups + g];
+            const int8_t* xg = xq + (g * G + m) * GROUP_K;
+            const float sx = xscale[g * G + m];
             for (int r = 0; r < 16; ++r) {
                 int32_t s = 0;
                 if (w.format == Q4) {
@@ -461,7 +480,7 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
                             s += (byte & 0x0F) * xg[8 * c + j] + (byte >> 4) * xg[8 * c + 4 + j];
                         }
                     acc[m][r] += float(s) * fp16(scales[r]) * sx +
-                                 fp16(scales[16 + r]) * sx * float(xsum[m * groups + g]);
+                                 fp16(scales[16 + r]) * xscaled[g * G + m];
                 } else {
                     for (int c = 0; c < 8; ++c)
                         for (int j = 0; j < 4; ++j)
