@@ -526,14 +526,6 @@ def parse_speculative_config(raw: str | dict[str, Any] | None) -> SpeculativeSpe
             param,
         )
     if method in ("mtp", "deepseek_mtp"):
-        if k != 1:
-            raise PyptoError(
-                f"speculative_config: num_speculative_tokens must be 1 with method {method}, "
-                f"got {k}: the MTP layer guesses the token after the next from the target's "
-                "hidden state, which a second guess would need for a token the target has not "
-                "computed yet",
-                param,
-            )
         return SpeculativeSpec("mtp", k)
     if method == "draft_model":
         model = spec.get("model")

@@ -65,10 +65,13 @@ def bigram_model(mtp_model, tmp_path_factory) -> Path:
 
 
 def reference_drafter(path: Path):
-    """guess(tokens): the MTP layer's guess of the token after `tokens` (the newest not yet
-    computed by the target) as HF transformers computes it: the target's final hidden states
-    over tokens[:-1], the embeddings of tokens[1:] (zero at position 0), enorm and hnorm,
-    eh_proj, then the layer and its shared head as a one-layer DeepSeek-V3."""
+    """guess(tokens, k=1): the MTP layer's k guesses of the tokens after `tokens` (the newest
+    not yet computed by the target) as HF transformers computes them: the target's final
+    hidden states over tokens[:-1], the embeddings of tokens[1:] (zero at position 0), enorm
+    and hnorm, eh_proj, then the layer and its shared head as a one-layer DeepSeek-V3; each
+    further guess the same one position on, with the layer's own output (before the shared
+    head's norm) where the target's hidden state would be, and the last guess's embedding
+    (vLLM's chaining of one MTP layer)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -96,40 +99,57 @@ def reference_drafter(path: Path):
     def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
+    outputs: list[torch.Tensor] = []  # the layer's output (before the final norm)
+    block.model.layers[0].register_forward_hook(
+        lambda _m, _i, out: outputs.append(out[0] if isinstance(out, tuple) else out)
+    )
+
     @torch.no_grad()
-    def guess(seq: list[int]) -> int:
+    def guess(seq: list[int], k: int = 1) -> list[int] | int:
         ids = torch.tensor([seq])
         hidden = target.model(ids[:, :-1]).last_hidden_state[0]
         embedded = weights[layer + "embed_tokens.weight"][ids[0, 1:]].clone()
         embedded[0] = 0  # position 0
-        x = (
-            torch.cat(
-                [
-                    norm(embedded, weights[layer + "enorm.weight"]),
-                    norm(hidden, weights[layer + "hnorm.weight"]),
-                ],
-                dim=-1,
+        guesses: list[int] = []
+        for _ in range(k):
+            x = (
+                torch.cat(
+                    [
+                        norm(embedded, weights[layer + "enorm.weight"]),
+                        norm(hidden, weights[layer + "hnorm.weight"]),
+                    ],
+                    dim=-1,
+                )
+                @ weights[layer + "eh_proj.weight"].T
             )
-            @ weights[layer + "eh_proj.weight"].T
-        )
-        positions = torch.arange(len(seq) - 1)[None]
-        logits = block(inputs_embeds=x[None], position_ids=positions).logits[0, -1]
-        return int(logits.argmax())
+            positions = torch.arange(len(x))[None]
+            outputs.clear()
+            logits = block(inputs_embeds=x[None], position_ids=positions).logits[0, -1]
+            guesses.append(int(logits.argmax()))
+            own = outputs[-1].reshape(len(x), -1)[-1]
+            hidden = torch.cat([hidden, own[None]])
+            embedded = torch.cat(
+                [embedded, weights[layer + "embed_tokens.weight"][guesses[-1]][None]]
+            )
+        return guesses if k > 1 else guesses[0]
 
     return guess
 
 
-def recording(llm: LLM) -> list[tuple[list[int], int]]:
-    """Every draft the engine's MTP drafter hands the scheduler, with the request's tokens."""
+def recording(llm: LLM, chains: bool = False) -> list[tuple[list[int], Any]]:
+    """Every draft the engine's MTP drafter hands the scheduler, with the request's tokens
+    (chains: each request's whole list of guesses, else its first)."""
     drafter = llm.engine.speculator.proposer
     assert isinstance(drafter, MTPDrafter)
-    seen: list[tuple[list[int], int]] = []
+    seen: list[tuple[list[int], Any]] = []
     propose = drafter.propose
 
     def record(wanted):
         out = propose(wanted)
         seen.extend(
-            (list(r.token_ids), out[r.request_id][0]) for r, _ in wanted if out.get(r.request_id)
+            (list(r.token_ids), out[r.request_id] if chains else out[r.request_id][0])
+            for r, _ in wanted
+            if out.get(r.request_id)
         )
         return out
 
@@ -149,7 +169,6 @@ def test_the_config_reads_mtp():
 @pytest.mark.parametrize(
     "raw, says",
     [
-        ({"method": "mtp", "num_speculative_tokens": 2}, "must be 1 with method mtp"),
         ({"method": "mtp", "num_speculative_tokens": 1, "model": "/d"}, "model not understood"),
     ],
 )
@@ -222,6 +241,29 @@ def test_under_tensor_parallelism_rank_0_drafts_with_the_whole_layer(mtp_model):
     assert not wrong, wrong[:3]
 
 
+def test_chained_guesses_are_the_layers_own_guesses_on_its_own_output(mtp_model):
+    """num_speculative_tokens 3: the one layer guesses on from its own output, every chain the
+    scheduler got is HF's (as long as the scheduler asked, or shorter where the request's
+    last page ends), through a batch, a prefix hit and rejected guesses; the tokens are the
+    plain ones, every page back."""
+    guess = reference_drafter(mtp_model)
+    knobs = {**KNOBS, "page_size": 16}
+    ps = prompts()
+    with LLM(str(mtp_model), enforce_eager=True, **knobs) as llm:
+        want = tokens(llm.generate(ps, GREEDY, use_tqdm=False))
+    chained = {"method": "mtp", "num_speculative_tokens": 3}
+    with LLM(str(mtp_model), enforce_eager=True, speculative_config=chained, **knobs) as llm:
+        seen = recording(llm, chains=True)
+        assert tokens(llm.generate(ps, GREEDY, use_tqdm=False)) == want
+        assert [tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in ps] == want
+        assert llm.engine.stats().prefix_hits > 0
+        assert llm.engine.executor.kv.usage() == 0.0
+    assert len(seen) > 100  # k adapts to the (random) layer's few kept guesses: some 3
+    assert sum(len(d) == 3 for _, d in seen) >= 10
+    wrong = [(seq, d) for seq, d in seen if guess(seq, 3)[: len(d)] != d]
+    assert not wrong, wrong[:3]
+
+
 def test_a_layer_that_guesses_right_has_its_drafts_kept(bigram_model):
     """The bigram construction: every draft is kept (so every step catches up on two
     positions: the last token's and the kept draft's, each with the sample after it); the
@@ -234,6 +276,21 @@ def test_a_layer_that_guesses_right_has_its_drafts_kept(bigram_model):
     assert got == want
     assert spec is not None and spec.num_draft_tokens > 100
     assert spec.num_accepted_tokens == spec.num_draft_tokens
+
+
+def test_a_chain_that_guesses_right_is_kept_whole(bigram_model):
+    """The bigram construction reads only the next token's embedding, so each chained guess
+    is the target's next token too: with k 3 every draft is kept, four tokens a step where a
+    chain runs whole."""
+    with LLM(str(bigram_model), enforce_eager=True, **KNOBS) as llm:
+        want = tokens(llm.generate(prompts(), GREEDY, use_tqdm=False))
+    chained = {"method": "mtp", "num_speculative_tokens": 3}
+    with LLM(str(bigram_model), enforce_eager=True, speculative_config=chained, **KNOBS) as llm:
+        got = [tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts()]
+        spec = llm.engine.stats().spec_decode
+    assert got == want
+    assert spec is not None and spec.num_accepted_tokens == spec.num_draft_tokens
+    assert spec.num_draft_tokens > 2.5 * spec.num_drafts > 100
 
 
 def test_a_grammars_outputs_are_the_plain_ones(bigram_model):

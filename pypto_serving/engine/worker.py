@@ -92,7 +92,8 @@ def load_share(
         config, model, plan.device, plan.dtype, plan.quantization, attention, model_dir
     )
     if mtp is not None:
-        executor.mtp = MTPDrafter(mtp)
+        assert spec is not None
+        executor.mtp = MTPDrafter(mtp, spec.num_speculative_tokens)
     return Share(model, executor, attention)
 
 

@@ -7,9 +7,15 @@ states (`catch_up`), which runs the layer over each request's computed positions
 chunk's, a decode's, a verified request's last token and kept drafts), writing the layer's
 entries into the request's own pages (the KV store's layer after the target's: cached, tiered
 and reloaded with them), and keeps the layer's guess after each request's newest token: the
-draft the scheduler gets for the request's next step (`propose`). One token a step: the
-checkpoints ship one MTP layer, and a second guess would need the hidden state of a token
-the target has not computed yet.
+draft the scheduler gets for the request's next step (`propose`).
+
+With num_speculative_tokens k > 1 the one layer guesses on from its own guesses, as vLLM
+chains it: at position p + i it reads its own output at p + i - 1 (where the target's hidden
+state is not computed yet) and its i-th guess, and guesses the next token. Those entries lie
+past the request's computed tokens, where the next step's verify rows go, and every position
+the target computes gets its entry written anew by `catch_up` before any later guess reads
+it; so a chain only writes slots of pages the request holds (it ends, shorter, at the last
+one's end) and what it leaves there is never read as a real entry.
 """
 
 from __future__ import annotations
@@ -32,17 +38,17 @@ if TYPE_CHECKING:
 class MTPDrafter:
     """The MTP layer's guesses (a `speculative.Proposer`), made as the executor's steps end."""
 
-    def __init__(self, model: DeepseekMTP) -> None:
-        self.model = model
-        self._next: dict[str, tuple[int, int]] = {}
-        """request id -> (its token count, the guess after its last token)."""
+    def __init__(self, model: DeepseekMTP, k: int = 1) -> None:
+        self.model, self.k = model, k
+        self._next: dict[str, tuple[int, list[int]]] = {}
+        """request id -> (its token count, the guesses after its last token)."""
 
     def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
         out = {}
-        for request, _ in wanted:
+        for request, k in wanted:
             guess = self._next.get(request.request_id)
             if guess is not None and guess[0] == request.num_tokens:
-                out[request.request_id] = [guess[1]]
+                out[request.request_id] = guess[1][:k]
         return out
 
     def forget(self, request_id: str) -> None:
@@ -105,7 +111,55 @@ class MTPDrafter:
         attention = kind.step(executor.kv, cfg, executor.batch_of(step))
         with active_step(attention):
             out = self.model(step.input_ids, step.positions, executor.paged_kv, hidden[taken])
-        guesses = self.model.logits(out[last]).argmax(-1).tolist()
+        guesses = [[g] for g in self.model.logits(out[last]).argmax(-1).tolist()]
+        ends = [i for i, p in enumerate(pieces) if p[4]]  # guesses following the newest token
+        if self.k > 1 and ends:
+            self._chain(
+                executor,
+                [(pieces[i][0], pieces[i][1] + len(pieces[i][2]) - 1) for i in ends],
+                out[last[ends]],
+                [guesses[i] for i in ends],
+            )
         for (r, start, rows, _, at_end), guess in zip(pieces, guesses, strict=True):
-            if at_end:  # its guess follows the request's newest token
+            if at_end:  # its guesses follow the request's newest token
                 self._next[r.request_id] = (start + len(rows) + 1, guess)
+
+    def _chain(
+        self,
+        executor: PagedExecutor,
+        heads: list[tuple[Request, int]],
+        hidden: torch.Tensor,
+        guesses: list[list[int]],
+    ) -> None:
+        """Guess on, up to k tokens each: heads, each request and the position its first
+        guess was made at; hidden: the layer's output there [len(heads), hidden]; guesses:
+        each one's list, extended in place. A chain ends where its next position would lie
+        past the request's last page."""
+        dev = hidden.device
+        page = executor.kv.page_size
+        held = executor.kv.pages([r.request_id for r, _ in heads])
+        room = [min(len(group[i]) for group in held.values()) * page for i in range(len(heads))]
+        live = list(range(len(heads)))  # the chains going on; hidden's rows are theirs
+        for i in range(1, self.k):
+            going = [n for n, j in enumerate(live) if heads[j][1] + i < room[j]]
+            if not going:
+                return
+            live, hidden = [live[n] for n in going], hidden[going]
+            at = torch.tensor([heads[j][1] + i for j in live], device=dev)
+            ones = torch.ones(len(live), dtype=torch.int64, device=dev)
+            step = StepInputs(
+                torch.tensor([guesses[j][-1] for j in live], device=dev),
+                at,
+                [[group[j] for j in live] for group in held.values()],
+                ones,
+                at + 1,
+                torch.arange(len(live), device=dev),
+                len(live),
+                1,
+            )
+            kind, cfg = executor.model.attention_kind, executor.model.cfg
+            attention = kind.step(executor.kv, cfg, executor.batch_of(step))
+            with active_step(attention):
+                hidden = self.model(step.input_ids, step.positions, executor.paged_kv, hidden)
+            for j, g in zip(live, self.model.logits(hidden).argmax(-1).tolist(), strict=True):
+                guesses[j].append(g)
