@@ -103,6 +103,50 @@ inline float hsum(vf a) {  // in registers (through memory the halves' loads wou
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+// sums[t] = hsum(d[t]) for VW vectors at once, each by hsum's very tree (the same additions
+// of the same operands, so the same bits): each level adds a pair of shuffled vectors, every
+// lane one of hsum's additions for one of the vectors, where hsum itself spends two
+// shuffles and a scalar tail on every vector. The last level leaves them in order.
+#if (VW == 16 || VW == 8) && (defined(__clang__) || __GNUC__ >= 12)
+#define LANE_SUMS 1
+inline vf lane_sums(const vf* d) {
+#if VW == 16
+    vf one[8], two[4], three[2];
+    for (int p = 0; p < 8; ++p)  // vector 2p's lanes j + (j + 8) in lanes 0-7, 2p + 1's in 8-15
+        one[p] = __builtin_shufflevector(d[2 * p], d[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                         18, 19, 20, 21, 22, 23) +
+                 __builtin_shufflevector(d[2 * p], d[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                         25, 26, 27, 28, 29, 30, 31);
+    for (int q = 0; q < 4; ++q)  // each vector's j + (j + 4): vectors 4q .. 4q + 3 by quads
+        two[q] = __builtin_shufflevector(one[2 * q], one[2 * q + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16,
+                                         17, 18, 19, 24, 25, 26, 27) +
+                 __builtin_shufflevector(one[2 * q], one[2 * q + 1], 4, 5, 6, 7, 12, 13, 14, 15,
+                                         20, 21, 22, 23, 28, 29, 30, 31);
+#else
+    vf two[4], three[2];
+    for (int q = 0; q < 4; ++q)  // each vector's j + (j + 4): vectors 2q, 2q + 1 by quads
+        two[q] = __builtin_shufflevector(d[2 * q], d[2 * q + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+                 __builtin_shufflevector(d[2 * q], d[2 * q + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+#endif
+    for (int r = 0; r < 2; ++r)  // each quad's (0 + 2) and (1 + 3), in pairs of lanes
+#if VW == 16
+        three[r] = __builtin_shufflevector(two[2 * r], two[2 * r + 1], 0, 1, 4, 5, 8, 9, 12, 13,
+                                           16, 17, 20, 21, 24, 25, 28, 29) +
+                   __builtin_shufflevector(two[2 * r], two[2 * r + 1], 2, 3, 6, 7, 10, 11, 14, 15,
+                                           18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(three[0], three[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,
+                                   24, 26, 28, 30) +
+           __builtin_shufflevector(three[0], three[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,
+                                   25, 27, 29, 31);
+#else
+        three[r] = __builtin_shufflevector(two[2 * r], two[2 * r + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+                   __builtin_shufflevector(two[2 * r], two[2 * r + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(three[0], three[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(three[0], three[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
+#endif
+
 // How a cache row reads: VW of its values from i, and the scale they are multiplied by.
 template <typename C>
 struct Row {  // the model's dtype
@@ -178,6 +222,25 @@ void decode_one(const T* q, const C* k, const C* v, const int64_t* pages, int64_
         const int n = ctx - start < page_size ? int(ctx - start) : page_size;
         const C* kp = k + pages[p] * page_size * S;
         const C* vp = v + pages[p] * page_size * S;
+#if defined(LANE_SUMS)
+        for (int t0 = 0; t0 < n; t0 += VW) {  // scores of the page's tokens, VW at a time
+            vf d[G][VW], ks{};
+            for (int t = 0; t < VW; ++t) {
+                if (t0 + t >= n) {  // past the page's tokens: sums nobody reads
+                    for (int g = 0; g < G; ++g) d[g][t] = vf{};
+                    continue;
+                }
+                vf row[NV];
+                for (int i = 0; i < NV; ++i) row[i] = R::values(kp + (t0 + t) * S, i * VW);
+                ks[t] = R::scale(kp + (t0 + t) * S);
+                for (int g = 0; g < G; ++g) {
+                    d[g][t] = qs[g][0] * row[0];
+                    for (int i = 1; i < NV; ++i) d[g][t] += qs[g][i] * row[i];
+                }
+            }
+            for (int g = 0; g < G; ++g) store(&s[g][t0], lane_sums(d[g]) * ks);
+        }
+#else
         for (int t = 0; t < n; ++t) {  // scores of the page's tokens
             vf row[NV];
             for (int i = 0; i < NV; ++i) row[i] = R::values(kp + t * S, i * VW);
@@ -188,6 +251,7 @@ void decode_one(const T* q, const C* k, const C* v, const int64_t* pages, int64_
                 s[g][t] = hsum(d) * ks;
             }
         }
+#endif
         for (int g = 0; g < G; ++g) {  // online softmax: new max, rescale what came before
             float mx = m[g];
             for (int t = 0; t < n; ++t) mx = s[g][t] > mx ? s[g][t] : mx;
