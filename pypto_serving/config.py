@@ -679,12 +679,6 @@ class EngineConfig:
                 "the plain oracle)",
                 "speculative_config",
             )
-        if spec is not None and spec.method == "mtp" and self.parallel.pipeline_parallel_size > 1:
-            raise PyptoError(
-                "speculative decoding by the MTP layer reads the last stage's hidden states on "
-                "rank 0: pipeline_parallel_size 1 (tensor and data parallelism work)",
-                "speculative_config",
-            )
         if not isinstance(self.step_timeout_s, int | float) or not self.step_timeout_s > 0:
             raise PyptoError(f"step_timeout_s must be > 0, got {self.step_timeout_s!r}")
         if self.num_threads is not None and self.num_threads < 1:

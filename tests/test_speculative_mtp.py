@@ -25,7 +25,7 @@ from test_speculative import (
 )
 
 from pypto_serving import LLM, SamplingParams
-from pypto_serving.config import EngineConfig, ParallelConfig, parse_speculative_config
+from pypto_serving.config import EngineConfig, parse_speculative_config
 from pypto_serving.errors import PyptoError
 from pypto_serving.executor.mtp import MTPDrafter
 
@@ -178,11 +178,7 @@ def test_a_bad_mtp_config_is_named(raw: dict, says: str):
     assert e.value.param == "speculative_config"
 
 
-def test_mtp_needs_one_stage_and_a_layer(tiny_model):
-    with pytest.raises(PyptoError, match="pipeline_parallel_size 1"):
-        EngineConfig(
-            speculative_config=MTP, parallel=ParallelConfig(pipeline_parallel_size=2)
-        ).validate()
+def test_mtp_needs_a_layer(tiny_model):
     with pytest.raises(PyptoError, match="no multi-token prediction layer") as e:
         LLM(str(tiny_model("deepseekv3-qlora-yarn")), enforce_eager=True, speculative_config=MTP)
     assert e.value.param == "speculative_config"
@@ -261,6 +257,32 @@ def test_chained_guesses_are_the_layers_own_guesses_on_its_own_output(mtp_model)
     assert len(seen) > 100  # k adapts to the (random) layer's few kept guesses: some 3
     assert sum(len(d) == 3 for _, d in seen) >= 10
     wrong = [(seq, d) for seq, d in seen if guess(seq, 3)[: len(d)] != d]
+    assert not wrong, wrong[:3]
+
+
+def test_under_pipeline_parallelism_the_last_stage_hands_rank_0_its_hidden_states(mtp_model):
+    """PP 2: the last stage sends every row's final hidden states to rank 0 beside the
+    logits, and rank 0 drafts with the whole layer, its entries in the KV layer after its
+    stage's; every draft (chains of two) is HF's, the tokens the plain PP 1 ones, prefix hits
+    included."""
+    guess = reference_drafter(mtp_model)
+    ps = prompts()
+    with LLM(str(mtp_model), enforce_eager=True, **KNOBS) as llm:
+        want = tokens(llm.generate(ps, GREEDY, use_tqdm=False))
+    chained = {"method": "mtp", "num_speculative_tokens": 2}
+    with LLM(
+        str(mtp_model),
+        enforce_eager=True,
+        speculative_config=chained,
+        pipeline_parallel_size=2,
+        **KNOBS,
+    ) as llm:
+        seen = recording(llm, chains=True)
+        assert tokens(llm.generate(ps, GREEDY, use_tqdm=False)) == want
+        assert [tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in ps] == want
+        assert llm.engine.stats().prefix_hits > 0
+    assert len(seen) > 100 and any(len(d) == 2 for _, d in seen)
+    wrong = [(seq, d) for seq, d in seen if guess(seq, 2)[: len(d)] != d]
     assert not wrong, wrong[:3]
 
 

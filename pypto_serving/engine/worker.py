@@ -82,7 +82,7 @@ def load_share(
     spec = config.speculation()
     mtp = None
     if spec is not None and spec.method == "mtp":  # its entries: a layer after the target's
-        if groups.rank == 0:  # (under TP rank 0 drafts alone, the layer whole)
+        if groups.rank == 0:  # (under TP and PP rank 0 drafts alone, the layer whole)
             try:
                 mtp = load_mtp(model_dir, model, plan.dtype)
             except PyptoError as e:
@@ -91,6 +91,8 @@ def load_share(
     executor = build_paged_executor(
         config, model, plan.device, plan.dtype, plan.quantization, attention, model_dir
     )
+    if spec is not None and spec.method == "mtp":
+        executor.keeps_hidden = True  # (under PP the last stage sends them to rank 0)
     if mtp is not None:
         assert spec is not None
         executor.mtp = MTPDrafter(mtp, spec.num_speculative_tokens)

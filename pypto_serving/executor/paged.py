@@ -165,8 +165,11 @@ class PagedExecutor:
     """The engine's structured-output matchers (set by the engine): a step fills the masks of
     its constrained rows while its forward runs."""
     mtp: MTPDrafter | None = None
-    """DeepSeek's multi-token prediction layer drafting (set at start-up where the config
-    asks for it): a step hands it its hidden states once it has sampled."""
+    """DeepSeek's multi-token prediction layer drafting (set at start-up on rank 0 where the
+    config asks for it): a step hands it its hidden states once it has sampled."""
+    keeps_hidden: bool = False
+    """Whether rank 0 keeps every row's final hidden states (for `mtp`; set on every rank):
+    under PP the last stage sends them to rank 0 beside the logits."""
     _hidden: torch.Tensor | None = None
     """The last forward's final hidden states (kept for `mtp`)."""
     _mask_thread = ThreadPoolExecutor(1, thread_name_prefix="pypto-grammar")
@@ -429,12 +432,13 @@ class PagedExecutor:
             shape = self.model.stage_output_shape(len(step.input_ids))
             hidden = receive_from(shape, g.rank - g.tp.size, self.device)
         started = time.perf_counter()
+        final = None  # the final hidden states of every row, where the MTP layer reads them
         with active_step(attention):
-            if self.mtp is not None:  # the final hidden states of every row are its input
-                self._hidden = self.model(
+            if self.keeps_hidden and self.model.last_stage:
+                final = self.model(
                     step.input_ids, step.positions, self.paged_kv, hidden, self.run_layer
                 )
-                out = self.model.logits(self._hidden[step.logits_index])
+                out = self.model.logits(final[step.logits_index])
             else:
                 out = forward_logits(
                     self.model,
@@ -450,15 +454,21 @@ class PagedExecutor:
             seconds, layers = time.perf_counter() - started, self.model.num_local_layers
             self.progress.observe(attention, seconds, layers, len(step.input_ids))
         if g.pp.size == 1:
+            self._hidden = final
             return out
         last = (g.pp.size - 1) * g.tp.size  # the last stage's first TP rank
         if not self.model.last_stage:
             send_to(out, g.rank + g.tp.size)
         elif g.rank == last:
             send_to(out, 0)
-        if g.rank == 0:  # the last stage's logits
+            if final is not None:
+                send_to(final.float(), 0)
+        if g.rank == 0:  # the last stage's logits (and final hidden states)
             shape = (len(step.logits_index), self.model.cfg.vocab_size)
             out = receive_from(shape, last, self.device)
+            if self.keeps_hidden:
+                shape = (len(step.input_ids), self.model.cfg.hidden_size)
+                self._hidden = receive_from(shape, last, self.device)
         return out
 
     def _take_moves(self) -> bytes:

@@ -79,7 +79,11 @@ class DeepseekMTP(DeepseekForCausalLM):
 
     compiles = False
 
-    def __init__(self, target: ModelConfig, groups: ParallelGroups | None = None) -> None:
+    def __init__(
+        self, target: ModelConfig, groups: ParallelGroups | None = None, kv_layer: int = -1
+    ) -> None:
+        """kv_layer: its entries' layer in the KV store (-1: the target's layer count, the
+        one after a whole model's; under PP rank 0's, after its stage's)."""
         super().__init__(mtp_config(target), groups)
         size, eps = target.hidden_size, target.rms_norm_eps
         self.enorm = RMSNorm(size, eps)
@@ -90,7 +94,8 @@ class DeepseekMTP(DeepseekForCausalLM):
         attention = layer.self_attn
         assert isinstance(attention, MLAttention)
         # its entries: the KV store's layer after the target's
-        attention.layer = torch.tensor(target.num_layers, device="cpu")
+        kv_layer = target.num_layers if kv_layer < 0 else kv_layer
+        attention.layer = torch.tensor(kv_layer, device="cpu")
 
     def forward(
         self,

@@ -510,7 +510,7 @@ def load_model(
 
 def load_mtp(model_dir: Path, target: CausalLM, dtype: torch.dtype) -> DeepseekMTP:
     """DeepSeek-V3's multi-token prediction layer (`models/deepseek_mtp.py`) from the
-    checkpoint beside the target, whole (rank 0 drafts alone, under TP too; unquantized:
+    checkpoint beside the target, whole (rank 0 drafts alone, under TP and PP too; unquantized:
     `dtype`); a ModelLoadError where the checkpoint ships none."""
     cfg = load_model_config(model_dir)  # (the target's own config is its TP share's)
     if cfg.architecture not in DEEPSEEK or cfg.compressed is not None:
@@ -533,8 +533,8 @@ def load_mtp(model_dir: Path, target: CausalLM, dtype: torch.dtype) -> DeepseekM
     own = {part for part in OWN_PARTS if any(n.startswith(prefix + part) for n in names)}
     tied = cfg.tie_word_embeddings
     device = target.inv_freq.device
-    with torch.device("meta"):
-        mtp = DeepseekMTP(cfg)
+    with torch.device("meta"):  # its entries: the KV layer after the target's (rank 0's)
+        mtp = DeepseekMTP(cfg, kv_layer=len(target.local_layers))
     mtp = mtp.to(dtype).to_empty(device=device)
 
     def renamed() -> Iterator[tuple[str, torch.Tensor]]:  # reading the MTP's tensors only
