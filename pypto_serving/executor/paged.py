@@ -454,7 +454,7 @@ class PagedExecutor:
             seconds, layers = time.perf_counter() - started, self.model.num_local_layers
             self.progress.observe(attention, seconds, layers, len(step.input_ids))
         if g.pp.size == 1:
-            self._hidden = final
+            self._hidden = final if self.mtp is not None else None  # (TP: rank 0's alone)
             return out
         last = (g.pp.size - 1) * g.tp.size  # the last stage's first TP rank
         if not self.model.last_stage:
