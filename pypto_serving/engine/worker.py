@@ -93,9 +93,8 @@ def load_share(
     )
     if spec is not None and spec.method == "mtp":
         executor.keeps_hidden = True  # (under PP the last stage sends them to rank 0)
-    if mtp is not None:
-        assert spec is not None
-        executor.mtp = MTPDrafter(mtp, spec.num_speculative_tokens)
+        if mtp is not None:
+            executor.mtp = MTPDrafter(mtp, spec.num_speculative_tokens)
     return Share(model, executor, attention)
 
 

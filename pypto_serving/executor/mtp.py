@@ -107,16 +107,14 @@ class MTPDrafter:
             max(counts),
         )
         taken = torch.tensor([row for p in pieces for row in p[2]], device=dev)
-        kind, cfg = executor.model.attention_kind, executor.model.cfg
-        attention = kind.step(executor.kv, cfg, executor.batch_of(step))
-        with active_step(attention):
-            out = self.model(step.input_ids, step.positions, executor.paged_kv, hidden[taken])
+        out = self._run(executor, step, hidden[taken])
         guesses = [[g] for g in self.model.logits(out[last]).argmax(-1).tolist()]
         ends = [i for i, p in enumerate(pieces) if p[4]]  # guesses following the newest token
         if self.k > 1 and ends:
             self._chain(
                 executor,
-                [(pieces[i][0], pieces[i][1] + len(pieces[i][2]) - 1) for i in ends],
+                [pieces[i][1] + len(pieces[i][2]) - 1 for i in ends],
+                [[group[i] for i in ends] for group in step.pages],
                 out[last[ends]],
                 [guesses[i] for i in ends],
             )
@@ -124,42 +122,47 @@ class MTPDrafter:
             if at_end:  # its guesses follow the request's newest token
                 self._next[r.request_id] = (start + len(rows) + 1, guess)
 
+    def _run(self, executor: PagedExecutor, step: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's output over a step's rows, its entries written as it attends."""
+        kind, cfg = executor.model.attention_kind, executor.model.cfg
+        attention = kind.step(executor.kv, cfg, executor.batch_of(step))
+        with active_step(attention):
+            out: torch.Tensor = self.model(
+                step.input_ids, step.positions, executor.paged_kv, hidden
+            )
+        return out
+
     def _chain(
         self,
         executor: PagedExecutor,
-        heads: list[tuple[Request, int]],
+        starts: list[int],
+        pages: list[list[list[int]]],
         hidden: torch.Tensor,
         guesses: list[list[int]],
     ) -> None:
-        """Guess on, up to k tokens each: heads, each request and the position its first
-        guess was made at; hidden: the layer's output there [len(heads), hidden]; guesses:
-        each one's list, extended in place. A chain ends where its next position would lie
-        past the request's last page."""
+        """Guess on, up to k tokens each, for requests whose first guesses were made at
+        positions `starts`; pages: theirs, per KV group; hidden: the layer's output there
+        [len(starts), hidden]; guesses: each one's list, extended in place. A chain ends
+        where its next position would lie past the request's last page."""
         dev = hidden.device
-        page = executor.kv.page_size
-        held = executor.kv.pages([r.request_id for r, _ in heads])
-        room = [min(len(group[i]) for group in held.values()) * page for i in range(len(heads))]
-        live = list(range(len(heads)))  # the chains going on; hidden's rows are theirs
+        room = [min(len(g[i]) for g in pages) * executor.kv.page_size for i in range(len(starts))]
+        live = list(range(len(starts)))  # the chains going on; hidden's rows are theirs
         for i in range(1, self.k):
-            going = [n for n, j in enumerate(live) if heads[j][1] + i < room[j]]
+            going = [n for n, j in enumerate(live) if starts[j] + i < room[j]]
             if not going:
                 return
             live, hidden = [live[n] for n in going], hidden[going]
-            at = torch.tensor([heads[j][1] + i for j in live], device=dev)
-            ones = torch.ones(len(live), dtype=torch.int64, device=dev)
+            at = torch.tensor([starts[j] + i for j in live], device=dev)
             step = StepInputs(
                 torch.tensor([guesses[j][-1] for j in live], device=dev),
                 at,
-                [[group[j] for j in live] for group in held.values()],
-                ones,
+                [[group[j] for j in live] for group in pages],
+                torch.ones(len(live), dtype=torch.int64, device=dev),
                 at + 1,
                 torch.arange(len(live), device=dev),
                 len(live),
                 1,
             )
-            kind, cfg = executor.model.attention_kind, executor.model.cfg
-            attention = kind.step(executor.kv, cfg, executor.batch_of(step))
-            with active_step(attention):
-                hidden = self.model(step.input_ids, step.positions, executor.paged_kv, hidden)
+            hidden = self._run(executor, step, hidden)
             for j, g in zip(live, self.model.logits(hidden).argmax(-1).tolist(), strict=True):
                 guesses[j].append(g)

@@ -80,10 +80,10 @@ class DeepseekMTP(DeepseekForCausalLM):
     compiles = False
 
     def __init__(
-        self, target: ModelConfig, groups: ParallelGroups | None = None, kv_layer: int = -1
+        self, target: ModelConfig, kv_layer: int, groups: ParallelGroups | None = None
     ) -> None:
-        """kv_layer: its entries' layer in the KV store (-1: the target's layer count, the
-        one after a whole model's; under PP rank 0's, after its stage's)."""
+        """kv_layer: its entries' layer in the KV store, the one after the target's layers
+        there (under PP rank 0's: after its stage's)."""
         super().__init__(mtp_config(target), groups)
         size, eps = target.hidden_size, target.rms_norm_eps
         self.enorm = RMSNorm(size, eps)
@@ -93,8 +93,6 @@ class DeepseekMTP(DeepseekForCausalLM):
         assert isinstance(layer, DeepseekDecoderLayer)
         attention = layer.self_attn
         assert isinstance(attention, MLAttention)
-        # its entries: the KV store's layer after the target's
-        kv_layer = target.num_layers if kv_layer < 0 else kv_layer
         attention.layer = torch.tensor(kv_layer, device="cpu")
 
     def forward(
