@@ -343,9 +343,16 @@ def test_the_quantized_engine_follows_the_bf16_one(tiny_model, kind):
             assert layer.weight is None and layer.quantized is None and layer.packed is None
         else:
             assert layer.quantized[2] == 0
-        # a graph per class of step: one token, and (int4-w8a8) 2 to 8 apart from more;
-        # warm-up compiled each (0 recompilations above)
-        bounds = {"int8": [1], "int4": [], "w8a8": [], "int4-w8a8": [1, QUANTIZED_MAX_ROWS]}
+        # a graph per class of step: one token, and (int4-w8a8) 2 to 8 apart from more; int4's
+        # records multiply up to 8 rows themselves where the graphs run the decodes (this
+        # model's: no native step), more dequantized; warm-up compiled each (0 recompilations)
+        assert not quantized.engine.attention.native_decode
+        bounds = {
+            "int8": [1],
+            "int4": [QUANTIZED_MAX_ROWS],
+            "w8a8": [],
+            "int4-w8a8": [1, QUANTIZED_MAX_ROWS],
+        }
         assert set(map(tuple, quantized.engine.executor.run_layer._row_bounds.values())) == {
             tuple(bounds[kind])
         }

@@ -194,8 +194,9 @@ def _quantization(
 ) -> str | None:
     """The config's quantization, none as None and auto resolved: gguf (the file's own Q4_1 /
     Q8_0 matrices, models/gguf_weights.py) for a GGUF conversion that kept them, where the
-    native decode step runs them (or --batch-invariant's records serve every matmul), said
-    in the log; else none."""
+    native decode step runs them, or for a mixture of experts (which the step does not run)
+    where the native GEMM builds, its records then serving the graphs' every matmul (as under
+    --batch-invariant), said in the log; else none."""
     asked = config.quantization
     if asked not in ("auto", "gguf"):
         return None if asked == "none" else asked
@@ -208,10 +209,13 @@ def _quantization(
                 "quantization",
             )
         return None
-    served = config.batch_invariant or (
-        decode
-        and _native_step_runs(
-            load_model_config(model_dir), "gguf", dtype, ParallelGroups(), config.cache.page_size
+    cfg = load_model_config(model_dir)
+    served = (
+        config.batch_invariant
+        or (bool(cfg.moe_layers) and device.type == "cpu" and native.gemm_library() is not None)
+        or (
+            decode
+            and _native_step_runs(cfg, "gguf", dtype, ParallelGroups(), config.cache.page_size)
         )
     )
     if (
@@ -221,8 +225,9 @@ def _quantization(
         or not served
     ):
         why = (
-            "the file's Q4_1/Q8_0 matrices run through the native decode step or "
-            "--batch-invariant: the CPU, bfloat16, one rank, the paged executor, a C++ compiler"
+            "the file's Q4_1/Q8_0 matrices run through the native decode step (a mixture of "
+            "experts: the native GEMM) or --batch-invariant: the CPU, bfloat16, one rank, the "
+            "paged executor, a C++ compiler"
         )
         if asked == "gguf":
             raise PyptoError(

@@ -4,9 +4,10 @@ The output is what `transformers` writes for a `LlamaForCausalLM` (`Qwen3ForCaus
 `Qwen3MoeForCausalLM`, each expert's matrices apart as their checkpoints hold them): `config.json`,
 `generation_config.json`, `model.safetensors` (dequantized, bfloat16 by default) and the tokenizer
 files; and beside them `gguf/blocks.safetensors`, the file's Q4_1 and Q8_0 matrices as they are
-stored (per HF tensor name: its values `.q`, one fp16 `.scale` per row and 32 inputs, and for
-Q4_1 a `.min`: weight = q * scale + min), kept when every matrix the model multiplies by is one
-of the two, which `--quantization gguf` serves without quantizing them again
+stored (per HF tensor name, a stack of experts' per expert: its values `.q`, one fp16 `.scale`
+per row and 32 inputs, and for Q4_1 a `.min`: weight = q * scale + min), kept when every
+matrix the model multiplies by (a MoE's router aside) is one of the two, which
+`--quantization gguf` serves without quantizing them again
 (models/gguf_weights.py). llama.cpp stores a llama's q/k projections with their rows permuted
 (it pairs rotary dimensions differently); that permutation is undone here, in both (qwen3's
 are stored as they are: llama.cpp rotates them as HF does). The directory
@@ -40,8 +41,9 @@ BLOCKS_FILE = "gguf/blocks.safetensors"
 a folder of its own, out of the checkpoint's `*.safetensors`."""
 BLOCKS_INDEX = "gguf/blocks.safetensors.index.json"
 """Where the stored parts outgrow one file (SHARD_BYTES): their shards' weight map, HF's way."""
-CONVERSION_VERSION = 2
-"""In the marker: a conversion older than this (no BLOCKS_FILE) is made again."""
+CONVERSION_VERSION = 3
+"""In the marker: a conversion older than this is made again (1: no BLOCKS_FILE; 2: a MoE's
+experts kept no stored parts)."""
 SHARD_BYTES = 2 << 30
 """The most a conversion holds in memory before writing it out: tensors go into one file
 where they fit, else into shards of about this size with HF's index (`_Shards`), so that an
@@ -266,8 +268,7 @@ def _convert_tensors(
     the Q4_1 / Q8_0 matrices' stored parts into its BLOCKS_FILE (or shards) where they serve
     the whole model (`_served_whole`), a file's worth at a time; returns the HF names. heads:
     (query, KV) heads whose q/k rows llama.cpp permuted (None: not permuted). A stack of
-    experts becomes each expert's matrix (their parts are not kept: such a model runs in its
-    dtype)."""
+    experts becomes each expert's matrix, and each expert's stored parts."""
     itemsize = torch.tensor([], dtype=dtype).element_size()
     numel = [int(np.prod([int(d) for d in t.shape])) for t in reader.tensors]
     stored = [
@@ -286,19 +287,22 @@ def _convert_tensors(
                 f"unsupported GGUF tensor type {t.tensor_type.name} for tensor {t.name!r}"
             ) from e
         w = np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
-        hf = _hf_names(t.name, w.shape[0] if w.ndim == 3 else 1)
-        parts = _stored_parts(t) if w.ndim == 2 else None
+        stack = w.ndim == 3
+        hf = _hf_names(t.name, w.shape[0] if stack else 1)
+        parts = _stored_parts(t)
         if heads is not None and (".attn_q." in t.name or ".attn_k." in t.name):
             n = heads[0] if ".attn_q." in t.name else heads[1]  # a permuted q or k
             w = _unpermute(w, n)
             parts = None if parts is None else {k: _unpermute(v, n) for k, v in parts.items()}
-        for name, matrix in zip(hf, w if w.ndim == 3 else [w], strict=True):
+        for i, name in enumerate(hf):
+            matrix = w[i] if stack else w
             tensor = torch.from_numpy(np.array(matrix, dtype=np.float32)).to(dtype).contiguous()
             weights.add(name, tensor)
             names.add(name)
-        for part, values in (parts or {}).items():
-            blocks.add(f"{hf[0]}.{part}", torch.from_numpy(np.ascontiguousarray(values)))
-            keys.add(f"{hf[0]}.{part}")
+            for part, values in (parts or {}).items():
+                value = values[i] if stack else values
+                blocks.add(f"{name}.{part}", torch.from_numpy(np.ascontiguousarray(value)))
+                keys.add(f"{name}.{part}")
     weights.close()
     blocks.close()
     if not _served_whole(names, keys):
@@ -313,9 +317,10 @@ _FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _served_whole(tensors: set[str], blocks: set[str]) -> bool:
-    """Whether every matrix the model multiplies by (each layer's projections, the head: the
-    embedding where it is tied) has stored parts, the projections fused into one matmul all of
-    one type: else none is kept (the model then runs in its dtype)."""
+    """Whether every matrix the model multiplies by (each layer's projections, each expert's
+    too, the head: the embedding where it is tied; not a MoE's router, which llama.cpp keeps
+    in F32 and we in the model's dtype) has stored parts, the projections fused into one matmul
+    all of one type: else none is kept (the model then runs in its dtype)."""
     head = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
     projections = [n for n in tensors if n.endswith("_proj.weight")]
     if not projections or any(f"{n}.q" not in blocks for n in (*projections, head)):
@@ -335,18 +340,19 @@ j in byte j's low nibble, value 16 + j in its high one); fp16 scale, 32 int8 (Q8
 
 def _stored_parts(t: gguf.ReaderTensor) -> dict[str, np.ndarray] | None:
     """A Q4_1 or Q8_0 matrix's values [rows, cols] (uint8 0..15, or int8), scales and (Q4_1)
-    minimums [rows, cols / 32] (fp16), as the file stores them; None for other types."""
+    minimums [rows, cols / 32] (fp16), as the file stores them, each with a leading [experts]
+    for a stack of experts' matrices; None for other types and for vectors."""
     kind = t.tensor_type
-    if kind not in _STORED_TYPES:
+    if kind not in _STORED_TYPES or len(t.shape) < 2:
         return None
-    rows = int(t.shape[1])
+    lead = [int(d) for d in reversed(t.shape[1:])]  # [experts,] rows
     size = Q4_1_BYTES if kind == gguf.GGMLQuantizationType.Q4_1 else Q8_0_BYTES
-    raw = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1, size)
+    raw = np.asarray(t.data, dtype=np.uint8).reshape(*lead, -1, size)
     scale = raw[..., 0:2].copy().view(np.float16)[..., 0]
     if kind == gguf.GGMLQuantizationType.Q8_0:
-        return {"q": raw[..., 2:].copy().view(np.int8).reshape(rows, -1), "scale": scale}
+        return {"q": raw[..., 2:].copy().view(np.int8).reshape(*lead, -1), "scale": scale}
     nibbles = raw[..., 4:]
-    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(*lead, -1)
     return {"q": q, "scale": scale, "min": raw[..., 2:4].copy().view(np.float16)[..., 0]}
 
 

@@ -10,13 +10,17 @@ rows to a record), fused as the model fuses its projections (q/k/v, gate/up), th
 taking the embedding's. The step then computes what llama.cpp computes for a token (int8
 activations per 32 inputs, the file's weights), and wherever the native GEMM builds the same
 records serve the wider steps too (the run plan's `records_only`): the layers they stand for
-are never loaded in bf16. `auto`, the default, takes this wherever the native step runs.
+are never loaded in bf16. A mixture of experts' experts become records the same way, a MoE
+block's stacked one expert a row (`stored_expert_records`), multiplied in its custom op
+(ops/moe.py); its router, which llama.cpp keeps in F32, stays in the model's dtype. `auto`, the
+default, takes this wherever the native step runs, and for a MoE wherever the native GEMM
+builds.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ from torch import nn
 
 from pypto_serving.errors import ModelLoadError
 from pypto_serving.models.gguf_convert import BLOCKS_FILE, BLOCKS_INDEX, blocks_files
+from pypto_serving.models.llama import RoutedExperts
 from pypto_serving.ops.linear import (
     INT4_GROUP,
     NATIVE_Q4,
@@ -35,6 +40,7 @@ from pypto_serving.ops.linear import (
     q4_records,
     q8_records,
 )
+from pypto_serving.ops.moe import ExpertRecords
 
 
 def stored_keys(model_dir: Path) -> dict[str, Path]:
@@ -113,43 +119,120 @@ def stored_records(
     for name, parts in sources.items():
         layer = model.get_submodule(name)
         assert isinstance(layer, Linear)
-        n, k = layer.out_features, layer.in_features
-        with contextlib.ExitStack() as stack:
-            files = {
-                path: stack.enter_context(safe_open(str(path), "pt"))
-                for path in {
-                    keys[f"{s}.{kind}"]
-                    for s in parts
-                    for kind in ("q", "scale", "min")
-                    if f"{s}.{kind}" in keys
-                }
-            }
-
-            def part(key: str, files: dict[Path, Any] = files) -> Any:
-                return files[keys[key]].get_slice(key)
-
-            shapes = [part(f"{s}.q").get_shape() for s in parts]
-            if sum(r for r, _ in shapes) != n or {c for _, c in shapes} != {k}:
-                raise ModelLoadError(
-                    f"{parts_file(model_dir)} in {model_dir}: {name} is "
-                    f"{[tuple(t) for t in shapes]}, the model's {(n, k)}"
-                )
-            q4 = f"{parts[0]}.min" in keys
-            fmt = NATIVE_Q4 if q4 else NATIVE_Q8
-            size = -(-n // 16) * (k // INT4_GROUP) * RECORD_BYTES[fmt]
-            records = torch.empty(size, dtype=torch.uint8)
-            at = 0
-            for first in range(0, n, CHUNK_ROWS):
-                rows = range(first, min(first + CHUNK_ROWS, n))
-                q, scale = (_rows(part, parts, shapes, rows, kind) for kind in ("q", "scale"))
-                if q4:
-                    chunk = q4_records(q, scale, _rows(part, parts, shapes, rows, "min"))
-                else:
-                    chunk = q8_records(q, scale)
-                records[at : at + chunk.numel()] = chunk
-                at += chunk.numel()
+        fmt = _format(keys, parts)
+        records = torch.empty(_size(fmt, layer.out_features, layer.in_features), dtype=torch.uint8)
+        with _stored(keys, parts) as part:
+            shape = (layer.out_features, layer.in_features)
+            _write_records(part, parts, shape, fmt, records, name)
         out[name] = {f"native.{fmt}": records}
     return out
+
+
+def expert_sources(model: nn.Module, model_dir: Path) -> dict[str, list[list[str]]]:
+    """Each MoE block's (`RoutedExperts`, by module name) checkpoint tensors whose stored
+    matrices make its experts' records: for each expert it holds, in order, gate_up's (gate,
+    up) and down's; {} for a model without experts. Needs only the model's structure."""
+    keys = stored_keys(model_dir)
+    out: dict[str, list[list[str]]] = {}
+    for name, block in model.named_modules():
+        if not isinstance(block, RoutedExperts):
+            continue
+        prefix = f"{name}.experts"
+        out[name] = [
+            [f"{prefix}.{e}.{p}_proj.weight" for p in ("gate", "up", "down")] for e in block.held
+        ]
+        missing = [s for each in out[name] for s in each if f"{s}.q" not in keys]
+        if missing:
+            raise ModelLoadError(
+                f"{parts_file(model_dir)} in {model_dir} has no stored form for {name}'s "
+                f"experts ({', '.join(missing[:3])}): drop --quantization gguf"
+            )
+    return out
+
+
+def stored_expert_records(
+    model: nn.Module, model_dir: Path, name: str, sources: list[list[str]]
+) -> ExpertRecords:
+    """The experts of the MoE block `name` as records (`ExpertRecords`), from the stored
+    matrices `expert_sources` named for it."""
+    block = model.get_submodule(name)
+    assert isinstance(block, RoutedExperts)
+    keys = stored_keys(model_dir)
+    hidden, size = block.cfg.hidden_size, block.cfg.moe_intermediate_size
+    stacks, formats = [], []
+    for projections, shape in (((0, 1), (2 * size, hidden)), ((2,), (hidden, size))):
+        chosen = [[each[i] for i in projections] for each in sources]
+        found = {_format(keys, parts) for parts in chosen}
+        if len(found) != 1 or len({f"{s}.min" in keys for p in chosen for s in p}) != 1:
+            raise ModelLoadError(
+                f"{parts_file(model_dir)} in {model_dir}: the experts of {name} are stored "
+                "in more than one form (Q4_1 and Q8_0): drop --quantization gguf"
+            )
+        fmt = found.pop()
+        stack = torch.empty(len(chosen), _size(fmt, *shape), dtype=torch.uint8)
+        with _stored(keys, [s for parts in chosen for s in parts]) as part:
+            for j, parts in enumerate(chosen):
+                _write_records(part, parts, shape, fmt, stack[j], parts[0])
+        stacks.append(stack)
+        formats.append(fmt)
+    return ExpertRecords(stacks[0], stacks[1], formats[0], formats[1])
+
+
+def _format(keys: dict[str, Path], parts: list[str]) -> int:
+    """The records' format of stored matrices `parts`: NATIVE_Q4 (Q4_1) or NATIVE_Q8."""
+    return NATIVE_Q4 if f"{parts[0]}.min" in keys else NATIVE_Q8
+
+
+def _size(fmt: int, n: int, k: int) -> int:
+    """Bytes of the records of an [n, k] matrix in format `fmt`."""
+    return -(-n // 16) * (k // INT4_GROUP) * RECORD_BYTES[fmt]
+
+
+@contextlib.contextmanager
+def _stored(keys: dict[str, Path], sources: list[str]) -> Iterator[Callable[[str], Any]]:
+    """part(key): a stored tensor's slice, the files holding `sources`' parts mapped while the
+    context lasts."""
+    with contextlib.ExitStack() as stack:
+        files = {
+            path: stack.enter_context(safe_open(str(path), "pt"))
+            for path in {
+                keys[f"{s}.{kind}"]
+                for s in sources
+                for kind in ("q", "scale", "min")
+                if f"{s}.{kind}" in keys
+            }
+        }
+        yield lambda key: files[keys[key]].get_slice(key)
+
+
+def _write_records(
+    part: Callable[[str], Any],
+    parts: list[str],
+    shape: tuple[int, int],
+    fmt: int,
+    records: torch.Tensor,
+    name: str,
+) -> None:
+    """Write into `records` (uint8, `_size` bytes) the records in format `fmt` of the stored
+    matrices `parts` stacked by rows, which must make a matrix of `shape` (`name`'s, for the
+    message), made CHUNK_ROWS rows at a time."""
+    n, k = shape
+    shapes = [part(f"{s}.q").get_shape() for s in parts]
+    if sum(r for r, _ in shapes) != n or {c for _, c in shapes} != {k}:
+        raise ModelLoadError(
+            f"the stored parts of {name} are {[tuple(t) for t in shapes]}, the model's {(n, k)}"
+        )
+    at = 0
+    for first in range(0, n, CHUNK_ROWS):
+        rows = range(first, min(first + CHUNK_ROWS, n))
+        q, scale = (_rows(part, parts, shapes, rows, kind) for kind in ("q", "scale"))
+        if fmt == NATIVE_Q4:
+            chunk = q4_records(q, scale, _rows(part, parts, shapes, rows, "min"))
+        else:
+            chunk = q8_records(q, scale)
+        records[at : at + chunk.numel()] = chunk
+        at += chunk.numel()
+    assert at == records.numel(), (name, at, records.numel())
 
 
 CHUNK_ROWS = 1024

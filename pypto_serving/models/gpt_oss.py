@@ -17,7 +17,6 @@ from pypto_serving.models.config import GptOssConfig, ModelConfig
 from pypto_serving.models.llama import RoutedExperts
 from pypto_serving.models.windowed import WindowedAttention, WindowedCausalLM, WindowedDecoderLayer
 from pypto_serving.ops.attention import KVAttention
-from pypto_serving.ops.linear import Linear
 from pypto_serving.ops.moe import route_top_logits
 
 
@@ -47,7 +46,7 @@ class GptOssMoE(RoutedExperts):
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
         super().__init__(cfg, groups)
         oss = _oss(cfg)
-        self.router = Linear(cfg.hidden_size, cfg.num_experts, bias=True)
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=True)  # as MoE.gate
         n, size = len(self.held), cfg.moe_intermediate_size
         self.experts_gate_up_bias = nn.Parameter(torch.empty(n, 2 * size))
         self.experts_down_bias = nn.Parameter(torch.empty(n, cfg.hidden_size))

@@ -24,6 +24,7 @@ from pypto_serving.ops.activation import silu_and_mul
 from pypto_serving.ops.attention import KVAttention
 from pypto_serving.ops.linear import Linear, RowParallelLinear, VocabParallelEmbedding
 from pypto_serving.ops.moe import (
+    ExpertRecords,
     column_owners,
     expert_owners,
     expert_placement,
@@ -92,6 +93,9 @@ class RoutedExperts(nn.Module):
     experts_gate_up_bias: nn.Parameter | None
     experts_down_bias: nn.Parameter | None
     """The experts' biases (gpt-oss's), stacked as their weights; None: none."""
+    records: ExpertRecords | None = None
+    """The experts as records instead of the stacks `experts_gate_up` and `experts_down` (then
+    None): a GGUF file's own Q4_1 / Q8_0 experts (`--quantization gguf`, one rank)."""
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
         super().__init__()
@@ -123,7 +127,11 @@ class RoutedExperts(nn.Module):
         partial: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Every token's routed experts' weighted outputs (plus `partial`), float32 [T, H]."""
-        gate_up, down = self.experts_gate_up, self.experts_down
+        gate_up: torch.Tensor = self.experts_gate_up
+        down: torch.Tensor = self.experts_down
+        formats = (0, 0)
+        if (r := self.records) is not None:
+            gate_up, down, formats = r.gate_up, r.down, (r.gate_up_format, r.down_format)
         return routed_experts(
             x,
             ids,
@@ -139,6 +147,7 @@ class RoutedExperts(nn.Module):
             self.experts_gate_up_bias,
             self.experts_down_bias,
             self.reduce_tp,
+            formats,
         )
 
     def join_idle(self) -> None:
@@ -163,7 +172,9 @@ class MoE(RoutedExperts):
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups) -> None:
         super().__init__(cfg, groups)
-        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        """The router: a plain nn.Linear, which no quantization or packing touches (its
+        choices are the experts'), as vLLM's and llama.cpp's routers (F32 in GGUF files)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg

@@ -29,9 +29,15 @@ from pypto_serving.models.deepseek import DeepseekForCausalLM, DeepseekMoE
 from pypto_serving.models.deepseek_mtp import OWN_PARTS, DeepseekMTP, mtp_tensor_names
 from pypto_serving.models.deepseek_v4 import DeepseekV4ForCausalLM, V4MoE
 from pypto_serving.models.gemma3 import Gemma3ForCausalLM
-from pypto_serving.models.gguf_weights import embedding_in_head, record_sources, stored_records
+from pypto_serving.models.gguf_weights import (
+    embedding_in_head,
+    expert_sources,
+    record_sources,
+    stored_expert_records,
+    stored_records,
+)
 from pypto_serving.models.gpt_oss import GptOssForCausalLM, GptOssMoE
-from pypto_serving.models.llama import CausalLM, MoE
+from pypto_serving.models.llama import CausalLM, MoE, RoutedExperts
 from pypto_serving.models.quantized_cache import quantize_cached
 from pypto_serving.models.windowed import WindowedCausalLM
 from pypto_serving.ops.linear import NATIVE_Q8, pack_linears
@@ -441,6 +447,7 @@ def load_model(
     with torch.device("meta"):
         model = model_class(cfg)(cfg, groups)
     sources = None
+    experts: dict[str, list[list[str]]] = {}  # MoE blocks' experts made from stored matrices
     embed = model.model.embed_tokens
     in_head = False  # the tied embedding read from the LM head's records
     if quantization == "gguf":  # the file's own matrices: nothing to quantize or cache
@@ -448,6 +455,10 @@ def load_model(
         if records_only:  # they are the layers' only form: never load those in bf16
             for name in sources:
                 model.get_submodule(name).register_parameter("weight", None)
+            experts = expert_sources(model, model_dir)
+            for name in experts:
+                model.get_submodule(name).register_parameter("experts_gate_up", None)
+                model.get_submodule(name).register_parameter("experts_down", None)
             in_head = embed is not None and embedding_in_head(model_dir, sources)
             if in_head:
                 assert embed is not None
@@ -464,6 +475,7 @@ def load_model(
     weights = iter_checkpoint(files)
     if sources is not None and records_only:
         skipped = {s for parts in sources.values() for s in parts}
+        skipped |= {s for each in experts.values() for parts in each for s in parts}
         if not in_head:
             skipped.discard("model.embed_tokens.weight")  # the lookup's, beside the head's
         weights = (w for w in weights if w[0] not in skipped)
@@ -490,6 +502,10 @@ def load_model(
             records, fmt = head.native
             assert fmt == NATIVE_Q8, "the embedding's stored matrix is Q8_0"
             embed.q8 = records
+        for name, each in experts.items():
+            block = model.get_submodule(name)
+            assert isinstance(block, RoutedExperts) and block.exchange == "none"
+            block.records = stored_expert_records(model, model_dir, name, each)
     elif quantization is not None:
         digest, tokenizer = checkpoint_digest(model_dir), lambda: load_tokenizer(model_dir)
         quantize_cached(

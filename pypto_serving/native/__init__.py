@@ -253,6 +253,22 @@ def load_gemm(path: Path) -> ctypes.CDLL | None:
         fn.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, ctypes.c_int64, *[c_int] * 4]
     lib.pypto_packed_product.restype = c_int
     lib.pypto_packed_product.argtypes = [ptr, ptr, c_int, ptr, c_int]
+    lib.pypto_moe_records.restype = c_int
+    lib.pypto_moe_records.argtypes = [
+        ptr,
+        ctypes.c_int64,
+        ptr,
+        ctypes.c_int64,
+        ptr,
+        c_int,
+        ptr,
+        c_int,
+        ptr,
+        ptr,
+        c_int,
+        ptr,
+        c_int,
+    ]
     lib.pypto_records_gemm.restype = c_int
     lib.pypto_records_gemm.argtypes = [ptr, ptr, c_int, ptr, c_int, c_int, c_int]
     lib.pypto_records_pairs_built.restype = c_int

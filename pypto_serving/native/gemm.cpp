@@ -439,3 +439,68 @@ extern "C" int pypto_packed_product(const Matrix* w, const float* x, int rows, f
     }
     return 0;
 }
+
+// The routed experts of a MoE block over records (a GGUF file's Q4_1 / Q8_0 experts): rows
+// tokens x [rows][hidden] (float32), token t routed to ids[t][0..k) with weights[t][0..k)
+// (float32); the block holds `held` experts, whose global ids are expert_ids (rising), expert
+// j's gate_up (2I x hidden: gate's rows, then up's) at gate_up->data + j * gate_up_bytes and
+// its down (hidden x I) at down->data + j * down_bytes. For each held expert its tokens chose,
+// in the order of the held ids: their rows quantized per 32 (records.h's, as the decode
+// step's), gate_up's product, silu(gate) * up in float32, quantized, down's product, and
+// out[t] += weight * that (out [rows][hidden] float32, zeroed here). Each row's result is
+// the same bits whatever rows share the call. Returns 0, or 1 for shapes it does not take.
+extern "C" int pypto_moe_records(const Matrix* gate_up, int64_t gate_up_bytes, const Matrix* down,
+                                 int64_t down_bytes, const int64_t* expert_ids, int held,
+                                 const float* x, int rows, const int64_t* ids,
+                                 const float* weights, int k, float* out, int threads) {
+    const int64_t hidden = gate_up->cols, inter = down->cols;
+    if (rows < 0 || hidden % GROUP_K || inter % GROUP_K || gate_up->rows != 2 * inter ||
+        down->rows != hidden || gate_up->format < Q4 || gate_up->format > Q8 ||
+        down->format < Q4 || down->format > Q8)
+        return 1;
+    std::vector<std::vector<int64_t>> routed(held);  // per held expert: its (token * k + slot)s
+    for (int64_t pair = 0; pair < int64_t(rows) * k; ++pair) {
+        const int64_t* at = std::lower_bound(expert_ids, expert_ids + held, ids[pair]);
+        if (at != expert_ids + held && *at == ids[pair]) routed[at - expert_ids].push_back(pair);
+    }
+    std::fill(out, out + int64_t(rows) * hidden, 0.0f);
+    std::vector<float> xs(size_t(rows) * hidden), gu(size_t(rows) * 2 * inter);
+    std::vector<float> h(size_t(rows) * inter), y(size_t(rows) * hidden);
+    Activations qx, qh;
+#pragma omp parallel num_threads(threads)
+    for (int j = 0; j < held; ++j) {
+        const std::vector<int64_t>& pairs = routed[j];
+        const int n = int(pairs.size());
+        if (n == 0) continue;
+        Matrix w1 = *gate_up, w2 = *down;
+        w1.data += j * gate_up_bytes;
+        w2.data += j * down_bytes;
+#pragma omp single
+        {
+            qx.resize(n, int(hidden));
+            qh.resize(n, int(inter));
+        }
+#pragma omp for schedule(static)
+        for (int r = 0; r < n; ++r) {
+            std::copy_n(x + pairs[r] / k * hidden, hidden, &xs[size_t(r) * hidden]);
+            quantize_row(xs.data(), r, w1.format, qx);
+        }
+        product(w1, qx, n, gu.data(), 2 * inter, false);
+#pragma omp for schedule(static)
+        for (int r = 0; r < n; ++r) {  // SwiGLU: silu(gate) * up
+            const float* g = &gu[size_t(r) * 2 * inter];
+            float* a = &h[size_t(r) * inter];
+            for (int64_t i = 0; i < inter; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * g[inter + i];
+            quantize_row(h.data(), r, w2.format, qh);
+        }
+        product(w2, qh, n, y.data(), hidden, false);
+#pragma omp for schedule(static)
+        for (int r = 0; r < n; ++r) {
+            float* o = out + pairs[r] / k * hidden;
+            const float weight = weights[pairs[r]];
+            const float* v = &y[size_t(r) * hidden];
+            for (int64_t i = 0; i < hidden; ++i) o[i] += weight * v[i];
+        }
+    }
+    return 0;
+}

@@ -475,7 +475,13 @@ class Linear(nn.Linear):
     wide: str = "records"
     """How the graphs multiply by records that are the layer's only form (`RECORDS_WIDE`):
     "records", over the records themselves with activations quantized per 32 (`records_linear`);
-    "pairs" or "panels", over the records dequantized per call into bf16 (`dequantized_linear`)."""
+    "pairs" or "panels", over the records dequantized per call into bf16 (`dequantized_linear`),
+    but for steps of a few rows where `records_few`."""
+    records_few: bool = False
+    """Where records are the layer's only form and the graphs run the model's decodes too (no
+    native decode step: a mixture of experts), steps of up to QUANTIZED_MAX_ROWS rows multiply
+    by the records themselves (`records_linear`, as the native step would: a 1536 x 2048 Q4
+    matrix, AVX-512, 65 vs 209 us a row), wider ones (prefill) as `wide` says."""
 
     def pack(self, form: str = "onednn") -> None:
         """Repack the (loaded) weight for oneDNN, or in panels for the native GEMM (`form`
@@ -493,7 +499,7 @@ class Linear(nn.Linear):
         """Row counts at which `matmul`'s code branches (when traced): a step of at most
         b rows runs other code than one of more, for each b."""
         if self.quantized is None:
-            return ()
+            return (QUANTIZED_MAX_ROWS,) if self.records_few and self.wide != "records" else ()
         return (1,) if self.int8 is None else (1, QUANTIZED_MAX_ROWS)
 
     def quantize(self, kind: str, smooth: torch.Tensor | None = None, exact: bool = True) -> None:
@@ -597,7 +603,8 @@ class Linear(nn.Linear):
             return dense_linear(x, self.packed, bias, self.out_features, self.packed_form)
         if self.native is not None:  # its records alone: every matmul
             dtype = torch.float32 if self.float_out else x.dtype
-            if self.wide == "records":
+            few = self.records_few and x.shape[0] <= QUANTIZED_MAX_ROWS
+            if self.wide == "records" or few:
                 out = records_linear(x, *self.native, self.out_features).to(dtype)
             else:
                 pairs = self.wide == "pairs"
@@ -700,7 +707,8 @@ def pack_linears(
     in the native step's records alone (int4's and int4-w8a8's Q4, int8's and every head's
     Q8) and they serve every matmul, whatever its rows (`records_linear`): one product, so a
     row's result does not depend on its batch. wide: how the graphs multiply by such
-    records (`Linear.wide`, the run plan's `records_wide`)."""
+    records (`Linear.wide`, the run plan's `records_wide`); where they run the decodes too (not
+    `native`), steps of a few rows over the records themselves (`Linear.records_few`)."""
     head = getattr(model, "lm_head", None)
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
     int8_wide = quantization is not None and quantization.endswith("w8a8")
@@ -729,4 +737,5 @@ def pack_linears(
         for _, layer in layers:
             layer.register_parameter("weight", None)
             layer.wide = wide
+            layer.records_few = not native
     return len(layers)

@@ -4,12 +4,15 @@ model has them).
 
 The expert computation is one opaque custom op, `pypto::moe_experts`: which tokens go to
 which expert is data, so a compiled graph calls it like the attention op and stays one graph
-per shape. A rank holds some of the experts (all of them without expert parallelism); the op
-sums, for every token, the weighted outputs of the experts held here that the token was
-routed to. How the other ranks' experts are reached is `routed_experts`' (the group's
-`expert_exchange`): under TP every rank has every token, and their sums are added with an
-all-reduce; under DP attention + EP each replica has its own tokens, and `pypto::moe_dispatch`
-sends them to the replicas holding their experts and brings the results back:
+per shape. The experts' matrices are weights, or (a GGUF file's Q4_1 / Q8_0 experts,
+`--quantization gguf`) each expert's records (`ExpertRecords`), multiplied in one native call
+with activations quantized per 32 inputs, as llama.cpp multiplies them (`moe_records`). A rank
+holds some of the experts (all of them without expert parallelism); the op sums, for every
+token, the weighted outputs of the experts held here that the token was routed to. How the
+other ranks' experts are reached is `routed_experts`' (the group's `expert_exchange`): under TP
+every rank has every token, and their sums are added with an all-reduce; under DP attention +
+EP each replica has its own tokens, and `pypto::moe_dispatch` sends them to the replicas
+holding their experts and brings the results back:
 
     all_to_all:               token rows ──all-to-all──▶ owners' experts ──all-to-all──▶ back
     allgather_reducescatter:  all tokens gathered everywhere, each rank's experts on all of
@@ -18,9 +21,13 @@ sends them to the replicas holding their experts and brings the results back:
 
 from __future__ import annotations
 
+import ctypes
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
+from pypto_serving import native as native_kernels
 from pypto_serving.distributed import (
     all_gather_rows,
     all_ranks_max,
@@ -30,8 +37,71 @@ from pypto_serving.distributed import (
     reduce_scatter_rows,
     tp_all_reduce,
 )
+from pypto_serving.ops.linear import INT4_GROUP, RECORD_BYTES
 
 PLACEMENTS = ("linear", "round_robin")
+
+
+class ExpertRecords(NamedTuple):
+    """The experts a rank holds as records (`ops/linear.py`'s `q4_records` / `q8_records`
+    layouts), one row of bytes an expert, in the order of its held ids: gate_up [E, records of
+    2I x H] (gate's rows, then up's), down [E, records of H x I], each stack of one format."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_format: int
+    down_format: int
+
+
+def moe_records(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    expert_ids: list[int],
+    gate_up_format: int,
+    down_format: int,
+) -> torch.Tensor:
+    """`moe_experts` over records (`ExpertRecords`' stacks and formats), in one native call
+    (native/gemm.cpp's `pypto_moe_records`): for each chosen expert held here its tokens'
+    rows quantized to int8 per 32 inputs, the products over the records, silu(gate) * up in
+    float32, added weighted in the order of the held ids. llama.cpp's arithmetic for a
+    Q4_1 / Q8_0 expert, at every width (the records' product beats dequantizing them into
+    bf16 at the rows an expert meets); each row's result the same bits whatever rows come
+    with it. Returns [T, H] float32."""
+    lib = native_kernels.gemm_library()
+    assert lib is not None, "experts are kept as records only where the native GEMM builds"
+    rows, hidden = x.shape
+    blocks = -(-hidden // 16)
+    inter = down.shape[1] // (blocks * RECORD_BYTES[down_format]) * INT4_GROUP
+    assert down.shape[1] == blocks * inter // INT4_GROUP * RECORD_BYTES[down_format]
+    assert gate_up.shape[1] == 2 * inter // 16 * hidden // INT4_GROUP * RECORD_BYTES[gate_up_format]
+    assert gate_up.is_contiguous() and down.is_contiguous()
+    w1 = native_kernels.Matrix(gate_up.data_ptr(), None, 2 * inter, hidden, gate_up_format)
+    w2 = native_kernels.Matrix(down.data_ptr(), None, hidden, inter, down_format)
+    xf = x.float().contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.float().contiguous()
+    held = torch.tensor(expert_ids, dtype=torch.int64)
+    out = torch.empty(rows, hidden)
+    failed = lib.pypto_moe_records(
+        ctypes.byref(w1),
+        gate_up.shape[1],
+        ctypes.byref(w2),
+        down.shape[1],
+        held.data_ptr(),
+        len(expert_ids),
+        xf.data_ptr(),
+        rows,
+        ids.data_ptr(),
+        weights.data_ptr(),
+        ids.shape[1],
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    assert not failed, (rows, hidden, inter, gate_up_format, down_format)
+    return out
 
 
 def expert_placement(num_experts: int, rank: int, size: int, strategy: str) -> list[int]:
@@ -71,17 +141,28 @@ def moe_experts(
     swiglu_alpha: float = 0.0,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
+    gate_up_format: int = 0,
+    down_format: int = 0,
 ) -> torch.Tensor:
     """x [T, H]; topk_ids, topk_weights [T, k]; gate_up [E, 2I, H] and down [E, H, I] of the
     experts held here, whose global ids are expert_ids [E]; swiglu_limit > 0 clamps the gate
     projection above and the up projection on both sides (DeepSeek-V4, gpt-oss);
     swiglu_alpha > 0 is gpt-oss's activation (`activate`); gate_up_bias [E, 2I] and down_bias
-    [E, H] the experts' biases (gpt-oss). Returns [T, H] in float32."""
+    [E, H] the experts' biases (gpt-oss). Where gate_up_format and down_format are records'
+    formats (NATIVE_Q4, NATIVE_Q8; 0: weights), gate_up and down are the experts' records
+    (`ExpertRecords`: a GGUF file's plain SwiGLU experts), multiplied by `moe_records`.
+    Returns [T, H] in float32."""
+    if gate_up_format:
+        plain = not (swiglu_limit or swiglu_alpha) and gate_up_bias is None and down_bias is None
+        assert plain, "experts kept as records are plain SwiGLU ones"
+        args = (x, topk_ids, topk_weights, gate_up, down, expert_ids)
+        return moe_records(*args, gate_up_format, down_format)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for j, expert in enumerate(expert_ids):
+    held = {expert: j for j, expert in enumerate(expert_ids)}
+    chosen = [e for e in torch.unique(topk_ids).tolist() if e in held]  # held in rising order
+    for expert in chosen:  # only the experts the step's tokens chose: 8 of 128 in a decode
+        j = held[expert]
         token, slot = torch.where(topk_ids == expert)
-        if token.numel() == 0:
-            continue
         bias = None if gate_up_bias is None else gate_up_bias[j]
         gate, up = F.linear(x[token], gate_up[j], bias).chunk(2, dim=-1)
         hidden = activate(gate, up, swiglu_limit, swiglu_alpha)
@@ -103,6 +184,8 @@ def _(
     swiglu_alpha: float = 0.0,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
+    gate_up_format: int = 0,
+    down_format: int = 0,
 ) -> torch.Tensor:
     return torch.empty(x.shape, dtype=torch.float32, device=x.device)
 
@@ -139,19 +222,22 @@ def routed_experts(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     reduce_tp: bool = False,
+    formats: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
     """Every token's weighted expert outputs [T, H] float32, plus `partial` (DeepSeek's
     shared experts: under TP this rank's columns' partial sum, joining the same all-reduce).
     exchange: the groups' `expert_exchange`; owners: each expert's rank in the EP group
     (under DP attention + EP its replica in this rank's column, -1 for another column's:
     `column_owners`); reduce_tp: DP attention + EP with TP ranks, whose column sums are
-    all-reduced; swiglu_limit, swiglu_alpha and the biases: as `moe_experts`'."""
+    all-reduced; swiglu_limit, swiglu_alpha and the biases: as `moe_experts`'; formats: its
+    gate_up_format and down_format (records: `ExpertRecords`, which one rank serves)."""
     experts = (gate_up, down, expert_ids)
     tail = (swiglu_limit, swiglu_alpha, gate_up_bias, down_bias)
     if exchange in ("none", "all_reduce"):
-        out = moe_experts(x, topk_ids, topk_weights, *experts, *tail)
+        out = moe_experts(x, topk_ids, topk_weights, *experts, *tail, *formats)
         out = out if partial is None else out + partial
         return tp_all_reduce(out) if exchange == "all_reduce" else out
+    assert not formats[0], "experts kept as records are not exchanged"
     out = moe_dispatch(x, topk_ids, topk_weights, *experts, owners, exchange, *tail)
     out = out if partial is None else out + partial
     return tp_all_reduce(out) if reduce_tp else out
