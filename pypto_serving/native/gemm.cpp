@@ -440,15 +440,33 @@ extern "C" int pypto_packed_product(const Matrix* w, const float* x, int rows, f
     return 0;
 }
 
+namespace {
+
+// `pypto_moe_records`' buffers: the chosen experts' rows (inputs, gate_up's outputs, SwiGLU's,
+// down's) one after another, and each expert's quantized inputs to its two products.
+struct MoeScratch {
+    std::vector<float> xs, gu, h, y;
+    std::vector<Activations> qx, qh;
+
+    static float* grown(std::vector<float>& v, size_t n) {
+        if (v.size() < n) v.resize(n);
+        return v.data();
+    }
+};
+
+}  // namespace
+
 // The routed experts of a MoE block over records (a GGUF file's Q4_1 / Q8_0 experts): rows
 // tokens x [rows][hidden] (float32), token t routed to ids[t][0..k) with weights[t][0..k)
 // (float32); the block holds `held` experts, whose global ids are expert_ids (rising), expert
 // j's gate_up (2I x hidden: gate's rows, then up's) at gate_up->data + j * gate_up_bytes and
-// its down (hidden x I) at down->data + j * down_bytes. For each held expert its tokens chose,
-// in the order of the held ids: their rows quantized per 32 (records.h's, as the decode
-// step's), gate_up's product, silu(gate) * up in float32, quantized, down's product, and
-// out[t] += weight * that (out [rows][hidden] float32, zeroed here). Each row's result is
-// the same bits whatever rows share the call. Returns 0, or 1 for shapes it does not take.
+// its down (hidden x I) at down->data + j * down_bytes. Every chosen expert's tokens' rows are
+// quantized per 32 inputs (records.h's, as the decode step's), then the team runs all their
+// gate_up products at once (no wait between one expert's and the next), silu(gate) * up in
+// float32 (quantized), all the down products, and out[t] = the sum of weight * that over
+// token t's experts in the order of the held ids (out [rows][hidden] float32). Each row's
+// result is the same bits whatever rows share the call. Returns 0, or 1 for shapes it does
+// not take.
 extern "C" int pypto_moe_records(const Matrix* gate_up, int64_t gate_up_bytes, const Matrix* down,
                                  int64_t down_bytes, const int64_t* expert_ids, int held,
                                  const float* x, int rows, const int64_t* ids,
@@ -463,43 +481,80 @@ extern "C" int pypto_moe_records(const Matrix* gate_up, int64_t gate_up_bytes, c
         const int64_t* at = std::lower_bound(expert_ids, expert_ids + held, ids[pair]);
         if (at != expert_ids + held && *at == ids[pair]) routed[at - expert_ids].push_back(pair);
     }
-    std::fill(out, out + int64_t(rows) * hidden, 0.0f);
-    std::vector<float> xs(size_t(rows) * hidden), gu(size_t(rows) * 2 * inter);
-    std::vector<float> h(size_t(rows) * inter), y(size_t(rows) * hidden);
-    Activations qx, qh;
-#pragma omp parallel num_threads(threads)
+    // The chosen experts' rows, one after another: row i is pair[i] through expert chosen[of[i]].
+    std::vector<int> chosen, of;
+    std::vector<int64_t> first, pair;
+    std::vector<std::vector<int64_t>> token_rows(rows);  // each token's rows, by expert id
     for (int j = 0; j < held; ++j) {
-        const std::vector<int64_t>& pairs = routed[j];
-        const int n = int(pairs.size());
-        if (n == 0) continue;
-        Matrix w1 = *gate_up, w2 = *down;
-        w1.data += j * gate_up_bytes;
-        w2.data += j * down_bytes;
-#pragma omp single
-        {
-            qx.resize(n, int(hidden));
-            qh.resize(n, int(inter));
+        if (routed[j].empty()) continue;
+        first.push_back(int64_t(pair.size()));
+        for (const int64_t p : routed[j]) {
+            token_rows[p / k].push_back(int64_t(pair.size()));
+            pair.push_back(p);
+            of.push_back(int(chosen.size()));
         }
+        chosen.push_back(j);
+    }
+    const int experts = int(chosen.size());
+    const int64_t total = int64_t(pair.size());
+    first.push_back(total);
+    // the calling thread's buffers, kept from call to call (grown, never cleared: each call
+    // writes what it reads), where fresh ones' page faults cost a 256-token step half its time
+    thread_local MoeScratch kept;
+    MoeScratch& s = kept;  // (the team shares the caller's: bound here, outside the region)
+    if (s.qx.size() < size_t(experts)) {
+        s.qx.resize(experts);
+        s.qh.resize(experts);
+    }
+    std::vector<Matrix> w1(experts, *gate_up), w2(experts, *down);
+    for (int c = 0; c < experts; ++c) {
+        const int n = int(first[c + 1] - first[c]);
+        s.qx[c].resize(n, int(hidden));
+        s.qh[c].resize(n, int(inter));
+        w1[c].data += chosen[c] * gate_up_bytes;
+        w2[c].data += chosen[c] * down_bytes;
+    }
+    float* xs = s.grown(s.xs, size_t(total) * hidden);
+    float* gu = s.grown(s.gu, size_t(total) * 2 * inter);
+    float* h = s.grown(s.h, size_t(total) * inter);
+    float* y = s.grown(s.y, size_t(total) * hidden);
+    std::vector<Activations>& qx = s.qx;
+    std::vector<Activations>& qh = s.qh;
+#pragma omp parallel num_threads(threads)
+    {
 #pragma omp for schedule(static)
-        for (int r = 0; r < n; ++r) {
-            std::copy_n(x + pairs[r] / k * hidden, hidden, &xs[size_t(r) * hidden]);
-            quantize_row(xs.data(), r, w1.format, qx);
+        for (int64_t i = 0; i < total; ++i) {
+            const int c = of[i];
+            std::copy_n(x + pair[i] / k * hidden, hidden, xs + size_t(i) * hidden);
+            quantize_row(xs + size_t(first[c]) * hidden, int(i - first[c]), w1[c].format, qx[c]);
         }
-        product(w1, qx, n, gu.data(), 2 * inter, false);
-#pragma omp for schedule(static)
-        for (int r = 0; r < n; ++r) {  // SwiGLU: silu(gate) * up
-            const float* g = &gu[size_t(r) * 2 * inter];
-            float* a = &h[size_t(r) * inter];
-            for (int64_t i = 0; i < inter; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * g[inter + i];
-            quantize_row(h.data(), r, w2.format, qh);
+        for (int c = 0; c < experts; ++c) {  // each expert's blocks shared, no wait between
+            const int n = int(first[c + 1] - first[c]);
+            product(w1[c], qx[c], n, gu + size_t(first[c]) * 2 * inter, 2 * inter, false, false);
         }
-        product(w2, qh, n, y.data(), hidden, false);
+#pragma omp barrier
 #pragma omp for schedule(static)
-        for (int r = 0; r < n; ++r) {
-            float* o = out + pairs[r] / k * hidden;
-            const float weight = weights[pairs[r]];
-            const float* v = &y[size_t(r) * hidden];
-            for (int64_t i = 0; i < hidden; ++i) o[i] += weight * v[i];
+        for (int64_t i = 0; i < total; ++i) {  // SwiGLU: silu(gate) * up
+            const int c = of[i];
+            const float* g = gu + size_t(i) * 2 * inter;
+            float* a = h + size_t(i) * inter;
+            for (int64_t j = 0; j < inter; ++j) a[j] = g[j] / (1.0f + std::exp(-g[j])) * g[inter + j];
+            quantize_row(h + size_t(first[c]) * inter, int(i - first[c]), w2[c].format, qh[c]);
+        }
+        for (int c = 0; c < experts; ++c) {
+            const int n = int(first[c + 1] - first[c]);
+            product(w2[c], qh[c], n, y + size_t(first[c]) * hidden, hidden, false, false);
+        }
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int t = 0; t < rows; ++t) {
+            float* o = out + int64_t(t) * hidden;
+            std::fill(o, o + hidden, 0.0f);
+            for (const int64_t i : token_rows[t]) {
+                const float weight = weights[pair[i]];
+                const float* v = y + size_t(i) * hidden;
+                for (int64_t j = 0; j < hidden; ++j) o[j] += weight * v[j];
+            }
         }
     }
     return 0;

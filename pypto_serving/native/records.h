@@ -521,7 +521,9 @@ constexpr int64_t PANEL_BYTES = 1 << 18;
 // stream from memory once per block); within a panel a thread runs its rows over each of its
 // blocks, BLOCK_ROWS at a time, while the block is in its cache. A row's arithmetic is the
 // same whatever the panels and groups: only the order in which rows are computed changes.
-void product(const Matrix& w, const Activations& x, int rows, float* out, int64_t ldo, bool add) {
+// wait: end with the team's barrier (else a thread goes on as soon as its share is done).
+void product(const Matrix& w, const Activations& x, int rows, float* out, int64_t ldo, bool add,
+             bool wait = true) {
     const int64_t blocks = (w.rows + 15) / 16;
     const int64_t row_bytes = w.format == BF16 ? 6 * w.cols : w.cols;
     const int panel = int(std::max<int64_t>(1, PANEL_BYTES / row_bytes / BLOCK_ROWS)) * BLOCK_ROWS;
@@ -544,7 +546,9 @@ void product(const Matrix& w, const Activations& x, int rows, float* out, int64_
             }
         }
     }
+    if (wait) {
 #pragma omp barrier
+    }
 }
 
 }  // namespace
