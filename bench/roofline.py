@@ -162,6 +162,8 @@ class Demand:
     """Bytes of KV (bf16) each earlier token adds to a decode's reads."""
     flops: float
     """FLOPs of a token's matmuls (2 per weight multiplied)."""
+    expert_flops: float
+    """Of which a MoE's routed experts' (its used share)."""
     attention_flops_per_token: float
     """FLOPs of a token's attention per earlier token (4 per head dimension, every layer)."""
 
@@ -193,7 +195,7 @@ def gguf_demand(path: Path) -> Demand:
 
     used = field("expert_used_count", 0) / max(field("expert_count", 1), 1)
     tied = all(t.name != "output.weight" for t in reader.tensors)
-    weight_bytes = flops = 0.0
+    weight_bytes = flops = expert_flops = 0.0
     for t in reader.tensors:
         dims = [int(d) for d in t.shape]
         if len(dims) < 2:
@@ -204,12 +206,13 @@ def gguf_demand(path: Path) -> Demand:
             continue
         weight_bytes += t.n_bytes * share
         flops += 2 * math.prod(dims) * share
+        expert_flops += 2 * math.prod(dims) * share if "_exps." in t.name else 0
     heads = field("attention.head_count")
     head_dim = field("attention.key_length", field("embedding_length") // heads)
     kv, attention = _kv_and_attention(
         field("block_count"), heads, field("attention.head_count_kv", heads), head_dim
     )
-    return Demand(weight_bytes, kv, flops, attention)
+    return Demand(weight_bytes, kv, flops, expert_flops, attention)
 
 
 QUANTIZED_BYTES = {"int4": (0.625, 1.0625), "int4-w8a8": (0.625, 1.0625), "int8": (1.0625,) * 2}
@@ -237,7 +240,7 @@ def hf_demand(model_dir: Path, quantization: str | None = None) -> Demand:
     tied = "lm_head.weight" not in tensors
     head = "model.embed_tokens.weight" if tied else "lm_head.weight"
     matrices, lm_head = QUANTIZED_BYTES[quantization] if quantization else (None, None)
-    weight_bytes = flops = 0.0
+    weight_bytes = flops = expert_flops = 0.0
     for name, (dims, size) in tensors.items():
         if len(dims) < 2:
             continue
@@ -249,12 +252,13 @@ def hf_demand(model_dir: Path, quantization: str | None = None) -> Demand:
         read = (lm_head if name == head else matrices) or size
         weight_bytes += elements * read * share
         flops += 2 * elements * share
+        expert_flops += 2 * elements * share if ".experts." in name else 0
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv, attention = _kv_and_attention(
         config["num_hidden_layers"], heads, config.get("num_key_value_heads", heads), head_dim
     )
-    return Demand(weight_bytes, kv, flops, attention)
+    return Demand(weight_bytes, kv, flops, expert_flops, attention)
 
 
 def demand(model: Path, quantization: str | None = None) -> Demand:
@@ -266,6 +270,14 @@ def demand(model: Path, quantization: str | None = None) -> Demand:
 def decode_fraction(tok_s: float, need: Demand, machine: Limits, context: int = 0) -> float:
     """The read bandwidth a single stream's `tok_s` uses, as a fraction of the limit."""
     return tok_s * need.decode_bytes(context) / 1e9 / machine.read_gb_s
+
+
+def mixed_peak(need: Demand, peak_gflop_s: float, experts_gop_s: float) -> float:
+    """The limit of a model whose routed experts compute at `experts_gop_s` (int8: a GGUF
+    file's experts on our records) and the rest at `peak_gflop_s`: the rate at which both
+    limits together would run a token's FLOPs."""
+    rest = need.flops - need.expert_flops
+    return need.flops / (rest / peak_gflop_s + need.expert_flops / experts_gop_s)
 
 
 def prefill_fraction(tokens: int, seconds: float, need: Demand, peak_gflop_s: float) -> float:

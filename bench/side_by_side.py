@@ -484,6 +484,8 @@ def roofline_lines(report: dict[str, Any], files: tuple[Path, Path | None]) -> l
             peak = machine.fp32_gflop_s
         elif name == "llamacpp" or any(q.endswith("w8a8") for q in ours):
             peak = machine.int8_gop_s or peak  # the int8 GEMM computes these
+        elif "gguf" in ours and need.expert_flops and machine.int8_gop_s:
+            peak = roofline.mixed_peak(need, peak, machine.int8_gop_s)  # experts' int8 products
         single = result["single"]["decode_tok_per_s"]
         w1 = result["w1"]
         tokens = w1["prompt_tokens"] + w1["output_tokens"]

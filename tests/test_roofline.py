@@ -36,6 +36,8 @@ def test_a_token_reads_each_matrix_once_as_stored(tmp_path: Path) -> None:
     assert hf.weight_bytes == 2 * elements + 2 * shape.hidden and hf.flops == 2 * elements
     q4 = roofline.demand(real_shapes.write_gguf(shape, "Q4_1", tmp_path / "q4.gguf"))
     assert q4.flops == f32.flops
+    experts = 2 * shape.layers * 3 * shape.expert_ffn * shape.hidden * shape.experts_used
+    assert q4.expert_flops == f32.expert_flops == hf.expert_flops == experts  # the used ones
     router = shape.layers * shape.experts * shape.hidden * 4  # kept in F32
     assert q4.weight_bytes == pytest.approx(
         (elements - router / 4) * 20 / 32 + router + shape.hidden * 34 / 32
@@ -60,12 +62,16 @@ def test_our_quantized_forms_are_read_in_their_records(tmp_path: Path) -> None:
 
 
 def test_the_fractions_of_the_limits() -> None:
-    need = roofline.Demand(1e9, 1e5, 2e9, 1e3)
+    need = roofline.Demand(1e9, 1e5, 2e9, 0.0, 1e3)
     machine = roofline.Limits("cpu", "avx2", 2, 50.0, 400.0, 200.0, None)
     assert roofline.decode_fraction(25.0, need, machine) == pytest.approx(0.5)
     assert roofline.decode_fraction(25.0, need, machine, context=10_000) == pytest.approx(1.0)
     flops = 100 * 2e9 + 1e3 * 100 * 101 / 2
     assert roofline.prefill_fraction(100, flops / 200e9, need, 400.0) == pytest.approx(0.5)
+    moe = roofline.Demand(1e9, 1e5, 2e9, 1.5e9, 1e3)  # three quarters in int8 at twice
+    assert roofline.mixed_peak(moe, 400.0, 800.0) == pytest.approx(
+        2e9 / (0.5e9 / 400 + 1.5e9 / 800)
+    )
     later = roofline.Limits("cpu", "avx2", 2, 30.0, 420.0, 190.0, 700.0)
     assert roofline.best(machine, later) == roofline.Limits(
         "cpu", "avx2", 2, 50.0, 420.0, 200.0, 700.0

@@ -442,6 +442,8 @@ extern "C" int pypto_packed_product(const Matrix* w, const float* x, int rows, f
 
 namespace {
 
+constexpr int MOE_CHUNK = 256;  // tokens of a step `pypto_moe_records` takes at a time
+
 // `pypto_moe_records`' buffers: the chosen experts' rows (inputs, gate_up's outputs, SwiGLU's,
 // down's) one after another, and each expert's quantized inputs to its two products.
 struct MoeScratch {
@@ -456,26 +458,17 @@ struct MoeScratch {
 
 }  // namespace
 
-// The routed experts of a MoE block over records (a GGUF file's Q4_1 / Q8_0 experts): rows
-// tokens x [rows][hidden] (float32), token t routed to ids[t][0..k) with weights[t][0..k)
-// (float32); the block holds `held` experts, whose global ids are expert_ids (rising), expert
-// j's gate_up (2I x hidden: gate's rows, then up's) at gate_up->data + j * gate_up_bytes and
-// its down (hidden x I) at down->data + j * down_bytes. Every chosen expert's tokens' rows are
-// quantized per 32 inputs (records.h's, as the decode step's), then the team runs all their
-// gate_up products at once (no wait between one expert's and the next), silu(gate) * up in
-// float32 (quantized), all the down products, and out[t] = the sum of weight * that over
-// token t's experts in the order of the held ids (out [rows][hidden] float32). Each row's
-// result is the same bits whatever rows share the call. Returns 0, or 1 for shapes it does
-// not take.
-extern "C" int pypto_moe_records(const Matrix* gate_up, int64_t gate_up_bytes, const Matrix* down,
-                                 int64_t down_bytes, const int64_t* expert_ids, int held,
-                                 const float* x, int rows, const int64_t* ids,
-                                 const float* weights, int k, float* out, int threads) {
+// Tokens [t0, t1) of `pypto_moe_records`' step, its arguments as there.
+static void moe_chunk(const Matrix* gate_up, int64_t gate_up_bytes, const Matrix* down,
+                      int64_t down_bytes, const int64_t* expert_ids, int held, const float* x,
+                      int t0, int t1, const int64_t* ids, const float* weights, int k, float* out,
+                      int threads) {
     const int64_t hidden = gate_up->cols, inter = down->cols;
-    if (rows < 0 || hidden % GROUP_K || inter % GROUP_K || gate_up->rows != 2 * inter ||
-        down->rows != hidden || gate_up->format < Q4 || gate_up->format > Q8 ||
-        down->format < Q4 || down->format > Q8)
-        return 1;
+    const int rows = t1 - t0;
+    x += int64_t(t0) * hidden;
+    ids += int64_t(t0) * k;
+    weights += int64_t(t0) * k;
+    out += int64_t(t0) * hidden;
     std::vector<std::vector<int64_t>> routed(held);  // per held expert: its (token * k + slot)s
     for (int64_t pair = 0; pair < int64_t(rows) * k; ++pair) {
         const int64_t* at = std::lower_bound(expert_ids, expert_ids + held, ids[pair]);
@@ -509,8 +502,8 @@ extern "C" int pypto_moe_records(const Matrix* gate_up, int64_t gate_up_bytes, c
     std::vector<Matrix> w1(experts, *gate_up), w2(experts, *down);
     for (int c = 0; c < experts; ++c) {
         const int n = int(first[c + 1] - first[c]);
-        s.qx[c].resize(n, int(hidden));
-        s.qh[c].resize(n, int(inter));
+        s.qx[c].resize(n, int(hidden), false);
+        s.qh[c].resize(n, int(inter), false);
         w1[c].data += chosen[c] * gate_up_bytes;
         w2[c].data += chosen[c] * down_bytes;
     }
@@ -557,5 +550,31 @@ extern "C" int pypto_moe_records(const Matrix* gate_up, int64_t gate_up_bytes, c
             }
         }
     }
+}
+
+// The routed experts of a MoE block over records (a GGUF file's Q4_1 / Q8_0 experts): rows
+// tokens x [rows][hidden] (float32), token t routed to ids[t][0..k) with weights[t][0..k)
+// (float32); the block holds `held` experts, whose global ids are expert_ids (rising), expert
+// j's gate_up (2I x hidden: gate's rows, then up's) at gate_up->data + j * gate_up_bytes and
+// its down (hidden x I) at down->data + j * down_bytes. MOE_CHUNK tokens at a time (a
+// prefill's thousands would otherwise keep buffers of gigabytes), every chosen expert's
+// tokens' rows are quantized per 32 inputs (records.h's, as the decode step's), then the team
+// runs all their gate_up products at once (no wait between one expert's and the next),
+// silu(gate) * up in float32 (quantized), all the down products, and out[t] = the sum of
+// weight * that over token t's experts in the order of the held ids (out [rows][hidden]
+// float32). Each row's result is the same bits whatever rows share the call. Returns 0, or 1
+// for shapes it does not take.
+extern "C" int pypto_moe_records(const Matrix* gate_up, int64_t gate_up_bytes, const Matrix* down,
+                                 int64_t down_bytes, const int64_t* expert_ids, int held,
+                                 const float* x, int rows, const int64_t* ids,
+                                 const float* weights, int k, float* out, int threads) {
+    const int64_t hidden = gate_up->cols, inter = down->cols;
+    if (rows < 0 || hidden % GROUP_K || inter % GROUP_K || gate_up->rows != 2 * inter ||
+        down->rows != hidden || gate_up->format < Q4 || gate_up->format > Q8 ||
+        down->format < Q4 || down->format > Q8)
+        return 1;
+    for (int t0 = 0; t0 < rows; t0 += MOE_CHUNK)
+        moe_chunk(gate_up, gate_up_bytes, down, down_bytes, expert_ids, held, x, t0,
+                  std::min(rows, t0 + MOE_CHUNK), ids, weights, k, out, threads);
     return 0;
 }

@@ -125,7 +125,8 @@ struct Activations {
     std::vector<float> f;
     int k = 0, groups = 0, stride = BLOCK_ROWS;
 
-    void resize(int rows, int cols) {
+    // floats: room for the rows rounded to bf16 too (`bf`, `f`: a BF16 weight's inputs).
+    void resize(int rows, int cols, bool floats = true) {
         k = cols;
         groups = cols / GROUP_K;
         stride = rows < BLOCK_ROWS ? rows : BLOCK_ROWS;
@@ -134,8 +135,10 @@ struct Activations {
         scale.resize(padded * groups);
         scaled_sum.resize(padded * groups);
         sum.resize(padded * groups);
-        bf.resize(size_t(rows) * cols);
-        f.resize(size_t(rows) * cols);
+        if (floats) {
+            bf.resize(size_t(rows) * cols);
+            f.resize(size_t(rows) * cols);
+        }
     }
 
     // Where row m's group g lies in scale, sum and scaled_sum (times GROUP_K: in q).
