@@ -24,6 +24,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from pypto_serving import LLM, SamplingParams, native
+from pypto_serving.config import EngineConfig, ParallelConfig
+from pypto_serving.engine.plan import plan_run
+from pypto_serving.errors import PyptoError
 from pypto_serving.models.gguf_convert import BLOCKS_FILE, convert_gguf_to_hf
 from pypto_serving.ops.linear import NATIVE_Q4, Linear, pack_q4, pack_q8
 from pypto_serving.ops.moe import activate, moe_experts
@@ -166,3 +169,15 @@ def test_batch_invariance_makes_a_requests_tokens_the_same_bits_anywhere(moe_q4)
     with LLM(str(out), **knobs, max_num_batched_tokens=16) as llm:
         chunked = result(llm.generate([prompt], params, use_tqdm=False)[0])
     assert alone == result(again) == batched == chunked
+
+
+def test_expert_parallelism_over_replicas_serves_the_bf16_experts(moe_q4):
+    """DP attention + EP exchanges tokens between the replicas' experts, which records do not
+    take part in: auto picks none there (the experts in bf16), and gguf asked is refused with
+    a reason, not a crash at load."""
+    out, _ = moe_q4
+    parallel = ParallelConfig(data_parallel_size=2, enable_expert_parallel=True)
+    assert plan_run(EngineConfig(parallel=parallel), out).quantization is None
+    with pytest.raises(PyptoError, match="no expert parallelism"):
+        plan_run(EngineConfig(parallel=parallel, quantization="gguf"), out)
+    assert plan_run(EngineConfig(), out).quantization == "gguf"

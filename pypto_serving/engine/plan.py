@@ -221,13 +221,14 @@ def _quantization(
     if (
         config.executor != "paged"
         or config.parallel.ranks_per_engine > 1
+        or config.parallel.expert_parallel_over_dp  # (its experts would be exchanged)
         or dtype != torch.bfloat16
         or not served
     ):
         why = (
             "the file's Q4_1/Q8_0 matrices run through the native decode step (a mixture of "
-            "experts: the native GEMM) or --batch-invariant: the CPU, bfloat16, one rank, the "
-            "paged executor, a C++ compiler"
+            "experts: the native GEMM) or --batch-invariant: the CPU, bfloat16, one rank and "
+            "no expert parallelism, the paged executor, a C++ compiler"
         )
         if asked == "gguf":
             raise PyptoError(
