@@ -28,7 +28,7 @@ from pypto_serving.config import EngineConfig, ParallelConfig
 from pypto_serving.engine.plan import plan_run
 from pypto_serving.errors import PyptoError
 from pypto_serving.models.gguf_convert import BLOCKS_FILE, convert_gguf_to_hf
-from pypto_serving.ops.linear import NATIVE_Q4, Linear, pack_q4, pack_q8
+from pypto_serving.ops.linear import NATIVE_Q4, NATIVE_Q8, Linear, pack_q4, pack_q8
 from pypto_serving.ops.moe import activate, moe_experts
 
 HIDDEN, EXPERTS, USED, FFN = 64, 4, 2, 32
@@ -115,25 +115,30 @@ def test_the_answers_are_the_same_weights_in_bf16s(moe_q4):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 300])  # 300: past a call's chunk of 256 tokens
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
-def test_the_expert_op_multiplies_records_as_the_weights_they_hold(rows, fmt):
-    """`moe_experts` over records against float64 over the weights the records hold, the
+@pytest.mark.parametrize(
+    "formats", [(NATIVE_Q4, NATIVE_Q4), (NATIVE_Q8, NATIVE_Q8), (NATIVE_Q4, NATIVE_Q8)]
+)
+def test_the_expert_op_multiplies_records_as_the_weights_they_hold(rows, formats):
+    """`moe_experts` over records (gate_up's and down's formats each their own, as a file
+    whose ffn_down_exps are Q8_0) against float64 over the weights the records hold, the
     activations quantized to int8 per 32 inputs (an error of about 1 %); and each row's sums
     the same bits alone as among the others."""
     torch.manual_seed(0)
-    pack = pack_q4 if fmt == "q4" else pack_q8
     gate_up = torch.randn(EXPERTS, 2 * FFN, HIDDEN) * 0.2
     down = torch.randn(EXPERTS, HIDDEN, FFN) * 0.2
-    stacks = [torch.stack([pack(w) for w in stack]) for stack in (gate_up, down)]
-    fmt_id = 1 if fmt == "q4" else 2
+    packs = [pack_q4 if fmt == NATIVE_Q4 else pack_q8 for fmt in formats]
+    stacks = [
+        torch.stack([pack(w) for w in stack])
+        for pack, stack in zip(packs, (gate_up, down), strict=True)
+    ]
     held = [
-        [dequantize(r, fmt_id, *w.shape[1:]) for r in s]
-        for s, w in zip(stacks, (gate_up, down), strict=True)
+        [dequantize(r, fmt, *w.shape[1:]) for r in s]
+        for s, w, fmt in zip(stacks, (gate_up, down), formats, strict=True)
     ]
     x = torch.randn(rows, HIDDEN).bfloat16()
     ids = torch.stack([torch.randperm(EXPERTS)[:USED] for _ in range(rows)])
     weights = torch.rand(rows, USED).bfloat16()
-    experts = (*stacks, list(range(EXPERTS)), 0.0, 0.0, None, None, fmt_id, fmt_id)
+    experts = (*stacks, list(range(EXPERTS)), 0.0, 0.0, None, None, *formats)
     got = moe_experts(x, ids, weights, *experts)
     want = torch.zeros(rows, HIDDEN, dtype=torch.float64)
     for t in range(rows):
