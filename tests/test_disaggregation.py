@@ -112,6 +112,11 @@ def decoded(
     while decode.engine.has_unfinished():
         decode.step()
     assert all(not m.reserved for m in kv.managers)
+    for f, p in zip(families, prompts, strict=True):  # the prompt's KV: handed over, as cached
+        out = f.output()
+        if len(out.outputs[0].token_ids) > 1:  # (one ended by its first token is never admitted)
+            assert out.num_cached_tokens == len(p)
+            assert out.cached_tokens_by_tier == {"handoff": len(p)}
     return [f.output().outputs[0] for f in families]
 
 

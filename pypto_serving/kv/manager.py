@@ -49,6 +49,9 @@ class PageTable:
     sources: list[str] = field(default_factory=list, compare=False)
     """Where each page of the admission's prefix claim came from ("device", "cpu", "ssd";
     "" for a page left out)."""
+    received: int = field(default=0, compare=False)
+    """Tokens whose KV another server computed and handed over (a handoff's admission:
+    `receive`), counted as the "handoff" source."""
 
 
 @dataclass(slots=True)
@@ -164,10 +167,14 @@ class KVManager:
         return hits
 
     def by_tier(self, request: Request) -> dict[str, int]:
-        """Tokens of the request's claim per tier they came from."""
+        """Tokens of the request's claim per tier they came from ("handoff": another server's,
+        handed over)."""
         table = self.tables.get(request.request_id)
         counts = Counter(name for name in (table.sources if table else []) if name)
-        return {name: n * self.page_size for name, n in counts.items()}
+        out = {name: n * self.page_size for name, n in counts.items()}
+        if table is not None and table.received:
+            out["handoff"] = table.received
+        return out
 
     def settle(self, request: Request, num_tokens: int) -> int:
         """Cut the request's claim back to its first `num_tokens` tokens (what every group
@@ -288,7 +295,9 @@ class KVManager:
             chunk = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
             parent = entry.hashes[i - 1] if i > 0 else None
             self.pool.index(page_ids[i], page_hash, chunk, parent)
-        self.tables[request.request_id] = PageTable(page_ids, list(entry.hashes), entry.released)
+        received = entry.num_tokens if entry.received is not None else 0
+        table = PageTable(page_ids, list(entry.hashes), entry.released, received=received)
+        self.tables[request.request_id] = table
         return entry.num_tokens
 
     # --- handing a request's KV to another server (disaggregated prefill and decode) --------
