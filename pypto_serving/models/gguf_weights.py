@@ -151,31 +151,34 @@ def expert_sources(model: nn.Module, model_dir: Path) -> dict[str, list[list[str
 
 
 def stored_expert_records(
-    model: nn.Module, model_dir: Path, name: str, sources: list[list[str]]
-) -> ExpertRecords:
-    """The experts of the MoE block `name` as records (`ExpertRecords`), from the stored
-    matrices `expert_sources` named for it."""
-    block = model.get_submodule(name)
-    assert isinstance(block, RoutedExperts)
+    model: nn.Module, model_dir: Path, sources: dict[str, list[list[str]]]
+) -> dict[str, ExpertRecords]:
+    """Each MoE block's experts as records (`ExpertRecords`), by module name, from the stored
+    matrices `expert_sources` named for it (the stored parts' index read once for all)."""
     keys = stored_keys(model_dir)
-    hidden, size = block.cfg.hidden_size, block.cfg.moe_intermediate_size
-    stacks, formats = [], []
-    for projections, shape in (((0, 1), (2 * size, hidden)), ((2,), (hidden, size))):
-        chosen = [[each[i] for i in projections] for each in sources]
-        found = {_format(keys, parts) for parts in chosen}
-        if len(found) != 1 or len({f"{s}.min" in keys for p in chosen for s in p}) != 1:
-            raise ModelLoadError(
-                f"{parts_file(model_dir)} in {model_dir}: the experts of {name} are stored "
-                "in more than one form (Q4_1 and Q8_0): drop --quantization gguf"
-            )
-        fmt = found.pop()
-        stack = torch.empty(len(chosen), _size(fmt, *shape), dtype=torch.uint8)
-        with _stored(keys, [s for parts in chosen for s in parts]) as part:
-            for j, parts in enumerate(chosen):
-                _write_records(part, parts, shape, fmt, stack[j], parts[0])
-        stacks.append(stack)
-        formats.append(fmt)
-    return ExpertRecords(stacks[0], stacks[1], formats[0], formats[1])
+    out: dict[str, ExpertRecords] = {}
+    for name, each in sources.items():
+        block = model.get_submodule(name)
+        assert isinstance(block, RoutedExperts)
+        hidden, size = block.cfg.hidden_size, block.cfg.moe_intermediate_size
+        stacks, formats = [], []
+        for projections, shape in (((0, 1), (2 * size, hidden)), ((2,), (hidden, size))):
+            chosen = [[expert[i] for i in projections] for expert in each]
+            found = {_format(keys, [s]) for parts in chosen for s in parts}
+            if len(found) != 1:
+                raise ModelLoadError(
+                    f"{parts_file(model_dir)} in {model_dir}: the experts of {name} are stored "
+                    "in more than one form (Q4_1 and Q8_0): drop --quantization gguf"
+                )
+            fmt = found.pop()
+            stack = torch.empty(len(chosen), _size(fmt, *shape), dtype=torch.uint8)
+            with _stored(keys, [s for parts in chosen for s in parts]) as part:
+                for j, parts in enumerate(chosen):
+                    _write_records(part, parts, shape, fmt, stack[j], parts[0])
+            stacks.append(stack)
+            formats.append(fmt)
+        out[name] = ExpertRecords(stacks[0], stacks[1], formats[0], formats[1])
+    return out
 
 
 def _format(keys: dict[str, Path], parts: list[str]) -> int:

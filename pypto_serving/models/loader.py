@@ -502,10 +502,10 @@ def load_model(
             records, fmt = head.native
             assert fmt == NATIVE_Q8, "the embedding's stored matrix is Q8_0"
             embed.q8 = records
-        for name, each in experts.items():
+        for name, made in stored_expert_records(model, model_dir, experts).items():
             block = model.get_submodule(name)
             assert isinstance(block, RoutedExperts) and block.exchange == "none"
-            block.records = stored_expert_records(model, model_dir, name, each)
+            block.records = made
     elif quantization is not None:
         digest, tokenizer = checkpoint_digest(model_dir), lambda: load_tokenizer(model_dir)
         quantize_cached(
