@@ -57,6 +57,7 @@ def test_the_plan_takes_the_switches_where_the_machine_allows(monkeypatch):
         pack_linear=None,  # int4's records serve every matmul: no bf16 weight packed
         quantization="int4",
         records_only=True,
+        expert_records=True,  # a MoE's experts would be Q4 records too
         # the graphs' matmuls dequantize them into bf16: AVX512-BF16 pairs or float32 panels
         records_wide="pairs" if native.gemm_library().pypto_records_pairs_built() else "panels",
     )

@@ -38,6 +38,7 @@ from pypto_serving.kv import native_attention
 from pypto_serving.models.config import ModelConfig, load_model_config
 from pypto_serving.models.gguf_weights import has_blocks
 from pypto_serving.models.loader import model_class
+from pypto_serving.models.quantized_experts import EXPERT_FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,11 @@ class RunPlan:
     gguf wherever the native GEMM builds (their product beats oneDNN's bf16 GEMM at every
     width on AVX-512 and the panels on AVX2, at a third of the bytes), and every quantization
     but w8a8 under --batch-invariant."""
+    expert_records: bool = False
+    """A quantized MoE's experts are records (int4 and int4-w8a8: Q4, int8 and w8a8: Q8),
+    made as the checkpoint is read and multiplied by `ops/moe.moe_records` at every width:
+    wherever the native GEMM builds (models/quantized_experts.py; the blocks whose experts
+    are not plain SwiGLU, or are exchanged between replicas, keep bf16)."""
     records_wide: str = "records"
     """How the graphs (prefill chunks) multiply by such records (`ops/linear.py`'s
     `Linear.wide`): dequantized per call into bf16, "pairs" where the native GEMM has
@@ -181,6 +187,7 @@ def plan_run(config: EngineConfig, model_dir: Path | None = None) -> RunPlan:
         quantization=quantization,
         batch_invariant=config.batch_invariant,
         records_only=records_only,
+        expert_records=quantization in EXPERT_FORMATS and native.gemm_library() is not None,
         records_wide=wide,
     )
 

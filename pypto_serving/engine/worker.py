@@ -174,6 +174,7 @@ def _load_planned(
         plan.pack_linear,
         records_only=plan.records_only,
         records_wide=plan.records_wide,
+        expert_records=plan.expert_records,
     )
 
 

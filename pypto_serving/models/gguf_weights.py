@@ -32,13 +32,12 @@ from pypto_serving.errors import ModelLoadError
 from pypto_serving.models.gguf_convert import BLOCKS_FILE, BLOCKS_INDEX, blocks_files
 from pypto_serving.models.llama import RoutedExperts
 from pypto_serving.ops.linear import (
-    INT4_GROUP,
     NATIVE_Q4,
     NATIVE_Q8,
-    RECORD_BYTES,
     Linear,
     q4_records,
     q8_records,
+    records_bytes,
 )
 from pypto_serving.ops.moe import ExpertRecords
 
@@ -120,7 +119,8 @@ def stored_records(
         layer = model.get_submodule(name)
         assert isinstance(layer, Linear)
         fmt = _format(keys, parts)
-        records = torch.empty(_size(fmt, layer.out_features, layer.in_features), dtype=torch.uint8)
+        size = records_bytes(fmt, layer.out_features, layer.in_features)
+        records = torch.empty(size, dtype=torch.uint8)
         with _stored(keys, parts) as part:
             shape = (layer.out_features, layer.in_features)
             _write_records(part, parts, shape, fmt, records, name)
@@ -171,7 +171,7 @@ def stored_expert_records(
                     "in more than one form (Q4_1 and Q8_0): drop --quantization gguf"
                 )
             fmt = found.pop()
-            stack = torch.empty(len(chosen), _size(fmt, *shape), dtype=torch.uint8)
+            stack = torch.empty(len(chosen), records_bytes(fmt, *shape), dtype=torch.uint8)
             with _stored(keys, [s for parts in chosen for s in parts]) as part:
                 for j, parts in enumerate(chosen):
                     _write_records(part, parts, shape, fmt, stack[j], parts[0])
@@ -184,11 +184,6 @@ def stored_expert_records(
 def _format(keys: dict[str, Path], parts: list[str]) -> int:
     """The records' format of stored matrices `parts`: NATIVE_Q4 (Q4_1) or NATIVE_Q8."""
     return NATIVE_Q4 if f"{parts[0]}.min" in keys else NATIVE_Q8
-
-
-def _size(fmt: int, n: int, k: int) -> int:
-    """Bytes of the records of an [n, k] matrix in format `fmt`."""
-    return -(-n // 16) * (k // INT4_GROUP) * RECORD_BYTES[fmt]
 
 
 @contextlib.contextmanager

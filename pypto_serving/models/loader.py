@@ -10,11 +10,12 @@ of the split tensors first.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,23 @@ from pypto_serving.models.gguf_weights import (
 )
 from pypto_serving.models.gpt_oss import GptOssForCausalLM, GptOssMoE
 from pypto_serving.models.llama import CausalLM, MoE, RoutedExperts
-from pypto_serving.models.quantized_cache import quantize_cached
+from pypto_serving.models.quantized_cache import (
+    cached_experts,
+    quantize_cached,
+    quantized_cache_path,
+)
+from pypto_serving.models.quantized_experts import (
+    EXPERT,
+    EXPERT_FORMATS,
+    V4_PROJECTIONS,
+    ExpertQuantizer,
+    is_records_expert,
+    record_blocks,
+)
+from pypto_serving.models.tensor_files import MALFORMED, read_tensors
 from pypto_serving.models.windowed import WindowedCausalLM
 from pypto_serving.ops.linear import NATIVE_Q8, pack_linears
+from pypto_serving.ops.moe import ExpertRecords
 
 # HF projection name -> (our fused parameter, index of the slice it fills)
 FUSED = {
@@ -88,12 +103,6 @@ def expected_loads(cfg: ModelConfig, param_name: str, param: torch.Tensor) -> in
     return len(fused_slices(cfg, fused, 0)) if fused in ("qkv_proj", "gate_up_proj") else 1
 
 
-EXPERT = re.compile(
-    r"(model\.layers\.\d+\.(?:mlp|ffn))\.experts\.(\d+)\."
-    r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
-)
-V4_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-"""DeepSeek-V4's expert names (w1 gate, w3 up, w2 down) as the other models'."""
 V4_RENAMED = {"head.weight": "lm_head.weight"}
 V4_SKIPPED = ("mtp.",)
 """DeepSeek-V4's multi-token prediction layers: not served."""
@@ -185,13 +194,16 @@ def checkpoint_numel(model_dir: Path) -> int:
     return total
 
 
-def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(
+    files: list[Path], skip: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors by name, one at a time, each in memory of its own
+    (`read_tensors`: a file's mapping would hold a whole shard's bytes resident beside what
+    is made of them); those `skip` names are never read."""
     for path in files:
         try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    yield name, f.get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as e:
+            yield from read_tensors(path, None if skip is None else lambda n: not skip(n))
+        except (OSError, *MALFORMED) as e:
             raise ModelLoadError(f"corrupt safetensors file {path.name}: {e}") from None
 
 
@@ -419,6 +431,7 @@ def load_model(
     pack: str | None = None,
     records_only: bool = False,
     records_wide: str = "records",
+    expert_records: bool = False,
 ) -> CausalLM:
     """Build our model for `model_dir` (this rank's share of it under tensor and pipeline
     parallelism) and fill it with the checkpoint's weights, quantized if asked (int8, int4,
@@ -428,7 +441,9 @@ def load_model(
     `pack_linear`). records_only (the run plan's): a quantized model's weights are the
     native step's records alone, which serve every matmul (`pack_linears`); a GGUF file's
     stored matrices are then never loaded in bf16; records_wide: how the graphs multiply by
-    them (`Linear.wide`)."""
+    them (`Linear.wide`). expert_records (the run plan's): a quantized MoE's experts become
+    records as the checkpoint is read (models/quantized_experts.py), or are read back from
+    the quantized weights' cache, the checkpoint's expert tensors then left unread."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory not found: {model_dir}")
     if quantization is not None and (device.type != "cpu" or dtype != torch.bfloat16):
@@ -463,6 +478,10 @@ def load_model(
             if in_head:
                 assert embed is not None
                 embed.register_parameter("weight", None)
+    blocks = record_blocks(model) if expert_records and quantization in EXPERT_FORMATS else {}
+    for name in blocks:  # their records are their only form: never loaded in bf16
+        model.get_submodule(name).register_parameter("experts_gate_up", None)
+        model.get_submodule(name).register_parameter("experts_down", None)
     model = model.to(dtype).to_empty(device=device)
     embed, head = model.model.embed_tokens, model.lm_head
     if (
@@ -472,13 +491,29 @@ def load_model(
         and head.weight is not None
     ):
         head.weight = embed.weight  # to_empty() gives each module its own tensor: tie again
-    weights = iter_checkpoint(files)
+    skip = None
     if sources is not None and records_only:
         skipped = {s for parts in sources.values() for s in parts}
         skipped |= {s for each in experts.values() for parts in each for s in parts}
         if not in_head:
             skipped.discard("model.embed_tokens.weight")  # the lookup's, beside the head's
-        weights = (w for w in weights if w[0] not in skipped)
+        skip = skipped.__contains__
+    quantizer: ExpertQuantizer | None = None
+    made: dict[str, ExpertRecords] | None = None
+    if blocks:
+        assert quantization is not None
+        fmt = EXPERT_FORMATS[quantization]
+        path = quantized_cache_path(
+            model, checkpoint_digest(model_dir), quantization, groups, native, records_only
+        )
+        made = cached_experts(path, blocks, fmt)
+        if made is not None:
+            skip = functools.partial(is_records_expert, blocks=blocks)  # never read
+        else:
+            quantizer = ExpertQuantizer(blocks, fmt, dtype)
+    weights = iter_checkpoint(files, skip)
+    if quantizer is not None:
+        weights = (w for w in weights if not quantizer.take(*w))
     if cfg.gpt_oss is not None and cfg.gpt_oss.mxfp4:
         weights = mxfp4.dequantized(weights)
     with torch.no_grad():
@@ -487,6 +522,13 @@ def load_model(
     if isinstance(model, DeepseekV4ForCausalLM | Gemma3ForCausalLM):
         model.set_rope(device)
     model = model.eval().requires_grad_(False)
+    if blocks:
+        made = made if quantizer is None else quantizer.records()
+        assert made is not None
+        for name, block_records in made.items():
+            block = model.get_submodule(name)
+            assert isinstance(block, RoutedExperts)
+            block.records = block_records
     if sources is not None:  # the records made after the bf16 loads: a lower peak
         pack_linears(
             model,
@@ -502,10 +544,10 @@ def load_model(
             records, fmt = head.native
             assert fmt == NATIVE_Q8, "the embedding's stored matrix is Q8_0"
             embed.q8 = records
-        for name, made in stored_expert_records(model, model_dir, experts).items():
+        for name, stored in stored_expert_records(model, model_dir, experts).items():
             block = model.get_submodule(name)
             assert isinstance(block, RoutedExperts) and block.exchange == "none"
-            block.records = made
+            block.records = stored
     elif quantization is not None:
         digest, tokenizer = checkpoint_digest(model_dir), lambda: load_tokenizer(model_dir)
         quantize_cached(

@@ -1,6 +1,8 @@
 """Quantized weights kept across starts: `quantize_cached` quantizes a model's linear layers
 (`ops/linear.pack_linears`, after w8a8's calibration) or reads back what an earlier start
-kept under `cache_dir()/quantized`, keyed by everything that shapes the result."""
+kept under `cache_dir()/quantized`, keyed by everything that shapes the result. The same file
+keeps a MoE block's experts made records while the checkpoint was read
+(models/quantized_experts.py), which a later load takes back first (`cached_experts`)."""
 
 from __future__ import annotations
 
@@ -13,21 +15,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from pypto_serving.config import CALIBRATED_QUANTIZATIONS
 from pypto_serving.device import cpu_isa, int8_gemm_full_range
 from pypto_serving.distributed import ParallelGroups
 from pypto_serving.models import calibration
-from pypto_serving.models.llama import CausalLM
-from pypto_serving.ops.linear import Linear, drop_unread_weights, pack_linears
+from pypto_serving.models.llama import CausalLM, RoutedExperts
+from pypto_serving.models.tensor_files import MALFORMED, read_tensors, write_tensors
+from pypto_serving.ops.linear import Linear, drop_unread_weights, pack_linears, records_bytes
+from pypto_serving.ops.moe import ExpertRecords
 from pypto_serving.paths import cache_dir, trusted_cache_dir, write_atomically
 
 log = logging.getLogger(__name__)
 
-QUANTIZED_FORMAT = 2
-"""Bumped when what `Linear.quantized_tensors` keeps changes meaning."""
+QUANTIZED_FORMAT = 3
+"""Bumped when what `Linear.quantized_tensors` keeps changes meaning (3: experts' records)."""
+EXPERT_PARTS = ("experts.gate_up", "experts.down")
+"""A MoE block's records in the file: `<block>/experts.gate_up.<format>`, and down's."""
 
 
 def quantized_cache_path(
@@ -87,13 +91,12 @@ def quantize_cached(
     if trusted and path.is_file():
         try:
             saved: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layers}
-            # copied out of the file's mapping: tensors on a shared mapping of a cache file
-            # that another start may rewrite are not safe to keep (and crashed here); one
-            # at a time, so the load holds no second copy of the whole file
-            with safe_open(str(path), "pt") as kept:
-                for key in kept.keys():  # noqa: SIM118 (a safe_open is not a dict)
-                    name, _, part = key.partition("/")
-                    saved[name][part] = kept.get_tensor(key).clone()
+            # read, not mapped (`read_tensors`); a MoE block's experts the load took first
+            # (`cached_experts`)
+            wanted = lambda key: not key.partition("/")[2].startswith(EXPERT_PARTS)  # noqa: E731
+            for key, tensor in read_tensors(path, wanted):
+                name, _, part = key.partition("/")
+                saved[name][part] = tensor
             if all(layers[n].fits(parts) for n, parts in saved.items()):
                 pack_linears(
                     model,
@@ -107,7 +110,7 @@ def quantize_cached(
                 drop_unread_weights(model, native)
                 return
             log.warning("the quantized weights in %s do not fit the model: quantizing", path)
-        except (OSError, SafetensorError, KeyError) as e:
+        except (OSError, *MALFORMED) as e:
             log.warning("unreadable quantized weights %s (%s): quantizing again", path, e)
     smooth = None
     if quantization in CALIBRATED_QUANTIZATIONS and not records_only:  # one rank (validate)
@@ -135,13 +138,45 @@ def quantize_cached(
         for name, m in layers.items()
         for part, t in m.quantized_tensors().items()
     }
+    for name, block in model.named_modules():
+        if isinstance(block, RoutedExperts) and (r := block.records) is not None:
+            tensors[f"{name}/{EXPERT_PARTS[0]}.{r.gate_up_format}"] = r.gate_up
+            tensors[f"{name}/{EXPERT_PARTS[1]}.{r.down_format}"] = r.down
     try:
         if trusted:
             # written tensor by tensor (no second copy of them all); replicas quantizing at
             # once each rename a whole file into place
-            write_atomically(path, functools.partial(save_file, tensors))
-    except (OSError, SafetensorError) as e:
+            write_atomically(path, functools.partial(write_tensors, tensors=tensors))
+    except OSError as e:
         log.warning(
             "cannot keep the quantized weights in %s (%s): quantizing again next start", path, e
         )
     drop_unread_weights(model, native)
+
+
+def cached_experts(
+    path: Path, blocks: dict[str, RoutedExperts], fmt: int
+) -> dict[str, ExpertRecords] | None:
+    """The experts' records of `blocks` (by module name) that an earlier load kept in the
+    quantized weights' file `path` (`quantized_cache_path`), in format `fmt`; None where the
+    file is missing, untrusted or unreadable, or lacks any of them in the blocks' shapes."""
+    if trusted_cache_dir(path.parent.name) != path.parent or not path.is_file():
+        return None
+    want = {f"{name}/{part}.{fmt}" for name in blocks for part in EXPERT_PARTS}
+    try:
+        found = dict(read_tensors(path, want.__contains__))
+    except (OSError, *MALFORMED) as e:
+        log.warning("unreadable quantized experts in %s (%s): quantizing them again", path, e)
+        return None
+    out: dict[str, ExpertRecords] = {}
+    for name, block in blocks.items():
+        hidden, size = block.cfg.hidden_size, block.cfg.moe_intermediate_size
+        shapes = ((2 * size, hidden), (hidden, size))
+        stacks = []
+        for part, shape in zip(EXPERT_PARTS, shapes, strict=True):
+            stack = found.get(f"{name}/{part}.{fmt}")
+            if stack is None or stack.shape != (len(block.held), records_bytes(fmt, *shape)):
+                return None
+            stacks.append(stack)
+        out[name] = ExpertRecords(stacks[0], stacks[1], fmt, fmt)
+    return out

@@ -374,6 +374,11 @@ RECORD_BYTES = {NATIVE_Q4: 320, NATIVE_Q8: 544}
 """Bytes of a packed record of 16 output rows by 32 inputs, per format."""
 
 
+def records_bytes(fmt: int, rows: int, cols: int) -> int:
+    """Bytes of the records of a [rows, cols] matrix in format `fmt` (rows padded to 16)."""
+    return -(-rows // 16) * (cols // INT4_GROUP) * RECORD_BYTES[fmt]
+
+
 def _fp16_bytes(t: torch.Tensor) -> torch.Tensor:
     """[blocks, 16, groups] -> fp16 bytes [blocks, groups, 32]: a group's 16 rows together."""
     half = t.clamp(-65504, 65504).half().permute(0, 2, 1).contiguous()
@@ -423,12 +428,20 @@ def q8_rows(records: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
     return weights.reshape(len(rows), k).to(torch.bfloat16)
 
 
+PACK_ROWS = 4096
+"""Rows packed at a time (a multiple of a record's 16): a block's records depend on its 16
+rows alone, so a large matrix (an LM head of 100 M weights) is packed in parts, its float32
+temporaries a part's (about 1.5 GB less at the peak of a MoE's first quantized load)."""
+
+
 def pack_q4(weight: torch.Tensor) -> torch.Tensor:
     """The weight [N, K] (K a multiple of 32) as the native step's Q4 records: per block of 16
     rows and group of 32 inputs, 4 x 64 bytes of 4-bit values (lane r, byte j: inputs 8c + j
     and 8c + 4 + j of row r, low and high nibble), then the 16 rows' fp16 scales and fp16
     minimums (weight = q * scale + minimum). Flat uint8, 320 bytes a record."""
     n, k = weight.shape
+    if n > PACK_ROWS:
+        return torch.cat([pack_q4(part) for part in weight.split(PACK_ROWS)])
     w = weight.detach().float().reshape(n, k // INT4_GROUP, INT4_GROUP)
     low = w.amin(-1).clamp(-65504, 65504).half().float()
     scale = ((w.amax(-1) - low) / 15).clamp(max=65504).half().float()
@@ -442,6 +455,8 @@ def pack_q8(weight: torch.Tensor) -> torch.Tensor:
     4c + 3 of row r), then the 16 rows' fp16 scales (weight = (u - 128) * scale). Flat uint8,
     544 bytes a record."""
     n, k = weight.shape
+    if n > PACK_ROWS:
+        return torch.cat([pack_q8(part) for part in weight.split(PACK_ROWS)])
     w = weight.detach().float().reshape(n, k // INT4_GROUP, INT4_GROUP)
     scale = (w.abs().amax(-1) / 127).clamp(max=65504).half().float()
     q = torch.where(scale[..., None] > 0, w / scale[..., None], 0).round().clamp(-127, 127)
@@ -555,9 +570,8 @@ class Linear(nn.Linear):
 
     def fits(self, tensors: dict[str, torch.Tensor]) -> bool:
         """Whether `quantized_tensors` of an earlier load (`tensors`) are this layer's shapes."""
-        records = -(-self.out_features // 16) * (self.in_features // INT4_GROUP)
         return bool(tensors) and all(
-            t.numel() == records * RECORD_BYTES[int(part.split(".")[1])]
+            t.numel() == records_bytes(int(part.split(".")[1]), self.out_features, self.in_features)
             if part.startswith("native.")
             else "weight" not in part or t.shape[0] == self.out_features
             for part, t in tensors.items()
