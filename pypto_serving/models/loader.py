@@ -41,6 +41,7 @@ from pypto_serving.models.gpt_oss import GptOssForCausalLM, GptOssMoE
 from pypto_serving.models.llama import CausalLM, MoE, RoutedExperts
 from pypto_serving.models.quantized_cache import (
     cached_experts,
+    kept_forms_fit,
     quantize_cached,
     quantized_cache_path,
 )
@@ -54,7 +55,7 @@ from pypto_serving.models.quantized_experts import (
 )
 from pypto_serving.models.tensor_files import MALFORMED, read_tensors
 from pypto_serving.models.windowed import WindowedCausalLM
-from pypto_serving.ops.linear import NATIVE_Q8, pack_linears
+from pypto_serving.ops.linear import NATIVE_Q8, Linear, pack_linears, quantized_kind
 from pypto_serving.ops.moe import ExpertRecords
 
 # HF projection name -> (our fused parameter, index of the slice it fills)
@@ -321,9 +322,15 @@ def mla_tensors(
     return [(name, tensor)]
 
 
-def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+def load_weights(
+    model: CausalLM,
+    weights: Iterator[tuple[str, torch.Tensor]],
+    filled: Callable[[str], bool] | None = None,
+) -> None:
     """Copy checkpoint tensors into the model; every parameter must be filled exactly once.
-    Under tensor parallelism each rank keeps its slice of every split tensor."""
+    Under tensor parallelism each rank keeps its slice of every split tensor. filled(name):
+    told as each parameter of the projections and other plain tensors is whole; True when it
+    took the parameter away (its quantized form made), which no tensor may then fill."""
     cfg = model.cfg
     params = dict(model.named_parameters())
     pending = {name: expected_loads(cfg, name, p) for name, p in params.items()}
@@ -365,6 +372,8 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -
                     target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
                 copy_checked(hf_name, part, target)
                 pending[name] -= 1
+                if filled is not None and pending[name] == 0 and filled(name):
+                    del params[name]  # (the last reference here: its memory goes now)
     missing = sorted(n for n, left in pending.items() if left > 0)
     if missing == ["lm_head.weight"]:
         raise ModelLoadError(
@@ -516,8 +525,11 @@ def load_model(
         weights = (w for w in weights if not quantizer.take(*w))
     if cfg.gpt_oss is not None and cfg.gpt_oss.mxfp4:
         weights = mxfp4.dequantized(weights)
+    filled = None
+    if records_only and sources is None and quantization is not None:
+        filled = _streamed_records(model, model_dir, quantization, groups, native)
     with torch.no_grad():
-        load_weights(model, weights)
+        load_weights(model, weights, filled)
     model.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32, device=device)
     if isinstance(model, DeepseekV4ForCausalLM | Gemma3ForCausalLM):
         model.set_rope(device)
@@ -564,6 +576,38 @@ def load_model(
     elif pack is not None:
         pack_linears(model, pack=pack)
     return model
+
+
+def _streamed_records(
+    model: CausalLM, model_dir: Path, quantization: str, groups: ParallelGroups, native: bool
+) -> Callable[[str], bool]:
+    """`load_weights`' `filled` for a model whose linear layers will be records alone
+    (`records_only`, no calibration): each layer but the LM head, once its weight is whole,
+    is packed into its records (`Linear.quantize`, the form `pack_linears` would give it) or,
+    where the quantized weights' cache holds every layer's (`kept_forms_fit`, which
+    `quantize_cached` then reads), left for them; either way its bf16 weight goes at once, so
+    the load never holds the checkpoint in bf16 (a dense 8B's 16 GB)."""
+    path = quantized_cache_path(
+        model, checkpoint_digest(model_dir), quantization, groups, native, True
+    )
+    kept = kept_forms_fit(path, model)
+    head = model.lm_head
+    linears = {
+        f"{n}.weight": m
+        for n, m in model.named_modules()
+        if isinstance(m, Linear) and m is not head and m.weight is not None
+    }
+
+    def filled(name: str) -> bool:
+        layer = linears.pop(name, None)
+        if layer is None:
+            return False
+        if not kept:
+            layer.quantize(quantized_kind(False, quantization, native, True))
+        layer.register_parameter("weight", None)
+        return True
+
+    return filled
 
 
 def load_mtp(model_dir: Path, target: CausalLM, dtype: torch.dtype) -> DeepseekMTP:

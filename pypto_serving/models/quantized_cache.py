@@ -21,7 +21,7 @@ from pypto_serving.device import cpu_isa, int8_gemm_full_range
 from pypto_serving.distributed import ParallelGroups
 from pypto_serving.models import calibration
 from pypto_serving.models.llama import CausalLM, RoutedExperts
-from pypto_serving.models.tensor_files import MALFORMED, read_tensors, write_tensors
+from pypto_serving.models.tensor_files import MALFORMED, read_header, read_tensors, write_tensors
 from pypto_serving.ops.linear import Linear, drop_unread_weights, pack_linears, records_bytes
 from pypto_serving.ops.moe import ExpertRecords
 from pypto_serving.paths import cache_dir, trusted_cache_dir, write_atomically
@@ -152,6 +152,29 @@ def quantize_cached(
             "cannot keep the quantized weights in %s (%s): quantizing again next start", path, e
         )
     drop_unread_weights(model, native)
+
+
+def kept_forms_fit(path: Path, model: CausalLM) -> bool:
+    """Whether `quantize_cached` will take every linear layer's quantized forms from the kept
+    file `path` (`quantized_cache_path`): it is trusted, its header reads, and each layer's
+    parts there have the layer's shapes (`Linear.fits`). The load may then drop each bf16
+    weight as soon as it is filled, unquantized."""
+    if trusted_cache_dir(path.parent.name) != path.parent or not path.is_file():
+        return False
+    try:
+        header = read_header(path)
+    except (OSError, *MALFORMED):
+        return False
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, info in header.items():
+        name, _, part = key.partition("/")
+        if key != "__metadata__" and not part.startswith(EXPERT_PARTS):
+            shape = info.get("shape") if isinstance(info, dict) else None
+            if not isinstance(shape, list):
+                return False
+            parts.setdefault(name, {})[part] = torch.empty(shape, device="meta")
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    return parts.keys() == layers.keys() and all(layers[n].fits(p) for n, p in parts.items())
 
 
 def cached_experts(

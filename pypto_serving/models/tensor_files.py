@@ -19,6 +19,7 @@ import json
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
 
@@ -45,18 +46,32 @@ MAX_HEADER = 1 << 28
 """The largest safetensors header read (safetensors' own limit is 100 MB)."""
 
 
+def read_header(path: Path) -> dict[str, dict[str, Any]]:
+    """A safetensors file's header: each tensor's dtype, shape and data_offsets (and the
+    file's `__metadata__`). A malformed file raises MALFORMED."""
+    with open(path, "rb") as f:
+        return _header(f)[0]
+
+
+def _header(f: BinaryIO) -> tuple[dict[str, dict[str, Any]], int]:
+    """The header of the safetensors file open as `f`, and where its data starts."""
+    (size,) = struct.unpack("<Q", f.read(8))
+    if size > MAX_HEADER:
+        raise ValueError(f"a header of {size} bytes")
+    header = json.loads(f.read(size))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return header, 8 + size
+
+
 def read_tensors(
     path: Path, wanted: Callable[[str], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of a safetensors file that `wanted` names (all: None), in the order they
     lie in it, each read into memory of its own. A malformed file raises MALFORMED."""
     with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        if size > MAX_HEADER:
-            raise ValueError(f"a header of {size} bytes")
-        header = json.loads(f.read(size))
+        header, start = _header(f)
         header.pop("__metadata__", None)
-        start = 8 + size
         for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             if wanted is not None and not wanted(key):
                 continue

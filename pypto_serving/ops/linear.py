@@ -695,6 +695,18 @@ def drop_unread_weights(model: nn.Module, native: bool) -> None:
         layer.register_parameter("weight", None)
 
 
+def quantized_kind(head: bool, quantization: str, native: bool, records_only: bool) -> str:
+    """The form `Linear.quantize` gives a layer (`head`: the LM head) under `quantization`, as
+    `pack_linears` says."""
+    if records_only:
+        return "q8" if head or quantization == "int8" else "q4"
+    if head and quantization == "int4":
+        return "q8" if native else "int8"
+    if head and quantization == "int4-w8a8":
+        return "w8a8-q8" if native else "w8a8"  # int8, and its GEMV beats the int8 kernel's
+    return quantization.replace("int4", "q4") if native else quantization
+
+
 def pack_linears(
     model: nn.Module,
     quantization: str | None = None,
@@ -735,17 +747,11 @@ def pack_linears(
         if saved is not None:
             layer.load_quantized(saved[name])
             continue
+        if layer.weight is None and layer.native is not None and records_only:
+            continue  # packed as the checkpoint streamed (models/loader.py)
         if layer.weight is None:
             raise PyptoError(f"{name} has no weight to quantize: its records were not given")
-        kind = quantization
-        if records_only:
-            kind = "q8" if layer is head or quantization == "int8" else "q4"
-        elif layer is head and quantization == "int4":
-            kind = "q8" if native else "int8"
-        elif layer is head and quantization == "int4-w8a8":
-            kind = "w8a8-q8" if native else "w8a8"  # int8, and its GEMV beats the int8 kernel's
-        elif native:
-            kind = kind.replace("int4", "q4")
+        kind = quantized_kind(layer is head, quantization, native, records_only)
         layer.quantize(kind, (smooth or {}).get(layer), exact=quantization == "w8a8")
     if records_only:  # the records are the weight now: no bf16 copy beside them
         for _, layer in layers:
