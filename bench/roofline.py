@@ -297,6 +297,12 @@ def main(argv: list[str] | None = None) -> int:
         "--prefill",
         help="TOKENS:SECONDS of a prompt alone (its TTFT), against the bf16 GEMM limit",
     )
+    p.add_argument(
+        "--quantization",
+        choices=sorted(QUANTIZED_BYTES),
+        help="an HF directory's weights as ours reads them under this --quantization "
+        "(default: as stored; a GGUF file is read as stored)",
+    )
     args = p.parse_args(argv)
     machine = limits(args.threads, args.fresh)
     print(f"{machine.cpu} ({machine.isa}), {machine.threads} threads:")
@@ -306,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  GEMM int8 {machine.int8_gop_s:.0f} GOP/s")
     if args.model is None:
         return 0
-    need = demand(args.model)
+    need = demand(args.model, args.quantization)
     print(f"{args.model.name}: {need.weight_bytes / 1e6:.1f} MB of weights a decoded token,")
     print(f"  {need.kv_bytes_per_token / 1e3:.1f} KB of KV a token of context,")
     print(f"  {need.flops / 1e9:.2f} GFLOP a token's matmuls")

@@ -61,6 +61,23 @@ def test_our_quantized_forms_are_read_in_their_records(tmp_path: Path) -> None:
     assert int4.flops == int8.flops == roofline.demand(hf).flops == 2 * elements
 
 
+def test_the_command_reads_a_directory_in_our_quantized_forms(tmp_path, monkeypatch, capsys):
+    """`--quantization int4` counts an HF directory's weights as our records hold them."""
+    shape = real_shapes.SHAPES["llama-tiny"]
+    hf = real_shapes.write_hf(shape, tmp_path / "hf")
+    fixed = roofline.Limits("cpu", "avx2", 2, 10.0, 100.0, 50.0, None)
+    monkeypatch.setattr(roofline, "limits", lambda threads, fresh: fixed)
+    stored, int4 = roofline.demand(hf), roofline.demand(hf, "int4")
+    for quantization, need in ((None, stored), ("int4", int4)):
+        argv = ["--model", str(hf), "--decode-tok-s", "10"]
+        assert roofline.main(argv + (["--quantization", quantization] if quantization else [])) == 0
+        printed = capsys.readouterr().out
+        assert f"{need.weight_bytes / 1e6:.1f} MB of weights a decoded token" in printed
+        share = 10 * need.weight_bytes / 1e9 / fixed.read_gb_s
+        assert f"decode 10.0 tok/s: {share:.0%} of the read bandwidth" in printed
+    assert int4.weight_bytes < stored.weight_bytes
+
+
 def test_the_fractions_of_the_limits() -> None:
     need = roofline.Demand(1e9, 1e5, 2e9, 0.0, 1e3)
     machine = roofline.Limits("cpu", "avx2", 2, 50.0, 400.0, 200.0, None)
