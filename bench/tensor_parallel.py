@@ -180,8 +180,7 @@ def paired_table(results: dict[str, Any]) -> list[str]:
         "|---|---|---|---|",
         rows("decode tok/s, median", one["decode_tok_per_s"], two["decode_tok_per_s"], "{:.1f}"),
         rows("TTFT ms, median", one["ttft_ms"], two["ttft_ms"], "{:.0f}"),
-        f"| decode tok/s, median of the per-pair ratios | | | "
-        f"{pairs['ratio_median']:.2f}× |",
+        f"| decode tok/s, median of the per-pair ratios | | | {pairs['ratio_median']:.2f}× |",
         f"| pairs where TP=2 decoded faster | | | {pairs['tp2_won']} of {pairs['count']} |",
     ]
 

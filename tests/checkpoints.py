@@ -561,6 +561,19 @@ def assert_top5_rule(expected: list[Any], got: list[Any]) -> int:
     return diverged
 
 
+def assert_prompt_logprobs_near(got: list[Any], want: list[Any], share: float) -> None:
+    """Each request's prompt logprobs in `got` within `share` of the largest in `want` (plus
+    0.05): what a quantization's error allows, where a wrong weight moves them by whole
+    units."""
+    for got_out, want_out in zip(got, want, strict=True):
+        found = torch.tensor([s.logprob for s in got_out.prompt_logprobs[1:]])
+        expected = torch.tensor([s.logprob for s in want_out.prompt_logprobs[1:]])
+        assert (found - expected).abs().max() < share * expected.abs().max() + 0.05, (
+            found,
+            expected,
+        )
+
+
 def fake_kv_store(num_pages: int, page_size: int, **options: Any) -> Any:
     """The KV of one full-attention group for tests without a model: one layer, one KV head
     of dim 2 (room for a token's fake KV, (token id, position)), fp32 on the CPU. `options`:

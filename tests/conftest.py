@@ -41,6 +41,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+@pytest.fixture
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache folder ($PYPTO_CACHE_DIR) of the test's own, empty at first."""
+    monkeypatch.setenv("PYPTO_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
 @pytest.fixture(params=sorted(TINY))
 def tiny_name(request: pytest.FixtureRequest) -> str:
     return request.param

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import assert_prompt_logprobs_near
 from safetensors.torch import load_file
 
 from pypto_serving import LLM, SamplingParams, native
@@ -32,13 +33,6 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_log
 pytestmark = pytest.mark.skipif(
     native.gemm_library() is None, reason="experts are records where the native GEMM builds"
 )
-
-
-@pytest.fixture
-def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A cache folder of the test's own, empty at first: the quantized weights' file is made."""
-    monkeypatch.setenv("PYPTO_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
 
 
 def checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -97,10 +91,7 @@ def test_the_answers_are_the_bf16_models_within_the_quantizations_error(tiny_mod
     for quantization in ("int8", "none"):
         with LLM(str(model_dir), quantization=quantization, enforce_eager=True) as llm:
             found[quantization] = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    for got_out, want_out in zip(found["int8"], found["none"], strict=True):
-        got = torch.tensor([s.logprob for s in got_out.prompt_logprobs[1:]])
-        want = torch.tensor([s.logprob for s in want_out.prompt_logprobs[1:]])
-        assert (got - want).abs().max() < 0.03 * want.abs().max() + 0.05, (got, want)
+    assert_prompt_logprobs_near(found["int8"], found["none"], 0.03)
 
 
 def test_a_second_load_takes_the_records_from_the_cache_unread(tiny_model, own_cache, monkeypatch):

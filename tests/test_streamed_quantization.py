@@ -11,8 +11,6 @@ taken), and the answers are the same.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -27,12 +25,6 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 pytestmark = pytest.mark.skipif(
     native.gemm_library() is None, reason="int4's records serve alone where the native GEMM builds"
 )
-
-
-@pytest.fixture
-def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("PYPTO_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
 
 
 def held_weights(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:

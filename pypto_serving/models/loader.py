@@ -46,11 +46,10 @@ from pypto_serving.models.quantized_cache import (
     quantized_cache_path,
 )
 from pypto_serving.models.quantized_experts import (
-    EXPERT,
     EXPERT_FORMATS,
-    V4_PROJECTIONS,
     ExpertQuantizer,
     is_records_expert,
+    parse_expert,
     record_blocks,
 )
 from pypto_serving.models.tensor_files import MALFORMED, read_tensors
@@ -115,11 +114,10 @@ def expert_target(
     """Where a Qwen3-MoE expert tensor goes: (the stacked parameter, the slice this rank
     fills, or None when another rank holds that expert); None for a tensor that is no
     expert's."""
-    match = EXPERT.fullmatch(name)
-    if match is None:
+    parsed = parse_expert(name)
+    if parsed is None:
         return None
-    prefix, expert = match[1], int(match[2])
-    proj = V4_PROJECTIONS.get(match[3], match[3]).removesuffix("_proj")
+    prefix, expert, proj = parsed
     moe = model.get_submodule(prefix)
     assert isinstance(moe, MoE | DeepseekMoE | V4MoE), f"{prefix} holds no experts"
     if expert not in moe.held:
@@ -500,6 +498,11 @@ def load_model(
         and head.weight is not None
     ):
         head.weight = embed.weight  # to_empty() gives each module its own tensor: tie again
+    kept = None  # where the quantized weights are kept across starts
+    if quantization is not None and sources is None:
+        kept = quantized_cache_path(
+            model, checkpoint_digest(model_dir), quantization, groups, native, records_only
+        )
     skip = None
     if sources is not None and records_only:
         skipped = {s for parts in sources.values() for s in parts}
@@ -511,11 +514,9 @@ def load_model(
     made: dict[str, ExpertRecords] | None = None
     if blocks:
         assert quantization is not None
+        assert kept is not None
         fmt = EXPERT_FORMATS[quantization]
-        path = quantized_cache_path(
-            model, checkpoint_digest(model_dir), quantization, groups, native, records_only
-        )
-        made = cached_experts(path, blocks, fmt)
+        made = cached_experts(kept, blocks, fmt)
         if made is not None:
             skip = functools.partial(is_records_expert, blocks=blocks)  # never read
         else:
@@ -526,8 +527,9 @@ def load_model(
     if cfg.gpt_oss is not None and cfg.gpt_oss.mxfp4:
         weights = mxfp4.dequantized(weights)
     filled = None
-    if records_only and sources is None and quantization is not None:
-        filled = _streamed_records(model, model_dir, quantization, groups, native)
+    if records_only and kept is not None:
+        assert quantization is not None
+        filled = _streamed_records(model, kept, quantization, native)
     with torch.no_grad():
         load_weights(model, weights, filled)
     model.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32, device=device)
@@ -561,13 +563,12 @@ def load_model(
             assert isinstance(block, RoutedExperts) and block.exchange == "none"
             block.records = stored
     elif quantization is not None:
-        digest, tokenizer = checkpoint_digest(model_dir), lambda: load_tokenizer(model_dir)
+        assert kept is not None
         quantize_cached(
             model,
-            digest,
+            kept,
             quantization,
-            groups,
-            tokenizer,
+            lambda: load_tokenizer(model_dir),
             native,
             pack,
             records_only,
@@ -579,18 +580,15 @@ def load_model(
 
 
 def _streamed_records(
-    model: CausalLM, model_dir: Path, quantization: str, groups: ParallelGroups, native: bool
+    model: CausalLM, kept: Path, quantization: str, native: bool
 ) -> Callable[[str], bool]:
     """`load_weights`' `filled` for a model whose linear layers will be records alone
     (`records_only`, no calibration): each layer but the LM head, once its weight is whole,
     is packed into its records (`Linear.quantize`, the form `pack_linears` would give it) or,
-    where the quantized weights' cache holds every layer's (`kept_forms_fit`, which
-    `quantize_cached` then reads), left for them; either way its bf16 weight goes at once, so
-    the load never holds the checkpoint in bf16 (a dense 8B's 16 GB)."""
-    path = quantized_cache_path(
-        model, checkpoint_digest(model_dir), quantization, groups, native, True
-    )
-    kept = kept_forms_fit(path, model)
+    where the quantized weights' cache file `kept` holds every layer's (`kept_forms_fit`,
+    which `quantize_cached` then reads), left for them; either way its bf16 weight goes at
+    once, so the load never holds the checkpoint in bf16 (a dense 8B's 16 GB)."""
+    cached = kept_forms_fit(kept, model)
     head = model.lm_head
     linears = {
         f"{n}.weight": m
@@ -602,7 +600,7 @@ def _streamed_records(
         layer = linears.pop(name, None)
         if layer is None:
             return False
-        if not kept:
+        if not cached:
             layer.quantize(quantized_kind(False, quantization, native, True))
         layer.register_parameter("weight", None)
         return True

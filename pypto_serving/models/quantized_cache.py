@@ -65,11 +65,16 @@ def quantized_cache_path(
     return cache_dir() / "quantized" / f"{key.hexdigest()}.safetensors"
 
 
+def _trusted(path: Path) -> bool:
+    """Whether the quantized weights' file `path` is in a cache folder no other user could
+    write into (`trusted_cache_dir`): only then is it read or written."""
+    return trusted_cache_dir(path.parent.name) == path.parent
+
+
 def quantize_cached(
     model: CausalLM,
-    digest: str,
+    path: Path,
     quantization: str,
-    groups: ParallelGroups,
     tokenizer: Callable[[], Any],
     native: bool = False,
     pack: str | None = None,
@@ -80,13 +85,12 @@ def quantize_cached(
     the result of an earlier start from `cache_dir()/quantized`: reading it back is ~0.2 s
     where quantizing SmolLM2 is 1-2 s and calibrating ~2 s more. A file that does not fit the
     model (or cannot be read) is made again; a cache folder another user could write into is
-    neither read nor written (`trusted_cache_dir`). digest: the checkpoint's
-    (`loader.checkpoint_digest`); tokenizer: loads its tokenizer (for w8a8's calibration);
+    neither read nor written (`trusted_cache_dir`). path: the file, `quantized_cache_path` of
+    the model as built; tokenizer: loads its tokenizer (for w8a8's calibration);
     pack: the run plan's choice of packing for the bf16 weights (`pack_linears`); records_only:
     the native step's records serve every matmul (`pack_linears`; no calibration then), the
     graphs multiplying by them as records_wide says (`Linear.wide`)."""
-    path = quantized_cache_path(model, digest, quantization, groups, native, records_only)
-    trusted = trusted_cache_dir(path.parent.name) == path.parent
+    trusted = _trusted(path)
     layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     if trusted and path.is_file():
         try:
@@ -159,7 +163,7 @@ def kept_forms_fit(path: Path, model: CausalLM) -> bool:
     file `path` (`quantized_cache_path`): it is trusted, its header reads, and each layer's
     parts there have the layer's shapes (`Linear.fits`). The load may then drop each bf16
     weight as soon as it is filled, unquantized."""
-    if trusted_cache_dir(path.parent.name) != path.parent or not path.is_file():
+    if not _trusted(path) or not path.is_file():
         return False
     try:
         header = read_header(path)
@@ -183,7 +187,7 @@ def cached_experts(
     """The experts' records of `blocks` (by module name) that an earlier load kept in the
     quantized weights' file `path` (`quantized_cache_path`), in format `fmt`; None where the
     file is missing, untrusted or unreadable, or lacks any of them in the blocks' shapes."""
-    if trusted_cache_dir(path.parent.name) != path.parent or not path.is_file():
+    if not _trusted(path) or not path.is_file():
         return None
     want = {f"{name}/{part}.{fmt}" for name in blocks for part in EXPERT_PARTS}
     try:

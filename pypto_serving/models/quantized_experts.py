@@ -51,6 +51,15 @@ V4_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 """DeepSeek-V4's expert names (w1 gate, w3 up, w2 down) as the other models'."""
 
 
+def parse_expert(name: str) -> tuple[str, int, str] | None:
+    """A routed expert's checkpoint tensor name as (its block's module name, the expert's id,
+    "gate", "up" or "down"); None for any other tensor."""
+    match = EXPERT.fullmatch(name)
+    if match is None:
+        return None
+    return match[1], int(match[2]), V4_PROJECTIONS.get(match[3], match[3]).removesuffix("_proj")
+
+
 def takes_records(block: RoutedExperts) -> bool:
     """Whether the block's experts can be records: plain SwiGLU (no clamp, no gpt-oss gate,
     no biases), sizes in whole groups of 32 inputs, and not exchanged between replicas."""
@@ -84,8 +93,8 @@ def record_blocks(model: torch.nn.Module) -> dict[str, RoutedExperts]:
 
 def is_records_expert(name: str, blocks: dict[str, RoutedExperts]) -> bool:
     """Whether a checkpoint tensor is an expert's of one of `blocks`."""
-    match = EXPERT.fullmatch(name)
-    return match is not None and match[1] in blocks
+    parsed = parse_expert(name)
+    return parsed is not None and parsed[0] in blocks
 
 
 class ExpertQuantizer:
@@ -113,14 +122,13 @@ class ExpertQuantizer:
     def take(self, name: str, tensor: torch.Tensor) -> bool:
         """Keep the tensor if it is an expert's of a records block (packing the expert's
         gate and up once both are here); False for any other tensor, which loads as usual."""
-        match = EXPERT.fullmatch(name)
-        if match is None or match[1] not in self.blocks:
+        parsed = parse_expert(name)
+        if parsed is None or parsed[0] not in self.blocks:
             return False
-        prefix, expert = match[1], int(match[2])
+        prefix, expert, proj = parsed
         block = self.blocks[prefix]
         if expert not in block.held:
             return True  # another rank's expert
-        proj = V4_PROJECTIONS.get(match[3], match[3]).removesuffix("_proj")
         cfg = block.cfg
         rows, cols = (cfg.hidden_size, cfg.moe_intermediate_size)[:: 1 if proj == "down" else -1]
         if tuple(tensor.shape) != (rows, cols):
