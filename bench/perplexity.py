@@ -62,7 +62,7 @@ def score_native(llm: LLM, chunks: list[list[int]]) -> tuple[float, int, torch.T
         for chunk in chunks:
             request = Request("perplexity", chunk, SamplingParams(max_tokens=1))
             assert kv.allocate(request, len(chunk)), "a chunk must fit the KV cache"
-            pages = kv.pages([request.request_id])
+            pages = kv.pages([request.request_id])[kv.managers[0].name]  # GQA's one group
             for t in range(len(chunk)):
                 one = torch.tensor([t])
                 # the attention operator maps the token's slot, as in a step

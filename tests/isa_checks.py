@@ -96,8 +96,9 @@ def main(model_dir: str) -> None:
             got = llm.generate(prompts, params, use_tqdm=False)
             linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
             # bf16 weights in panels for the native GEMM (w8a8's wide matmuls run in int8;
-            # int4's records, its only weights, dequantized into float32 panels as it runs)
-            if name == "int4":
+            # int4's and int8's records, their only weights, dequantized into float32 panels
+            # as they run)
+            if name in ("int4", "int8"):
                 assert llm.engine.plan.records_wide == "panels"
                 assert all(m.packed is None and m.wide == "panels" for m in linears)
             else:

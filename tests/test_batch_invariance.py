@@ -93,8 +93,11 @@ def test_the_default_mode_does_not_promise_it(wide_model, cache):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("build", ["own", "avx2"])
-def test_int4_by_default_gets_the_same_bits_but_after_a_preemption(wide_model, cache, build):
-    """Without the flag an int4 model's records serve every matmul (the run plan's
+@pytest.mark.parametrize("variant", ["int4", "int8"])
+def test_records_by_default_get_the_same_bits_but_after_a_preemption(
+    wide_model, cache, build, variant
+):
+    """Without the flag an int4 (int8) model's records serve every matmul (the run plan's
     `records_only`) and every decode runs through the native step, a prefill chunk beside
     decodes on the graphs alone: alone, after a hit, in a batch of 16, chunked and reloaded
     from the CPU tier, A's tokens and logprobs are the same bits. A preemption recomputes A's
@@ -103,7 +106,7 @@ def test_int4_by_default_gets_the_same_bits_but_after_a_preemption(wide_model, c
     if build == "avx2" and (AVX2_IS_THIS_BUILD or not {"avx2", "fma", "f16c"} <= cpu_flags()):
         pytest.skip("this CPU's own build is the AVX2 build, or it has no AVX2")
     env = AVX2_ENV if build == "avx2" else {}
-    found = situations_apart(wide_model, VARIANTS["int4"], cache, env)
+    found = situations_apart(wide_model, VARIANTS[variant], cache, env)
     found.pop("preempted")
     assert_all_equal(found)
 

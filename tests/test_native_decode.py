@@ -304,13 +304,15 @@ def compare_paths(executor: Any) -> list[float]:
 @pytest.mark.parametrize(
     ("name", "kv_cache_dtype", "quantization"),
     [(n, "auto", "int4") for n in ELIGIBLE]
-    + [("qwen3-hd32-gqa4", "int8", "int4"), ("qwen2-gqa2", "auto", None)],
+    + [("qwen3-hd32-gqa4", "int8", "int4"), ("qwen2-gqa2", "auto", None)]
+    + [("qwen3-hd32-gqa4", "auto", "int8")],
 )
 def test_the_native_step_computes_what_the_graphs_do(
     grid_model, name, kv_cache_dtype, quantization
 ):
-    """int4: the graphs multiply by the bf16 weights, the step by its Q4 records of them
-    (equal here); unquantized, both by the bf16 weights. Decodes of one to five sequences, a
+    """int4 (int8): the graphs multiply by the Q4 (Q8) records dequantized, the step by the
+    records themselves with activations quantized per 32; unquantized, both by the bf16
+    weights. Decodes of one to five sequences, a
     one-token prefill chunk among them."""
     knobs = {"dtype": "bfloat16", "quantization": quantization, "enforce_eager": False}
     with tiny_llm(grid_model(name), kv_cache_dtype=kv_cache_dtype, **knobs) as llm:
@@ -329,8 +331,10 @@ def test_the_native_step_computes_what_the_graphs_do(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["int4", "int4-w8a8"])
-def test_the_native_engine_follows_the_bf16_one(tiny_model, kind):
+@pytest.mark.parametrize(
+    ("kind", "fmt"), [("int4", NATIVE_Q4), ("int4-w8a8", NATIVE_Q4), ("int8", NATIVE_Q8)]
+)
+def test_the_native_engine_follows_the_bf16_one(tiny_model, kind, fmt):
     """Greedy tokens where each side's token is in the other's top-5 (the rule of the bf16
     equality tests); the graphs, which the step spares int4, are one per layer kind."""
     name = "qwen3-hd32-gqa4"
@@ -349,8 +353,8 @@ def test_the_native_engine_follows_the_bf16_one(tiny_model, kind):
         assert 5 in calls and max(calls) <= native_decode.MAX_ROWS  # the five decode together
         assert set(map(tuple, executor.run_layer._row_bounds.values())) == {()}
         layer = quantized.engine.model.model.layers[0].mlp.down_proj
-        assert layer.native is not None and layer.native[1] == NATIVE_Q4
-        assert layer.quantized is None  # no PyTorch int4 beside it
+        assert layer.native is not None and layer.native[1] == fmt
+        assert layer.quantized is None  # no PyTorch int4 (int8) beside it
         assert quantized.engine.model.lm_head.native[1] == NATIVE_Q8
     assert_top5_rule(expected, got)
 
@@ -365,6 +369,8 @@ def test_where_the_step_applies(tiny_model, monkeypatch):
     assert applies(qwen3, None, bf16, one, 16)  # bf16 weights, read in place
     assert not applies(qwen3, None, torch.float32, one, 16)
     assert not applies(qwen3, "w8a8", bf16, one, 16)  # batched throughput: the graphs
+    assert not applies(qwen3, "int8", bf16, one, 16)  # int8 per output row: unread by the step
+    assert applies(qwen3, "int8", bf16, one, 16, records_only=True)  # its Q8 records
     assert not applies(gqa8, "int4", bf16, one, 16)  # head_dim 8: no native attention
     assert not applies(moe, "int4", bf16, one, 16)
     tp2 = ParallelGroups(tp=Group(0, 2))  # TP with no shared-memory group (gloo): the graphs

@@ -61,7 +61,10 @@ def test_the_plan_takes_the_switches_where_the_machine_allows(monkeypatch):
         # the graphs' matmuls dequantize them into bf16: AVX512-BF16 pairs or float32 panels
         records_wide="pairs" if native.gemm_library().pypto_records_pairs_built() else "panels",
     )
+    # int8's Q8 records serve every matmul too: no bf16 weight packed beside them
     plan = plan_run(EngineConfig(device="cpu", dtype="bfloat16", quantization="int8"))
+    assert plan.pack_linear is None and plan.records_only
+    plan = plan_run(EngineConfig(device="cpu", dtype="bfloat16", quantization="w8a8"))
     assert plan.pack_linear == ("onednn" if cpu_packs_bf16() else "panels")
     assert not plan.records_only
     assert plan.num_threads >= 1

@@ -336,19 +336,19 @@ def test_the_quantized_engine_follows_the_bf16_one(tiny_model, kind):
             assert layer.int8.smooth is not None and layer.quantized[2] == 32
             assert head.int8 is not None and head.quantized is None
             assert layer.packed is None and head.packed is None
-        elif kind == "int4":  # the records alone serve every matmul: no bf16 weight kept
+        else:  # int4's (int8's) records alone serve every matmul: no bf16 weight kept
             assert quantized.engine.plan.records_only
-            assert layer.native is not None and layer.native[1] == NATIVE_Q4
+            fmt = NATIVE_Q4 if kind == "int4" else NATIVE_Q8
+            assert layer.native is not None and layer.native[1] == fmt
             assert head.native is not None and head.native[1] == NATIVE_Q8
             assert layer.weight is None and layer.quantized is None and layer.packed is None
-        else:
-            assert layer.quantized[2] == 0
         # a graph per class of step: one token, and (int4-w8a8) 2 to 8 apart from more; int4's
-        # records multiply up to 8 rows themselves where the graphs run the decodes (this
-        # model's: no native step), more dequantized; warm-up compiled each (0 recompilations)
+        # and int8's records multiply up to 8 rows themselves where the graphs run the decodes
+        # (this model's: no native step), more dequantized; warm-up compiled each (0
+        # recompilations)
         assert not quantized.engine.attention.native_decode
         bounds = {
-            "int8": [1],
+            "int8": [QUANTIZED_MAX_ROWS],
             "int4": [QUANTIZED_MAX_ROWS],
             "w8a8": [],
             "int4-w8a8": [1, QUANTIZED_MAX_ROWS],

@@ -42,9 +42,10 @@ from pypto_serving.models.quantized_experts import EXPERT_FORMATS
 
 log = logging.getLogger(__name__)
 
-RECORDS_QUANTIZATIONS = ("int4", "gguf")
+RECORDS_QUANTIZATIONS = ("int4", "int8", "gguf")
 """Quantizations whose records serve every matmul wherever the native GEMM builds (the run
-plan's `records_only`)."""
+plan's `records_only`): int4's Q4, int8's Q8 (a scale per 32 weights, as llama.cpp's Q8_0),
+a GGUF file's own; they are the layers' only form, so no bf16 copy is held."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -131,7 +132,9 @@ def plan_attention(
         native_decode=paged
         and kernels is not None
         and plan.native_decode
-        and _native_step_runs(cfg, plan.quantization, plan.dtype, groups, cache.page_size),
+        and _native_step_runs(
+            cfg, plan.quantization, plan.dtype, groups, cache.page_size, plan.records_only
+        ),
         native_rows=native_decode.MAX_ROWS if plan.records_only else native_decode.FEW_ROWS,
     )
 
@@ -142,11 +145,12 @@ def _native_step_runs(
     dtype: torch.dtype,
     groups: ParallelGroups,
     page_size: int,
+    records_only: bool = False,
 ) -> bool:
     """Whether the native decode step runs this model's decodes: its kind's, and the model's
     sizes, layers and weights (`native_decode.applies`)."""
     return model_class(cfg).attention_kind.NATIVE_DECODE and native_decode.applies(
-        cfg, quantization, dtype, groups, page_size
+        cfg, quantization, dtype, groups, page_size, records_only
     )
 
 
