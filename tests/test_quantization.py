@@ -24,6 +24,7 @@ from pypto_serving.ops.linear import (
     quantize_int4,
     quantize_int8,
     quantize_w8a8,
+    quantize_w8a8_rows,
     quantized_linear,
 )
 from pypto_serving.sampling import SamplingParams
@@ -300,6 +301,26 @@ def test_quantized_weights_are_kept_and_read_back_on_the_next_load(
     kept.write_bytes(b"not a safetensors file")
     loader.load_model(path, torch.bfloat16, cpu, None, kind, native)
     assert len(runs) >= len(linears) and kept.stat().st_size > 100  # made again, rewritten
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("seven", [False, True])
+def test_w8a8_quantized_in_blocks_of_rows_is_the_whole_weights_bits(monkeypatch, split, seven):
+    """A large weight (an LM head) is quantized PACK_ROWS rows at a time, with no float32 copy
+    of it whole: every part the same bits as the whole weight's, split (8 bits in two GEMMs)
+    or with 7-bit inputs (the row sums) too."""
+    from pypto_serving.ops import linear
+
+    monkeypatch.setattr(linear, "int8_gemm_full_range", lambda: not (split or seven))
+    torch.manual_seed(3)
+    weight = torch.randn(5000, 64, dtype=torch.bfloat16)
+    smooth = torch.rand(64) + 0.5
+    whole = quantize_w8a8(weight.float() * smooth, split=split)
+    rows = quantize_w8a8_rows(weight, smooth, split)
+    assert linear.PACK_ROWS < 5000
+    for a, b in zip(whole, rows, strict=True):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    assert (whole[3] is not None) == split and (whole[2] is not None) == (seven and not split)
 
 
 def test_int4_groups_keep_each_group_in_range():

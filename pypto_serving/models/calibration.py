@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
-from pypto_serving.models.llama import CausalLM
+from pypto_serving.models.llama import CausalLM, DecoderLayer
 from pypto_serving.ops.attention import DenseKV
 from pypto_serving.ops.linear import Int8Form, Linear, int8_linear, quantize_w8a8
 
@@ -47,31 +48,37 @@ def _run_text(model: CausalLM, token_ids: list[int]) -> None:
 
 
 def _observe(
-    model: CausalLM,
-    token_ids: list[int],
+    run: Callable[[], None],
     layers: list[Linear],
     record: Callable[[Linear, tuple[torch.Tensor, ...]], None],
 ) -> None:
-    """`_run_text` with `record` called on each of layers' inputs."""
+    """`run()` with `record` called on each of layers' inputs."""
     hooks = [m.register_forward_pre_hook(record) for m in layers]
     try:
-        _run_text(model, token_ids)
+        run()
     finally:
         for h in hooks:
             h.remove()
 
 
-def activation_maxima(model: CausalLM, token_ids: list[int]) -> dict[Linear, torch.Tensor]:
-    """The largest magnitude of each input channel of every `Linear`, in float32, over a
-    forward of token_ids (in chunks of CHUNK, each from position 0)."""
+def _maxima(run: Callable[[], None], layers: list[Linear]) -> dict[Linear, torch.Tensor]:
+    """The largest magnitude of each input channel of each of layers, in float32, over
+    `run()`."""
     maxima: dict[Linear, torch.Tensor] = {}
 
     def record(layer: Linear, args: tuple[torch.Tensor, ...]) -> None:
         seen = args[0].detach().abs().amax(0).float()
         maxima[layer] = torch.maximum(maxima[layer], seen) if layer in maxima else seen
 
-    _observe(model, token_ids, [m for m in model.modules() if isinstance(m, Linear)], record)
+    _observe(run, layers, record)
     return maxima
+
+
+def activation_maxima(model: CausalLM, token_ids: list[int]) -> dict[Linear, torch.Tensor]:
+    """The largest magnitude of each input channel of every `Linear`, in float32, over a
+    forward of token_ids (in chunks of CHUNK, each from position 0)."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    return _maxima(lambda: _run_text(model, token_ids), linears)
 
 
 def choose_w8a8_inputs(model: CausalLM, token_ids: list[int]) -> int:
@@ -99,23 +106,81 @@ def choose_w8a8_inputs(model: CausalLM, token_ids: list[int]) -> int:
             assert form is not None
             errors[layer][i] += (int8_linear(x, *form).float() - exact).square().sum().item()
 
-    _observe(model, token_ids, list(other), record)
+    _observe(lambda: _run_text(model, token_ids), list(other), record)
     for layer, (seven_inputs, seven_weights) in errors.items():
         if seven_weights < seven_inputs:
             layer.int8 = other[layer]
     return sum(layer.int8 is not other[layer] for layer in other)
 
 
-def smoothing_factors(
-    model: CausalLM, token_ids: list[int], alpha: float = ALPHA
+def _factors(
+    maxima: dict[Linear, torch.Tensor], alpha: float = ALPHA
 ) -> dict[Linear, torch.Tensor]:
-    """Per `Linear`: its input channels' factors s (float32), for x / s @ (W * s).T."""
+    """Per `Linear` of maxima (its inputs' channel maxima): its input channels' factors s
+    (float32), for x / s @ (W * s).T."""
     factors = {}
-    for layer, act in activation_maxima(model, token_ids).items():
+    for layer, act in maxima.items():
         weight = layer.weight.detach().float().abs().amax(0)
         s = act.clamp(min=1e-5) ** alpha / weight.clamp(min=1e-5) ** (1 - alpha)
         factors[layer] = s.clamp(min=1e-5)
     return factors
+
+
+def smoothing_factors(
+    model: CausalLM, token_ids: list[int], alpha: float = ALPHA
+) -> dict[Linear, torch.Tensor]:
+    """Per `Linear`: its input channels' factors s (float32), for x / s @ (W * s).T."""
+    return _factors(activation_maxima(model, token_ids), alpha)
+
+
+class LayerwiseCalibration:
+    """`smoothing_factors` taken layer by layer, as a checkpoint is read in layer order: each
+    decoder layer runs over the text's chunks once its weights are in (`layer(i)` gives its
+    Linears' factors, after which it may be quantized and its bf16 weights dropped), the LM
+    head last (`head()`). Each chunk's hidden states between layers are what the whole
+    model's forward computes, so the factors are the same bits; the load holds one layer in
+    bf16, not the model. For a model whose forward is `CausalLM.forward` (the embedding, the
+    layers in order, the final norm), on one rank; the embedding must be loaded first."""
+
+    def __init__(self, model: CausalLM, token_ids: list[int]) -> None:
+        first = cast(DecoderLayer, model.model.layers[model.model.local.start])
+        dtype = first.input_layernorm.weight.dtype  # as `CausalLM.forward` takes its RoPE
+        device = next(model.parameters()).device
+        self.model = model
+        self.chunks: list[tuple[list[torch.Tensor], Callable[[int], Any], DenseKV]] = []
+        with torch.inference_mode():
+            for start in range(0, len(token_ids), CHUNK):
+                ids = torch.tensor(token_ids[start : start + CHUNK], device=device)
+                positions = torch.arange(len(ids), device=device)
+                rope = model.layer_rope(positions, dtype)
+                hidden = [model.embed(ids).float()]
+                self.chunks.append((hidden, rope, DenseKV(model.cfg.num_layers)))
+
+    def layer(self, i: int) -> dict[Linear, torch.Tensor]:
+        """Decoder layer i's Linears' factors, its bf16 weights in; each chunk's hidden
+        states move past it."""
+        layer = self.model.model.layers[i]
+
+        def run() -> None:
+            with torch.inference_mode():
+                for hidden, rope, kv in self.chunks:
+                    cos, sin = rope(i)
+                    hidden[0] = layer(hidden[0], cos, sin, kv)
+
+        return _factors(_maxima(run, [m for m in layer.modules() if isinstance(m, Linear)]))
+
+    def head(self) -> dict[Linear, torch.Tensor]:
+        """The LM head's factors, after every layer's."""
+        model = self.model
+        assert model.lm_head is not None
+
+        def run() -> None:
+            with torch.inference_mode():
+                for hidden, _, _ in self.chunks:
+                    norm = model.model.norm
+                    model.logits(hidden[0] if norm is None else norm(hidden[0]))
+
+        return _factors(_maxima(run, [model.lm_head]))
 
 
 def calibration_tokens(tokenizer: object) -> list[int]:

@@ -22,9 +22,12 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pypto_serving.config import CALIBRATED_QUANTIZATIONS as CALIBRATED
+from pypto_serving.device import int8_gemm_full_range, release_freed_memory
 from pypto_serving.distributed import Group, ParallelGroups
 from pypto_serving.errors import ModelLoadError, PyptoError
-from pypto_serving.models import mxfp4
+from pypto_serving.models import calibration, mxfp4
+from pypto_serving.models.calibration import LayerwiseCalibration
 from pypto_serving.models.config import DEEPSEEK, DEEPSEEK_V4, ModelConfig, load_model_config
 from pypto_serving.models.deepseek import DeepseekForCausalLM, DeepseekMoE
 from pypto_serving.models.deepseek_mtp import OWN_PARTS, DeepseekMTP, mtp_tensor_names
@@ -54,7 +57,14 @@ from pypto_serving.models.quantized_experts import (
 )
 from pypto_serving.models.tensor_files import MALFORMED, read_tensors
 from pypto_serving.models.windowed import WindowedCausalLM
-from pypto_serving.ops.linear import NATIVE_Q8, Linear, pack_linears, quantized_kind
+from pypto_serving.ops.linear import (
+    NATIVE_Q8,
+    Linear,
+    drop_unread_weights,
+    pack_linears,
+    quantized_kind,
+    weights_unread,
+)
 from pypto_serving.ops.moe import ExpertRecords
 
 # HF projection name -> (our fused parameter, index of the slice it fills)
@@ -206,6 +216,36 @@ def iter_checkpoint(
             raise ModelLoadError(f"corrupt safetensors file {path.name}: {e}") from None
 
 
+LAYER = re.compile(r"model\.layers\.(\d+)\.")
+"""A decoder layer's checkpoint tensor, and its index."""
+
+
+def iter_checkpoint_by_layer(
+    files: list[Path],
+    num_layers: int,
+    after_layer: Callable[[int], None],
+    skip: Callable[[str], bool] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`iter_checkpoint`'s tensors, the decoder layers' after every other (the embedding's
+    among those), layer 0's first, then 1's, and so on, whatever order the files keep them
+    in (a shard's are sorted by name: layer 10's before layer 2's); `after_layer(i)` is called
+    once layer i's last tensor has been taken from the iterator. Each file is read once per
+    layer, only that layer's tensors."""
+
+    def layer_of(name: str) -> int | None:
+        match = LAYER.match(name)
+        index = None if match is None else int(match[1])
+        return index if index is not None and index < num_layers else None
+
+    def part(index: int | None) -> Callable[[str], bool]:
+        return lambda name: layer_of(name) != index or (skip is not None and skip(name))
+
+    yield from iter_checkpoint(files, part(None))
+    for i in range(num_layers):
+        yield from iter_checkpoint(files, part(i))
+        after_layer(i)
+
+
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
 """Split by output rows under tensor parallelism (weights and biases)."""
 ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
@@ -323,12 +363,12 @@ def mla_tensors(
 def load_weights(
     model: CausalLM,
     weights: Iterator[tuple[str, torch.Tensor]],
-    filled: Callable[[str], bool] | None = None,
+    filled: Callable[[str], None] | None = None,
 ) -> None:
     """Copy checkpoint tensors into the model; every parameter must be filled exactly once.
     Under tensor parallelism each rank keeps its slice of every split tensor. filled(name):
-    told as each parameter of the projections and other plain tensors is whole; True when it
-    took the parameter away (its quantized form made), which no tensor may then fill."""
+    told as each parameter of the projections and other plain tensors is whole (it may take
+    the parameter away, its quantized form made); no tensor may fill it again."""
     cfg = model.cfg
     params = dict(model.named_parameters())
     pending = {name: expected_loads(cfg, name, p) for name, p in params.items()}
@@ -370,8 +410,12 @@ def load_weights(
                     target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
                 copy_checked(hf_name, part, target)
                 pending[name] -= 1
-                if filled is not None and pending[name] == 0 and filled(name):
-                    del params[name]  # (the last reference here: its memory goes now)
+                if pending[name] == 0:
+                    if filled is not None:
+                        filled(name)
+                    # no reference kept here: a weight its layer drops (here, or once its
+                    # layer is quantized as the checkpoint streams) frees its memory then
+                    del params[name]
     missing = sorted(n for n, left in pending.items() if left > 0)
     if missing == ["lm_head.weight"]:
         raise ModelLoadError(
@@ -521,20 +565,41 @@ def load_model(
             skip = functools.partial(is_records_expert, blocks=blocks)  # never read
         else:
             quantizer = ExpertQuantizer(blocks, fmt, dtype)
-    weights = iter_checkpoint(files, skip)
+    calibrated: LayerwiseCalibration | None = None  # (w8a8's factors, layer by layer)
+    cached = kept is not None and kept_forms_fit(kept, model)
+    if _calibrates_by_layer(model, quantization, records_only, kept, cached):
+        assert quantization is not None
+        tokens = calibration.calibration_tokens(load_tokenizer(model_dir))
+
+        def after_layer(i: int) -> None:  # its weights in: its factors, its int8, no bf16
+            nonlocal calibrated
+            calibrated = calibrated or LayerwiseCalibration(model, tokens)
+            layer = model.model.layers[i]
+            pack_linears(layer, quantization, calibrated.layer(i), native=native, pack=pack)
+            drop_unread_weights(layer, native)
+            release_freed_memory()
+
+        weights = iter_checkpoint_by_layer(files, cfg.num_layers, after_layer, skip)
+    else:
+        weights = iter_checkpoint(files, skip)
     if quantizer is not None:
         weights = (w for w in weights if not quantizer.take(*w))
     if cfg.gpt_oss is not None and cfg.gpt_oss.mxfp4:
         weights = mxfp4.dequantized(weights)
     filled = None
-    if records_only and kept is not None:
-        assert quantization is not None
-        filled = _streamed_records(model, kept, quantization, native)
-    with torch.no_grad():
-        load_weights(model, weights, filled)
+    if (
+        kept is not None
+        and quantization is not None
+        and (records_only or (cached and weights_unread(quantization, native)))
+    ):
+        filled = _streamed_records(model, quantization, native, cached)
+    # RoPE's buffers (lost by to_empty) before the weights: a layer calibrated as it streams
+    # runs as soon as its weights are in
     model.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32, device=device)
     if isinstance(model, DeepseekV4ForCausalLM | Gemma3ForCausalLM):
         model.set_rope(device)
+    with torch.no_grad():
+        load_weights(model, weights, filled)
     model = model.eval().requires_grad_(False)
     if blocks:
         made = made if quantizer is None else quantizer.records()
@@ -573,22 +638,47 @@ def load_model(
             pack,
             records_only,
             records_wide,
+            None if calibrated is None else calibrated.head(),
         )
     elif pack is not None:
         pack_linears(model, pack=pack)
     return model
 
 
+def _calibrates_by_layer(
+    model: CausalLM,
+    quantization: str | None,
+    records_only: bool,
+    kept: Path | None,
+    cached: bool,
+) -> bool:
+    """Whether w8a8's (int4-w8a8's) calibration runs layer by layer as the checkpoint is read
+    (`LayerwiseCalibration`, `iter_checkpoint_by_layer`): where it calibrates at all (no kept
+    forms fit: `cached`), the model's forward is `CausalLM.forward`, no layer is a mixture of
+    experts (whose experts are records already, or bf16 stacks this does not stream) and the
+    int8 GEMM takes full-range int8 (else `choose_w8a8_inputs` runs the quantized model
+    whole once more)."""
+    return (
+        quantization in CALIBRATED
+        and not records_only
+        and kept is not None
+        and not cached
+        and int8_gemm_full_range()
+        and type(model).forward is CausalLM.forward
+        and not any(isinstance(m, RoutedExperts) for m in model.modules())
+    )
+
+
 def _streamed_records(
-    model: CausalLM, kept: Path, quantization: str, native: bool
-) -> Callable[[str], bool]:
-    """`load_weights`' `filled` for a model whose linear layers will be records alone
-    (`records_only`, no calibration): each layer but the LM head, once its weight is whole,
-    is packed into its records (`Linear.quantize`, the form `pack_linears` would give it) or,
-    where the quantized weights' cache file `kept` holds every layer's (`kept_forms_fit`,
-    which `quantize_cached` then reads), left for them; either way its bf16 weight goes at
-    once, so the load never holds the checkpoint in bf16 (a dense 8B's 16 GB)."""
-    cached = kept_forms_fit(kept, model)
+    model: CausalLM, quantization: str, native: bool, cached: bool
+) -> Callable[[str], None]:
+    """`load_weights`' `filled` for a model whose linear layers will not keep their bf16
+    weights: each layer but the LM head, once its weight is whole, is packed into its records
+    (`Linear.quantize`, the form `pack_linears` would give it: `records_only`, no calibration)
+    or, where the quantized weights' cache file holds every layer's forms (`cached`:
+    `kept_forms_fit`; `quantize_cached` then reads them; also where an int8 form serves every
+    matmul: `weights_unread`), left for them; either way its bf16 weight goes at once,
+    so the load never holds the checkpoint in bf16 (a dense 8B's 16 GB)."""
     head = model.lm_head
     linears = {
         f"{n}.weight": m
@@ -596,14 +686,12 @@ def _streamed_records(
         if isinstance(m, Linear) and m is not head and m.weight is not None
     }
 
-    def filled(name: str) -> bool:
+    def filled(name: str) -> None:
         layer = linears.pop(name, None)
-        if layer is None:
-            return False
-        if not cached:
-            layer.quantize(quantized_kind(False, quantization, native, True))
-        layer.register_parameter("weight", None)
-        return True
+        if layer is not None:
+            if not cached:
+                layer.quantize(quantized_kind(False, quantization, native, True))
+            layer.register_parameter("weight", None)
 
     return filled
 

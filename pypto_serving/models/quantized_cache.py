@@ -19,6 +19,7 @@ import torch
 from pypto_serving.config import CALIBRATED_QUANTIZATIONS
 from pypto_serving.device import cpu_isa, int8_gemm_full_range
 from pypto_serving.distributed import ParallelGroups
+from pypto_serving.errors import ModelLoadError
 from pypto_serving.models import calibration
 from pypto_serving.models.llama import CausalLM, RoutedExperts
 from pypto_serving.models.tensor_files import MALFORMED, read_header, read_tensors, write_tensors
@@ -80,6 +81,7 @@ def quantize_cached(
     pack: str | None = None,
     records_only: bool = False,
     records_wide: str = "records",
+    calibrated: dict[Linear, torch.Tensor] | None = None,
 ) -> None:
     """Quantize the model's linear layers (`pack_linears`, after w8a8's calibration), or take
     the result of an earlier start from `cache_dir()/quantized`: reading it back is ~0.2 s
@@ -89,7 +91,10 @@ def quantize_cached(
     the model as built; tokenizer: loads its tokenizer (for w8a8's calibration);
     pack: the run plan's choice of packing for the bf16 weights (`pack_linears`); records_only:
     the native step's records serve every matmul (`pack_linears`; no calibration then), the
-    graphs multiplying by them as records_wide says (`Linear.wide`)."""
+    graphs multiplying by them as records_wide says (`Linear.wide`). calibrated: w8a8's
+    factors of the layers left to quantize where the others were quantized as the checkpoint
+    streamed (`calibration.LayerwiseCalibration`: the LM head's), taken instead of
+    calibrating."""
     trusted = _trusted(path)
     layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     if trusted and path.is_file():
@@ -116,9 +121,15 @@ def quantize_cached(
             log.warning("the quantized weights in %s do not fit the model: quantizing", path)
         except (OSError, *MALFORMED) as e:
             log.warning("unreadable quantized weights %s (%s): quantizing again", path, e)
-    smooth = None
-    if quantization in CALIBRATED_QUANTIZATIONS and not records_only:  # one rank (validate)
-        tokens = calibration.calibration_tokens(tokenizer())
+            path.unlink(missing_ok=True)  # (in our own folder: `_trusted`)
+    if any(m.weight is None and not m.quantized_tensors() for m in layers.values()):
+        raise ModelLoadError(  # dropped as the checkpoint streamed, for the file's forms
+            f"the kept quantized weights in {path} could not be read after the load let go "
+            "of the checkpoint's weights: start again, and it quantizes anew"
+        )
+    smooth = calibrated
+    if smooth is None and quantization in CALIBRATED_QUANTIZATIONS and not records_only:
+        tokens = calibration.calibration_tokens(tokenizer())  # one rank (validate)
         smooth = calibration.smoothing_factors(model, tokens)
     pack_linears(
         model,
@@ -129,7 +140,7 @@ def quantize_cached(
         records_only=records_only,
         wide=records_wide,
     )
-    if smooth is not None and not int8_gemm_full_range():
+    if smooth is not None and calibrated is None and not int8_gemm_full_range():
         kept = calibration.choose_w8a8_inputs(model, tokens)
         log.info(
             "w8a8 on an int8 GEMM without int8 dot products: %d layers with 8-bit inputs and "

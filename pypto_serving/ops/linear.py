@@ -53,7 +53,7 @@ on the rows beside it.
 from __future__ import annotations
 
 import ctypes
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -314,6 +314,25 @@ def quantize_w8a8(
     return q, scale.float(), q.sum(1, dtype=torch.int32) if seven else None, None
 
 
+def quantize_w8a8_rows(
+    weight: torch.Tensor, smooth: torch.Tensor | None, split: bool = False
+) -> W8A8:
+    """`quantize_w8a8` of weight * smooth (SmoothQuant's factors per input column, or None),
+    `PACK_ROWS` output rows at a time: the same bits (each row is quantized alone), without a
+    float32 copy of a large weight whole (an LM head's: 800 MB at 8B)."""
+    factors = 1 if smooth is None else smooth
+    parts = [quantize_w8a8(rows.float() * factors, split=split) for rows in weight.split(PACK_ROWS)]
+    if len(parts) == 1:
+        return parts[0]
+    q, scale, sums, low = zip(*parts, strict=True)
+    return (
+        torch.cat(q),
+        torch.cat(scale),
+        None if sums[0] is None else torch.cat(cast(tuple[torch.Tensor, ...], sums)),
+        None if low[0] is None else torch.cat(cast(tuple[torch.Tensor, ...], low)),
+    )
+
+
 def int8_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -529,8 +548,8 @@ class Linear(nn.Linear):
             return
         weight = self.weight.detach()
         if kind == "w8a8":
-            smoothed = weight.float() * (1 if smooth is None else smooth)
-            self.int8 = Int8Form(*quantize_w8a8(smoothed, split=exact and self.exact_int8), smooth)
+            split = exact and self.exact_int8
+            self.int8 = Int8Form(*quantize_w8a8_rows(weight, smooth, split), smooth)
             return
         multiple = {"int8": INT8_MULTIPLE, "q4": INT4_GROUP, "q8": INT4_GROUP}.get(
             kind, INT4_GROUP * INT4_INNER_K_TILES
@@ -695,6 +714,14 @@ def drop_unread_weights(model: nn.Module, native: bool) -> None:
         layer.register_parameter("weight", None)
 
 
+def weights_unread(quantization: str, native: bool) -> bool:
+    """Whether `drop_unread_weights` drops every Linear's bf16 weight (a tied head's aside)
+    under `quantization` (not `records_only`): an int8 form serves each one's every matmul
+    (w8a8, int4-w8a8), and the native step (`native`) reads int4-w8a8's records, not a plain
+    w8a8 layer's weight."""
+    return quantization == "int4-w8a8" or (quantization == "w8a8" and not native)
+
+
 def quantized_kind(head: bool, quantization: str, native: bool, records_only: bool) -> str:
     """The form `Linear.quantize` gives a layer (`head`: the LM head) under `quantization`, as
     `pack_linears` says."""
@@ -749,6 +776,8 @@ def pack_linears(
             continue
         if layer.weight is None and layer.native is not None and records_only:
             continue  # packed as the checkpoint streamed (models/loader.py)
+        if layer.weight is None and layer.int8 is not None:
+            continue  # quantized as the checkpoint streamed, calibrated layer by layer
         if layer.weight is None:
             raise PyptoError(f"{name} has no weight to quantize: its records were not given")
         kind = quantized_kind(layer is head, quantization, native, records_only)
