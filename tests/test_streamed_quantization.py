@@ -1,4 +1,4 @@
-"""Linear layers quantized as the checkpoint streams (models/loader.py's `_streamed_records`).
+"""Linear layers quantized as the checkpoint streams (models/loader.py's `_streamed_weights`).
 
 Where a model's layers will be the native step's records alone (`--quantization int4`
 wherever the native GEMM builds), each layer but the LM head is packed the moment its weight

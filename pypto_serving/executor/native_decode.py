@@ -52,9 +52,6 @@ reads every weight once, so a step's ninth row costs about what its first did (S
 its GGUF, AVX-512: 8 rows 9.4 ms, 9 rows 15.5 ms, 16 rows 21.8 ms)."""
 QUANTIZATIONS = (None, "int4", "int4-w8a8", "gguf")
 """Quantizations whose weights the step reads: bf16 or the records `pack_linears` makes."""
-RECORDS_QUANTIZATIONS = ("int8",)
-"""Quantizations the step runs only where their records are the weights' only form (the run
-plan's `records_only`: Q8 for int8); their other form (int8 per output row) it cannot read."""
 
 
 class _Layer(ctypes.Structure):
@@ -118,14 +115,15 @@ def applies(
     records_only: bool = False,
 ) -> bool:
     """Whether the native step can run this model's decodes (its kind's, where the run plan
-    runs the step: engine/plan.py): bf16 weights or records (int4's, a GGUF file's; int8's
-    where they are its only form: `records_only`) in bf16, one rank or TP ranks joined by
+    runs the step: engine/plan.py): bf16 weights or records (int4's, a GGUF file's; any
+    quantization's where they are the weights' only form, `records_only`: int8's Q8 is read
+    only there) in bf16, one rank or TP ranks joined by
     shared memory (no pipeline), no mixture-of-experts layer, sizes (each rank's) in whole
     groups of 32, and an attention shape the native kernels take."""
     tp = groups.tp.size
     sizes = (cfg.hidden_size, cfg.intermediate_size // tp, cfg.q_size // tp)
     return (
-        (quantization in QUANTIZATIONS or (records_only and quantization in RECORDS_QUANTIZATIONS))
+        (quantization in QUANTIZATIONS or records_only)
         and dtype == torch.bfloat16
         and (groups.world_size == 1 or (groups.pp.size == 1 and shm_group() is not None))
         and not cfg.moe_layers

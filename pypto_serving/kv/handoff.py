@@ -76,7 +76,12 @@ def counts(groups: list[GroupKV]) -> Counts:
 
 def num_bytes(shapes: Counts, geometry: list[PageGeometry]) -> int:
     """The packed size of groups of these counts (by the receiver's geometry)."""
-    return sum(c * geo.page_bytes for (_, _, _, c), geo in zip(shapes, geometry, strict=True))
+    return _pages_bytes(shapes, [geo.page_bytes for geo in geometry])
+
+
+def _pages_bytes(shapes: Counts, page_bytes: list[int]) -> int:
+    """The bytes of groups of these counts whose pages are `page_bytes` each (by group)."""
+    return sum(c * b for (_, _, _, c), b in zip(shapes, page_bytes, strict=True))
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,7 +99,7 @@ class KVLayout:
 
     def share_sizes(self, shapes: Counts) -> list[int]:
         """Each rank's bytes of a handoff of these counts."""
-        return [sum(s[3] * b for s, b in zip(shapes, row, strict=True)) for row in self.page_bytes]
+        return [_pages_bytes(shapes, row) for row in self.page_bytes]
 
     def cut(self, buffer: np.ndarray, shapes: Counts) -> tuple[list[GroupKV], list[np.ndarray]]:
         """A handoff's buffer of these counts, as rank 0's groups (views of it) and the other

@@ -27,9 +27,17 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
+from pypto_serving.device import release_freed_memory
 from pypto_serving.models.llama import CausalLM, DecoderLayer
 from pypto_serving.ops.attention import DenseKV
-from pypto_serving.ops.linear import Int8Form, Linear, int8_linear, quantize_w8a8
+from pypto_serving.ops.linear import (
+    Int8Form,
+    Linear,
+    drop_unread_weights,
+    int8_linear,
+    pack_linears,
+    quantize_w8a8,
+)
 
 TEXT = Path(__file__).with_name("calibration.txt")
 ALPHA = 0.5
@@ -181,6 +189,42 @@ class LayerwiseCalibration:
                     model.logits(hidden[0] if norm is None else norm(hidden[0]))
 
         return _factors(_maxima(run, [model.lm_head]))
+
+
+class LayerwiseQuantization:
+    """`iter_checkpoint_by_layer`'s `after_layer` for w8a8 and int4-w8a8 (`quantization`):
+    once decoder layer i's weights are in, its factors (`LayerwiseCalibration`, begun at the
+    first layer: the embedding is in by then), its forms (`pack_linears`, as the run plan's
+    `native` and `pack` say), its bf16 weights dropped where no matmul reads them and the
+    freed heap handed back; `head()`, after the last, the LM head's factors."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        token_ids: list[int],
+        quantization: str,
+        native: bool,
+        pack: str | None,
+    ) -> None:
+        self.model = model
+        self.token_ids = token_ids
+        self.quantization = quantization
+        self.native = native
+        self.pack = pack
+        self.calibration: LayerwiseCalibration | None = None
+
+    def __call__(self, i: int) -> None:
+        if self.calibration is None:
+            self.calibration = LayerwiseCalibration(self.model, self.token_ids)
+        layer = self.model.model.layers[i]
+        factors = self.calibration.layer(i)
+        pack_linears(layer, self.quantization, factors, native=self.native, pack=self.pack)
+        drop_unread_weights(layer, self.native)
+        release_freed_memory()
+
+    def head(self) -> dict[Linear, torch.Tensor] | None:
+        """The LM head's factors (None where no layer came)."""
+        return None if self.calibration is None else self.calibration.head()
 
 
 def calibration_tokens(tokenizer: object) -> list[int]:

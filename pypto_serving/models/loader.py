@@ -23,11 +23,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pypto_serving.config import CALIBRATED_QUANTIZATIONS as CALIBRATED
-from pypto_serving.device import int8_gemm_full_range, release_freed_memory
+from pypto_serving.device import int8_gemm_full_range
 from pypto_serving.distributed import Group, ParallelGroups
 from pypto_serving.errors import ModelLoadError, PyptoError
 from pypto_serving.models import calibration, mxfp4
-from pypto_serving.models.calibration import LayerwiseCalibration
+from pypto_serving.models.calibration import LayerwiseQuantization
 from pypto_serving.models.config import DEEPSEEK, DEEPSEEK_V4, ModelConfig, load_model_config
 from pypto_serving.models.deepseek import DeepseekForCausalLM, DeepseekMoE
 from pypto_serving.models.deepseek_mtp import OWN_PARTS, DeepseekMTP, mtp_tensor_names
@@ -60,7 +60,6 @@ from pypto_serving.models.windowed import WindowedCausalLM
 from pypto_serving.ops.linear import (
     NATIVE_Q8,
     Linear,
-    drop_unread_weights,
     pack_linears,
     quantized_kind,
     weights_unread,
@@ -565,21 +564,13 @@ def load_model(
             skip = functools.partial(is_records_expert, blocks=blocks)  # never read
         else:
             quantizer = ExpertQuantizer(blocks, fmt, dtype)
-    calibrated: LayerwiseCalibration | None = None  # (w8a8's factors, layer by layer)
     cached = kept is not None and kept_forms_fit(kept, model)
+    layerwise: LayerwiseQuantization | None = None  # (w8a8's factors, layer by layer)
     if _calibrates_by_layer(model, quantization, records_only, kept, cached):
         assert quantization is not None
         tokens = calibration.calibration_tokens(load_tokenizer(model_dir))
-
-        def after_layer(i: int) -> None:  # its weights in: its factors, its int8, no bf16
-            nonlocal calibrated
-            calibrated = calibrated or LayerwiseCalibration(model, tokens)
-            layer = model.model.layers[i]
-            pack_linears(layer, quantization, calibrated.layer(i), native=native, pack=pack)
-            drop_unread_weights(layer, native)
-            release_freed_memory()
-
-        weights = iter_checkpoint_by_layer(files, cfg.num_layers, after_layer, skip)
+        layerwise = LayerwiseQuantization(model, tokens, quantization, native, pack)
+        weights = iter_checkpoint_by_layer(files, cfg.num_layers, layerwise, skip)
     else:
         weights = iter_checkpoint(files, skip)
     if quantizer is not None:
@@ -592,7 +583,7 @@ def load_model(
         and quantization is not None
         and (records_only or (cached and weights_unread(quantization, native)))
     ):
-        filled = _streamed_records(model, quantization, native, cached)
+        filled = _streamed_weights(model, quantization, native, cached)
     # RoPE's buffers (lost by to_empty) before the weights: a layer calibrated as it streams
     # runs as soon as its weights are in
     model.inv_freq = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32, device=device)
@@ -638,7 +629,7 @@ def load_model(
             pack,
             records_only,
             records_wide,
-            None if calibrated is None else calibrated.head(),
+            None if layerwise is None else layerwise.head(),
         )
     elif pack is not None:
         pack_linears(model, pack=pack)
@@ -669,7 +660,7 @@ def _calibrates_by_layer(
     )
 
 
-def _streamed_records(
+def _streamed_weights(
     model: CausalLM, quantization: str, native: bool, cached: bool
 ) -> Callable[[str], None]:
     """`load_weights`' `filled` for a model whose linear layers will not keep their bf16

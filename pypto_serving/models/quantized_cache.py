@@ -97,31 +97,55 @@ def quantize_cached(
     calibrating."""
     trusted = _trusted(path)
     layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-    if trusted and path.is_file():
-        try:
-            saved: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layers}
-            # read, not mapped (`read_tensors`); a MoE block's experts the load took first
-            # (`cached_experts`)
-            wanted = lambda key: not key.partition("/")[2].startswith(EXPERT_PARTS)  # noqa: E731
-            for key, tensor in read_tensors(path, wanted):
-                name, _, part = key.partition("/")
-                saved[name][part] = tensor
-            if all(layers[n].fits(parts) for n, parts in saved.items()):
-                pack_linears(
-                    model,
-                    quantization,
-                    saved=saved,
-                    native=native,
-                    pack=pack,
-                    records_only=records_only,
-                    wide=records_wide,
-                )
-                drop_unread_weights(model, native)
-                return
-            log.warning("the quantized weights in %s do not fit the model: quantizing", path)
-        except (OSError, *MALFORMED) as e:
-            log.warning("unreadable quantized weights %s (%s): quantizing again", path, e)
-            path.unlink(missing_ok=True)  # (in our own folder: `_trusted`)
+    packs = functools.partial(
+        pack_linears,
+        model,
+        quantization,
+        native=native,
+        pack=pack,
+        records_only=records_only,
+        wide=records_wide,
+    )
+    if not (trusted and path.is_file() and _took_kept(path, layers, packs)):
+        _quantize(model, path, quantization, tokenizer, records_only, calibrated, packs, trusted)
+    drop_unread_weights(model, native)
+
+
+def _took_kept(path: Path, layers: dict[str, Linear], packs: Callable[..., int]) -> bool:
+    """Whether the layers' forms were taken from the kept file `path` (`packs`: `pack_linears`
+    as `quantize_cached` calls it); False where they do not fit or the file cannot be read
+    (deleted then: it is in our own folder, `_trusted`)."""
+    try:
+        saved: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layers}
+        # read, not mapped (`read_tensors`); a MoE block's experts the load took first
+        # (`cached_experts`)
+        wanted = lambda key: not key.partition("/")[2].startswith(EXPERT_PARTS)  # noqa: E731
+        for key, tensor in read_tensors(path, wanted):
+            name, _, part = key.partition("/")
+            saved[name][part] = tensor
+        if all(layers[n].fits(parts) for n, parts in saved.items()):
+            packs(saved=saved)
+            return True
+        log.warning("the quantized weights in %s do not fit the model: quantizing", path)
+    except (OSError, *MALFORMED) as e:
+        log.warning("unreadable quantized weights %s (%s): quantizing again", path, e)
+        path.unlink(missing_ok=True)
+    return False
+
+
+def _quantize(
+    model: CausalLM,
+    path: Path,
+    quantization: str,
+    tokenizer: Callable[[], Any],
+    records_only: bool,
+    calibrated: dict[Linear, torch.Tensor] | None,
+    packs: Callable[..., int],
+    trusted: bool,
+) -> None:
+    """`quantize_cached`'s quantizing (after w8a8's calibration, unless `calibrated`), its
+    forms then kept in `path` where it is `trusted`."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     if any(m.weight is None and not m.quantized_tensors() for m in layers.values()):
         raise ModelLoadError(  # dropped as the checkpoint streamed, for the file's forms
             f"the kept quantized weights in {path} could not be read after the load let go "
@@ -131,15 +155,7 @@ def quantize_cached(
     if smooth is None and quantization in CALIBRATED_QUANTIZATIONS and not records_only:
         tokens = calibration.calibration_tokens(tokenizer())  # one rank (validate)
         smooth = calibration.smoothing_factors(model, tokens)
-    pack_linears(
-        model,
-        quantization,
-        smooth,
-        native=native,
-        pack=pack,
-        records_only=records_only,
-        wide=records_wide,
-    )
+    packs(smooth)
     if smooth is not None and calibrated is None and not int8_gemm_full_range():
         kept = calibration.choose_w8a8_inputs(model, tokens)
         log.info(
@@ -166,7 +182,6 @@ def quantize_cached(
         log.warning(
             "cannot keep the quantized weights in %s (%s): quantizing again next start", path, e
         )
-    drop_unread_weights(model, native)
 
 
 def kept_forms_fit(path: Path, model: CausalLM) -> bool:

@@ -695,20 +695,28 @@ class VocabParallelEmbedding(nn.Module):
         return tp_all_reduce(rows * inside[:, None])
 
 
+def _weight_unread(int8: bool, records: bool, quantized: bool, native: bool) -> bool:
+    """Whether a Linear's matmuls all run on its other forms (`int8`: w8a8's; `records`: the
+    native step's; `quantized`: weight-only int4/int8), never on its bf16 weight. `matmul`
+    never reads the weight of a layer with an int8 form (its first two branches serve every
+    row count); the native decode step (`native`) reads a layer's records, or else its bf16
+    weight, so there only int4-w8a8's layers and the w8a8-q8 heads (int8 form and records)
+    go without it."""
+    return int8 and (not native or (records and not quantized))
+
+
 def drop_unread_weights(model: nn.Module, native: bool) -> None:
-    """Drop the bf16 weight of every Linear whose matmuls all run on its other forms, so that
-    it is not held beside them; a tied head's stays with the embedding that shares it. After
-    any calibration, which reads the weights. `matmul` never reads the weight of a layer with
-    an int8 form (its first two branches serve every row count); the native decode step
-    (`native`) reads a layer's records, or else its bf16 weight, so there only int4-w8a8's
-    layers and the w8a8-q8 heads (int8 form and records) lose theirs."""
+    """Drop the bf16 weight of every Linear whose matmuls all run on its other forms
+    (`_weight_unread`), so that it is not held beside them; a tied head's stays with the
+    embedding that shares it. After any calibration, which reads the weights."""
     unread = [
         layer
         for layer in model.modules()
         if isinstance(layer, Linear)
-        and layer.int8 is not None
-        and (not native or (layer.native is not None and layer.quantized is None))
         and layer.weight is not None
+        and _weight_unread(
+            layer.int8 is not None, layer.native is not None, layer.quantized is not None, native
+        )
     ]
     for layer in unread:
         layer.register_parameter("weight", None)
@@ -716,10 +724,12 @@ def drop_unread_weights(model: nn.Module, native: bool) -> None:
 
 def weights_unread(quantization: str, native: bool) -> bool:
     """Whether `drop_unread_weights` drops every Linear's bf16 weight (a tied head's aside)
-    under `quantization` (not `records_only`): an int8 form serves each one's every matmul
-    (w8a8, int4-w8a8), and the native step (`native`) reads int4-w8a8's records, not a plain
-    w8a8 layer's weight."""
-    return quantization == "int4-w8a8" or (quantization == "w8a8" and not native)
+    under `quantization` (not `records_only`): the rule `_weight_unread` applied to the forms
+    `quantized_kind` gives a layer that is not the head."""
+    parts = set(quantized_kind(False, quantization, native, False).split("-"))
+    return _weight_unread(
+        "w8a8" in parts, bool(parts & {"q4", "q8"}), bool(parts & {"int4", "int8"}), native
+    )
 
 
 def quantized_kind(head: bool, quantization: str, native: bool, records_only: bool) -> str:
