@@ -125,7 +125,7 @@ def test_bf16_products_are_exact_over_the_bf16_operands(products, rows):
 
 
 @pytest.mark.parametrize("fmt", [NATIVE_Q4, NATIVE_Q8])
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 13])  # 6, 13: a last block run whole, padded
 def test_packed_products_are_the_quantized_products(products, fmt, rows):
     torch.manual_seed(rows)
     n, k = 40, 96  # a block of 16 rows cut short, three groups of inputs

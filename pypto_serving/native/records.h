@@ -52,6 +52,16 @@
 namespace {
 
 constexpr int BLOCK_ROWS = 8;  // rows of x a block product takes at once
+// From this many rows in a block, a product over records runs the whole block (the rows past
+// the last padded with zeros, their sums dropped). AVX-512 VNNI: SmolLM2's native step of 5,
+// 6 and 7 rows took 7.0, 8.1 and 9.5 ms, more than 8 rows' 7.3, and 6.4, 6.6 and 7.3 padded
+// (bench/native_rows.py). On AVX2 a block's eighth row costs as much as its first few, so
+// none is padded there.
+#if defined(PYPTO_VNNI)
+constexpr int PADDED_ROWS = 5;
+#else
+constexpr int PADDED_ROWS = BLOCK_ROWS;
+#endif
 constexpr int GROUP_K = 32;    // inputs per quantization group
 constexpr int Q4 = 1, Q8 = 2, BF16 = 3;
 constexpr int RECORD[] = {0, 320, 544, 0};  // bytes of a 16-row x 32-input record, by format
@@ -129,12 +139,21 @@ struct Activations {
     void resize(int rows, int cols, bool floats = true) {
         k = cols;
         groups = cols / GROUP_K;
-        stride = rows < BLOCK_ROWS ? rows : BLOCK_ROWS;
+        stride = rows < PADDED_ROWS ? rows : BLOCK_ROWS;
         const size_t padded = size_t(rows + BLOCK_ROWS - 1) / BLOCK_ROWS * BLOCK_ROWS;
         q.resize(padded * cols);
         scale.resize(padded * groups);
         scaled_sum.resize(padded * groups);
         sum.resize(padded * groups);
+        if (stride == BLOCK_ROWS && rows % BLOCK_ROWS >= PADDED_ROWS) {  // run whole: zeros
+            for (int m = rows; m < int(padded); ++m)
+                for (int g = 0; g < groups; ++g) {
+                    const int64_t i = at(m, g);
+                    std::memset(&q[i * GROUP_K], 0, GROUP_K);
+                    scale[i] = scaled_sum[i] = 0.0f;
+                    sum[i] = 0;
+                }
+        }
         if (floats) {
             bf.resize(size_t(rows) * cols);
             f.resize(size_t(rows) * cols);
@@ -497,16 +516,17 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
 }
 
 // out[m][n] (=|+=) x[m0 + m] . weight[n] (+ bias[n]) for the 16 rows of block b.
+// stored: the rows kept (fewer than M where a last block of records runs whole: PADDED_ROWS).
 template <int M>
 void block_product(const Matrix& w, int64_t b, const Activations& x, int m0, float* out,
-                   int64_t ldo, bool add) {
+                   int64_t ldo, bool add, int stored = M) {
     const int64_t n0 = b * 16, n = w.rows - n0 < 16 ? w.rows - n0 : 16;
     float acc[M][16] = {};
     if (w.format == BF16)
         bf16_rows<M>(w, n0, n, x, m0, acc);
     else
         packed_rows<M>(w, b, x, m0, acc);
-    for (int m = 0; m < M; ++m)
+    for (int m = 0; m < stored; ++m)
         for (int r = 0; r < n; ++r) {
             const float v = acc[m][r] + (w.bias ? bf16(w.bias[n0 + r]) : 0.0f);
             float* o = out + m * ldo + n0 + r;
@@ -536,6 +556,11 @@ void product(const Matrix& w, const Activations& x, int rows, float* out, int64_
         for (int64_t b = 0; b < blocks; ++b) {
             for (int m0 = p0; m0 < p1; m0 += BLOCK_ROWS) {
                 float* o = out + m0 * ldo;
+                if (w.format != BF16 && x.stride == BLOCK_ROWS && p1 - m0 >= PADDED_ROWS &&
+                    p1 - m0 < BLOCK_ROWS) {
+                    block_product<BLOCK_ROWS>(w, b, x, m0, o, ldo, add, p1 - m0);
+                    continue;
+                }
                 switch (p1 - m0) {
                     case 1: block_product<1>(w, b, x, m0, o, ldo, add); break;
                     case 2: block_product<2>(w, b, x, m0, o, ldo, add); break;
