@@ -6,8 +6,9 @@ held the whole checkpoint in bf16 at a first load (16 GB at 8B, beside the int8 
 checkpoint is now read layer by layer, in layer order whatever order its files keep (here:
 two shards, layer 1's in the first); each layer runs over the text's chunks as soon as its
 weights are in, is quantized and drops its bf16 weights. The factors, and so every layer's
-quantized forms, are the same bits as the whole model's calibration gives; a later load takes
-the kept forms and drops each bf16 weight as it is filled.
+quantized forms, are the same bits as the whole model's calibration gives (also where an
+int16-pair int8 GEMM has each layer choose 7-bit inputs or weights); a later load takes the
+kept forms and drops each bf16 weight as it is filled.
 """
 
 from __future__ import annotations
@@ -21,17 +22,27 @@ from safetensors.torch import load_file, save_file
 
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.device import int8_gemm_full_range
-from pypto_serving.models import calibration, loader
+from pypto_serving.models import calibration, loader, quantized_cache
+from pypto_serving.ops import linear
 from pypto_serving.ops.linear import Linear
 
 MODEL = "llama-mha-untied"  # two layers, an untied head
 PROMPTS = [[5, 9, 40, 41, 7], [3, 8, 100, 2, 77, 31, 64]]
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
-pytestmark = pytest.mark.skipif(
-    not int8_gemm_full_range(),
-    reason="where the int8 GEMM sums pairs in int16 the quantized model runs whole once more",
-)
+
+@pytest.fixture(params=["dot-products", "int16-pairs"])
+def int8_gemm(request, monkeypatch) -> str:
+    """The int8 GEMM w8a8 is quantized for: full-range int8 dot products (VNNI), or AVX2's
+    pairs summed in int16, where each layer also chooses 7-bit inputs or 7-bit weights
+    (`choose_w8a8_inputs`). The latter's decisions are taken on any CPU (the products
+    themselves are exact either way: 7 bits fit both)."""
+    if request.param == "int16-pairs":
+        for module in (linear, loader, quantized_cache):
+            monkeypatch.setattr(module, "int8_gemm_full_range", lambda: False)
+    elif not int8_gemm_full_range():
+        pytest.skip("this CPU's int8 GEMM sums pairs in int16: only that path runs here")
+    return request.param
 
 
 @pytest.fixture
@@ -65,7 +76,7 @@ def forms(llm: LLM) -> dict[str, dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("quantization", ["w8a8", "int4-w8a8"])
 def test_the_layers_calibrate_as_they_stream_to_the_whole_models_bits(
-    sharded, tmp_path, monkeypatch, quantization
+    sharded, tmp_path, monkeypatch, quantization, int8_gemm
 ):
     held: list[tuple[int, list[int]]] = []  # at each layer's calibration: layers holding bf16
     layer = calibration.LayerwiseCalibration.layer
@@ -93,6 +104,10 @@ def test_the_layers_calibrate_as_they_stream_to_the_whole_models_bits(
     with LLM(str(sharded), quantization=quantization, enforce_eager=True) as llm:
         whole, whole_out = forms(llm), llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert streamed.keys() == whole.keys()
+    if int8_gemm == "int16-pairs":  # each way chosen somewhere: the choices are compared
+        parts = [p for p in whole.values() if "int8.weight" in p and "int8.low" not in p]
+        assert any("int8.row_sums" in p for p in parts), "no layer kept 7-bit inputs"
+        assert any("int8.row_sums" not in p for p in parts), "no layer took 7-bit weights"
     for name, parts in whole.items():
         assert parts.keys() == streamed[name].keys() and parts, name
         for part, tensor in parts.items():

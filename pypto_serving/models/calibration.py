@@ -21,6 +21,7 @@ to its inputs or to its weights: the same text, run again, shows which costs eac
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -96,10 +97,17 @@ def choose_w8a8_inputs(model: CausalLM, token_ids: list[int]) -> int:
     its unquantized weight. On SmolLM2-135M the LM head and the attention outputs keep 7-bit
     inputs and the rest take 7-bit weights. A split layer (8 bits both: `Linear.exact_int8`)
     stays as it is. Returns how many layers keep 7-bit inputs."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    return _choose(lambda: _run_text(model, token_ids), linears)
+
+
+def _choose(run: Callable[[], None], layers: list[Linear]) -> int:
+    """`choose_w8a8_inputs` for `layers`, their inputs observed over `run()` (a forward of
+    the quantized model, or a part of one: `LayerwiseCalibration.choose`)."""
     errors: dict[Linear, list[float]] = {}
     other: dict[Linear, Int8Form] = {}
-    for layer in model.modules():
-        if isinstance(layer, Linear) and layer.int8 is not None:
+    for layer in layers:
+        if layer.int8 is not None:
             smooth = layer.int8.smooth
             if layer.int8.low is not None:  # split: 8 bits both already
                 continue
@@ -114,7 +122,7 @@ def choose_w8a8_inputs(model: CausalLM, token_ids: list[int]) -> int:
             assert form is not None
             errors[layer][i] += (int8_linear(x, *form).float() - exact).square().sum().item()
 
-    _observe(lambda: _run_text(model, token_ids), list(other), record)
+    _observe(run, list(other), record)
     for layer, (seven_inputs, seven_weights) in errors.items():
         if seven_weights < seven_inputs:
             layer.int8 = other[layer]
@@ -147,56 +155,97 @@ class LayerwiseCalibration:
     Linears' factors, after which it may be quantized and its bf16 weights dropped), the LM
     head last (`head()`). Each chunk's hidden states between layers are what the whole
     model's forward computes, so the factors are the same bits; the load holds one layer in
-    bf16, not the model. For a model whose forward is `CausalLM.forward` (the embedding, the
-    layers in order, the final norm), on one rank; the embedding must be loaded first."""
+    bf16, not the model. `choose`: `choose_w8a8_inputs` too (an int16-pair int8 GEMM), each
+    layer once it is quantized (`choose(i)`, `choose_head()`), over a second stream of hidden
+    states through the quantized layers, as that function's forward computes them. For a
+    model whose forward is `CausalLM.forward` (the embedding, the layers in order, the final
+    norm), on one rank; the embedding must be loaded first."""
 
-    def __init__(self, model: CausalLM, token_ids: list[int]) -> None:
+    def __init__(self, model: CausalLM, token_ids: list[int], choose: bool = False) -> None:
         first = cast(DecoderLayer, model.model.layers[model.model.local.start])
         dtype = first.input_layernorm.weight.dtype  # as `CausalLM.forward` takes its RoPE
         device = next(model.parameters()).device
         self.model = model
-        self.chunks: list[tuple[list[torch.Tensor], Callable[[int], Any], DenseKV]] = []
+        self.chunks: list[_Chunk] = []
         with torch.inference_mode():
             for start in range(0, len(token_ids), CHUNK):
                 ids = torch.tensor(token_ids[start : start + CHUNK], device=device)
                 positions = torch.arange(len(ids), device=device)
-                rope = model.layer_rope(positions, dtype)
-                hidden = [model.embed(ids).float()]
-                self.chunks.append((hidden, rope, DenseKV(model.cfg.num_layers)))
+                embedded = model.embed(ids).float()
+                streams = [_Stream(embedded, DenseKV(model.cfg.num_layers))]
+                if choose:  # the quantized model's, from the same embedding
+                    streams.append(_Stream(embedded, DenseKV(model.cfg.num_layers)))
+                self.chunks.append(_Chunk(model.layer_rope(positions, dtype), streams))
 
-    def layer(self, i: int) -> dict[Linear, torch.Tensor]:
-        """Decoder layer i's Linears' factors, its bf16 weights in; each chunk's hidden
-        states move past it."""
+    def _run_layer(self, i: int, stream: int) -> Callable[[], None]:
         layer = self.model.model.layers[i]
 
         def run() -> None:
             with torch.inference_mode():
-                for hidden, rope, kv in self.chunks:
-                    cos, sin = rope(i)
-                    hidden[0] = layer(hidden[0], cos, sin, kv)
+                for chunk in self.chunks:
+                    cos, sin = chunk.rope(i)
+                    s = chunk.streams[stream]
+                    s.hidden = layer(s.hidden, cos, sin, s.kv)
 
-        return _factors(_maxima(run, [m for m in layer.modules() if isinstance(m, Linear)]))
+        return run
 
-    def head(self) -> dict[Linear, torch.Tensor]:
-        """The LM head's factors, after every layer's."""
+    def _run_head(self, stream: int) -> Callable[[], None]:
         model = self.model
-        assert model.lm_head is not None
 
         def run() -> None:
             with torch.inference_mode():
-                for hidden, _, _ in self.chunks:
-                    norm = model.model.norm
-                    model.logits(hidden[0] if norm is None else norm(hidden[0]))
+                for chunk in self.chunks:
+                    hidden, norm = chunk.streams[stream].hidden, model.model.norm
+                    model.logits(hidden if norm is None else norm(hidden))
 
-        return _factors(_maxima(run, [model.lm_head]))
+        return run
+
+    def layer(self, i: int) -> dict[Linear, torch.Tensor]:
+        """Decoder layer i's Linears' factors, its bf16 weights in; each chunk's hidden
+        states move past it."""
+        linears = [m for m in self.model.model.layers[i].modules() if isinstance(m, Linear)]
+        return _factors(_maxima(self._run_layer(i, 0), linears))
+
+    def head(self) -> dict[Linear, torch.Tensor]:
+        """The LM head's factors, after every layer's."""
+        assert self.model.lm_head is not None
+        return _factors(_maxima(self._run_head(0), [self.model.lm_head]))
+
+    def choose(self, i: int) -> int:
+        """`choose_w8a8_inputs` for decoder layer i, quantized with its bf16 weights still in;
+        the quantized stream moves past it. How many of its layers keep 7-bit inputs."""
+        linears = [m for m in self.model.model.layers[i].modules() if isinstance(m, Linear)]
+        return _choose(self._run_layer(i, 1), linears)
+
+    def choose_head(self) -> int:
+        """`choose` for the LM head, after every layer's."""
+        assert self.model.lm_head is not None
+        return _choose(self._run_head(1), [self.model.lm_head])
+
+
+@dataclass(slots=True)
+class _Stream:
+    """A chunk's hidden states between layers, through the bf16 or the quantized model."""
+
+    hidden: torch.Tensor
+    kv: DenseKV
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """A chunk of the calibration text: its RoPE (by layer) and its streams."""
+
+    rope: Callable[[int], Any]
+    streams: list[_Stream]
 
 
 class LayerwiseQuantization:
     """`iter_checkpoint_by_layer`'s `after_layer` for w8a8 and int4-w8a8 (`quantization`):
     once decoder layer i's weights are in, its factors (`LayerwiseCalibration`, begun at the
     first layer: the embedding is in by then), its forms (`pack_linears`, as the run plan's
-    `native` and `pack` say), its bf16 weights dropped where no matmul reads them and the
-    freed heap handed back; `head()`, after the last, the LM head's factors."""
+    `native` and `pack` say; `choose`: each form's bits chosen, `choose_w8a8_inputs`), its
+    bf16 weights dropped where no matmul reads them and the freed heap handed back; then the
+    LM head's factors (`head()`) and, once it is quantized, its choice (`choose_head()`)."""
 
     def __init__(
         self,
@@ -205,26 +254,40 @@ class LayerwiseQuantization:
         quantization: str,
         native: bool,
         pack: str | None,
+        choose: bool,
     ) -> None:
         self.model = model
         self.token_ids = token_ids
         self.quantization = quantization
         self.native = native
         self.pack = pack
+        self.choose = choose
         self.calibration: LayerwiseCalibration | None = None
+        self.kept = 0
+        """Layers that kept 7-bit inputs (`choose`)."""
 
     def __call__(self, i: int) -> None:
         if self.calibration is None:
-            self.calibration = LayerwiseCalibration(self.model, self.token_ids)
+            self.calibration = LayerwiseCalibration(self.model, self.token_ids, self.choose)
         layer = self.model.model.layers[i]
         factors = self.calibration.layer(i)
         pack_linears(layer, self.quantization, factors, native=self.native, pack=self.pack)
+        if self.choose:
+            self.kept += self.calibration.choose(i)
         drop_unread_weights(layer, self.native)
         release_freed_memory()
 
     def head(self) -> dict[Linear, torch.Tensor] | None:
         """The LM head's factors (None where no layer came)."""
         return None if self.calibration is None else self.calibration.head()
+
+    def choose_head(self) -> int | None:
+        """The quantized LM head's choice (`choose`); how many layers in all keep 7-bit
+        inputs (None where nothing is chosen)."""
+        if not self.choose or self.calibration is None:
+            return None
+        self.kept += self.calibration.choose_head()
+        return self.kept
 
 
 def calibration_tokens(tokenizer: object) -> list[int]:

@@ -569,7 +569,8 @@ def load_model(
     if _calibrates_by_layer(model, quantization, records_only, kept, cached):
         assert quantization is not None
         tokens = calibration.calibration_tokens(load_tokenizer(model_dir))
-        layerwise = LayerwiseQuantization(model, tokens, quantization, native, pack)
+        choose = not int8_gemm_full_range()  # (`choose_w8a8_inputs`)
+        layerwise = LayerwiseQuantization(model, tokens, quantization, native, pack, choose)
         weights = iter_checkpoint_by_layer(files, cfg.num_layers, layerwise, skip)
     else:
         weights = iter_checkpoint(files, skip)
@@ -629,7 +630,7 @@ def load_model(
             pack,
             records_only,
             records_wide,
-            None if layerwise is None else layerwise.head(),
+            layerwise,
         )
     elif pack is not None:
         pack_linears(model, pack=pack)
@@ -645,16 +646,15 @@ def _calibrates_by_layer(
 ) -> bool:
     """Whether w8a8's (int4-w8a8's) calibration runs layer by layer as the checkpoint is read
     (`LayerwiseCalibration`, `iter_checkpoint_by_layer`): where it calibrates at all (no kept
-    forms fit: `cached`), the model's forward is `CausalLM.forward`, no layer is a mixture of
-    experts (whose experts are records already, or bf16 stacks this does not stream) and the
-    int8 GEMM takes full-range int8 (else `choose_w8a8_inputs` runs the quantized model
-    whole once more)."""
+    forms fit: `cached`), the model's forward is `CausalLM.forward` and no layer is a mixture
+    of experts (whose experts are records already, or bf16 stacks this does not stream).
+    Where the int8 GEMM sums pairs in int16 (AVX2), each layer's choice of 7-bit inputs or
+    weights (`choose_w8a8_inputs`) is made as it goes too."""
     return (
         quantization in CALIBRATED
         and not records_only
         and kept is not None
         and not cached
-        and int8_gemm_full_range()
         and type(model).forward is CausalLM.forward
         and not any(isinstance(m, RoutedExperts) for m in model.modules())
     )

@@ -81,7 +81,7 @@ def quantize_cached(
     pack: str | None = None,
     records_only: bool = False,
     records_wide: str = "records",
-    calibrated: dict[Linear, torch.Tensor] | None = None,
+    layerwise: calibration.LayerwiseQuantization | None = None,
 ) -> None:
     """Quantize the model's linear layers (`pack_linears`, after w8a8's calibration), or take
     the result of an earlier start from `cache_dir()/quantized`: reading it back is ~0.2 s
@@ -91,10 +91,10 @@ def quantize_cached(
     the model as built; tokenizer: loads its tokenizer (for w8a8's calibration);
     pack: the run plan's choice of packing for the bf16 weights (`pack_linears`); records_only:
     the native step's records serve every matmul (`pack_linears`; no calibration then), the
-    graphs multiplying by them as records_wide says (`Linear.wide`). calibrated: w8a8's
-    factors of the layers left to quantize where the others were quantized as the checkpoint
-    streamed (`calibration.LayerwiseCalibration`: the LM head's), taken instead of
-    calibrating."""
+    graphs multiplying by them as records_wide says (`Linear.wide`). layerwise: where the
+    layers were calibrated and quantized as the checkpoint streamed
+    (`calibration.LayerwiseQuantization`), what gives the LM head's factors and choice
+    instead of calibrating the model whole."""
     trusted = _trusted(path)
     layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     packs = functools.partial(
@@ -107,7 +107,7 @@ def quantize_cached(
         wide=records_wide,
     )
     if not (trusted and path.is_file() and _took_kept(path, layers, packs)):
-        _quantize(model, path, quantization, tokenizer, records_only, calibrated, packs, trusted)
+        _quantize(model, path, quantization, tokenizer, records_only, layerwise, packs, trusted)
     drop_unread_weights(model, native)
 
 
@@ -139,25 +139,30 @@ def _quantize(
     quantization: str,
     tokenizer: Callable[[], Any],
     records_only: bool,
-    calibrated: dict[Linear, torch.Tensor] | None,
+    layerwise: calibration.LayerwiseQuantization | None,
     packs: Callable[..., int],
     trusted: bool,
 ) -> None:
-    """`quantize_cached`'s quantizing (after w8a8's calibration, unless `calibrated`), its
-    forms then kept in `path` where it is `trusted`."""
+    """`quantize_cached`'s quantizing (after w8a8's calibration, or the LM head's where the
+    rest was calibrated `layerwise`), its forms then kept in `path` where it is `trusted`."""
     layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     if any(m.weight is None and not m.quantized_tensors() for m in layers.values()):
         raise ModelLoadError(  # dropped as the checkpoint streamed, for the file's forms
             f"the kept quantized weights in {path} could not be read after the load let go "
             "of the checkpoint's weights: start again, and it quantizes anew"
         )
-    smooth = calibrated
-    if smooth is None and quantization in CALIBRATED_QUANTIZATIONS and not records_only:
+    kept = None  # layers with 7-bit inputs, where an int16-pair GEMM chose
+    if layerwise is not None:
+        packs(layerwise.head())
+        kept = layerwise.choose_head()
+    elif quantization in CALIBRATED_QUANTIZATIONS and not records_only:
         tokens = calibration.calibration_tokens(tokenizer())  # one rank (validate)
-        smooth = calibration.smoothing_factors(model, tokens)
-    packs(smooth)
-    if smooth is not None and calibrated is None and not int8_gemm_full_range():
-        kept = calibration.choose_w8a8_inputs(model, tokens)
+        packs(calibration.smoothing_factors(model, tokens))
+        if not int8_gemm_full_range():
+            kept = calibration.choose_w8a8_inputs(model, tokens)
+    else:
+        packs(None)
+    if kept is not None:
         log.info(
             "w8a8 on an int8 GEMM without int8 dot products: %d layers with 8-bit inputs and "
             "weights (two GEMMs), %d with 7-bit inputs, the rest with 7-bit weights",
