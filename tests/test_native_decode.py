@@ -393,3 +393,24 @@ def test_linear_keeps_and_takes_back_its_native_form():
     assert again.native is not None and again.native[1] == NATIVE_Q4
     assert torch.equal(again.native[0], layer.native[0]) and again.int8 is not None
     assert again.row_bounds == ()  # the graphs never branch on int4
+
+
+@pytest.mark.slow
+def test_int4_w8a8_decodes_every_row_in_the_native_step(tiny_model):
+    """int4-w8a8's decodes, however many, run in the native step over its Q4 records (its
+    int8 GEMM serves the prefill chunks): twelve sequences decode in one call, and each gets
+    the tokens it gets alone."""
+    name = "qwen3-hd32-gqa4"
+    prompts = [[(11 * i + 5 * j) % 300 + 3 for j in range(4 + 3 * i)] for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    knobs = {"dtype": "bfloat16", "quantization": "int4-w8a8", "enforce_eager": False}
+    with tiny_llm(tiny_model(name), **knobs) as llm:
+        executor = llm.engine.executor
+        assert executor.native_rows == native_decode.MAX_ROWS
+        calls: list[int] = []
+        logits = executor.native.logits
+        executor.native.logits = lambda *a: calls.append(len(a[0])) or logits(*a)
+        together = llm.generate(prompts, params, use_tqdm=False)
+        assert 12 in calls
+        alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]

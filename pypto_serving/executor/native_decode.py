@@ -39,13 +39,13 @@ from pypto_serving.ops.linear import INT4_GROUP, NATIVE_BF16, Linear
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 256
-"""Sequences a native step takes at most (decode.cpp's MAX_ROWS): a model whose records are
-its only weights (the run plan's `records_only`) runs every step of decodes alone here, as
-wide as the records' product goes on the graphs, without the graphs' per-layer dispatch."""
+"""Sequences a native step takes at most (decode.cpp's MAX_ROWS): a model whose every matmul
+there reads records (`rows_taken`) runs every step of decodes alone here, as wide as the
+records' product goes on the graphs, without the graphs' per-layer dispatch."""
 FEW_ROWS = 8
-"""Sequences a native step takes of a model with another form for wide steps (bf16 weights,
-whose rows the step reads one dot product at a time; int4-w8a8's int8 GEMM): up to here the
-weights' bytes dominate; wider steps are compute-bound and run on the compiled graphs."""
+"""Sequences a native step takes of a bf16 model (whose weights the step reads one dot
+product at a time): up to here the weights' bytes dominate; wider steps are compute-bound and
+run on the compiled graphs."""
 ROW_BLOCK = 8
 """Rows the native step's products take at once (records.h's BLOCK_ROWS): each block of rows
 reads every weight once, so a step's ninth row costs about what its first did (SmolLM2 from
@@ -130,6 +130,15 @@ def applies(
         and all(n % INT4_GROUP == 0 for n in sizes)
         and native_attention.takes(dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size)
     )
+
+
+def rows_taken(quantization: str | None, records_only: bool) -> int:
+    """The most decodes one native step takes (the run plan's `native_rows`): MAX_ROWS where
+    every matmul of the step reads records (a quantized model's Q4/Q8: int4, int4-w8a8, a GGUF
+    file's, or the records a `records_only` model keeps alone), whose products take 8 rows a
+    pass over the weights at the int8 dot products' rate however many rows come; FEW_ROWS
+    where it reads bf16 weights. int4-w8a8's int8 GEMM then serves its prefill chunks."""
+    return MAX_ROWS if records_only or quantization is not None else FEW_ROWS
 
 
 def matrix(layer: Linear, bias_here: bool = True) -> Matrix:
