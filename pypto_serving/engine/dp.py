@@ -331,7 +331,12 @@ class DPEngine:
             self._heard[replica.index] = time.monotonic()  # a Heartbeat says no more
             self._messages += 1
             if isinstance(message, StepFailed):
-                self._lose(replica, f"a step failed: {message.message}")
+                if self.lockstep:  # a member gone fails the others' collectives: it goes first
+                    for other in list(self._by_conn.values()):
+                        if other is not replica and other.poll() is not None:
+                            self._lose(other, other.why_gone())
+                if replica.conn in self._by_conn:  # (not lost with its group just now)
+                    self._lose(replica, f"a step failed: {message.message}")
             elif isinstance(message, StepResult):
                 self._stats[replica.index] = message.stats
                 self.router.observe(replica.index, message.pages)
