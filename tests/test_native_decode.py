@@ -399,10 +399,11 @@ def test_linear_keeps_and_takes_back_its_native_form():
 def test_int4_w8a8_decodes_every_row_in_the_native_step(tiny_model):
     """int4-w8a8's decodes, however many, run in the native step over its Q4 records (its
     int8 GEMM serves the prefill chunks): twelve sequences decode in one call, and each gets
-    the tokens it gets alone."""
+    the tokens, and the logprobs to the bit, it gets alone (the step's rows do not meet; the
+    int8 GEMM's decodes would differ in the last bits)."""
     name = "qwen3-hd32-gqa4"
     prompts = [[(11 * i + 5 * j) % 300 + 3 for j in range(4 + 3 * i)] for i in range(12)]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
     knobs = {"dtype": "bfloat16", "quantization": "int4-w8a8", "enforce_eager": False}
     with tiny_llm(tiny_model(name), **knobs) as llm:
         executor = llm.engine.executor
@@ -414,3 +415,4 @@ def test_int4_w8a8_decodes_every_row_in_the_native_step(tiny_model):
         assert 12 in calls
         alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    assert [o.outputs[0].logprobs for o in together] == [o.outputs[0].logprobs for o in alone]

@@ -186,6 +186,7 @@ class LayerwiseCalibration:
                     cos, sin = chunk.rope(i)
                     s = chunk.streams[stream]
                     s.hidden = layer(s.hidden, cos, sin, s.kv)
+                    s.kv.layers[i] = ()  # needed only within this layer's run
 
         return run
 
@@ -225,7 +226,8 @@ class LayerwiseCalibration:
 
 @dataclass(slots=True)
 class _Stream:
-    """A chunk's hidden states between layers, through the bf16 or the quantized model."""
+    """A chunk's hidden states between layers, through the bf16 or the quantized model, and
+    the KV of the layer running over it (let go once it has run)."""
 
     hidden: torch.Tensor
     kv: DenseKV

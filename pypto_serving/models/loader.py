@@ -55,7 +55,7 @@ from pypto_serving.models.quantized_experts import (
     parse_expert,
     record_blocks,
 )
-from pypto_serving.models.tensor_files import MALFORMED, read_tensors
+from pypto_serving.models.tensor_files import MALFORMED, read_header, read_tensors
 from pypto_serving.models.windowed import WindowedCausalLM
 from pypto_serving.ops.linear import (
     NATIVE_Q8,
@@ -228,8 +228,8 @@ def iter_checkpoint_by_layer(
     """`iter_checkpoint`'s tensors, the decoder layers' after every other (the embedding's
     among those), layer 0's first, then 1's, and so on, whatever order the files keep them
     in (a shard's are sorted by name: layer 10's before layer 2's); `after_layer(i)` is called
-    once layer i's last tensor has been taken from the iterator. Each file is read once per
-    layer, only that layer's tensors."""
+    once layer i's last tensor has been taken from the iterator. A layer's tensors are read
+    from the files whose headers name them (each header read first, once)."""
 
     def layer_of(name: str) -> int | None:
         match = LAYER.match(name)
@@ -239,9 +239,17 @@ def iter_checkpoint_by_layer(
     def part(index: int | None) -> Callable[[str], bool]:
         return lambda name: layer_of(name) != index or (skip is not None and skip(name))
 
-    yield from iter_checkpoint(files, part(None))
+    holding: dict[int | None, list[Path]] = {}  # each part's files, in the files' order
+    for path in files:
+        try:
+            names = read_header(path).keys() - {"__metadata__"}
+        except (OSError, *MALFORMED) as e:
+            raise ModelLoadError(f"corrupt safetensors file {path.name}: {e}") from None
+        for index in {layer_of(name) for name in names}:
+            holding.setdefault(index, []).append(path)
+    yield from iter_checkpoint(holding.get(None, []), part(None))
     for i in range(num_layers):
-        yield from iter_checkpoint(files, part(i))
+        yield from iter_checkpoint(holding.get(i, []), part(i))
         after_layer(i)
 
 

@@ -95,7 +95,6 @@ def quantize_cached(
     layers were calibrated and quantized as the checkpoint streamed
     (`calibration.LayerwiseQuantization`), what gives the LM head's factors and choice
     instead of calibrating the model whole."""
-    trusted = _trusted(path)
     layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     packs = functools.partial(
         pack_linears,
@@ -106,8 +105,8 @@ def quantize_cached(
         records_only=records_only,
         wide=records_wide,
     )
-    if not (trusted and path.is_file() and _took_kept(path, layers, packs)):
-        _quantize(model, path, quantization, tokenizer, records_only, layerwise, packs, trusted)
+    if not (_trusted(path) and path.is_file() and _took_kept(path, layers, packs)):
+        _quantize(model, layers, path, quantization, tokenizer, records_only, layerwise, packs)
     drop_unread_weights(model, native)
 
 
@@ -135,17 +134,17 @@ def _took_kept(path: Path, layers: dict[str, Linear], packs: Callable[..., int])
 
 def _quantize(
     model: CausalLM,
+    layers: dict[str, Linear],
     path: Path,
     quantization: str,
     tokenizer: Callable[[], Any],
     records_only: bool,
     layerwise: calibration.LayerwiseQuantization | None,
     packs: Callable[..., int],
-    trusted: bool,
 ) -> None:
-    """`quantize_cached`'s quantizing (after w8a8's calibration, or the LM head's where the
-    rest was calibrated `layerwise`), its forms then kept in `path` where it is `trusted`."""
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    """`quantize_cached`'s quantizing of the model's `layers` (by name), after w8a8's
+    calibration or the LM head's where the rest was calibrated `layerwise`; the forms are
+    then kept in `path` where it is trusted (`_trusted`)."""
     if any(m.weight is None and not m.quantized_tensors() for m in layers.values()):
         raise ModelLoadError(  # dropped as the checkpoint streamed, for the file's forms
             f"the kept quantized weights in {path} could not be read after the load let go "
@@ -179,7 +178,7 @@ def _quantize(
             tensors[f"{name}/{EXPERT_PARTS[0]}.{r.gate_up_format}"] = r.gate_up
             tensors[f"{name}/{EXPERT_PARTS[1]}.{r.down_format}"] = r.down
     try:
-        if trusted:
+        if _trusted(path):
             # written tensor by tensor (no second copy of them all); replicas quantizing at
             # once each rename a whole file into place
             write_atomically(path, functools.partial(write_tensors, tensors=tensors))
