@@ -125,7 +125,8 @@ def test_bf16_products_are_exact_over_the_bf16_operands(products, rows):
 
 
 @pytest.mark.parametrize("fmt", [NATIVE_Q4, NATIVE_Q8])
-@pytest.mark.parametrize("rows", [1, 3, 6, 8, 13])  # 6, 13: a last block run whole, padded
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 13, 18])  # 6, 13: a last block run whole,
+# padded; 9, 18: the last rows joining the block before them (records.h's WIDE_ROWS)
 def test_packed_products_are_the_quantized_products(products, fmt, rows):
     torch.manual_seed(rows)
     n, k = 40, 96  # a block of 16 rows cut short, three groups of inputs
@@ -246,7 +247,7 @@ def test_a_rows_product_is_the_same_bits_among_any_rows(products, fmt):
         return out
 
     together = product(x)
-    for start, count in ((0, 1), (5, 1), (20, 1), (3, 7), (9, 12)):
+    for start, count in ((0, 1), (5, 1), (20, 1), (3, 7), (9, 12), (2, 9), (11, 10), (1, 17)):
         assert torch.equal(product(x[start : start + count]), together[start : start + count])
     assert torch.equal(product(x.flip(0)), together.flip(0))
     bad = Matrix(records.data_ptr(), None, n, k - 16, fmt)  # inputs not in groups of 32

@@ -48,8 +48,10 @@ product at a time): up to here the weights' bytes dominate; wider steps are comp
 run on the compiled graphs."""
 ROW_BLOCK = 8
 """Rows the native step's products take at once (records.h's BLOCK_ROWS): each block of rows
-reads every weight once, so a step's ninth row costs about what its first did (SmolLM2 from
-its GGUF, AVX-512: 8 rows 9.4 ms, 9 rows 15.5 ms, 16 rows 21.8 ms)."""
+unpacks every weight again, so a step's ninth row cost about what its first did (SmolLM2
+from its GGUF, AVX-512: 8 rows 9.4 ms, 9 rows 15.5 ms, 16 rows 21.8 ms). On AVX-512 VNNI a
+last 9 or 10 rows now run as one block (records.h's WIDE_ROWS), the ninth row about an eighth
+more than 8; the drafts a step may add still fill the decodes' last block of 8."""
 QUANTIZATIONS = (None, "int4", "int4-w8a8", "gguf")
 """Quantizations whose weights the step reads: bf16 or the records `pack_linears` makes."""
 

@@ -65,6 +65,15 @@ inline vf load(const uint16_t* p) {  // bfloat16 -> float32: the bf16 bits are t
     return f;
 }
 
+inline float load_one(const float* p) { return *p; }
+
+inline float load_one(const uint16_t* p) {
+    const uint32_t u = uint32_t(*p) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 inline void store(uint16_t* p, vf v) {  // float32 -> bfloat16, rounding to nearest even
@@ -178,6 +187,39 @@ struct Row<int8_t> {  // int8 values, then their float32 scale
     }
 };
 
+// How a decode reads a cache row: Row's values in the head's order (the dims of vector i are
+// i * VW .. i * VW + VW - 1), or for bfloat16 rows, where a head's vectors come in pairs
+// (NV even), each 2 VW values of a pair widened by one shift or one mask of their 32-bit
+// words: vector 2p holds dims 2 VW p + 2 l (the even ones, lane l), vector 2p + 1 the odd
+// ones. A dot product over the head is the same whatever order its dims come in, so the
+// queries are laid out alike, and the weighted values put back in order at the end. One
+// integer op a vector, where the widening load (vpmovzxwd) and its shift take two.
+template <typename C, int NV>
+struct DecodeRow : Row<C> {
+    static constexpr bool PAIRED = false;
+    static int dim(int i, int lane) { return i * VW + lane; }
+};
+
+template <int NV>
+struct DecodeRow<uint16_t, NV> : Row<uint16_t> {
+    static constexpr bool PAIRED = NV % 2 == 0;
+    static int dim(int i, int lane) {
+        return PAIRED ? (i / 2) * 2 * VW + 2 * lane + i % 2 : i * VW + lane;
+    }
+    static vf values(const uint16_t* row, int i) {
+        if constexpr (!PAIRED) {
+            return load(row + i);
+        } else {
+            vu words;
+            std::memcpy(&words, row + (i / VW / 2) * 2 * VW, sizeof words);
+            words = (i / VW) % 2 ? words & 0xFFFF0000u : words << 16;
+            vf f;
+            std::memcpy(&f, &words, sizeof f);
+            return f;
+        }
+    }
+};
+
 // e^x for x <= 0 (softmax after subtracting the max): 2^n * e^r with |r| <= ln2 / 2 and a
 // degree-6 Taylor polynomial for e^r (relative error < 2e-7); below -87 it is 0, exactly, so
 // that a masked key (or a page's padding) adds nothing at all to a row's sums: a prefill row
@@ -195,6 +237,35 @@ inline vf vexp(vf x) {
     return under ? vf{} : p * scale;
 }
 
+// Asks for a cache row (S elements of C from `row`) into the cache.
+template <typename C>
+inline void ask_row(const C* row) {
+    for (int line = 0; line < int(Row<C>::STRIDE * sizeof(C)); line += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(row) + line);
+}
+
+// The online softmax of G queries over a page's n scores s[g][0, n): each query's new running
+// max m[g], its scores turned into e^(score - max) (and zeros past n to the vector's end),
+// its sum l[g] and what came before (acc, [G][NV] vectors) rescaled to the new max.
+template <int G, int NV>
+inline void page_softmax(float (*s)[MAX_PAGE], int n, float* m, float* l, vf (*acc)[NV]) {
+    for (int g = 0; g < G; ++g) {
+        float mx = m[g];
+        for (int t = 0; t < n; ++t) mx = s[g][t] > mx ? s[g][t] : mx;
+        for (int t = n; t < (n + VW - 1) / VW * VW; ++t) s[g][t] = mx - 100.0f;  // e^-87: ~0
+        vf sum{};
+        for (int t = 0; t < n; t += VW) {
+            vf e = vexp(load(&s[g][t]) - mx);
+            store(&s[g][t], e);
+            sum += e;
+        }
+        const float corr = vexp(vf{} + (m[g] - mx))[0];
+        for (int i = 0; i < NV; ++i) acc[g][i] *= corr;
+        l[g] = l[g] * corr + hsum(sum);
+        m[g] = mx;
+    }
+}
+
 // Attention of G query heads (one KV head's group) of one sequence; NV = head_dim / VW.
 // ---- decodes: one query per sequence ----
 //
@@ -205,14 +276,20 @@ inline vf vexp(vf x) {
 template <typename T, typename C, int G, int NV>
 void decode_one(const T* q, const C* k, const C* v, const int64_t* pages, int64_t ctx, T* out,
                 int page_size, float scale) {
-    using R = Row<C>;
+    using R = DecodeRow<C, NV>;
     constexpr int D = NV * VW, S = R::STRIDE;
     vf qs[G][NV], acc[G][NV];
     float m[G], l[G];
     alignas(64) float s[G][MAX_PAGE];
     for (int g = 0; g < G; ++g) {
         for (int i = 0; i < NV; ++i) {
-            qs[g][i] = load(q + g * D + i * VW) * scale;
+            if constexpr (R::PAIRED) {  // the query's dims in the order the rows read
+                alignas(64) float lanes[VW];
+                for (int j = 0; j < VW; ++j) lanes[j] = load_one(q + g * D + R::dim(i, j));
+                qs[g][i] = load(lanes) * scale;
+            } else {
+                qs[g][i] = load(q + g * D + i * VW) * scale;
+            }
             acc[g][i] = vf{};
         }
         m[g] = -3.0e38f;
@@ -222,6 +299,9 @@ void decode_one(const T* q, const C* k, const C* v, const int64_t* pages, int64_
         const int n = ctx - start < page_size ? int(ctx - start) : page_size;
         const C* kp = k + pages[p] * page_size * S;
         const C* vp = v + pages[p] * page_size * S;
+        // while this page's scores are taken, its values and the next page's keys are asked
+        // for (a page is a short stream the hardware prefetcher barely ramps up on)
+        const C* next = start + page_size < ctx ? k + pages[p + 1] * page_size * S : kp;
 #if defined(LANE_SUMS)
         for (int t0 = 0; t0 < n; t0 += VW) {  // scores of the page's tokens, VW at a time
             vf d[G][VW], ks{};
@@ -230,6 +310,8 @@ void decode_one(const T* q, const C* k, const C* v, const int64_t* pages, int64_
                     for (int g = 0; g < G; ++g) d[g][t] = vf{};
                     continue;
                 }
+                ask_row(vp + (t0 + t) * S);
+                ask_row(next + (t0 + t) * S);
                 vf row[NV];
                 for (int i = 0; i < NV; ++i) row[i] = R::values(kp + (t0 + t) * S, i * VW);
                 ks[t] = R::scale(kp + (t0 + t) * S);
@@ -242,6 +324,8 @@ void decode_one(const T* q, const C* k, const C* v, const int64_t* pages, int64_
         }
 #else
         for (int t = 0; t < n; ++t) {  // scores of the page's tokens
+            ask_row(vp + t * S);
+            ask_row(next + t * S);
             vf row[NV];
             for (int i = 0; i < NV; ++i) row[i] = R::values(kp + t * S, i * VW);
             const float ks = R::scale(kp + t * S);
@@ -252,21 +336,7 @@ void decode_one(const T* q, const C* k, const C* v, const int64_t* pages, int64_
             }
         }
 #endif
-        for (int g = 0; g < G; ++g) {  // online softmax: new max, rescale what came before
-            float mx = m[g];
-            for (int t = 0; t < n; ++t) mx = s[g][t] > mx ? s[g][t] : mx;
-            for (int t = n; t < (n + VW - 1) / VW * VW; ++t) s[g][t] = mx - 100.0f;  // e^-87: ~0
-            vf sum{};
-            for (int t = 0; t < n; t += VW) {
-                vf e = vexp(load(&s[g][t]) - mx);
-                store(&s[g][t], e);
-                sum += e;
-            }
-            const float corr = vexp(vf{} + (m[g] - mx))[0];
-            for (int i = 0; i < NV; ++i) acc[g][i] *= corr;
-            l[g] = l[g] * corr + hsum(sum);
-            m[g] = mx;
-        }
+        page_softmax<G, NV>(s, n, m, l, acc);
         for (int t = 0; t < n; ++t) {  // weighted values
             vf row[NV];
             for (int i = 0; i < NV; ++i) row[i] = R::values(vp + t * S, i * VW);
@@ -279,7 +349,17 @@ void decode_one(const T* q, const C* k, const C* v, const int64_t* pages, int64_
     }
     for (int g = 0; g < G; ++g) {
         const float inv = 1.0f / l[g];
-        for (int i = 0; i < NV; ++i) store(out + g * D + i * VW, acc[g][i] * inv);
+        if constexpr (R::PAIRED) {  // the dims back in the head's order
+            alignas(64) float head[D];
+            for (int i = 0; i < NV; ++i) {
+                alignas(64) float lanes[VW];
+                store(lanes, acc[g][i] * inv);
+                for (int j = 0; j < VW; ++j) head[R::dim(i, j)] = lanes[j];
+            }
+            for (int i = 0; i < NV; ++i) store(out + g * D + i * VW, load(head + i * VW));
+        } else {
+            for (int i = 0; i < NV; ++i) store(out + g * D + i * VW, acc[g][i] * inv);
+        }
     }
 }
 

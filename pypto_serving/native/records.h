@@ -62,6 +62,17 @@ constexpr int PADDED_ROWS = 5;
 #else
 constexpr int PADDED_ROWS = BLOCK_ROWS;
 #endif
+// The most rows a product over records takes in one pass over a block of the weight: the
+// rows past BLOCK_ROWS are the first of the next block of rows (a last block of 1 or 2 rows
+// joins the one before it). AVX-512 VNNI: speculative decoding's 9 verify rows (8 drafts)
+// took 8.5 ms in SmolLM2's native step against 8 rows' 6.8, the ninth row's pass unpacking
+// every Q4 record again for one row's dot products (bench/native_rows.py). 10 rows keep
+// their 20 accumulators in the 32 registers; AVX2's 16 hold no more than 8 rows' already.
+#if defined(PYPTO_VNNI)
+constexpr int WIDE_ROWS = 10;
+#else
+constexpr int WIDE_ROWS = BLOCK_ROWS;
+#endif
 constexpr int GROUP_K = 32;    // inputs per quantization group
 constexpr int Q4 = 1, Q8 = 2, BF16 = 3;
 constexpr int RECORD[] = {0, 320, 544, 0};  // bytes of a 16-row x 32-input record, by format
@@ -164,6 +175,10 @@ struct Activations {
     int64_t at(int m, int g) const {
         return (int64_t(m / BLOCK_ROWS) * groups + g) * stride + m % BLOCK_ROWS;
     }
+
+    // Where row m0 + m's group g lies from row m0's (m0 a multiple of BLOCK_ROWS; m past
+    // BLOCK_ROWS in the next block of rows), in scale, sum and scaled_sum.
+    int64_t from_first(int m, int g) const { return at(m, g) - at(0, 0); }
 };
 
 inline uint16_t to_bf16(float f) {  // rounding to nearest even
@@ -358,6 +373,9 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
     const float* xscaled = x.scaled_sum.data() + first;
     const int32_t* xsum = x.sum.data() + first;
     const int G = x.stride;  // a group's step in xscale, xsum (and GROUP_K times in xq)
+    // row m's group 0 from row m0's (rows past BLOCK_ROWS: the next block's, `WIDE_ROWS`)
+    int64_t row[M];
+    for (int m = 0; m < M; ++m) row[m] = x.from_first(m, 0);
 #if defined(PYPTO_VNNI)
     __m512 facc[M];
     for (int m = 0; m < M; ++m) facc[m] = _mm512_setzero_ps();
@@ -375,7 +393,7 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
                 const __m512i lo = _mm512_and_si512(v, low);
                 const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                 for (int m = 0; m < M; ++m) {
-                    const int8_t* xm = xq + m * GROUP_K + 8 * c;
+                    const int8_t* xm = xq + row[m] * GROUP_K + 8 * c;
                     a[0][m] = _mm512_dpbusd_epi32(a[0][m], lo, _mm512_set1_epi32(four(xm)));
                     a[CHAINS - 1][m] =
                         _mm512_dpbusd_epi32(a[CHAINS - 1][m], hi, _mm512_set1_epi32(four(xm + 4)));
@@ -386,9 +404,9 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
             for (int m = 0; m < M; ++m) {
                 const __m512i sum = CHAINS == 2 ? _mm512_add_epi32(a[0][m], a[1][m]) : a[0][m];
                 const __m512 s = _mm512_cvtepi32_ps(sum);
-                const __m512 sx = _mm512_set1_ps(xscale[g * G + m]);
+                const __m512 sx = _mm512_set1_ps(xscale[g * G + row[m]]);
                 facc[m] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, sx), facc[m]);
-                facc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xscaled[g * G + m]), facc[m]);
+                facc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xscaled[g * G + row[m]]), facc[m]);
             }
         } else {
             for (int c = 0; c < 8; ++c) {
@@ -396,14 +414,14 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
                 const int chain = c % CHAINS;
                 for (int m = 0; m < M; ++m)
                     a[chain][m] = _mm512_dpbusd_epi32(
-                        a[chain][m], v, _mm512_set1_epi32(four(xq + m * GROUP_K + 4 * c)));
+                        a[chain][m], v, _mm512_set1_epi32(four(xq + row[m] * GROUP_K + 4 * c)));
             }
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 512)));
             for (int m = 0; m < M; ++m) {
                 const __m512i sum = CHAINS == 2 ? _mm512_add_epi32(a[0][m], a[1][m]) : a[0][m];
-                const __m512i bias = _mm512_set1_epi32(128 * xsum[g * G + m]);
+                const __m512i bias = _mm512_set1_epi32(128 * xsum[g * G + row[m]]);
                 const __m512i s = _mm512_sub_epi32(sum, bias);
-                const __m512 sx = _mm512_set1_ps(xscale[g * G + m]);
+                const __m512 sx = _mm512_set1_ps(xscale[g * G + row[m]]);
                 facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, sx), facc[m]);
             }
         }
@@ -428,8 +446,8 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
                     const __m256i lo = _mm256_and_si256(v, low);
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                     for (int m = 0; m < M; ++m) {
-                        const int32_t x0 = four(xg + m * GROUP_K + 8 * c);
-                        const int32_t x1 = four(xg + m * GROUP_K + 8 * c + 4);
+                        const int32_t x0 = four(xg + row[m] * GROUP_K + 8 * c);
+                        const int32_t x1 = four(xg + row[m] * GROUP_K + 8 * c + 4);
 #if defined(PYPTO_AVX_VNNI)
                         a[m] = dot4(a[m], lo, _mm256_set1_epi32(x0));
                         a[m] = dot4(a[m], hi, _mm256_set1_epi32(x1));
@@ -449,9 +467,9 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
 #else
                     const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(a[m], ones));
 #endif
-                    const __m256 sx = _mm256_set1_ps(xscale[g * G + m]);
+                    const __m256 sx = _mm256_set1_ps(xscale[g * G + row[m]]);
                     facc[m][half] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, sx), facc[m][half]);
-                    facc[m][half] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xscaled[g * G + m]), facc[m][half]);
+                    facc[m][half] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xscaled[g * G + row[m]]), facc[m][half]);
                 }
             } else {
                 for (int c = 0; c < 8; ++c) {
@@ -461,7 +479,7 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
                     const __m256i aw = _mm256_abs_epi8(sw);
 #endif
                     for (int m = 0; m < M; ++m) {
-                        const int32_t x0 = four(xg + m * GROUP_K + 4 * c);
+                        const int32_t x0 = four(xg + row[m] * GROUP_K + 4 * c);
 #if defined(PYPTO_AVX_VNNI)
                         a[m] = dot4(a[m], u, _mm256_set1_epi32(x0));
 #else  // |w| x (x with w's sign): pairs of at most 127 x 127 fit int16
@@ -473,11 +491,11 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 512 + 16 * half)));
                 for (int m = 0; m < M; ++m) {
 #if defined(PYPTO_AVX_VNNI)
-                    const __m256i s = _mm256_sub_epi32(a[m], _mm256_set1_epi32(128 * xsum[g * G + m]));
+                    const __m256i s = _mm256_sub_epi32(a[m], _mm256_set1_epi32(128 * xsum[g * G + row[m]]));
 #else
                     const __m256i s = a[m];
 #endif
-                    const __m256 sx = _mm256_set1_ps(xscale[g * G + m]);
+                    const __m256 sx = _mm256_set1_ps(xscale[g * G + row[m]]);
                     facc[m][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, sx), facc[m][half]);
                 }
             }
@@ -488,11 +506,12 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
         _mm256_storeu_ps(acc[m] + 8, facc[m][1]);
     }
 #else
+    for (int m = 0; m < M; ++m) std::fill(acc[m], acc[m] + 16, 0.0f);
     for (int g = 0; g < groups; ++g, rec += RECORD[w.format]) {
         const uint16_t* scales = reinterpret_cast<const uint16_t*>(rec + (w.format == Q4 ? 256 : 512));
         for (int m = 0; m < M; ++m) {
-            const int8_t* xg = xq + (g * G + m) * GROUP_K;
-            const float sx = xscale[g * G + m];
+            const int8_t* xg = xq + (g * G + row[m]) * GROUP_K;
+            const float sx = xscale[g * G + row[m]];
             for (int r = 0; r < 16; ++r) {
                 int32_t s = 0;
                 if (w.format == Q4) {
@@ -502,7 +521,7 @@ void packed_rows(const Matrix& w, int64_t b, const Activations& x, int m0, float
                             s += (byte & 0x0F) * xg[8 * c + j] + (byte >> 4) * xg[8 * c + 4 + j];
                         }
                     acc[m][r] += float(s) * fp16(scales[r]) * sx +
-                                 fp16(scales[16 + r]) * xscaled[g * G + m];
+                                 fp16(scales[16 + r]) * xscaled[g * G + row[m]];
                 } else {
                     for (int c = 0; c < 8; ++c)
                         for (int j = 0; j < 4; ++j)
@@ -521,7 +540,7 @@ template <int M>
 void block_product(const Matrix& w, int64_t b, const Activations& x, int m0, float* out,
                    int64_t ldo, bool add, int stored = M) {
     const int64_t n0 = b * 16, n = w.rows - n0 < 16 ? w.rows - n0 : 16;
-    float acc[M][16] = {};
+    float acc[M][16];  // every sum read below is written (`bf16_rows`, `packed_rows`)
     if (w.format == BF16)
         bf16_rows<M>(w, n0, n, x, m0, acc);
     else
@@ -542,8 +561,9 @@ constexpr int64_t PANEL_BYTES = 1 << 18;
 // orphaned worksharing loop: call it from every thread of a parallel region). The rows go in
 // panels of PANEL_BYTES of activations (a prefill chunk's thousands of rows would otherwise
 // stream from memory once per block); within a panel a thread runs its rows over each of its
-// blocks, BLOCK_ROWS at a time, while the block is in its cache. A row's arithmetic is the
-// same whatever the panels and groups: only the order in which rows are computed changes.
+// blocks, BLOCK_ROWS at a time (the last up to WIDE_ROWS at once), while the block is in its
+// cache. A row's arithmetic is the same whatever the panels, groups and blocks of rows: only
+// the order in which rows are computed changes.
 // wait: end with the team's barrier (else a thread goes on as soon as its share is done).
 void product(const Matrix& w, const Activations& x, int rows, float* out, int64_t ldo, bool add,
              bool wait = true) {
@@ -556,6 +576,16 @@ void product(const Matrix& w, const Activations& x, int rows, float* out, int64_
         for (int64_t b = 0; b < blocks; ++b) {
             for (int m0 = p0; m0 < p1; m0 += BLOCK_ROWS) {
                 float* o = out + m0 * ldo;
+#if defined(PYPTO_VNNI)
+                if (p1 - m0 > BLOCK_ROWS && p1 - m0 <= WIDE_ROWS) {  // the last rows at once
+                    static_assert(WIDE_ROWS == 10);
+                    if (p1 - m0 == 9)
+                        block_product<9>(w, b, x, m0, o, ldo, add);
+                    else
+                        block_product<10>(w, b, x, m0, o, ldo, add);
+                    break;
+                }
+#endif
                 if (w.format != BF16 && x.stride == BLOCK_ROWS && p1 - m0 >= PADDED_ROWS &&
                     p1 - m0 < BLOCK_ROWS) {
                     block_product<BLOCK_ROWS>(w, b, x, m0, o, ldo, add, p1 - m0);
