@@ -64,10 +64,10 @@ constexpr int PADDED_ROWS = BLOCK_ROWS;
 #endif
 // The most rows a product over records takes in one pass over a block of the weight: the
 // rows past BLOCK_ROWS are the first of the next block of rows (a last block of 1 or 2 rows
-// joins the one before it). AVX-512 VNNI: speculative decoding's 9 verify rows (8 drafts)
-// took 8.5 ms in SmolLM2's native step against 8 rows' 6.8, the ninth row's pass unpacking
-// every Q4 record again for one row's dot products (bench/native_rows.py). 10 rows keep
-// their 20 accumulators in the 32 registers; AVX2's 16 hold no more than 8 rows' already.
+// joins the one before it). AVX-512 VNNI: SmolLM2's native step of 9 rows took 8.5 ms
+// against 8 rows' 6.8, the ninth row's own pass unpacking every Q4 record again for one
+// row's dot products (bench/native_rows.py); its products now take 5.2 ms against 6.0. 10
+// rows keep their 20 accumulators in the 32 registers; AVX2's 16 hold no more than 8 rows'.
 #if defined(PYPTO_VNNI)
 constexpr int WIDE_ROWS = 10;
 #else
