@@ -135,7 +135,7 @@ def plan_attention(
         and _native_step_runs(
             cfg, plan.quantization, plan.dtype, groups, cache.page_size, plan.records_only
         ),
-        native_rows=native_decode.rows_taken(plan.quantization, plan.records_only),
+        native_rows=native_decode.rows_taken(plan.quantization),
     )
 
 

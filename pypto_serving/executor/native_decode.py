@@ -134,13 +134,13 @@ def applies(
     )
 
 
-def rows_taken(quantization: str | None, records_only: bool) -> int:
+def rows_taken(quantization: str | None) -> int:
     """The most decodes one native step takes (the run plan's `native_rows`): MAX_ROWS where
-    every matmul of the step reads records (a quantized model's Q4/Q8: int4, int4-w8a8, a GGUF
-    file's, or the records a `records_only` model keeps alone), whose products take 8 rows a
-    pass over the weights at the int8 dot products' rate however many rows come; FEW_ROWS
-    where it reads bf16 weights. int4-w8a8's int8 GEMM then serves its prefill chunks."""
-    return MAX_ROWS if records_only or quantization is not None else FEW_ROWS
+    every matmul of the step reads records (any quantization the step runs: int4's, int4-w8a8's
+    and a GGUF file's Q4/Q8, or the records a `records_only` model keeps alone), whose products
+    take 8 rows a pass over the weights at the int8 dot products' rate however many rows come;
+    FEW_ROWS where it reads bf16 weights. int4-w8a8's int8 GEMM then serves its prefill chunks."""
+    return FEW_ROWS if quantization is None else MAX_ROWS
 
 
 def matrix(layer: Linear, bias_here: bool = True) -> Matrix:

@@ -186,7 +186,7 @@ class LayerwiseCalibration:
                     cos, sin = chunk.rope(i)
                     s = chunk.streams[stream]
                     s.hidden = layer(s.hidden, cos, sin, s.kv)
-                    s.kv.layers[i] = ()  # needed only within this layer's run
+                    s.kv.forget(i)  # needed only within this layer's run
 
         return run
 

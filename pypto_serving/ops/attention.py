@@ -32,6 +32,10 @@ class DenseKV(KVAttention):
         first = self.layers[0]
         return first[0].shape[0] if first else 0
 
+    def forget(self, layer: int) -> None:
+        """Let go of layer `layer`'s tensors (a forward run layer by layer that is done with it)."""
+        self.layers[layer] = ()
+
     def extend(self, layer: int, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Append the new tokens' tensors to layer `layer`'s; return all of its tokens'."""
         past = self.layers[layer]
