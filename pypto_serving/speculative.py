@@ -15,8 +15,9 @@ decoding: the longest recent n-gram of the request's tokens that occurred before
 by what followed it then; `NgramProposer`), or a smaller draft model sharing the tokenizer,
 run greedily on its own paged KV (`executor/draft_model.py`). Either proposal is one fixed
 token per position, so the rule above is exact for both. How many a request gets follows
-how its last drafts fared (`Speculator.budget`): a request whose drafts keep missing costs
-few extra rows.
+how its drafts have fared (`Speculator.budget`): as many as pay for their rows at the rate its
+drafts are being kept, so a text that repeats itself verifies k at a time even after a slip,
+and drafts that keep missing cost one row a step.
 """
 
 from __future__ import annotations
@@ -28,6 +29,33 @@ from typing import Protocol
 
 from pypto_serving.config import SpeculativeSpec
 from pypto_serving.request import Request
+
+ROW_COST = 0.08
+"""What one draft row adds to a step, as a fraction of a step of one row: the native step's
+products at a few rows are bound by their arithmetic, not the weights' bytes (SmolLM2 from its
+GGUF, AVX-512: 8 rows cost 1.4-1.6x one row, Python's part of the step included)."""
+KEPT_PRIOR = (6.0, 1.0)
+"""A request's first drafts are judged as if 6 of 7 had been kept: 8 of them at most, as many
+as the step's block of rows leaves beside the last token. A few misses at the start bring it
+down fast: the counts decay."""
+DECAY = 0.8
+"""Each step's weight in the running counts against the one after it: the rate follows the
+text's last ten or so steps (a copied passage, then new words, then a copy again)."""
+
+
+def worth_drafting(rate: float, k: int, row_cost: float = ROW_COST) -> int:
+    """The number of drafts, 1 to k, that makes the most tokens per step's cost when each is
+    kept with probability `rate` once the ones before it were: n drafts give 1 + rate + ...
+    + rate^n tokens for 1 + n * row_cost steps. At least one: a request that drafts nothing
+    would never learn that its text turned repetitive."""
+    best, best_n, tokens, p = 0.0, 1, 1.0, 1.0
+    for n in range(1, k + 1):
+        p *= rate
+        tokens += p
+        value = tokens / (1 + n * row_cost)
+        if value > best:
+            best, best_n = value, n
+    return best_n
 
 
 @dataclass(slots=True)
@@ -125,7 +153,8 @@ class Speculator:
         """proposer: where drafts come from (None: n-gram lookup, as the spec bounds it)."""
         self.spec = spec
         self.proposer = proposer or NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        self._budgets: dict[str, int] = {}
+        self._kept: dict[str, tuple[float, float]] = {}
+        """Each request's drafts kept and steps that missed one, decayed by DECAY a step."""
         self.num_drafts = 0
         """Steps that verified drafts (vLLM's spec_decode_num_drafts)."""
         self.num_draft_tokens = 0
@@ -134,11 +163,12 @@ class Speculator:
         """How often the i-th draft token of a step was kept."""
 
     def budget(self, request_id: str) -> int:
-        """How many drafts the request gets now: k at first; after a step that kept every
-        draft, twice as many as it had (at most k); after one that did not, one more than it
-        kept. A text that repeats itself soon verifies k at a time; drafts that keep missing
-        cost one row a step."""
-        return self._budgets.get(request_id, self.spec.num_speculative_tokens)
+        """How many drafts the request gets now: `worth_drafting` at the rate its drafts have
+        been kept (each kept draft a success, each step that missed one a failure, older steps
+        weighing less; KEPT_PRIOR before any). k at first and while drafts hold; one slip in a
+        copied passage leaves it near k; drafts that keep missing fall to one a step."""
+        kept, missed = self._kept.get(request_id, KEPT_PRIOR)
+        return worth_drafting(kept / (kept + missed), self.spec.num_speculative_tokens)
 
     def draft(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
         """Draft tokens to verify after each request's last token: at most its limit (what
@@ -159,8 +189,11 @@ class Speculator:
         self.num_accepted_tokens += kept
         for i in range(kept):
             self.accepted_per_position[i] += 1
-        k = self.spec.num_speculative_tokens
-        self._budgets[request_id] = min(2 * drafted, k) if kept == drafted else kept + 1
+        before_kept, before_missed = self._kept.get(request_id, KEPT_PRIOR)
+        self._kept[request_id] = (
+            DECAY * before_kept + kept,
+            DECAY * before_missed + (kept < drafted),
+        )
 
     def stats(self) -> SpecDecodeStats:
         return SpecDecodeStats(
@@ -173,4 +206,4 @@ class Speculator:
     def forget(self, request_id: str) -> None:
         """The request left the engine (finished, aborted): what was kept for it goes."""
         self.proposer.forget(request_id)
-        self._budgets.pop(request_id, None)
+        self._kept.pop(request_id, None)

@@ -23,7 +23,7 @@ from pypto_serving import LLM, SamplingParams
 from pypto_serving.config import EngineConfig, parse_speculative_config
 from pypto_serving.engine.core import EngineStats, combine_stats
 from pypto_serving.errors import PyptoError
-from pypto_serving.speculative import NgramIndex, SpecDecodeStats, Speculator
+from pypto_serving.speculative import NgramIndex, SpecDecodeStats, Speculator, worth_drafting
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 MODEL = "qwen3-hd32-gqa4"  # a shape the native decode step takes
@@ -129,20 +129,46 @@ def test_the_index_grows_with_the_tokens_once():
     assert index.indexed == len(tokens) - 1
 
 
-def test_the_budget_doubles_while_drafts_hold_and_falls_to_what_was_kept():
+def test_worth_drafting_makes_the_most_tokens_per_step_cost():
+    # rate 0.5, a row 0.08 of a step: 1, 2, 3, 4 drafts give 1.5/1.08, 1.75/1.16, 1.875/1.24,
+    # 1.9375/1.32 tokens per step = 1.389, 1.509, 1.512, 1.468
+    assert worth_drafting(0.5, 8, row_cost=0.08) == 3
+    assert worth_drafting(0.5, 2, row_cost=0.08) == 2  # never past k
+    assert worth_drafting(0.2, 8, row_cost=0.08) == 1  # 1.2/1.08 against 1.24/1.16
+    assert worth_drafting(0.0, 8) == 1  # still one: the text may turn repetitive
+    assert worth_drafting(0.95, 8) == 8
+    assert worth_drafting(0.5, 8, row_cost=0.0) == 8  # free rows: every draft pays
+    counts = [worth_drafting(r / 100, 16) for r in range(100)]
+    assert counts == sorted(counts) and counts[0] == 1 and counts[-1] == 16
+
+
+def test_the_budget_follows_the_rate_drafts_are_kept():
     spec = parse_speculative_config({**NGRAM, "num_speculative_tokens": 8})
     assert spec is not None
     s = Speculator(spec)
-    assert s.budget("r") == 8
-    s.observe("r", 8, 2)
-    assert s.budget("r") == 3
-    s.observe("r", 3, 3)
-    assert s.budget("r") == 6
-    s.observe("r", 6, 6)
-    assert s.budget("r") == 8
-    s.observe("r", 8, 0)
-    assert s.budget("r") == 1
-    assert s.stats() == SpecDecodeStats(4, 25, 11, (3, 3, 2, 1, 1, 1, 0, 0))
+    assert s.budget("r") == 8  # KEPT_PRIOR: as if 6 of 7 had been kept
+    observed: list[tuple[int, int]] = []
+
+    def step(kept_of: int | None = None) -> int:
+        """Verify the budget's drafts, keeping `kept_of` of them (None: all)."""
+        drafted = s.budget("r")
+        kept = drafted if kept_of is None else min(kept_of, drafted)
+        s.observe("r", drafted, kept)
+        observed.append((drafted, kept))
+        return s.budget("r")
+
+    for _ in range(3):
+        step()
+    assert step(2) == 8  # one slip in a copied passage: still k
+    falling = [step(0) for _ in range(12)]  # the copy ended: new text
+    assert falling == sorted(falling, reverse=True) and falling[2] < 8 and falling[-1] == 1
+    rising = [step() for _ in range(5)]  # a copy again
+    assert rising == sorted(rising) and rising[-1] == 8
+    assert s.budget("other") == 8
+    stats = s.stats()
+    assert stats.num_drafts == len(observed)
+    assert stats.num_draft_tokens == sum(d for d, _ in observed)
+    assert stats.num_accepted_tokens == sum(k for _, k in observed)
     s.forget("r")
     assert s.budget("r") == 8
 
