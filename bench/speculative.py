@@ -37,7 +37,7 @@ from typing import Any
 PEER_PYTHON = Path.home() / ".cache" / "peers" / "llamacpp" / "bin" / "python"
 DEFAULT_SPEC = {
     "method": "ngram",
-    "num_speculative_tokens": 8,
+    "num_speculative_tokens": 9,
     "prompt_lookup_min": 2,
     "prompt_lookup_max": 4,
 }

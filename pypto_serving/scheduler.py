@@ -71,6 +71,21 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+@dataclass(frozen=True, slots=True)
+class RowBlocks:
+    """How the decode kernel's products take a step's rows: `size` at a time, each block a
+    pass over the weights, a last block of up to `widest` (>= size) rows in one pass."""
+
+    size: int
+    widest: int
+
+    def room(self, rows: int) -> int:
+        """Rows a step of `rows` may add without another pass over the weights."""
+        extra = self.widest - self.size  # rows a last block may take past `size`
+        passes = max(1, -(-(rows - extra) // self.size))
+        return passes * self.size + extra - rows
+
+
 class Scheduler:
     def __init__(
         self,
@@ -78,15 +93,15 @@ class Scheduler:
         kv: KVCapacity,
         speculator: Speculator | None = None,
         decode_rows: int | None = None,
-        row_block: int | None = None,
+        row_blocks: RowBlocks | None = None,
     ) -> None:
         """speculator: drafts for decoding requests (speculative decoding), None: none;
         decode_rows: the most rows a step's decodes may have, their drafts included, where
         more would move them off the kernel plain decodes of that step run on (None: any);
-        row_block: the rows that kernel multiplies at once, each block a pass over the
-        weights: drafts fill the decodes' last block, never start another (None: no blocks)."""
+        row_blocks: how that kernel multiplies rows, by blocks each a pass over the weights:
+        drafts fill the decodes' last block, never start another (None: no blocks)."""
         self.config, self.kv = config, kv
-        self.speculator, self.decode_rows, self.row_block = speculator, decode_rows, row_block
+        self.speculator, self.decode_rows, self.row_blocks = speculator, decode_rows, row_blocks
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -155,15 +170,16 @@ class Scheduler:
 
     def _spare_rows(self) -> int:
         """Rows this step's drafts may add: what `decode_rows` leaves beside one row per
-        decoding request, and what the decodes' last `row_block` leaves (every row the budget
-        leaves where there is no such limit, or the decodes exceed it anyway)."""
+        decoding request, and what the decodes' last block of `row_blocks` leaves (every row
+        the budget leaves where there is no such limit, or the decodes exceed it anyway)."""
         if self.speculator is None:
             return 0
         decodes = sum(r.num_computed_tokens == r.num_tokens - 1 for r in self.running)
         rows = self.decode_rows
         if rows is None or decodes > rows:
             return self.config.max_num_batched_tokens
-        return min(rows - decodes, -decodes % self.row_block) if self.row_block else rows - decodes
+        room = self.row_blocks.room(decodes) if self.row_blocks else rows - decodes
+        return min(rows - decodes, room)
 
     def _drafts(self, budget: int, spare: int) -> dict[str, list[int]]:
         """The speculator's drafts for this step's decoding requests, asked for all at once

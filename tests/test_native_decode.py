@@ -24,7 +24,7 @@ from live_server import tiny_llm
 
 from pypto_serving import native
 from pypto_serving.config import EngineConfig
-from pypto_serving.device import cpu_flags
+from pypto_serving.device import cpu_flags, cpu_march
 from pypto_serving.distributed import Group, ParallelGroups
 from pypto_serving.engine.plan import plan_attention, plan_run
 from pypto_serving.executor import native_decode
@@ -257,11 +257,19 @@ def test_a_rows_product_is_the_same_bits_among_any_rows(products, fmt):
     )
 
 
-def test_the_step_takes_up_to_max_rows(tmp_path):
-    path = native.build(2, 16, tmp_path)
+def test_the_step_takes_up_to_max_rows_and_says_its_widest_block(tmp_path):
+    """MAX_ROWS rows a step; a last block of 10 rows in one pass with AVX512-VNNI (the drafts
+    the scheduler adds fill it), of ROW_BLOCK without."""
+    path = native.build(2, 16, tmp_path / "native")
     lib = None if path is None else native.load(path)
     assert lib is not None
     assert lib.pypto_native_max_rows() == native_decode.MAX_ROWS
+    vnni = "avx512_vnni" in cpu_flags() and cpu_march() == ("-march=native",)
+    assert lib.pypto_native_wide_rows() == (10 if vnni else native_decode.ROW_BLOCK)
+    flags = ("-mno-avx512vnni", "-mno-avx512bf16")
+    path = native.build(2, 16, tmp_path / "portable", extra_flags=flags)
+    portable = None if path is None else native.load(path)
+    assert portable is not None and portable.pypto_native_wide_rows() == native_decode.ROW_BLOCK
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from pypto_serving.kv.groups import KVGroups
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.request import Request, RequestStatus
 from pypto_serving.sampling import SamplingParams
-from pypto_serving.scheduler import Scheduler, SchedulerOutput
+from pypto_serving.scheduler import RowBlocks, Scheduler, SchedulerOutput
 from pypto_serving.speculative import Speculator
 
 PS = 4  # tokens per page
@@ -553,3 +553,40 @@ def test_prefix_counters_count_each_request_once() -> None:
     h.scheduler.add(make_request("b", [1, 2, 3, 4, 50, 51, 52, 53, 54], max_tokens=1, arrival=1))
     h.run()
     assert (h.scheduler.prefix_queries, h.scheduler.prefix_hits) == (12 + 9, 4)
+
+
+class AskedFor:
+    """A proposer that drafts as many copies of a request's last token as it may, and
+    records how many each step asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[list[int]] = []
+
+    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        self.asked.append([k for _, k in wanted])
+        return {r.request_id: [r.token_ids[-1]] * k for r, k in wanted}
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+def test_drafts_fill_the_decodes_last_block_of_rows_and_never_start_another() -> None:
+    blocks = RowBlocks(8, 10)  # AVX-512 VNNI's products: a last block of up to 10 rows
+    rows = (1, 2, 8, 9, 10, 11, 16, 18, 19)
+    assert [blocks.room(n) for n in rows] == [9, 8, 2, 1, 0, 7, 2, 0, 7]
+    assert [RowBlocks(8, 8).room(n) for n in (1, 7, 8, 9, 16)] == [7, 1, 0, 7, 0]
+    for decodes, room in ((1, 9), (8, 2), (11, 7)):
+        proposer = AskedFor()
+        speculator = Speculator(SpeculativeSpec("ngram", 16, 1, 2), proposer)
+        config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256)
+        store = make_store(64)
+        scheduler = Scheduler(config, store, speculator, 256, blocks)
+        h = Harness(scheduler, store, FakeExecutor(store))
+        for i in range(decodes):
+            h.scheduler.add(make_request(f"r{i}", [1 + i, 2, 3], max_tokens=40, arrival=i))
+            for _ in range(3):
+                speculator.observe(f"r{i}", 16, 16)  # drafts that held: its budget is k
+        h.step()  # the prompts' prefill
+        out = h.scheduler.schedule()  # their first decodes, with drafts
+        assert sum(proposer.asked[-1]) == room
+        assert sum(s.num_new_tokens for s in out.scheduled) == decodes + room

@@ -44,7 +44,7 @@ from pypto_serving.ops.sampler import Sampled
 from pypto_serving.pooling import PoolingParams, pool
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
-from pypto_serving.scheduler import Scheduler, SchedulerOutput
+from pypto_serving.scheduler import RowBlocks, Scheduler, SchedulerOutput
 from pypto_serving.speculative import SpecDecodeStats, Speculator
 
 log = logging.getLogger(__name__)
@@ -278,11 +278,12 @@ class EngineCore:
                 self.max_model_len,
             )
         self.speculator = self._speculator(own)
-        decode_rows = row_block = None
+        decode_rows = row_blocks = None
         if isinstance(self.executor, PagedExecutor) and self.executor.native is not None:
-            decode_rows, row_block = self.executor.native_rows, ROW_BLOCK
+            decode_rows = self.executor.native_rows
+            row_blocks = RowBlocks(ROW_BLOCK, self.executor.native.wide_rows)
         self.scheduler = Scheduler(
-            config.scheduler, self.executor.kv, self.speculator, decode_rows, row_block
+            config.scheduler, self.executor.kv, self.speculator, decode_rows, row_blocks
         )
         self.grammars = self.executor.grammars = Grammars(self.model_dir, cfg.vocab_size)
         if self.draft_model is not None:  # it drafts a structured output under its grammar

@@ -50,8 +50,9 @@ ROW_BLOCK = 8
 """Rows the native step's products take at once (records.h's BLOCK_ROWS): each block of rows
 unpacks every weight again, so a step's ninth row cost about what its first did (SmolLM2
 from its GGUF, AVX-512: 8 rows 9.4 ms, 9 rows 15.5 ms, 16 rows 21.8 ms). On AVX-512 VNNI a
-last 9 or 10 rows now run as one block (records.h's WIDE_ROWS), the ninth row about an eighth
-more than 8; the drafts a step may add still fill the decodes' last block of 8."""
+last 9 or 10 rows run as one block (records.h's WIDE_ROWS, `NativeDecoder.wide_rows`), the
+ninth row about an eighth more than 8: the drafts a step may add fill the decodes' last
+block up to there."""
 QUANTIZATIONS = (None, "int4", "int4-w8a8", "gguf")
 """Quantizations whose weights the step reads: bf16 or the records `pack_linears` makes."""
 
@@ -170,6 +171,8 @@ class NativeDecoder:
         assert model.lm_head is not None and decoder.embed_tokens is not None
         assert decoder.norm is not None
         self.lib, self.vocab = lib, cfg.vocab_size
+        self.wide_rows: int = lib.pypto_native_wide_rows()
+        """The most rows this build's products take in a last block (ROW_BLOCK, or 10)."""
         self.team = TeamSize(torch.get_num_threads())
         tp, self.comm = model.groups.tp, shm_group()
         assert tp.size == 1 or self.comm is not None

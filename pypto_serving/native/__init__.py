@@ -239,6 +239,8 @@ def load(path: Path) -> ctypes.CDLL | None:
     lib.pypto_decode_step.argtypes = [ptr, ptr]
     lib.pypto_native_max_rows.restype = c_int
     lib.pypto_native_max_rows.argtypes = []
+    lib.pypto_native_wide_rows.restype = c_int
+    lib.pypto_native_wide_rows.argtypes = []
     return lib
 
 

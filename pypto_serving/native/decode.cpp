@@ -221,6 +221,7 @@ void layer(const Model& md, const Layer& ly, const Step& s, Scratch& w) {
 }  // namespace
 
 extern "C" int pypto_native_max_rows() { return MAX_ROWS; }
+extern "C" int pypto_native_wide_rows() { return WIDE_ROWS; }  // this build's widest last block
 
 // The LM head's logits of the final-normed rows: this rank's vocabulary rows, gathered over
 // the ranks under TP (into s.logits, [rows, world, vocab]).
