@@ -31,13 +31,13 @@ from pypto_serving.config import SpeculativeSpec
 from pypto_serving.request import Request
 
 ROW_COST = 0.08
-"""What one draft row adds to a step, as a fraction of a step of one row: the native step's
-products at a few rows are bound by their arithmetic, not the weights' bytes (SmolLM2 from its
-GGUF, AVX-512: 8 rows cost 1.4-1.6x one row, Python's part of the step included)."""
+"""What one draft row adds to a step, as a fraction of a step of one row, where the plan says
+nothing more precise (`native_decode.draft_row_cost` does for the native step: 0.08 over
+records with AVX512-VNNI, 0.25 on AVX2, 0.15 over bf16 weights)."""
 KEPT_PRIOR = (6.0, 1.0)
-"""A request's first drafts are judged as if 6 of 7 had been kept: 8 of them at most, as many
-as the step's block of rows leaves beside the last token. A few misses at the start bring it
-down fast: the counts decay."""
+"""A request's first drafts are judged as if 6 of 7 had been kept: 8 of them where a row costs
+0.08 of a step, 4 where it costs 0.25. A few misses at the start bring it down fast: the
+counts decay."""
 DECAY = 0.8
 """Each step's weight in the running counts against the one after it: the rate follows the
 text's last ten or so steps (a copied passage, then new words, then a copy again)."""
@@ -149,9 +149,12 @@ class Speculator:
     scheduler asks `draft` for the requests about to decode, and tells `observe` how many of
     a request's drafts the step kept."""
 
-    def __init__(self, spec: SpeculativeSpec, proposer: Proposer | None = None) -> None:
-        """proposer: where drafts come from (None: n-gram lookup, as the spec bounds it)."""
-        self.spec = spec
+    def __init__(
+        self, spec: SpeculativeSpec, proposer: Proposer | None = None, row_cost: float = ROW_COST
+    ) -> None:
+        """proposer: where drafts come from (None: n-gram lookup, as the spec bounds it);
+        row_cost: what a draft's row adds to a step, as a fraction of a one-row step."""
+        self.spec, self.row_cost = spec, row_cost
         self.proposer = proposer or NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self._kept: dict[str, tuple[float, float]] = {}
         """Each request's drafts kept and steps that missed one, decayed by DECAY a step."""
@@ -168,7 +171,8 @@ class Speculator:
         weighing less; KEPT_PRIOR before any). k at first and while drafts hold; one slip in a
         copied passage leaves it near k; drafts that keep missing fall to one a step."""
         kept, missed = self._kept.get(request_id, KEPT_PRIOR)
-        return worth_drafting(kept / (kept + missed), self.spec.num_speculative_tokens)
+        k = self.spec.num_speculative_tokens
+        return worth_drafting(kept / (kept + missed), k, self.row_cost)
 
     def draft(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
         """Draft tokens to verify after each request's last token: at most its limit (what

@@ -24,7 +24,7 @@ from live_server import tiny_llm
 
 from pypto_serving import native
 from pypto_serving.config import EngineConfig
-from pypto_serving.device import cpu_flags, cpu_march
+from pypto_serving.device import cpu_flags, cpu_isa, cpu_march
 from pypto_serving.distributed import Group, ParallelGroups
 from pypto_serving.engine.plan import plan_attention, plan_run
 from pypto_serving.executor import native_decode
@@ -425,3 +425,13 @@ def test_int4_w8a8_decodes_every_row_in_the_native_step(tiny_model):
         alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
     assert [o.outputs[0].logprobs for o in together] == [o.outputs[0].logprobs for o in alone]
+
+
+def test_a_draft_row_costs_what_the_builds_step_measured(monkeypatch):
+    """The plan's weight of a speculative draft's row (`draft_row_cost`): the native step's
+    products over records with AVX512-VNNI, on the AVX2 build, over bf16 weights."""
+    vnni = cpu_isa() == "avx512" and "avx512_vnni" in cpu_flags()
+    assert native_decode.draft_row_cost("gguf") == (0.08 if vnni else 0.25)
+    assert native_decode.draft_row_cost(None) == 0.15
+    monkeypatch.setenv("PYPTO_CPU_ISA", "avx2")
+    assert native_decode.draft_row_cost("int4") == 0.25

@@ -21,6 +21,7 @@ from cpu_builds import AVX2_ENV, AVX2_IS_THIS_BUILD
 
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.config import EngineConfig, parse_speculative_config
+from pypto_serving.device import cpu_flags, cpu_isa
 from pypto_serving.engine.core import EngineStats, combine_stats
 from pypto_serving.errors import PyptoError
 from pypto_serving.speculative import NgramIndex, SpecDecodeStats, Speculator, worth_drafting
@@ -138,6 +139,8 @@ def test_worth_drafting_makes_the_most_tokens_per_step_cost():
     assert worth_drafting(0.0, 8) == 1  # still one: the text may turn repetitive
     assert worth_drafting(0.95, 8) == 8
     assert worth_drafting(0.5, 8, row_cost=0.0) == 8  # free rows: every draft pays
+    assert worth_drafting(6 / 7, 9, row_cost=0.08) == 8  # KEPT_PRIOR's rate
+    assert worth_drafting(6 / 7, 9, row_cost=0.25) == 4  # a dearer row: fewer
     counts = [worth_drafting(r / 100, 16) for r in range(100)]
     assert counts == sorted(counts) and counts[0] == 1 and counts[-1] == 16
 
@@ -441,6 +444,9 @@ def test_the_default_model_gives_its_plain_tokens_and_keeps_drafts_of_echoed_tex
     spec = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4}
     with LLM("default", speculative_config=spec) as llm:
         assert llm.engine.executor.native_rows == 256
+        vnni = cpu_isa() == "avx512" and "avx512_vnni" in cpu_flags()  # records.h's VNNI path
+        assert llm.engine.speculator is not None
+        assert llm.engine.speculator.row_cost == (0.08 if vnni else 0.25)
         got = [tokens(llm.generate([p], params, use_tqdm=False))[0] for p in ps]
         kept = assert_drafts_held_and_missed(llm)
     assert got == want

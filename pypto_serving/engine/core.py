@@ -316,7 +316,7 @@ class EngineCore:
         spec = self.config.speculation()
         if spec is None:
             return None
-        kind = self.model.attention_kind
+        kind, cost = self.model.attention_kind, self.attention.draft_row_cost
         if not kind.SPECULATES:
             raise PyptoError(
                 f"speculative decoding: {self.model_config.architecture}'s attention "
@@ -327,11 +327,11 @@ class EngineCore:
             )
         if spec.method == "mtp":
             assert isinstance(self.executor, PagedExecutor) and self.executor.mtp is not None
-            return Speculator(spec, self.executor.mtp)
+            return Speculator(spec, self.executor.mtp, cost)
         if spec.model is None:
-            return Speculator(spec)
+            return Speculator(spec, row_cost=cost)
         self.draft_model = load_draft_model(own, self.model_config, self.max_model_len)
-        return Speculator(spec, self.draft_model)
+        return Speculator(spec, self.draft_model, cost)
 
     def _event_store(self) -> KVGroups | None:
         """The paged KV, whose first group's page events say which prompt pages this engine

@@ -14,7 +14,7 @@ capability checks or the model's kind again.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -124,7 +124,7 @@ def plan_attention(
             f"head_dim {cfg.head_dim}, or --no-native-attention)",
             "kv_cache_dtype",
         )
-    return AttentionPlan(
+    attention = AttentionPlan(
         kind=kind.NAME,
         kernels=kernels,
         own_kernels=paged and plan.native_attention and kind.OWN_KERNELS,
@@ -137,6 +137,10 @@ def plan_attention(
         ),
         native_rows=native_decode.rows_taken(plan.quantization),
     )
+    if attention.native_decode:
+        cost = native_decode.draft_row_cost(plan.quantization)
+        attention = replace(attention, draft_row_cost=cost)
+    return attention
 
 
 def _native_step_runs(

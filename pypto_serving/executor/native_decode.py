@@ -27,6 +27,7 @@ from ctypes import POINTER, c_float, c_int32, c_int64, c_void_p
 
 import torch
 
+from pypto_serving.device import cpu_flags, cpu_isa
 from pypto_serving.distributed import ParallelGroups, shm_group
 from pypto_serving.executor.team_size import TeamSize
 from pypto_serving.kv import native_attention
@@ -142,6 +143,19 @@ def rows_taken(quantization: str | None) -> int:
     take 8 rows a pass over the weights at the int8 dot products' rate however many rows come;
     FEW_ROWS where it reads bf16 weights. int4-w8a8's int8 GEMM then serves its prefill chunks."""
     return FEW_ROWS if quantization is None else MAX_ROWS
+
+
+def draft_row_cost(quantization: str | None) -> float:
+    """What one more row of a sequence (a speculative draft's) adds to a native step, as a
+    fraction of a step of one row with Python's part of it (~1 ms): the products' arithmetic
+    per row against the weights' bytes read once. SmolLM2 at context 150, `bench/native_rows.py
+    --rows 1,8` (AMD Zen 4): its records with AVX512-VNNI (one vpdpbusd a 64-byte dot product)
+    4.46 / 6.77 ms, 0.06 a row (the 1B shape: 0.07); on the AVX2 build (vpmaddubsw, vpmaddwd
+    and an add a 32-byte one) 3.80 / 11.43 ms, 0.23; bf16 weights (`FEW_ROWS`) 10.02 / 20.56
+    ms, 0.14. The Speculator weighs its drafts' worth by it (`speculative.worth_drafting`)."""
+    if quantization is None:
+        return 0.15
+    return 0.08 if cpu_isa() == "avx512" and "avx512_vnni" in cpu_flags() else 0.25
 
 
 def matrix(layer: Linear, bias_here: bool = True) -> Matrix:

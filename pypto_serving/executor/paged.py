@@ -68,6 +68,7 @@ from pypto_serving.ops.sampler import Sampled, SamplingRow, sample
 from pypto_serving.request import Request
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.scheduler import ScheduledRequest, SchedulerOutput
+from pypto_serving.speculative import ROW_COST
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,9 @@ class AttentionPlan:
     the records are the model's only weights)."""
     own_kernels: bool = False
     """Its kind's operator runs its own native kernels (`AttentionKind.OWN_KERNELS`)."""
+    draft_row_cost: float = ROW_COST
+    """What a speculative draft's row adds to a step, as a fraction of a one-row step
+    (`native_decode.draft_row_cost` where the native step runs)."""
 
 
 def part_of(step: StepInputs, first: int, end: int) -> StepInputs:
