@@ -153,7 +153,8 @@ class Speculator:
         self, spec: SpeculativeSpec, proposer: Proposer | None = None, row_cost: float = ROW_COST
     ) -> None:
         """proposer: where drafts come from (None: n-gram lookup, as the spec bounds it);
-        row_cost: what a draft's row adds to a step, as a fraction of a one-row step."""
+        row_cost: what a draft's row adds to a step, as a fraction of a one-row step (the
+        target's rows only: a draft model's own forwards are not counted)."""
         self.spec, self.row_cost = spec, row_cost
         self.proposer = proposer or NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self._kept: dict[str, tuple[float, float]] = {}
@@ -168,8 +169,9 @@ class Speculator:
     def budget(self, request_id: str) -> int:
         """How many drafts the request gets now: `worth_drafting` at the rate its drafts have
         been kept (each kept draft a success, each step that missed one a failure, older steps
-        weighing less; KEPT_PRIOR before any). k at first and while drafts hold; one slip in a
-        copied passage leaves it near k; drafts that keep missing fall to one a step."""
+        weighing less; KEPT_PRIOR before any). Near k while drafts hold (k where a row is
+        cheap); one slip in a copied passage leaves it there; drafts that keep missing fall
+        to one a step."""
         kept, missed = self._kept.get(request_id, KEPT_PRIOR)
         k = self.spec.num_speculative_tokens
         return worth_drafting(kept / (kept + missed), k, self.row_cost)
