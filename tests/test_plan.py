@@ -15,10 +15,11 @@ from live_server import tiny_llm
 from pypto_serving import native
 from pypto_serving.cli import build_parser
 from pypto_serving.config import EngineConfig, engine_config
-from pypto_serving.device import cpu_packs_bf16
+from pypto_serving.device import cpu_flags, cpu_isa, cpu_packs_bf16
 from pypto_serving.distributed import ParallelGroups
 from pypto_serving.engine.plan import RunPlan, plan_attention, plan_run
 from pypto_serving.errors import PyptoError
+from pypto_serving.executor import native_decode
 from pypto_serving.executor.paged import AttentionPlan
 from pypto_serving.flags import engine_knobs
 from pypto_serving.models.config import load_model_config
@@ -88,7 +89,13 @@ def test_the_attention_plan_is_decided_once_from_the_plan_and_the_model(tiny_mod
         return plan_attention(plan_run(config), config, cfg, ParallelGroups())
 
     qwen3 = attention("qwen3-hd32-gqa4", dtype="bfloat16")
-    assert qwen3 == AttentionPlan("gqa", (4, 32), compiled=True, native_decode=True)
+    bf16_rows = native_decode.draft_row_cost(None)  # a draft's row over bf16 weights: 0.15
+    assert qwen3 == AttentionPlan(
+        "gqa", (4, 32), compiled=True, native_decode=True, draft_row_cost=bf16_rows
+    )
+    int4 = attention("qwen3-hd32-gqa4", dtype="bfloat16", quantization="int4")
+    vnni = cpu_isa() == "avx512" and "avx512_vnni" in cpu_flags()  # records.h's VNNI path
+    assert int4.native_decode and int4.draft_row_cost == (0.08 if vnni else 0.25)
     assert attention("qwen3-hd32-gqa4", dtype="float32").native_decode is False  # bf16 only
     assert attention("qwen3-hd32-gqa4", dtype="bfloat16", enforce_eager=True).compiled is False
     with caplog.at_level(logging.INFO):  # head_dim 8: PyTorch's attention, said
