@@ -14,7 +14,7 @@ capability checks or the model's kind again.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +39,7 @@ from pypto_serving.models.config import ModelConfig, load_model_config
 from pypto_serving.models.gguf_weights import has_blocks
 from pypto_serving.models.loader import model_class
 from pypto_serving.models.quantized_experts import EXPERT_FORMATS
+from pypto_serving.speculative import ROW_COST
 
 log = logging.getLogger(__name__)
 
@@ -124,23 +125,23 @@ def plan_attention(
             f"head_dim {cfg.head_dim}, or --no-native-attention)",
             "kv_cache_dtype",
         )
-    attention = AttentionPlan(
-        kind=kind.NAME,
-        kernels=kernels,
-        own_kernels=paged and plan.native_attention and kind.OWN_KERNELS,
-        compiled=paged and model.compiles and not config.enforce_eager,
-        native_decode=paged
+    native = (
+        paged
         and kernels is not None
         and plan.native_decode
         and _native_step_runs(
             cfg, plan.quantization, plan.dtype, groups, cache.page_size, plan.records_only
-        ),
-        native_rows=native_decode.rows_taken(plan.quantization),
+        )
     )
-    if attention.native_decode:
-        cost = native_decode.draft_row_cost(plan.quantization)
-        attention = replace(attention, draft_row_cost=cost)
-    return attention
+    return AttentionPlan(
+        kind=kind.NAME,
+        kernels=kernels,
+        own_kernels=paged and plan.native_attention and kind.OWN_KERNELS,
+        compiled=paged and model.compiles and not config.enforce_eager,
+        native_decode=native,
+        native_rows=native_decode.rows_taken(plan.quantization),
+        draft_row_cost=native_decode.draft_row_cost(plan.quantization) if native else ROW_COST,
+    )
 
 
 def _native_step_runs(
