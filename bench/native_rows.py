@@ -4,8 +4,9 @@ revision's, in one process.
 
 A step of R rows of one sequence (speculative decoding's verify rows; `--sequences` for R
 separate sequences) at a context of `--context` tokens runs through the native decode step
-(native/decode.cpp) of each build in turn, call by call, so both see the same machine: the
-medians of `--iters` rounds of three calls each. `--against REV` builds the kernels of a git
+(native/decode.cpp) of each build in turn, so both see the same machine: the medians of
+`--iters` rounds of three calls each, the builds' order alternating round by round, and
+with `--against` the median of the rounds' ratios. `--against REV` builds the kernels of a git
 revision (its native/ sources) beside this tree's; without it only this tree's run.
 
     python bench/native_rows.py --rows 1,2,4,8,32 --against HEAD~1
@@ -128,14 +129,26 @@ def main(argv: list[str] | None = None) -> int:
             return time.perf_counter() - start
 
         times: dict[tuple[str, int], list[float]] = {(n, r): [] for n in steps for r in rows_list}
-        for _ in range(args.iters):
+        ratios: dict[int, list[float]] = {r: [] for r in rows_list}
+        names = list(steps)
+        for round_ in range(args.iters):
             for rows in rows_list:
-                for name, step in steps.items():
-                    times[(name, rows)] += [once(step, rows) for _ in range(3)]
+                # the builds' order alternates round by round: whichever runs first in a
+                # round was seen up to 4 % faster or slower with the same kernels
+                medians = {}
+                for name in names if round_ % 2 else names[::-1]:
+                    calls = [once(steps[name], rows) for _ in range(3)]
+                    times[(name, rows)] += calls
+                    medians[name] = statistics.median(calls)
+                if len(names) == 2:
+                    ratios[rows].append(medians[names[0]] / medians[names[1]])
     result = {f"{name} {rows}": 1000 * statistics.median(t) for (name, rows), t in times.items()}
     print(f"native step ms by rows ({args.model}, context {args.context}):")
     for rows in rows_list:
         cells = "  ".join(f"{n}: {result[f'{n} {rows}']:.2f}" for n in steps)
+        if ratios[rows]:
+            result[f"ratio {rows}"] = statistics.median(ratios[rows])
+            cells += f"  (this / {names[1]}, median of the rounds: {result[f'ratio {rows}']:.3f})"
         print(f"  {rows:>3} rows  {cells}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

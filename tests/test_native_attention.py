@@ -62,6 +62,15 @@ def make_case(seed, q_lens, kv_heads, group, head_dim, page_size, max_prefix, dt
     return q.to(dtype), k_cache, v_cache, table.view(len(q_lens), width), q_lens, ctx_lens
 
 
+def decode_case(seed, contexts, kv_heads, group, head_dim, page_size, dtype):
+    """make_case's decodes at the given contexts: each sequence's last query."""
+    q, k, v, table, q_lens, ctx_lens = make_case(
+        seed, contexts, kv_heads, group, head_dim, page_size, 0, dtype
+    )
+    last = q_lens.cumsum(0) - 1
+    return q[last], k, v, table, torch.ones_like(q_lens), ctx_lens
+
+
 SHAPES = dict(
     seed=st.integers(0, 2**31),
     kv_heads=st.integers(1, 3),
@@ -94,6 +103,51 @@ def test_decodes_match_pytorch_and_float64(seed, batch, kv_heads, shape, page_si
     group, head_dim = shape
     case = make_case(seed, [1] * batch, kv_heads, group, head_dim, page_size, max_ctx - 1, dtype)
     check(*case, page_size, group, head_dim)
+
+
+@settings(max_examples=6, deadline=None)
+@given(batch=st.integers(1, 3), max_ctx=st.integers(1_025, 9_000), **SHAPES)
+def test_long_decodes_split_into_spans_match_float64(
+    seed, batch, kv_heads, shape, page_size, max_ctx, dtype
+):
+    """Past 1,024 tokens a decode's context is attended in spans (up to 8), merged after."""
+    group, head_dim = shape
+    g = torch.Generator().manual_seed(seed)
+    contexts = [max_ctx, *torch.randint(1, max_ctx + 1, (batch - 1,), generator=g).tolist()]
+    q, k, v, table, q_lens, ctx_lens = decode_case(
+        seed, contexts, kv_heads, group, head_dim, page_size, dtype
+    )
+    lib = native.library(group, head_dim)
+    assert lib is not None
+    got = native_attention.paged_attention(lib, q, k, v, table, ctx_lens, page_size)
+    want = reference(q, k, v, table, q_lens, ctx_lens, page_size)
+    tol = TOLERANCE[q.dtype]
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def test_a_decode_is_the_same_bits_alone_batched_and_on_any_team():
+    """The spans a context splits into follow its length alone: a decode gets the same bits
+    alone, among others of every length (one span, several, the most) and on one thread."""
+    q, k, v, table, q_lens, ctx_lens = decode_case(
+        7, [9_000, 300, 2_049, 1_024, 5_000], 3, 3, 64, 64, torch.float32
+    )
+    lib = native.library(3, 64)
+    assert lib is not None
+
+    def attend(rows: slice) -> torch.Tensor:
+        return native_attention.paged_attention(lib, q[rows], k, v, table[rows], ctx_lens[rows], 64)
+
+    batched = attend(slice(0, 5))
+    for b in range(5):
+        assert torch.equal(attend(slice(b, b + 1)), batched[b : b + 1]), b
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(attend(slice(0, 5)), batched)
+    finally:
+        torch.set_num_threads(threads)
+    want = reference(q, k, v, table, q_lens, ctx_lens, 64)
+    torch.testing.assert_close(batched.double(), want, atol=2e-5, rtol=2e-5)
 
 
 @settings(max_examples=25, deadline=None)
@@ -301,10 +355,13 @@ def test_every_vector_width_matches_float64(isa_kernels, group, head_dim, dtype)
         (1, [1, 1, 1], 150, 16),
         (2, [37, 90, 5], 150, 16),
         (3, [70, 2], 300, 64),
+        (4, [3_000, 1_100, 9], None, 64),  # decodes at these contexts: 3, 2 and 1 spans
     ]:
-        q, k, v, table, q_lens, ctx_lens = make_case(
-            seed, q_lens, 2, group, head_dim, page_size, max_prefix, dtype
-        )
+        if max_prefix is None:
+            case = decode_case(seed, q_lens, 2, group, head_dim, page_size, dtype)
+        else:
+            case = make_case(seed, q_lens, 2, group, head_dim, page_size, max_prefix, dtype)
+        q, k, v, table, q_lens, ctx_lens = case
         decode = bool((q_lens == 1).all())
         want = reference(q, k, v, table, q_lens, ctx_lens, page_size)
         for caches in ((k, v), to_int8_caches(lib, k, v)):

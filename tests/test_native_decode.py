@@ -11,6 +11,7 @@ bf16 tests), and where the step applies.
 from __future__ import annotations
 
 import ctypes
+import json
 import re
 import shutil
 import subprocess
@@ -337,6 +338,31 @@ def test_the_native_step_computes_what_the_graphs_do(
         llm.generate(prompts[2:5], params, use_tqdm=False)
     assert len(diffs) > 20
     assert max(diffs) < 0.03, diffs  # int8 activations, bf16 roundings; a wrong wire is ~1
+
+
+@pytest.mark.slow
+def test_long_contexts_attend_in_spans_as_the_graphs_do_alone_or_batched(grid_model, tmp_path):
+    """A decode past 1,024 tokens attends in spans of its context (attention.cpp), the step
+    sharing them among its team: the step against the graphs (whose decodes take the batch
+    kernel's spans, held to float64 in test_native_attention.py) at 2,300 tokens, and the same
+    bits alone, beside shorter ones (one span each) and after its prefix was cached."""
+    model = tmp_path / "long"
+    shutil.copytree(grid_model("qwen3-hd32-gqa4"), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 4096}))
+    knobs = {"dtype": "bfloat16", "quantization": "int4", "enforce_eager": False}
+    long = [5] * 1_100 + [9] * 1_200  # values alike within a span: its weight shows
+    short = [[(7 * i + 3 * j) % 300 + 3 for j in range(40 + 90 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    with tiny_llm(model, page_size=64, num_kv_pages=128, **knobs) as llm:
+        executor = llm.engine.executor
+        assert executor.native is not None
+        diffs = compare_paths(executor)
+        (alone,) = llm.generate([long], params, use_tqdm=False)
+        batched = llm.generate([long, *short], params, use_tqdm=False)[0]
+    assert len(diffs) >= 5 and max(diffs) < 0.03, diffs  # a span read wrong: 0.10
+    assert alone.outputs[0].token_ids == batched.outputs[0].token_ids
+    assert alone.outputs[0].logprobs == batched.outputs[0].logprobs
 
 
 @pytest.mark.slow
