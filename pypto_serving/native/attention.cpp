@@ -629,10 +629,11 @@ void prefill_pairs(Scratch& w, const uint16_t* q, uint16_t* out, int64_t token_s
     constexpr int D = HEAD_DIM, DP = D / 2;
     const int rows = tokens * GROUP;
     for (int r = 0; r < ROWS; ++r) {  // transpose the queries in, as pairs of dims
-        const uint16_t* row = q + (r / GROUP) * token_stride + (r % GROUP) * D;
         for (int i = 0; i < DP; ++i) {
-            uint32_t pair = 0;
-            if (r < rows) std::memcpy(&pair, row + 2 * i, sizeof pair);
+            uint32_t pair = 0;  // padding rows: zeros
+            if (r < rows)
+                std::memcpy(&pair, q + (r / GROUP) * token_stride + (r % GROUP) * D + 2 * i,
+                            sizeof pair);
             w.q2[i][r] = pair;
         }
     }
