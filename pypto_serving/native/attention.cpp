@@ -15,7 +15,9 @@
 // token's dim values in the model's dtype, or (an int8 cache) dim int8 values followed by
 // their float32 scale: the row is value * scale, a quarter (bf16: half) of the bytes to read.
 // Work is split over the OpenMP team that torch itself uses. Inputs and outputs are float32
-// or bfloat16; all arithmetic is float32.
+// or bfloat16; all arithmetic is float32, but for AVX512-BF16's prefill of bf16
+// (`prefill_pairs`: products of bf16 pairs summed in float32, the probabilities rounded to
+// bf16 to weigh the values).
 #include <omp.h>
 
 #include <algorithm>
