@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pypto_serving import native
+from pypto_serving.device import cpu_flags, cpu_isa
 from pypto_serving.kv import native_attention
 from pypto_serving.kv.paged_attention import _Group
 
@@ -325,22 +326,29 @@ def test_int8_rows_of_zeros_and_extremes():
 # --- every vector width: the kernels as AVX2 (8 floats) and SSE (4 floats) CPUs build them ----
 
 
-@pytest.fixture(scope="module", params=["avx2", "default"])
+@pytest.fixture(scope="module", params=["avx2", "default", "avx512-no-bf16"])
 def isa_kernels(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """build(group, head_dim) -> the kernels as an x86 CPU of this level builds them
     (PYPTO_CPU_ISA: -march=x86-64-v3, 8-float vectors; x86-64-v2, 4-float vectors), which
-    every x86-64-v3 machine can run; the native build (16 floats with AVX-512) is the rest of
-    this file's."""
+    every x86-64-v3 machine can run, and on an AVX-512 CPU with bf16 its build without
+    (Skylake-X and Ice Lake: no bf16 pair dot products in prefill); the native build (16
+    floats with AVX-512, bf16 pairs where the CPU has them) is the rest of this file's."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 levels")
     if request.param == "avx2" and AVX2_IS_THIS_BUILD:
         pytest.skip("this CPU's own build is the AVX2 build, which the rest of the file runs")
+    flags: tuple[str, ...] = ()
+    if request.param == "avx512-no-bf16":
+        if cpu_isa() != "avx512" or "avx512_bf16" not in cpu_flags():
+            pytest.skip("not an AVX-512 CPU with bf16: its own build is the rest of the file's")
+        flags = ("-mno-avx512bf16",)
     out = tmp_path_factory.mktemp(f"kernels-{request.param}")
 
     def build(group: int, head_dim: int):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("PYPTO_CPU_ISA", request.param)
-            path = native.build(group, head_dim, out)
+            if request.param != "avx512-no-bf16":
+                mp.setenv("PYPTO_CPU_ISA", request.param)
+            path = native.build(group, head_dim, out, extra_flags=flags)
         assert path is not None, "the kernels must build here (g++ is what Inductor uses too)"
         return native.load(path)
 

@@ -15,13 +15,16 @@
 // token's dim values in the model's dtype, or (an int8 cache) dim int8 values followed by
 // their float32 scale: the row is value * scale, a quarter (bf16: half) of the bytes to read.
 // Work is split over the OpenMP team that torch itself uses. Inputs and outputs are float32
-// or bfloat16; all arithmetic is float32.
+// or bfloat16; all arithmetic is float32, but for AVX512-BF16's prefill of bf16
+// (`prefill_pairs`: products of bf16 pairs summed in float32, the probabilities rounded to
+// bf16 to weigh the values).
 #include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -498,6 +501,9 @@ constexpr float MASKED = -1.0e30f;
 struct Scratch {  // per thread, reused by every tile it runs
     float qt[HEAD_DIM][ROWS], ot[HEAD_DIM][ROWS], st[MAX_PAGE][ROWS];
     float keys[MAX_PAGE][HEAD_DIM], values[MAX_PAGE][HEAD_DIM], row[HEAD_DIM];
+    // prefill_pairs': the queries as bf16 pairs of dims [pair][row], the probabilities as
+    // bf16 pairs of keys [pair][row], a page's values as bf16 pairs of keys [pair][dim]
+    uint32_t q2[HEAD_DIM / 2][ROWS], p2[MAX_PAGE / 2][ROWS], v2[MAX_PAGE / 2][HEAD_DIM];
 };
 
 template <typename T>
@@ -610,6 +616,134 @@ void prefill_tile(Scratch& w, const T* q, T* out, int64_t token_stride, int toke
     }
 }
 
+#if defined(__AVX512BF16__) && VW == 16
+#define PREFILL_PAIRS 1
+// prefill_tile for bf16 queries over a bf16 cache with AVX512-BF16 pair dot products
+// (vdpbf16ps: two products a lane an instruction, where an FMA takes one): the scores sum the
+// query's and the key's bf16 dims in pairs, exactly as stored, and the weighted values sum
+// keys in pairs, each probability rounded to bf16 (as GPU flash attention weighs its values)
+// against the values as stored. The softmax and the sums stay float32; a row's arithmetic is
+// its lane's alone, and pairs of keys are pairs of a page's slots, so its result does not
+// depend on the tile, chunk or batch it came in.
+void prefill_pairs(Scratch& w, const uint16_t* q, uint16_t* out, int64_t token_stride,
+                   int tokens, int64_t first, const uint16_t* k, const uint16_t* v,
+                   const int64_t* pages, int page_size, float scale) {
+    constexpr int D = HEAD_DIM, DP = D / 2;
+    const int rows = tokens * GROUP;
+    for (int r = 0; r < ROWS; ++r) {  // transpose the queries in, as pairs of dims
+        for (int i = 0; i < DP; ++i) {
+            uint32_t pair = 0;  // padding rows: zeros
+            if (r < rows)
+                std::memcpy(&pair, q + (r / GROUP) * token_stride + (r % GROUP) * D + 2 * i,
+                            sizeof pair);
+            w.q2[i][r] = pair;
+        }
+    }
+    for (int d = 0; d < D; ++d)
+        for (int r = 0; r < ROWS; ++r) w.ot[d][r] = 0.0f;
+    vf pos[RV], m[RV], l[RV];
+    for (int j = 0; j < RV; ++j) {
+        for (int i = 0; i < VW; ++i) {
+            const int r = j * VW + i < rows ? j * VW + i : rows - 1;  // padding: the last row
+            pos[j][i] = float(first + r / GROUP);
+        }
+        m[j] = vf{} - 3.0e38f;
+        l[j] = vf{};
+    }
+    // the values' pairs: slot 2t's dims interleaved with slot 2t + 1's, in the dims' order
+    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,
+                                            41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3,
+                                            34, 2, 33, 1, 32, 0);
+    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    const int64_t last = first + tokens - 1;
+    for (int64_t start = 0, p = 0; start <= last; start += page_size, ++p) {
+        const int n = last + 1 - start < page_size ? int(last + 1 - start) : page_size;
+        const uint16_t* kp = k + pages[p] * page_size * D;
+        const uint16_t* vp = v + pages[p] * page_size * D;
+        int t = 0;
+        for (; t < n; t += KB) {  // scores, KB keys at a time (the last block padded)
+            __m512 acc[KB][RV];
+            const uint32_t* key[KB];
+            for (int b = 0; b < KB; ++b) {
+                key[b] = reinterpret_cast<const uint32_t*>(kp + (t + b < n ? t + b : t) * D);
+                for (int j = 0; j < RV; ++j) acc[b][j] = _mm512_setzero_ps();
+            }
+            for (int i = 0; i < DP; ++i) {
+                __m512bh qv[RV];
+                for (int j = 0; j < RV; ++j)
+                    qv[j] = (__m512bh)_mm512_loadu_si512(&w.q2[i][j * VW]);
+                for (int b = 0; b < KB; ++b) {
+                    const __m512bh kb = (__m512bh)_mm512_set1_epi32(int(key[b][i]));
+                    for (int j = 0; j < RV; ++j) acc[b][j] = _mm512_dpbf16_ps(acc[b][j], qv[j], kb);
+                }
+            }
+            for (int b = 0; b < KB && t + b < n; ++b)
+                for (int j = 0; j < RV; ++j) store(&w.st[t + b][j * VW], vf(acc[b][j]) * scale);
+        }
+        if (start + n - 1 > first)  // keys after some row's own position: causal mask
+            for (int t = 0; t < n; ++t)
+                for (int j = 0; j < RV; ++j) {
+                    vf s = load(&w.st[t][j * VW]);
+                    store(&w.st[t][j * VW], float(start + t) > pos[j] ? vf{} + MASKED : s);
+                }
+        const int np = (n + 1) / 2;  // pairs of keys (an odd last key paired with zeros)
+        for (int tp = 0; tp < np; ++tp) {
+            const bool whole = 2 * tp + 1 < n;
+            for (int d = 0; d < D; d += 32) {
+                const __m512i a = _mm512_loadu_si512(vp + 2 * tp * D + d);
+                const __m512i b = whole ? _mm512_loadu_si512(vp + (2 * tp + 1) * D + d)
+                                        : _mm512_setzero_si512();
+                _mm512_storeu_si512(&w.v2[tp][d], _mm512_permutex2var_epi16(a, lo_idx, b));
+                _mm512_storeu_si512(&w.v2[tp][d + 16], _mm512_permutex2var_epi16(a, hi_idx, b));
+            }
+        }
+        for (int j = 0; j < RV; ++j) {  // online softmax across the lanes
+            vf mx = m[j];
+            for (int t = 0; t < n; ++t) {
+                vf s = load(&w.st[t][j * VW]);
+                mx = s > mx ? s : mx;
+            }
+            const vf corr = vexp(m[j] - mx);
+            vf sum{};
+            for (int t = 0; t < n; ++t) {
+                vf e = vexp(load(&w.st[t][j * VW]) - mx);
+                store(&w.st[t][j * VW], e);
+                sum += e;
+            }
+            l[j] = l[j] * corr + sum;
+            m[j] = mx;
+            for (int tp = 0; tp < np; ++tp) {  // the probabilities as bf16 pairs of keys
+                const __m512i even = _mm512_cvtepu16_epi32(
+                    (__m256i)_mm512_cvtneps_pbh(__m512(load(&w.st[2 * tp][j * VW]))));
+                const __m512i odd = 2 * tp + 1 < n
+                    ? _mm512_cvtepu16_epi32(
+                          (__m256i)_mm512_cvtneps_pbh(__m512(load(&w.st[2 * tp + 1][j * VW]))))
+                    : _mm512_setzero_si512();
+                _mm512_storeu_si512(&w.p2[tp][j * VW],
+                                    _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+            }
+            for (int d0 = 0; d0 < D; d0 += DB) {  // weighted values, DB dims at a time
+                __m512 acc[DB];
+                for (int i = 0; i < DB; ++i) acc[i] = __m512(load(&w.ot[d0 + i][j * VW]) * corr);
+                for (int tp = 0; tp < np; ++tp) {
+                    const __m512bh pv = (__m512bh)_mm512_loadu_si512(&w.p2[tp][j * VW]);
+                    for (int i = 0; i < DB; ++i)
+                        acc[i] = _mm512_dpbf16_ps(
+                            acc[i], pv, (__m512bh)_mm512_set1_epi32(int(w.v2[tp][d0 + i])));
+                }
+                for (int i = 0; i < DB; ++i) store(&w.ot[d0 + i][j * VW], vf(acc[i]));
+            }
+        }
+    }
+    for (int r = 0; r < rows; ++r) {  // transpose the outputs back, normalised
+        const float inv = 1.0f / l[r / VW][r % VW];
+        for (int d = 0; d < D; ++d) w.row[d] = w.ot[d][r] * inv;
+        uint16_t* dst = out + (r / GROUP) * token_stride + (r % GROUP) * D;
+        for (int d = 0; d < D; d += VW) store(dst + d, load(w.row + d));
+    }
+}
+#endif
+
 template <typename T, typename C>
 void prefill(const T* q, const C* k, const C* v, const int64_t* block_table,
              const int64_t* q_lens, const int64_t* ctx_lens, T* out, int batch, int heads,
@@ -637,6 +771,15 @@ void prefill(const T* q, const C* k, const C* v, const int64_t* block_table,
             const int h = i % kv_heads;
             const int tokens = int(std::min<int64_t>(tile, q_lens[it.b] - it.token));
             const int64_t at = (q_start[it.b] + it.token) * token_stride + h * GROUP * HEAD_DIM;
+#if defined(PREFILL_PAIRS)
+            if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t>) {
+                prefill_pairs(*w, q + at, out + at, token_stride, tokens,
+                              ctx_lens[it.b] - q_lens[it.b] + it.token, k + h * head_stride,
+                              v + h * head_stride, block_table + int64_t(it.b) * width,
+                              page_size, scale);
+                continue;
+            }
+#endif
             prefill_tile(*w, q + at, out + at, token_stride, tokens,
                          ctx_lens[it.b] - q_lens[it.b] + it.token, k + h * head_stride,
                          v + h * head_stride, block_table + int64_t(it.b) * width, page_size,
