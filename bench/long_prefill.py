@@ -3,13 +3,15 @@
     python bench/long_prefill.py --prompt-len 8000 --num-threads 1 --dtype float32
     PYPTO_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 python bench/long_prefill.py ...  # as AVX2 CPUs
     python bench/long_prefill.py --against OLD_DIR ...  # A/B: another version's native/*.cpp
+    python bench/long_prefill.py --text docs/architecture.md ...  # a prompt of real text
 
-The prompt ([28] * N, as issue 23 sent it) is prefilled in `pypto serve`'s chunks (512 tokens
-a step, 1024 a step's budget) after an untimed warm-up request; a prompt of k tokens takes
-what the first k tokens of the long one take (the same chunks from position 0), so one run
-gives every length. With --against, a second engine attends with the native kernels built
-from OLD_DIR's sources, and the two step in turn, so both see the same machine load. Prints
-one line per step and a JSON summary.
+The prompt ([28] * N, as issue 23 sent it, or with --text a file's tokens, repeated to N:
+real text's attention is peaked where one token repeated spreads it evenly) is prefilled in
+`pypto serve`'s chunks (512 tokens a step, 1024 a step's budget) after an untimed warm-up
+request; a prompt of k tokens takes what the first k tokens of the long one take (the same
+chunks from position 0), so one run gives every length. With --against, a second engine
+attends with the native kernels built from OLD_DIR's sources, and the two step in turn, so
+both see the same machine load. Prints one line per step and a JSON summary.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--compiled", action="store_true", help="compile first (else eager)")
     ap.add_argument("--against", type=Path, help="a folder with other native/*.cpp (A/B)")
+    ap.add_argument("--text", type=Path, help="prompt: this file's tokens (else [28] * N)")
     args = ap.parse_args()
+    if args.text is not None and not args.text.is_file():
+        ap.error(f"--text: no file {args.text}")
 
     import torch
 
@@ -43,9 +48,13 @@ def main() -> None:
     greedy = SamplingParams(max_tokens=1, temperature=0)
     requests, done = {}, {name: {} for name in engines}
     total = dict.fromkeys(engines, 0.0)
+    prompt = [28] * args.prompt_len
+    if args.text is not None:
+        ids = engines["current"].tokenizer.encode(args.text.read_text(), add_special_tokens=False)
+        prompt = (ids * (args.prompt_len // len(ids) + 1))[: args.prompt_len]
     for name, llm in engines.items():
         llm.generate([[29] * 64], greedy, use_tqdm=False)  # warm-up: library, threads, pages
-        requests[name] = llm.add([28] * args.prompt_len, greedy).children[0]
+        requests[name] = llm.add(prompt, greedy).children[0]
     while any(llm.engine.has_unfinished() for llm in engines.values()):
         for name, llm in engines.items():  # a step each, in turn
             if not llm.engine.has_unfinished():
