@@ -30,20 +30,26 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 NATIVE = "pypto_serving/native"
-SOURCES = ("attention.cpp", "decode.cpp", "records.h")
 
 
 def checkout(rev: str, into: Path) -> Path:
-    """The native/ sources of git revision `rev`, written into `into`."""
-    for name in SOURCES:
+    """The native/ sources of git revision `rev` (its .cpp and .h files), written into `into`."""
+    listed = subprocess.run(
+        ["git", "-C", str(REPO), "ls-tree", "--name-only", rev, f"{NATIVE}/"],
+        capture_output=True,
+        text=True,
+    )
+    if listed.returncode:
+        raise SystemExit(f"--against {rev}: {listed.stderr.strip() or 'git ls-tree failed'}")
+    for path in listed.stdout.split():
+        if not path.endswith((".cpp", ".h")):
+            continue
         shown = subprocess.run(
-            ["git", "-C", str(REPO), "show", f"{rev}:{NATIVE}/{name}"],
-            capture_output=True,
-            text=True,
+            ["git", "-C", str(REPO), "show", f"{rev}:{path}"], capture_output=True, text=True
         )
         if shown.returncode:
             raise SystemExit(f"--against {rev}: {shown.stderr.strip() or 'git show failed'}")
-        (into / name).write_text(shown.stdout)
+        (into / Path(path).name).write_text(shown.stdout)
     return into
 
 

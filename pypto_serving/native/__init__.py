@@ -1,7 +1,8 @@
 """The native CPU kernels: one C++ library, built once per machine and loaded with ctypes.
 
 - `attention.cpp`: paged attention over the KV pages in place (decodes, prefill chunks) and
-  the K/V writes; called by the attention operator (`kv/native_attention.py`).
+  the K/V writes; called by the attention operator (`kv/native_attention.py`). A step's
+  decodes split their contexts into spans by `spans.h`'s plan, which decode.cpp includes too.
 - `gemm.cpp`: matmuls of many rows over bf16 weights in panels, in float32 (where oneDNN
   cannot pack bf16: AVX2 CPUs), each output one chain of FMAs whatever the batch, and
   records.h's product over 4-bit and 8-bit records for any number of rows (--batch-invariant's
@@ -113,7 +114,8 @@ def build_compressed(
 
 def _headers(sources: tuple[Path, ...]) -> list[Path]:
     """The headers the sources may include: every .h beside them (records.h, which decode.cpp
-    and gemm.cpp include), so a build of another folder's sources is keyed by its own."""
+    and gemm.cpp include; spans.h, attention.cpp's and decode.cpp's), so a build of another
+    folder's sources is keyed by its own."""
     return sorted({h for s in sources for h in s.parent.glob("*.h")})
 
 

@@ -30,6 +30,8 @@
 #include <immintrin.h>
 #endif
 
+#include "spans.h"
+
 namespace {
 
 #if defined(__AVX512F__)
@@ -278,36 +280,8 @@ inline void page_softmax(float (*s)[MAX_PAGE], int n, float* m, float* l, vf (*a
 // its tokens (a dot product and a horizontal sum each), an online-softmax update (running max
 // and sum) and the weighted sum of its values.
 //
-// A long context is split into spans of whole pages, each span's softmax state (its max, sum
-// and weighted values) a work item of its own, then merged in span order: a single stream
-// (or a few) keeps every thread of a big team busy, not one per KV head. The split depends
-// on the context's length alone, so a decode's result is the same bits whatever its company
-// in the batch and whichever path (the fused step or the batch kernel) takes it; a context
-// of one span is the unsplit computation exactly (its merge multiplies by e^0 = 1).
-// SmolLM2 on 2 cores, one sequence at 8,000 tokens: 8 spans took the attention from 15.3
-// to 12.1 ms a step (pages scattered), the whole native step 0.87-0.93x; at 2,000 tokens
-// 0.93x. Spans of 512 tokens cost batches of long contexts more than these.
-constexpr int SPAN_TOKENS = 1024;  // a span's tokens, about (whole pages)
-constexpr int MAX_SPANS = 8;       // spans of a context at most
-
-// Spans are work items of their own only where the (sequence, KV head) pairs as items would
-// leave a tenth of the team idle or more (3 pairs on 2 threads: a quarter); else a pair's
-// spans are one item, the same arithmetic. SmolLM2's native step (3 KV heads) on 2 threads,
-// against unsplit: 2 sequences of 4,000 tokens 1.107x the time with each span an item, 0.956x
-// with a pair's spans one item; 16 of 2,000 tokens, one item each, 1.02x.
-inline bool few_items(int pairs, int threads) {
-    const int rounds = (pairs + threads - 1) / threads;  // items the busiest thread takes
-    return 10 * pairs < 9 * rounds * threads;
-}
-
-// The spans a decode's context of ctx tokens splits into, and the pages each one covers.
-inline int span_count(int64_t ctx, int page_size, int* pages_each) {
-    const int64_t pages = std::max<int64_t>(1, (ctx + page_size - 1) / page_size);
-    const int64_t want = std::clamp<int64_t>((ctx + SPAN_TOKENS - 1) / SPAN_TOKENS, 1, MAX_SPANS);
-    const int64_t each = (pages + want - 1) / want;
-    *pages_each = int(each);
-    return int((pages + each - 1) / each);
-}
+// A long context is split into spans (spans.h), each span's state a work item or a pair's
+// spans one item, merged in span order.
 
 // A span's softmax state, as floats: G running maxima, G sums, then G x HEAD_DIM weighted
 // values (unnormalized, in the order the rows read: DecodeRow's).
@@ -432,35 +406,27 @@ void decode(const T* q, const C* k, const C* v, const int64_t* block_table,
             const int64_t* ctx_lens, T* out, int batch, int heads, int kv_heads, int width,
             int page_size, int64_t head_stride, float scale) {
     constexpr int NV = HEAD_DIM / VW;
-    std::vector<int> first(batch + 1), each(batch);  // sequence b's spans: first[b] ..
-    for (int b = 0; b < batch; ++b)
-        first[b + 1] = first[b] + span_count(ctx_lens[b], page_size, &each[b]);
-    std::vector<float> parts(size_t(first[batch]) * kv_heads * PART);
+    spans::Plan plan;
+    plan.plan(ctx_lens, batch, kv_heads, page_size, omp_get_max_threads(), PART);
+    std::vector<float> states(plan.state_floats(kv_heads));
     auto at = [&](int b, int h) { return (int64_t(b) * heads + int64_t(h) * GROUP) * HEAD_DIM; };
-    auto state = [&](int b, int h) {  // a sequence's states: [KV head][span][PART]
-        return &parts[(size_t(first[b]) * kv_heads + size_t(h) * (first[b + 1] - first[b])) *
-                      PART];
-    };
     auto span = [&](int b, int h, int j) {
-        const int pages = int((ctx_lens[b] + page_size - 1) / page_size);
         decode_span<T, C, GROUP, NV>(q + at(b, h), k + h * head_stride, v + h * head_stride,
-                                     block_table + int64_t(b) * width, ctx_lens[b], j * each[b],
-                                     std::min((j + 1) * each[b], pages), page_size, scale,
-                                     state(b, h) + j * PART);
+                                     block_table + int64_t(b) * width, ctx_lens[b],
+                                     plan.from(b, j), plan.end(b, j), page_size, scale,
+                                     &states[plan.state(b, h, kv_heads) + j * PART]);
     };
     auto merge = [&](int b, int h) {
-        merge_spans<T, C, GROUP, NV>(state(b, h), first[b + 1] - first[b], out + at(b, h));
+        merge_spans<T, C, GROUP, NV>(&states[plan.state(b, h, kv_heads)], plan.spans(b),
+                                     out + at(b, h));
     };
-    const bool split = first[batch] > batch && few_items(batch * kv_heads, omp_get_max_threads());
 #pragma omp parallel
     {
-        if (split) {  // every span an item, then the merges
+        if (plan.split) {  // every span an item, then the merges
 #pragma omp for schedule(dynamic, 1)
-            for (int item = 0; item < first[batch] * kv_heads; ++item) {
-                const int j = item / kv_heads;
-                const int b = int(std::upper_bound(first.begin(), first.end(), j) -
-                                  first.begin()) - 1;
-                span(b, item % kv_heads, j - first[b]);
+            for (int item = 0; item < plan.total() * kv_heads; ++item) {
+                const int b = plan.row_of(item / kv_heads);
+                span(b, item % kv_heads, item / kv_heads - plan.first[b]);
             }
 #pragma omp for schedule(static)
             for (int item = 0; item < batch * kv_heads; ++item)
@@ -469,7 +435,7 @@ void decode(const T* q, const C* k, const C* v, const int64_t* block_table,
 #pragma omp for schedule(dynamic, 1)
             for (int item = 0; item < batch * kv_heads; ++item) {
                 const int b = item / kv_heads, h = item % kv_heads;
-                for (int j = 0; j < first[b + 1] - first[b]; ++j) span(b, h, j);
+                for (int j = 0; j < plan.spans(b); ++j) span(b, h, j);
                 merge(b, h);
             }
         }
@@ -954,21 +920,13 @@ extern "C" void pypto_store_kv_head(int kv_int8, const float* k, const float* v,
     }
 }
 
-// One decode's attention for the GROUP query heads of one KV head, a span at a time: q
-// [GROUP][HEAD_DIM] float32, k and v that head's bfloat16 or int8 caches [slots][row], the
-// sequence's pages and its context length (the new token included). `pypto_decode_spans`
-// gives the spans of a context (and the pages each covers), `pypto_decode_split` whether a
-// step's (row, KV head) pairs are few enough for its spans to be items of their own on a
-// team of `threads`, `pypto_decode_attention_span`
-// one span's state (PART floats: `pypto_decode_part_floats`) for pages [first_page,
-// end_page), and `pypto_decode_attention_merge` out [GROUP][HEAD_DIM] from them all.
+// One decode's attention for the GROUP query heads of one KV head, a span at a time (the
+// fused step's, decode.cpp, through the plan of spans.h): q [GROUP][HEAD_DIM] float32, k and
+// v that head's bfloat16 or int8 caches [slots][row], the sequence's pages and its context
+// length (the new token included). `pypto_decode_attention_span` gives one span's state (PART
+// floats: `pypto_decode_part_floats`) for pages [first_page, end_page), and
+// `pypto_decode_attention_merge` out [GROUP][HEAD_DIM] from them all.
 extern "C" int pypto_decode_part_floats() { return PART; }
-
-extern "C" int pypto_decode_spans(int64_t ctx, int page_size, int* pages_each) {
-    return span_count(ctx, page_size, pages_each);
-}
-
-extern "C" int pypto_decode_split(int pairs, int threads) { return few_items(pairs, threads); }
 
 extern "C" void pypto_decode_attention_span(int kv_int8, const float* q, const void* k,
                                             const void* v, const int64_t* pages, int64_t ctx,

@@ -19,12 +19,11 @@
 // the shared-memory collectives (native/shm.cpp, reached through the Model's function
 // pointers), each called by one thread of the team.
 #include "records.h"
+#include "spans.h"
 
 extern "C" void pypto_store_kv_head(int kv_int8, const float* k, const float* v, void* k_cache,
                                     void* v_cache, int64_t slot);
 extern "C" int pypto_decode_part_floats();
-extern "C" int pypto_decode_spans(int64_t ctx, int page_size, int* pages_each);
-extern "C" int pypto_decode_split(int pairs, int threads);
 extern "C" void pypto_decode_attention_span(int kv_int8, const float* q, const void* k,
                                             const void* v, const int64_t* pages, int64_t ctx,
                                             int first_page, int end_page, int page_size,
@@ -94,19 +93,10 @@ struct Scratch {
     Activations qx, qa, qm;  // the rows as the matmuls read them: normed, attention's, MLP's
     int status = 0;                // the first failed collective's
     bool shared = false;           // rows of one sequence: all keys written before any attends
-    // Row m's context splits into spans first[m] .. first[m + 1] - 1 of the step's (each
-    // `each[m]` pages; attention.cpp decides), their softmax states in `parts`, a row's as
-    // [KV head][span][part floats]. split: spans are work items of their own, where some row
-    // has several and the (row, KV head) pairs are too few to keep the team busy
-    // (attention.cpp's `pypto_decode_split`); else a pair's spans are one item.
-    std::vector<int> first, each;
-    std::vector<float> parts;
-    int part_floats = 0;
-    bool split = false;
-    size_t at(int m, int j, int kvh, int kv_heads) const {  // span j's (row m's) state
-        const int spans = first[m + 1] - first[m];
-        return (size_t(first[m]) * kv_heads + size_t(kvh) * spans + (j - first[m])) * part_floats;
-    }
+    // The step's spans and their softmax states (attention.cpp's part floats each, laid out
+    // as spans.h's plan says); attention.cpp's batch kernel attends a step by the same plan.
+    spans::Plan spans;
+    std::vector<float> states;
 };
 
 // Under TP: the sum over the ranks of every rank's partial `w.part` [rows, hidden], added
@@ -180,27 +170,25 @@ char* head_cache(const Model& md, void* cache, int kvh) {
     return static_cast<char*>(cache) + kvh * md.head_stride * (md.kv_int8 ? 1 : 2);
 }
 
-// Span j of the step's (row m's) for KV head kvh: its queries (normed and roped in w.qkv)
-// over that span's pages, the state into w.parts.
+// Row m's span j (0 .. its spans - 1) for KV head kvh: its queries (normed and roped in w.qkv)
+// over that span's pages, the state into w.states.
 void attend_span(const Model& md, const Layer& ly, const Step& s, int m, int j, int kvh,
                  Scratch& w) {
     const int dim = md.head_dim, group = md.heads / md.kv_heads;
     const int64_t qkv_size = int64_t(md.heads + 2 * md.kv_heads) * dim;
-    const int from = (j - w.first[m]) * w.each[m];
-    const int pages = int((s.ctx_lens[m] + md.page_size - 1) / md.page_size);
+    const spans::Plan& p = w.spans;
     pypto_decode_attention_span(md.kv_int8, &w.qkv[m * qkv_size + kvh * group * dim],
                                 head_cache(md, ly.k_cache, kvh), head_cache(md, ly.v_cache, kvh),
-                                s.block_table + int64_t(m) * s.width, s.ctx_lens[m], from,
-                                std::min(from + w.each[m], pages), md.page_size,
-                                1.0f / std::sqrt(float(dim)),
-                                &w.parts[w.at(m, j, kvh, md.kv_heads)]);
+                                s.block_table + int64_t(m) * s.width, s.ctx_lens[m], p.from(m, j),
+                                p.end(m, j), md.page_size, 1.0f / std::sqrt(float(dim)),
+                                &w.states[p.state(m, kvh, md.kv_heads) + j * p.floats]);
 }
 
 // Row m's attention output for KV head kvh's query heads: its spans' states merged.
 void merge_head(const Model& md, int m, int kvh, Scratch& w) {
     const int dim = md.head_dim, group = md.heads / md.kv_heads;
-    const float* parts = &w.parts[w.at(m, w.first[m], kvh, md.kv_heads)];
-    pypto_decode_attention_merge(md.kv_int8, parts, w.first[m + 1] - w.first[m],
+    pypto_decode_attention_merge(md.kv_int8, &w.states[w.spans.state(m, kvh, md.kv_heads)],
+                                 w.spans.spans(m),
                                  &w.attn[(int64_t(m) * md.heads + kvh * group) * dim]);
 }
 
@@ -228,17 +216,16 @@ void layer(const Model& md, const Layer& ly, const Step& s, Scratch& w) {
         rope(k, cos, sin, half);
         pypto_store_kv_head(md.kv_int8, k, v, head_cache(md, ly.k_cache, kvh),
                             head_cache(md, ly.v_cache, kvh), s.slots[m]);
-        if (!w.shared && !w.split) {  // its own row's key written: attend now
-            for (int j = w.first[m]; j < w.first[m + 1]; ++j) attend_span(md, ly, s, m, j, kvh, w);
+        if (!w.shared && !w.spans.split) {  // its own row's key written: attend now
+            for (int j = 0; j < w.spans.spans(m); ++j) attend_span(md, ly, s, m, j, kvh, w);
             merge_head(md, m, kvh, w);
         }
     }
-    if (w.shared || w.split) {  // every row's key and value is written (the loop's barrier)
+    if (w.shared || w.spans.split) {  // every row's key and value is written (the loop's barrier)
 #pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < w.first[rows] * md.kv_heads; ++item) {
-            const int j = item / md.kv_heads;
-            const int m = int(std::upper_bound(w.first.begin(), w.first.end(), j) -
-                              w.first.begin()) - 1;
+        for (int item = 0; item < w.spans.total() * md.kv_heads; ++item) {
+            const int m = w.spans.row_of(item / md.kv_heads);
+            const int j = item / md.kv_heads - w.spans.first[m];
             attend_span(md, ly, s, m, j, item % md.kv_heads, w);
         }
 #pragma omp for schedule(static)
@@ -327,15 +314,9 @@ extern "C" int pypto_decode_step(const Model* model, const Step* step) {
     for (int m = 1; m < rows && !w.shared; ++m)
         for (int j = 0; j < m && !w.shared; ++j)
             w.shared = s.block_table[int64_t(m) * s.width] == s.block_table[int64_t(j) * s.width];
-    w.first.assign(rows + 1, 0);
-    w.each.resize(rows);
-    for (int m = 0; m < rows; ++m) {
-        w.first[m + 1] = w.first[m] + pypto_decode_spans(s.ctx_lens[m], md.page_size, &w.each[m]);
-        w.split = w.split || w.first[m + 1] - w.first[m] > 1;
-    }
-    w.split = w.split && pypto_decode_split(rows * md.kv_heads, s.threads);
-    w.part_floats = pypto_decode_part_floats();
-    w.parts.resize(size_t(w.first[rows]) * md.kv_heads * w.part_floats);
+    w.spans.plan(s.ctx_lens, rows, md.kv_heads, md.page_size, s.threads,
+                 size_t(pypto_decode_part_floats()));
+    w.states.resize(w.spans.state_floats(md.kv_heads));
     if (md.world > 1) reduce_into_x(md, s, rows, w);  // x is zero: the summed embedding
     w.qx.resize(rows, hidden);
     w.qa.resize(rows, md.heads * md.head_dim);
