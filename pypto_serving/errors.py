@@ -19,6 +19,12 @@ class ModelLoadError(PyptoError):
     """The model directory or file cannot be used (missing, corrupt, unsupported)."""
 
 
+class RequestRejectedError(PyptoError):
+    """A request whose own constraints left no token to sample once it was running (its
+    allowed_token_ids, bad_words, min_tokens or structured output rule out every token):
+    its input's fault, answered 400, not the engine's."""
+
+
 class RequestFailedError(RuntimeError):
     """A request lost to a fault of the engine (a worker died or hung), not to its input.
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from pypto_serving.errors import RequestFailedError, RequestRejectedError
 from pypto_serving.kv.handoff import Handoff
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.sampling import SamplingParams
@@ -55,7 +56,8 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     """Why the request was lost to a fault (its worker died or hung, or its logits were NaN),
-    if it was."""
+    if it was, or (`rejected`) why its own constraints stopped it."""
+    rejected: bool = False
     generator: torch.Generator | None = None
     matcher: Any = None
     """The llguidance matcher of a request with structured outputs (grammar.py), made by
@@ -99,7 +101,7 @@ class Request:
         """Record a sampled token and finish the request if it hits a stop condition (or fail
         it when the sampler found its logits unusable)."""
         if sampled.error is not None:
-            self.fail(sampled.error)
+            self.fail(sampled.error, sampled.rejected)
             return
         self.output_token_ids.append(sampled.token_id)
         if self.params.logprobs is not None:
@@ -122,7 +124,13 @@ class Request:
     def finish(self, reason: str) -> None:
         self.status, self.finish_reason = RequestStatus.FINISHED, reason
 
-    def fail(self, why: str) -> None:
-        """Finish a request lost to a fault, not to its input or a stop condition."""
-        self.error = why
+    def fail(self, why: str, rejected: bool = False) -> None:
+        """Finish a request lost to a fault (or, `rejected`, stopped by its own constraints),
+        not to a stop condition."""
+        self.error, self.rejected = why, rejected
         self.finish("error")
+
+    def failure(self) -> RequestFailedError | RequestRejectedError:
+        """The error of a failed request: the engine's fault (503) or its input's (400)."""
+        assert self.error is not None
+        return RequestRejectedError(self.error) if self.rejected else RequestFailedError(self.error)

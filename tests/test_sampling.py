@@ -176,9 +176,14 @@ def test_rows_with_nan_or_inf_logits_fail_alone():
     assert out[0].error is None and out[0].token_id == logits[0].argmax().item()
     assert "NaN" in out[1].error and "NaN" in out[3].error and "NaN" in out[4].error
     assert "infinite" in out[2].error
+    assert not any(s.rejected for s in out)  # the model's fault, not the request's
     masked = torch.full((1, 4), -float("inf"))
     [s] = sample(masked, [row(SamplingParams(temperature=0))])
-    assert "-inf" in s.error
+    assert "-inf" in s.error and not s.rejected
+    # finite logits, and the request's own constraints ban the one token they allow
+    banned = SamplingParams(temperature=0, allowed_token_ids=[2], bad_words_token_ids=[[2]])
+    [s] = sample(torch.randn(1, 4), [row(banned)])
+    assert s.rejected and "rule out every token" in s.error
 
 
 def test_request_with_unusable_logits_fails_instead_of_taking_a_token():

@@ -25,7 +25,7 @@ from live_server import Live, serving, tiny_llm
 from patience import patience
 
 from pypto_serving.chat_prompt import special_tokens_around
-from pypto_serving.errors import PyptoError
+from pypto_serving.errors import PyptoError, RequestRejectedError
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.server.tools import tool_format
 
@@ -266,6 +266,27 @@ def test_allowed_token_ids_limit_what_is_sampled(live):
         "allowed_token_ids",
         "in [0,",
     )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_constraints_that_leave_no_token_are_the_requests_error(live, stream):
+    """A choice that bad_words bans leaves no token to sample (a fuzzer's find): the request
+    gets a 400 (streamed, an error event) naming its constraints, never the 503 of an engine
+    fault, and the engine serves the next request."""
+    body = {"prompt": "Say q", "max_tokens": 4, "guided_choice": ["q"], "bad_words": ["q"]}
+    said = "rule out every token"
+    if stream:
+        events = sse_chunks(live, "/v1/completions", body | {"stream": True})
+        assert any(said in e.get("error", {}).get("message", "") for e in events), events
+    else:
+        r = post(live, "/v1/completions", body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and said in error["message"], error
+    banned = SamplingParams(max_tokens=4, allowed_token_ids=[40], bad_words_token_ids=[[40]])
+    with pytest.raises(RequestRejectedError, match=said):
+        live.llm.generate([[5, 6, 7]], banned, use_tqdm=False)
+    assert ok(live, "/v1/completions", body | {"bad_words": ["z"]})["choices"][0]["text"] == "q"
 
 
 def test_guided_decoding_backend_names_our_grammar_engine(live):

@@ -38,7 +38,12 @@ from pypto_serving.engine.metrics import (
     cache_info,
 )
 from pypto_serving.engine.process import describe
-from pypto_serving.errors import EngineDeadError, PyptoError, RequestFailedError
+from pypto_serving.errors import (
+    EngineDeadError,
+    PyptoError,
+    RequestFailedError,
+    RequestRejectedError,
+)
 from pypto_serving.kv.handoff import Handoff, KVLayout
 from pypto_serving.ops.sampler import Sampled
 from pypto_serving.outputs import CompletionDelta
@@ -110,6 +115,10 @@ class GenerationUpdate:
     """With prompt_logprobs asked for: in the first update after the prompt is computed."""
     kv_transfer_params: dict[str, Any] | None = None
     """A prefill server's request, once finished: where a decode server reads its KV."""
+
+
+_Update = GenerationUpdate | RequestFailedError | RequestRejectedError
+"""A step's news for one request: what it produced, or the error that ended it."""
 
 
 @dataclass(slots=True)
@@ -354,7 +363,8 @@ class AsyncLLM:
         Raises PyptoError for a request the model cannot take, EngineDeadError when the
         engine is not running, DrainingError while shutting down. The request counts as in
         flight from this call (admission limits see it at once); closing the iterator early
-        aborts it. A request lost to a fault ends with RequestFailedError.
+        aborts it. A request lost to a fault ends with RequestFailedError, one whose own
+        constraints leave no token with RequestRejectedError.
 
         kv_transfer (vLLM's `kv_transfer_params`, disaggregated serving): `do_remote_decode`
         asks a prefill server to compute the prompt and the first token and hand them off
@@ -536,10 +546,12 @@ class AsyncLLM:
                 self._streams.pop(a.request_id, None)
                 a.stream.queue.put_nowait(e)
 
-    def _step(self) -> list[tuple[str, GenerationUpdate | RequestFailedError]]:
+    def _step(
+        self,
+    ) -> list[tuple[str, _Update]]:
         """On the engine thread: one step, then each changed request's deltas (or the error
         that ended a request lost to a fault)."""
-        updates: list[tuple[str, GenerationUpdate | RequestFailedError]] = []
+        updates: list[tuple[str, _Update]] = []
         changed = self.llm.step()
         computed = self.engine.tokens_computed()
         if computed > self._tokens_computed:  # the step's tokens (under DP: the replicas')
@@ -547,7 +559,7 @@ class AsyncLLM:
         self._tokens_computed = computed
         for f in changed:
             if f.error is not None:
-                updates.append((f.request_id, RequestFailedError(f.error)))
+                updates.append((f.request_id, f.failure()))
                 continue
             first = f.children[0]
             update = GenerationUpdate(
@@ -587,13 +599,16 @@ class AsyncLLM:
             log.warning("request %s: its KV is not offered (%s)", request.request_id, e)
             return None
 
-    def _dispatch(self, updates: list[tuple[str, GenerationUpdate | RequestFailedError]]) -> None:
+    def _dispatch(
+        self,
+        updates: list[tuple[str, _Update]],
+    ) -> None:
         now = time.monotonic()
         for rid, update in updates:
             stream = self._streams.get(rid)
             if stream is None:
                 continue  # aborted while the step ran
-            if isinstance(update, RequestFailedError):
+            if not isinstance(update, GenerationUpdate):  # the request failed
                 del self._streams[rid]
                 self.metrics.finished("error", stream.num_seqs)
                 stream.queue.put_nowait(update)

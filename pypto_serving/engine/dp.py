@@ -377,9 +377,9 @@ class DPEngine:
         request = self._requests.get(delta.request_id)
         if request is None:
             return None  # aborted while the replica computed its step
-        failed = next((t.error for t in delta.tokens if t.error is not None), None)
+        failed = next((t for t in delta.tokens if t.error is not None), None)
         if failed is not None:  # the replica's sampler found its logits unusable
-            request.fail(failed)
+            request.fail(failed.error or "", failed.rejected)
             del self._requests[delta.request_id]
             self.router.finish(delta.request_id)
             return request

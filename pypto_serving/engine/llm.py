@@ -19,7 +19,7 @@ from pypto_serving.engine.core import EngineCore
 from pypto_serving.engine.dp import DPEngine
 from pypto_serving.engine.memory_budget import with_kv_budget
 from pypto_serving.engine.text import TextAssembler
-from pypto_serving.errors import PyptoError, RequestFailedError
+from pypto_serving.errors import PyptoError, RequestFailedError, RequestRejectedError
 from pypto_serving.kv.handoff import Handoff
 from pypto_serving.models.chat_defaults import chat_template_text, generation_defaults
 from pypto_serving.models.config import load_model_config
@@ -81,8 +81,13 @@ class _Family:
 
     @property
     def error(self) -> str | None:
-        """Why the request was lost to a fault of the engine (None: it was not)."""
+        """Why the request was lost to a fault of the engine, or stopped by its own
+        constraints (None: neither)."""
         return next((c.error for c in self.children if c.error is not None), None)
+
+    def failure(self) -> RequestFailedError | RequestRejectedError:
+        """The error of a failed family: its first failed sample's (`Request.failure`)."""
+        return next(c for c in self.children if c.error is not None).failure()
 
     def take_deltas(self) -> list[CompletionDelta]:
         """What each sample produced since the previous call (samples with news only)."""
@@ -392,10 +397,10 @@ class LLM:
         bar = tqdm(total=len(families), desc="generate", disable=not use_tqdm or len(families) < 2)
         while self.engine.has_unfinished():
             changed = self.step()
-            if failed := next((f.error for f in changed if f.error is not None), None):
+            if failed := next((f for f in changed if f.error is not None), None):
                 for f in families:
                     self.abort(f)
-                raise RequestFailedError(failed)
+                raise failed.failure()
             bar.update(sum(f.finished for f in changed))
         bar.close()
         return [f.output() for f in families]
@@ -429,7 +434,7 @@ class LLM:
             while not req.finished:
                 self.step()
                 if req.error is not None:
-                    raise RequestFailedError(req.error)
+                    raise req.failure()
                 if piece := text.take(final=req.finished):
                     yield piece
         finally:

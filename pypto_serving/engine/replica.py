@@ -323,7 +323,7 @@ def _step(engine: EngineCore, send: Callable[[object], None], report: bool = Tru
     deltas = [
         TokenDelta(
             r.request_id,
-            [Sampled(-1, 0.0, None, r.error)] if r.error is not None else _told(r),
+            [Sampled(-1, 0.0, None, r.error, r.rejected)] if r.error is not None else _told(r),
             r.finish_reason if r.finished else None,
             r.num_cached_tokens,
             r.scheduled_time,

@@ -47,6 +47,9 @@ class Sampled:
     error: str | None = None
     """Why no token could be sampled for this row (its logits were unusable): the request
     fails with this message, and token_id means nothing."""
+    rejected: bool = False
+    """With an error: the model's logits were usable but the request's own constraints
+    masked every token (its input's fault, not the engine's)."""
     rank: int | None = None
     """The token's rank in its distribution (1: the most likely), where it was scored
     (prompt logprobs)."""
@@ -176,7 +179,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sampled]:
     out = _with_logprobs(raw, tokens, rows)
     for i, usable in enumerate(torch.isfinite(best).tolist()):
         if not usable:
-            out[i].error = _unusable(logits[i])
+            out[i].rejected = bool(torch.isfinite(raw[i]).all())
+            out[i].error = _unusable(logits[i], out[i].rejected)
     return out
 
 
@@ -200,8 +204,14 @@ def scored(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[Sampled
     ]
 
 
-def _unusable(logits: torch.Tensor) -> str:
-    """Why no token can be sampled from one row's logits (NaN, +inf, or every token masked)."""
+def _unusable(logits: torch.Tensor, rejected: bool) -> str:
+    """Why no token can be sampled from one row's logits (NaN, +inf, or every token masked:
+    `rejected`, by the request's own constraints over finite logits)."""
+    if rejected:
+        return (
+            "no token is left to sample: this request's allowed_token_ids, bad_words, "
+            "min_tokens or structured output rule out every token"
+        )
     if bool(logits.isnan().any()):
         why = "the model produced NaN logits for this request"
     elif bool(logits.isposinf().any()):
