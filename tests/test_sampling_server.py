@@ -13,6 +13,7 @@ import pytest
 from live_server import FAST_KNOBS, serving, tiny_llm
 from patience import patience, wait_for
 
+from pypto_serving.errors import RequestFailedError, RequestRejectedError
 from pypto_serving.executor import paged
 
 MODEL = "llama-gqa4-tied"
@@ -94,8 +95,9 @@ def test_nan_logits_end_a_stream_with_an_error_event(live, poisoned):
 
 def test_a_replica_reports_unusable_logits_and_its_parent_fails_that_request(tiny_model, poisoned):
     """With data parallelism the sampler runs in a replica process: the failure crosses the
-    pipe in the TokenDelta, and the parent fails that request alone (a replica's serve loop
-    and the parent's _apply, run here in one process)."""
+    pipe in the TokenDelta, and the parent fails that request alone, as the engine's fault or,
+    where its own constraints left no token, as the request's (a replica's serve loop and the
+    parent's _apply, run here in one process)."""
     from multiprocessing import Pipe
 
     from pypto_serving.config import engine_config
@@ -113,8 +115,9 @@ def test_a_replica_reports_unusable_logits_and_its_parent_fails_that_request(tin
     replica.start()
     dp = object.__new__(DPEngine)  # only what _apply reads: the requests and the router
     dp._requests, dp.router = {}, Router(1, 16, [64])
-    for rid, seed in (("bad", POISON_SEED), ("ok", None)):
-        params = SamplingParams(max_tokens=3, seed=seed, ignore_eos=True)
+    banned = {"allowed_token_ids": [9], "bad_words_token_ids": [[9]]}  # no token left
+    for rid, seed, extra in (("bad", POISON_SEED, {}), ("ok", None, {}), ("banned", None, banned)):
+        params = SamplingParams(max_tokens=3, seed=seed, ignore_eos=True, **extra)
         dp._requests[rid] = request = Request(rid, [5, 6, 7], params)
         dp.router.route(request)
         parent.send(NewRequest(rid, [5, 6, 7], params, (), 0, 0, time.monotonic(), None))
@@ -132,6 +135,7 @@ def test_a_replica_reports_unusable_logits_and_its_parent_fails_that_request(tin
         engine.close()
     bad, ok = requests["bad"], requests["ok"]
     assert bad.finish_reason == "error" and bad.output_token_ids == []
-    assert "NaN logits" in bad.error
+    assert "NaN logits" in bad.error and isinstance(bad.failure(), RequestFailedError)
+    assert isinstance(requests["banned"].failure(), RequestRejectedError)  # its own doing
     assert ok.finish_reason == "length" and len(ok.output_token_ids) == 3
     assert dp.router.num_routed == [0]

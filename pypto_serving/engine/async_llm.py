@@ -546,9 +546,7 @@ class AsyncLLM:
                 self._streams.pop(a.request_id, None)
                 a.stream.queue.put_nowait(e)
 
-    def _step(
-        self,
-    ) -> list[tuple[str, _Update]]:
+    def _step(self) -> list[tuple[str, _Update]]:
         """On the engine thread: one step, then each changed request's deltas (or the error
         that ended a request lost to a fault)."""
         updates: list[tuple[str, _Update]] = []
@@ -599,10 +597,7 @@ class AsyncLLM:
             log.warning("request %s: its KV is not offered (%s)", request.request_id, e)
             return None
 
-    def _dispatch(
-        self,
-        updates: list[tuple[str, _Update]],
-    ) -> None:
+    def _dispatch(self, updates: list[tuple[str, _Update]]) -> None:
         now = time.monotonic()
         for rid, update in updates:
             stream = self._streams.get(rid)

@@ -57,7 +57,6 @@ struct Plan {
         split = first[rows] > rows && few_items(rows * kv_heads, threads);
         floats = state_floats;
     }
-    int rows() const { return int(first.size()) - 1; }
     int spans(int m) const { return first[m + 1] - first[m]; }
     int total() const { return first.back(); }
     int row_of(int j) const {  // the row whose span the step's span j is

@@ -179,7 +179,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sampled]:
     out = _with_logprobs(raw, tokens, rows)
     for i, usable in enumerate(torch.isfinite(best).tolist()):
         if not usable:
-            out[i].rejected = bool(torch.isfinite(raw[i]).all())
+            model = raw[i]  # the model's own logits, before the request's edits
+            faulty = bool((model.isnan() | model.isposinf()).any()) or not model.isfinite().any()
+            out[i].rejected = not faulty
             out[i].error = _unusable(logits[i], out[i].rejected)
     return out
 
