@@ -495,6 +495,61 @@ const float* rows_to_float(const C* src, float* dst, int n) {
 template <>
 const float* rows_to_float(const float* src, float*, int) { return src; }
 
+// A tile's rows' token positions (padding rows: the last row's), running maxima and sums.
+inline void tile_rows(int rows, int64_t first, vf* pos, vf* m, vf* l) {
+    for (int j = 0; j < RV; ++j) {
+        for (int i = 0; i < VW; ++i) {
+            const int r = j * VW + i < rows ? j * VW + i : rows - 1;  // padding: the last row
+            pos[j][i] = float(first + r / GROUP);
+        }
+        m[j] = vf{} - 3.0e38f;
+        l[j] = vf{};
+    }
+}
+
+// The causal mask over a page's n scores in w.st (keys from position start): a key after a
+// row's own position scores MASKED (nothing to do where every key is at or before `first`).
+inline void mask_later_keys(Scratch& w, int n, int64_t start, int64_t first, const vf* pos) {
+    if (start + n - 1 <= first) return;
+    for (int t = 0; t < n; ++t)
+        for (int j = 0; j < RV; ++j) {
+            vf s = load(&w.st[t][j * VW]);
+            store(&w.st[t][j * VW], float(start + t) > pos[j] ? vf{} + MASKED : s);
+        }
+}
+
+// The online softmax of rows j * VW .. across the lanes over a page's n scores in w.st:
+// they become e^(score - max), m and l are updated, and the factor that rescales what the
+// rows summed before is returned.
+inline vf lane_softmax(Scratch& w, int j, int n, vf& m, vf& l) {
+    vf mx = m;
+    for (int t = 0; t < n; ++t) {
+        vf s = load(&w.st[t][j * VW]);
+        mx = s > mx ? s : mx;
+    }
+    const vf corr = vexp(m - mx);
+    vf sum{};
+    for (int t = 0; t < n; ++t) {
+        vf e = vexp(load(&w.st[t][j * VW]) - mx);
+        store(&w.st[t][j * VW], e);
+        sum += e;
+    }
+    l = l * corr + sum;
+    m = mx;
+    return corr;
+}
+
+// The tile's outputs (w.ot, [dim][row]) transposed back into out, each row divided by its sum.
+template <typename T>
+void write_rows(Scratch& w, const vf* l, int rows, T* out, int64_t token_stride) {
+    for (int r = 0; r < rows; ++r) {
+        const float inv = 1.0f / l[r / VW][r % VW];
+        for (int d = 0; d < HEAD_DIM; ++d) w.row[d] = w.ot[d][r] * inv;
+        T* dst = out + (r / GROUP) * token_stride + (r % GROUP) * HEAD_DIM;
+        for (int d = 0; d < HEAD_DIM; d += VW) store(dst + d, load(w.row + d));
+    }
+}
+
 // Rows r = token * GROUP + g of `tokens` query tokens at positions first, first + 1, ...;
 // q and out point at the group's first query head of the tile's first token; consecutive
 // tokens are `token_stride` apart.
@@ -513,14 +568,7 @@ void prefill_tile(Scratch& w, const T* q, T* out, int64_t token_stride, int toke
         for (int r = 0; r < ROWS; ++r) w.ot[d][r] = 0.0f;
     }
     vf pos[RV], m[RV], l[RV];  // each row's token position, running max and sum
-    for (int j = 0; j < RV; ++j) {
-        for (int i = 0; i < VW; ++i) {
-            const int r = j * VW + i < rows ? j * VW + i : rows - 1;  // padding: the last row
-            pos[j][i] = float(first + r / GROUP);
-        }
-        m[j] = vf{} - 3.0e38f;
-        l[j] = vf{};
-    }
+    tile_rows(rows, first, pos, m, l);
     const int64_t last = first + tokens - 1;
     for (int64_t start = 0, p = 0; start <= last; start += page_size, ++p) {
         const int n = last + 1 - start < page_size ? int(last + 1 - start) : page_size;
@@ -545,27 +593,9 @@ void prefill_tile(Scratch& w, const T* q, T* out, int64_t token_stride, int toke
                 for (int j = 0; j < RV; ++j) acc[j] += keys[t * D + d] * load(&w.qt[d][j * VW]);
             for (int j = 0; j < RV; ++j) store(&w.st[t][j * VW], acc[j]);
         }
-        if (start + n - 1 > first)  // keys after some row's own position: causal mask
-            for (int t = 0; t < n; ++t)
-                for (int j = 0; j < RV; ++j) {
-                    vf s = load(&w.st[t][j * VW]);
-                    store(&w.st[t][j * VW], float(start + t) > pos[j] ? vf{} + MASKED : s);
-                }
+        mask_later_keys(w, n, start, first, pos);
         for (int j = 0; j < RV; ++j) {  // online softmax across the lanes
-            vf mx = m[j];
-            for (int t = 0; t < n; ++t) {
-                vf s = load(&w.st[t][j * VW]);
-                mx = s > mx ? s : mx;
-            }
-            const vf corr = vexp(m[j] - mx);
-            vf sum{};
-            for (int t = 0; t < n; ++t) {
-                vf e = vexp(load(&w.st[t][j * VW]) - mx);
-                store(&w.st[t][j * VW], e);
-                sum += e;
-            }
-            l[j] = l[j] * corr + sum;
-            m[j] = mx;
+            const vf corr = lane_softmax(w, j, n, m[j], l[j]);
             for (int d0 = 0; d0 < D; d0 += DB) {  // weighted values, DB dims at a time
                 vf acc[DB];
                 for (int i = 0; i < DB; ++i) acc[i] = load(&w.ot[d0 + i][j * VW]) * corr;
@@ -577,12 +607,7 @@ void prefill_tile(Scratch& w, const T* q, T* out, int64_t token_stride, int toke
             }
         }
     }
-    for (int r = 0; r < rows; ++r) {  // transpose the outputs back, normalised
-        const float inv = 1.0f / l[r / VW][r % VW];
-        for (int d = 0; d < D; ++d) w.row[d] = w.ot[d][r] * inv;
-        T* dst = out + (r / GROUP) * token_stride + (r % GROUP) * D;
-        for (int d = 0; d < D; d += VW) store(dst + d, load(w.row + d));
-    }
+    write_rows(w, l, rows, out, token_stride);
 }
 
 #if defined(__AVX512BF16__) && VW == 16
@@ -633,14 +658,7 @@ void prefill_pairs(Scratch& w, const uint16_t* q, uint16_t* out, int64_t token_s
     for (int d = 0; d < D; ++d)
         for (int r = 0; r < ROWS; ++r) w.ot[d][r] = 0.0f;
     vf pos[RV], m[RV], l[RV];
-    for (int j = 0; j < RV; ++j) {
-        for (int i = 0; i < VW; ++i) {
-            const int r = j * VW + i < rows ? j * VW + i : rows - 1;  // padding: the last row
-            pos[j][i] = float(first + r / GROUP);
-        }
-        m[j] = vf{} - 3.0e38f;
-        l[j] = vf{};
-    }
+    tile_rows(rows, first, pos, m, l);
     // the values' pairs: slot 2t's dims interleaved with slot 2t + 1's, in the dims' order
     const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,
                                             41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3,
@@ -671,12 +689,7 @@ void prefill_pairs(Scratch& w, const uint16_t* q, uint16_t* out, int64_t token_s
             for (int b = 0; b < KB && t + b < n; ++b)
                 for (int j = 0; j < RV; ++j) store(&w.st[t + b][j * VW], vf(acc[b][j]) * scale);
         }
-        if (start + n - 1 > first)  // keys after some row's own position: causal mask
-            for (int t = 0; t < n; ++t)
-                for (int j = 0; j < RV; ++j) {
-                    vf s = load(&w.st[t][j * VW]);
-                    store(&w.st[t][j * VW], float(start + t) > pos[j] ? vf{} + MASKED : s);
-                }
+        mask_later_keys(w, n, start, first, pos);
         const int np = (n + 1) / 2;  // pairs of keys (an odd last key paired with zeros)
         for (int tp = 0; tp < np; ++tp) {
             const bool whole = 2 * tp + 1 < n;
@@ -689,20 +702,7 @@ void prefill_pairs(Scratch& w, const uint16_t* q, uint16_t* out, int64_t token_s
             }
         }
         for (int j = 0; j < RV; ++j) {  // online softmax across the lanes
-            vf mx = m[j];
-            for (int t = 0; t < n; ++t) {
-                vf s = load(&w.st[t][j * VW]);
-                mx = s > mx ? s : mx;
-            }
-            const vf corr = vexp(m[j] - mx);
-            vf sum{};
-            for (int t = 0; t < n; ++t) {
-                vf e = vexp(load(&w.st[t][j * VW]) - mx);
-                store(&w.st[t][j * VW], e);
-                sum += e;
-            }
-            l[j] = l[j] * corr + sum;
-            m[j] = mx;
+            const vf corr = lane_softmax(w, j, n, m[j], l[j]);
             for (int tp = 0; tp < np; ++tp) {  // the probabilities as bf16 pairs, and remainders
                 const __m512 even = __m512(load(&w.st[2 * tp][j * VW]));
                 const __m512 odd =
@@ -736,12 +736,7 @@ void prefill_pairs(Scratch& w, const uint16_t* q, uint16_t* out, int64_t token_s
             }
         }
     }
-    for (int r = 0; r < rows; ++r) {  // transpose the outputs back, normalised
-        const float inv = 1.0f / l[r / VW][r % VW];
-        for (int d = 0; d < D; ++d) w.row[d] = w.ot[d][r] * inv;
-        uint16_t* dst = out + (r / GROUP) * token_stride + (r % GROUP) * D;
-        for (int d = 0; d < D; d += VW) store(dst + d, load(w.row + d));
-    }
+    write_rows(w, l, rows, out, token_stride);
 }
 #endif
 
