@@ -556,12 +556,14 @@ def test_stop_strings_kept_special_tokens_shown_and_prompts_truncated(live):
 
 def test_priority_orders_the_waiting_requests(model_dir):
     """One sequence at a time: behind a long request, a later request of lower priority value
-    runs before an earlier one of higher value."""
+    runs before an earlier one of higher value. Each waiting request decodes 24 tokens, so the
+    second finishes 24 steps after the first: its client's clock cannot see them swapped (with
+    2 tokens each, a loaded machine's threads once noted the two 0.3 ms out of order)."""
     with serving(tiny_llm(model_dir, max_num_seqs=1)) as server:
         finished: dict[str, float] = {}
 
         def run(name: str, priority: int) -> None:
-            body = {"prompt": [5, 6], "max_tokens": 2, "priority": priority}
+            body = {"prompt": [5, 6], "max_tokens": 24, "ignore_eos": True, "priority": priority}
             ok(server, "/v1/completions", body)
             finished[name] = time.monotonic()
 
