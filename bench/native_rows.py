@@ -57,11 +57,7 @@ def library(sources: Path, tag: str, group: int, head_dim: int, out: Path) -> ct
     """The decode step's library built from `sources` (the tag names it)."""
     from pypto_serving import native
 
-    defines = (f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}")
-    path = native._build(
-        (sources / "attention.cpp",), defines, f"bench-{tag}", out, None, (),
-        (sources / "decode.cpp",),
-    )  # fmt: skip
+    path = native.build(group, head_dim, out / tag, source_dir=sources)
     if path is None:
         raise SystemExit(f"the {tag} kernels did not build (see the log above)")
     lib = ctypes.CDLL(str(path))

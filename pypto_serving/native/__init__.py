@@ -83,14 +83,21 @@ def build(
     out_dir: Path,
     cxx: str | None = None,
     extra_flags: tuple[str, ...] = (),
+    source_dir: Path | None = None,
 ) -> Path | None:
     """The library for `group` query heads per KV head and `head_dim`, in `out_dir` (built now
     unless already there), or None when there is no compiler or the build fails (logged).
     extra_flags: appended to the compiler's (tests build the portable code paths with
-    `-mno-avx512vnni`)."""
+    `-mno-avx512vnni`). source_dir: a folder holding other versions of these sources (and
+    their headers), built instead (`bench/native_rows.py --against` builds a revision's)."""
     defines = (f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}")
     name = f"kernels-g{group}-d{head_dim}"
-    return _build(SOURCES, defines, name, out_dir, cxx, extra_flags, SHAPE_FREE_SOURCES)
+    sources: tuple[Path, ...] = SOURCES
+    shape_free: tuple[Path, ...] = SHAPE_FREE_SOURCES
+    if source_dir is not None:
+        sources = tuple(source_dir / s.name for s in sources)
+        shape_free = tuple(source_dir / s.name for s in shape_free)
+    return _build(sources, defines, name, out_dir, cxx, extra_flags, shape_free)
 
 
 def build_gemm(

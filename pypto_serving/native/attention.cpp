@@ -408,16 +408,16 @@ void decode(const T* q, const C* k, const C* v, const int64_t* block_table,
     constexpr int NV = HEAD_DIM / VW;
     spans::Plan plan;
     plan.plan(ctx_lens, batch, kv_heads, page_size, omp_get_max_threads(), PART);
-    std::vector<float> states(plan.state_floats(kv_heads));
+    std::vector<float> states(plan.state_floats());
     auto at = [&](int b, int h) { return (int64_t(b) * heads + int64_t(h) * GROUP) * HEAD_DIM; };
     auto span = [&](int b, int h, int j) {
         decode_span<T, C, GROUP, NV>(q + at(b, h), k + h * head_stride, v + h * head_stride,
                                      block_table + int64_t(b) * width, ctx_lens[b],
                                      plan.from(b, j), plan.end(b, j), page_size, scale,
-                                     &states[plan.state(b, h, kv_heads) + j * PART]);
+                                     &states[plan.state(b, h) + j * PART]);
     };
     auto merge = [&](int b, int h) {
-        merge_spans<T, C, GROUP, NV>(&states[plan.state(b, h, kv_heads)], plan.spans(b),
+        merge_spans<T, C, GROUP, NV>(&states[plan.state(b, h)], plan.spans(b),
                                      out + at(b, h));
     };
 #pragma omp parallel

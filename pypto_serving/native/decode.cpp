@@ -181,13 +181,13 @@ void attend_span(const Model& md, const Layer& ly, const Step& s, int m, int j, 
                                 head_cache(md, ly.k_cache, kvh), head_cache(md, ly.v_cache, kvh),
                                 s.block_table + int64_t(m) * s.width, s.ctx_lens[m], p.from(m, j),
                                 p.end(m, j), md.page_size, 1.0f / std::sqrt(float(dim)),
-                                &w.states[p.state(m, kvh, md.kv_heads) + j * p.floats]);
+                                &w.states[p.state(m, kvh) + j * p.floats]);
 }
 
 // Row m's attention output for KV head kvh's query heads: its spans' states merged.
 void merge_head(const Model& md, int m, int kvh, Scratch& w) {
     const int dim = md.head_dim, group = md.heads / md.kv_heads;
-    pypto_decode_attention_merge(md.kv_int8, &w.states[w.spans.state(m, kvh, md.kv_heads)],
+    pypto_decode_attention_merge(md.kv_int8, &w.states[w.spans.state(m, kvh)],
                                  w.spans.spans(m),
                                  &w.attn[(int64_t(m) * md.heads + kvh * group) * dim]);
 }
@@ -316,7 +316,7 @@ extern "C" int pypto_decode_step(const Model* model, const Step* step) {
             w.shared = s.block_table[int64_t(m) * s.width] == s.block_table[int64_t(j) * s.width];
     w.spans.plan(s.ctx_lens, rows, md.kv_heads, md.page_size, s.threads,
                  size_t(pypto_decode_part_floats()));
-    w.states.resize(w.spans.state_floats(md.kv_heads));
+    w.states.resize(w.spans.state_floats());
     if (md.world > 1) reduce_into_x(md, s, rows, w);  // x is zero: the summed embedding
     w.qx.resize(rows, hidden);
     w.qa.resize(rows, md.heads * md.head_dim);

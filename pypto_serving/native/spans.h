@@ -39,10 +39,11 @@ inline bool few_items(int pairs, int threads) {
 struct Plan {
     std::vector<int> first, each, pages;
     bool split = false;
+    int kv_heads = 0;
     size_t floats = 0;
 
-    void plan(const int64_t* ctx_lens, int rows, int kv_heads, int page_size, int threads,
-              size_t state_floats) {
+    void plan(const int64_t* ctx_lens, int rows, int heads, int page_size, int threads,
+              size_t part_floats) {
         first.assign(rows + 1, 0);
         each.resize(rows);
         pages.resize(rows);
@@ -54,8 +55,9 @@ struct Plan {
             pages[m] = int(n);
             first[m + 1] = first[m] + int((n + each[m] - 1) / each[m]);
         }
-        split = first[rows] > rows && few_items(rows * kv_heads, threads);
-        floats = state_floats;
+        split = first[rows] > rows && few_items(rows * heads, threads);
+        kv_heads = heads;
+        floats = part_floats;
     }
     int spans(int m) const { return first[m + 1] - first[m]; }
     int total() const { return first.back(); }
@@ -66,10 +68,10 @@ struct Plan {
     int from(int m, int j) const { return j * each[m]; }
     int end(int m, int j) const { return std::min((j + 1) * each[m], pages[m]); }
     // where row m's states for KV head kvh begin (its spans' follow each other)
-    size_t state(int m, int kvh, int kv_heads) const {
+    size_t state(int m, int kvh) const {
         return (size_t(first[m]) * kv_heads + size_t(kvh) * spans(m)) * floats;
     }
-    size_t state_floats(int kv_heads) const { return size_t(total()) * kv_heads * floats; }
+    size_t state_floats() const { return size_t(total()) * kv_heads * floats; }
 };
 
 }  // namespace spans
