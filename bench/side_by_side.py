@@ -275,14 +275,19 @@ def model_label(args: argparse.Namespace) -> str | None:
 
 def model_files(args: argparse.Namespace) -> tuple[Path, Path | None]:
     """The model's HF directory and GGUF file (None: none) as --shape, --model or the default
-    say; the HF directory of a GGUF-only --model is its conversion (what we serve)."""
+    say; the HF directory of a GGUF-only --model is its conversion (what we serve). A GGUF
+    file is converted here, once, so that no measured run of ours includes the conversion
+    (its time and its memory: 4.5 GiB at the 1B shape)."""
     from pypto_serving.models.default_model import find_default_gguf, resolve_model_path
 
     if args.shape:
         sys.path.insert(0, str(Path(__file__).parent))
         from real_shapes import checkpoint
 
-        return checkpoint(args.shape, args.gguf_type)
+        model_dir, gguf_file = checkpoint(args.shape, args.gguf_type)
+        if gguf_file is not None:
+            resolve_model_path(str(gguf_file))  # ours serves the GGUF: its conversion, kept
+        return model_dir, gguf_file
     if args.model is not None:
         if args.model.suffix == ".gguf":
             return resolve_model_path(str(args.model)), args.model

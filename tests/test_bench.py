@@ -116,3 +116,33 @@ def test_random_prompts_are_reproducible_and_avoid_special_tokens(tiny_model):
     a = random_prompts(vocab, 3, 10, seed=7)
     assert a == random_prompts(vocab, 3, 10, seed=7) != random_prompts(vocab, 3, 10, seed=8)
     assert [len(p) for p in a] == [10, 10, 10]
+
+
+PROBE = """
+import resource
+from pypto_serving.bench import peak_rss_mib
+print(peak_rss_mib(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+PARENT = """
+import subprocess, sys
+held = bytearray(1536 << 20)  # 1.5 GiB, touched
+del held
+run = subprocess.run([sys.executable, "-c", sys.argv[1]], capture_output=True, text=True)
+sys.stdout.write(run.stdout + run.stderr)
+"""
+
+
+def test_peak_rss_is_the_process_own_not_a_parents_before_exec():
+    """A bench run started by a process that once held much more (side_by_side.py after
+    converting a GGUF file) reports its own peak: getrusage's ru_maxrss carries the parent's
+    over fork and exec, VmHWM does not."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", PARENT, PROBE], capture_output=True, text=True, check=True
+    ).stdout
+    own, rusage = map(float, out.split())
+    assert rusage > 1536  # the quirk the bench steps around
+    assert 10 < own < 1200, own  # the interpreter with torch imported, not the parent's 1.5 GiB

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pypto_serving.engine.process import peak_rss_mib as process_peak_rss_mib
+
 if TYPE_CHECKING:
     from pypto_serving.engine.llm import LLM
 
@@ -85,9 +87,9 @@ def engine_info(llm: LLM) -> dict[str, Any]:
 
 
 def peak_rss_mib(llm: LLM | None = None) -> float:
-    """Peak resident memory so far, in MiB (Linux reports KiB): this process's, plus each
-    data-parallel replica's when `llm` has replicas."""
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident memory so far, in MiB: this process's (`process.peak_rss_mib`; getrusage's
+    where /proc cannot say), plus each data-parallel replica's when `llm` has replicas."""
+    own = process_peak_rss_mib() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     replicas = getattr(llm.engine, "replicas", []) if llm is not None else []
     return own + sum(r.peak_rss_mib() for r in replicas)
 

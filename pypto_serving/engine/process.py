@@ -67,6 +67,21 @@ class StartupDeadline:
         )
 
 
+def peak_rss_mib(pid: int | None = None) -> float:
+    """Process `pid`'s (None: this one's) peak resident memory so far, from Linux's VmHWM: its
+    own address space's, where getrusage's ru_maxrss also counts a parent's peak from before an
+    exec (a bench run forked by a script that had converted a model read 4.5 GiB so); 0 where
+    the process is gone."""
+    try:
+        status = Path(f"/proc/{pid or 'self'}/status").read_text()
+    except OSError:
+        return 0.0
+    kib = next(
+        (int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0
+    )
+    return kib / 1024
+
+
 def describe(e: BaseException) -> str:
     return str(e) if isinstance(e, PyptoError) else f"{type(e).__name__}: {e}"
 
@@ -116,14 +131,7 @@ class ChildProcess:
 
     def peak_rss_mib(self) -> float:
         """The child's peak resident memory so far (Linux: VmHWM), 0 once it is gone."""
-        try:
-            status = Path(f"/proc/{self.pid}/status").read_text()
-        except OSError:
-            return 0.0
-        kib = next(
-            (int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0
-        )
-        return kib / 1024
+        return peak_rss_mib(self.pid)
 
     def exit_code(self, timeout: float = 5.0) -> int | None:
         with contextlib.suppress(subprocess.TimeoutExpired):
